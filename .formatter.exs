@@ -1,0 +1,3 @@
+[
+  inputs: ["{mix,.formatter}.exs", "elixir/{lib,test}/**/*.{ex,exs}"]
+]

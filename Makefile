@@ -1,0 +1,47 @@
+# vllm_bridge: every target does its own set-up, so a fresh clone needs only
+#   make test      (or make demo, make bench)
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+export MIX_HOME ?= $(CURDIR)/_build/mix_home
+export VLLM_BRIDGE_PYTHON ?= $(CURDIR)/.venv/bin/python
+
+.PHONY: setup test test-python test-elixir lint codegen demo bench
+
+# Idempotent: installs only what is missing.
+setup: .setup-stamp
+	@mix compile >/dev/null
+
+.setup-stamp: pyproject.toml mix.exs
+	@command -v mix >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y elixir erlang-dev; }
+	@test -x $(PY) || python3 -m venv .venv
+	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	@touch $@
+
+test: setup lint
+	$(PY) -m bridge_py.codegen --check
+	$(MAKE) test-python
+	$(MAKE) test-elixir
+
+test-python:
+	$(PY) -m pytest -q
+
+test-elixir:
+	MIX_ENV=test mix compile --warnings-as-errors --force
+	MIX_ENV=test mix test
+
+lint:
+	$(PY) -m ruff check bridge_py tests bench
+	$(PY) -m ruff format --check bridge_py tests bench
+	mix format --check-formatted
+
+# Regenerate the checked-in Elixir modules from the export table.
+codegen: setup
+	$(PY) -m bridge_py.codegen
+
+demo: setup
+	mix vllm_bridge.demo
+
+bench: setup
+	@echo "no benchmarks yet"
