@@ -1,0 +1,194 @@
+"""Open (rank 0: serve) or join the TCPStore behind a group, with errors that say what went wrong.
+
+Every group in this package talks through one ``torch.distributed.TCPStore``. Rank 0 serves
+it on a socket it binds itself (so the store listens only on the interface it was given, and
+"address in use" is reported as such), the other ranks connect to it. torch's own errors for
+these cases are generic timeouts; the functions here turn them into messages naming the
+address, the rank and the time waited, chained (``raise ... from``) to the original error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import os
+import socket
+import time
+
+from torch.distributed import TCPStore
+
+from bridge_py.distributed.waiting import BoundedWaiter
+
+__all__ = [
+    "StoreError",
+    "bind_listen_socket",
+    "format_address",
+    "join_group",
+    "open_store",
+    "remaining",
+]
+
+
+class StoreError(RuntimeError):
+    """The store of a group could not be served, reached or joined."""
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with brackets around IPv6 literals (``[::1]:29500``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The address family and socket address of ``host`` (IPv4 or IPv6, first answer wins)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise StoreError(f"cannot resolve the store host {host!r}: {exc.strerror}") from exc
+    family, _type, _proto, _name, sockaddr = infos[0]
+    return family, sockaddr
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` only and listening, for rank 0's store server.
+
+    ``SO_REUSEADDR`` lets a port left in TIME_WAIT by an earlier group be reused; Linux still
+    refuses a port that another socket is listening on, which is reported as "in use".
+    """
+    family, sockaddr = _resolve(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            sock.close()
+        address = format_address(host, port)
+        if exc.errno == errno.EADDRINUSE:
+            raise StoreError(f"cannot serve the store: {address} is already in use") from exc
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise StoreError(
+                f"cannot serve the store on {address}: {host} is not an address of this machine"
+            ) from exc
+        raise StoreError(f"cannot serve the store on {address}: {exc.strerror or exc}") from exc
+    return sock
+
+
+def _adopt_listen_socket(sock: socket.socket, port: int) -> int:
+    """Check a caller's socket for rank 0, make it listen, and return its port."""
+    if sock.type != socket.SOCK_STREAM:
+        raise ValueError("listen_socket must be a TCP (SOCK_STREAM) socket")
+    bound_port = sock.getsockname()[1]
+    if bound_port == 0:
+        raise ValueError("listen_socket must already be bound (bind it to (host, 0) for any port)")
+    if port not in (0, bound_port):
+        raise ValueError(f"port={port} but listen_socket is bound to port {bound_port}")
+    sock.listen()  # a no-op apart from the backlog when it already listens
+    return bound_port
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_store(
+    host: str,
+    port: int,
+    rank: int,
+    timeout: float,
+    *,
+    listen_socket: socket.socket | None = None,
+) -> tuple[TCPStore, socket.socket | None]:
+    """Serve (rank 0) or connect to (other ranks) the store at ``host:port``.
+
+    Returns the store and, on rank 0, the listening socket (``listen_socket`` itself when
+    given). The store server receives a duplicate of the socket's descriptor because it closes
+    the descriptor it serves on when it is destroyed; the returned socket stays the caller's
+    to close. ``timeout`` (seconds) bounds connecting and is the store's default timeout for
+    blocking operations.
+    """
+    if timeout <= 0:
+        raise ValueError(f"store timeout must be positive, got {timeout}")
+    delta = datetime.timedelta(seconds=timeout)
+    address = format_address(host, port)
+    if rank != 0:
+        if listen_socket is not None:
+            raise ValueError("listen_socket is only used by rank 0, which serves the store")
+        _resolve(host, port)  # an unknown host fails now, with its own message
+        try:
+            store = TCPStore(host, port, None, False, timeout=delta)
+        except RuntimeError as exc:
+            raise StoreError(
+                f"rank {rank} could not reach the store at {address} within {timeout:g} s "
+                f"(is rank 0 serving it there?): {_first_line(exc)}"
+            ) from exc
+        return store, None
+
+    owned = listen_socket is None
+    sock = bind_listen_socket(host, port) if listen_socket is None else listen_socket
+    try:
+        port = _adopt_listen_socket(sock, port)
+        address = format_address(host, port)
+        served_fd = os.dup(sock.fileno())
+    except BaseException:
+        if owned:
+            with contextlib.suppress(OSError):
+                sock.close()
+        raise
+    try:
+        store = TCPStore(
+            host,
+            port,
+            None,
+            True,
+            timeout=delta,
+            wait_for_workers=False,
+            master_listen_fd=served_fd,
+        )
+    except RuntimeError as exc:
+        with contextlib.suppress(OSError):
+            os.close(served_fd)
+        if owned:
+            with contextlib.suppress(OSError):
+                sock.close()
+        raise StoreError(
+            f"rank 0 could not serve the store on {address}: {_first_line(exc)}"
+        ) from exc
+    return store, sock
+
+
+_JOIN_COUNT = "join/count"
+_JOIN_DONE = "join/done"
+
+
+def join_group(store: TCPStore, rank: int, world_size: int, address: str, timeout: float) -> None:
+    """Return once all ``world_size`` ranks have joined the store, or raise ``StoreError``.
+
+    Each rank adds one to a counter; the rank that brings it to ``world_size`` sets a "done"
+    key that everyone waits for (on a separate connection, with a deadline, see
+    :class:`BoundedWaiter`). These two keys stay in the store for the group's life: a rank
+    that joins late must still find them.
+    """
+    joined = store.add(_JOIN_COUNT, 1)
+    if joined > world_size:
+        raise StoreError(
+            f"rank {rank} is rank number {joined} to join {address}, but world_size is "
+            f"{world_size}: another group uses this address, or ranks disagree on world_size"
+        )
+    if joined == world_size:
+        store.set(_JOIN_DONE, b"1")
+        return
+    if BoundedWaiter(store).wait([_JOIN_DONE], timeout):
+        return
+    seen = store.add(_JOIN_COUNT, 0)
+    raise StoreError(
+        f"{seen} of {world_size} ranks joined {address} within {timeout:g} s "
+        f"(rank {rank} gave up waiting for the others)"
+    )
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), at least 1 ms."""
+    return max(deadline - time.monotonic(), 0.001)

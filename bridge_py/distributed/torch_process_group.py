@@ -1,0 +1,136 @@
+"""A real torch ProcessGroup (gloo, or nccl on CUDA) that leaves torch.distributed's globals alone.
+
+``torch.distributed.init_process_group`` can be called once per process and registers a
+global default group. Here the group is assembled from its parts instead: the same store as
+StatelessProcessGroup (rank 0 serves it on the given interface, all ranks join it with clear
+errors), a ``ProcessGroup`` object, and one backend registered on it for its device. The
+result supports collectives called on the object itself (``pg.allreduce([t]).wait()``,
+``pg.broadcast``, ``pg.allgather``, ...) with group ranks; it is not known to the
+``torch.distributed.*`` free functions, and ``torch.distributed.is_initialized()`` stays False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import time
+import traceback
+
+import torch
+from torch.distributed import Backend, PrefixStore, ProcessGroup
+from torch.distributed.distributed_c10d import _get_default_timeout, is_nccl_available
+
+from bridge_py.distributed.stateless_process_group import validate_rank
+from bridge_py.distributed.store import format_address, join_group, open_store, remaining
+
+__all__ = [
+    "stateless_destroy_torch_distributed_process_group",
+    "stateless_init_torch_distributed_process_group",
+]
+
+
+def _as_timedelta(
+    timeout: datetime.timedelta | float | None, backend: Backend
+) -> datetime.timedelta:
+    if timeout is None:
+        return _get_default_timeout(backend)
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
+
+
+def _make_backend(
+    backend: Backend, store: PrefixStore, rank: int, world_size: int, timeout: datetime.timedelta
+) -> tuple[torch._C._distributed_c10d.Backend, ProcessGroup.BackendType, torch.device]:
+    """The backend object for ``backend``, its type tag and the device it serves."""
+    if backend == Backend.GLOO:
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        gloo = ProcessGroupGloo(store, rank, world_size, timeout)
+        return gloo, ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    if backend == Backend.NCCL:
+        if not (torch.cuda.is_available() and is_nccl_available()):
+            raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL")
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        nccl = ProcessGroupNCCL(store, rank, world_size, options)
+        return nccl, ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    raise ValueError(f"unsupported backend {str(backend)!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+
+
+def stateless_init_torch_distributed_process_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    *,
+    timeout: datetime.timedelta | float | None = None,
+    listen_socket: socket.socket | None = None,
+) -> ProcessGroup:
+    """A replacement for `torch.distributed.init_process_group` that does not
+    pollute the global state.
+
+    The created ProcessGroup object can be used for operations called on it, such as
+    ``pg.allreduce([tensor]).wait()``, with ranks of this group. Rank 0 serves the group's
+    store on ``host:port`` (or on ``listen_socket``, already bound); every rank returns once
+    all ``world_size`` ranks have joined, or raises ``StoreError`` (a RuntimeError) saying
+    why not. ``timeout`` (a timedelta or seconds; torch's default for the backend when None)
+    bounds joining and every collective. Release the group with
+    :func:`stateless_destroy_torch_distributed_process_group`.
+    """
+    validate_rank(rank, world_size)
+    backend_name = Backend(backend)
+    delta = _as_timedelta(timeout, backend_name)
+    seconds = delta.total_seconds()
+    deadline = time.monotonic() + seconds
+    store, sock = open_store(host, port, rank, seconds, listen_socket=listen_socket)
+    try:
+        address = format_address(host, sock.getsockname()[1] if sock is not None else port)
+        join_group(store, rank, world_size, address, remaining(deadline))
+        # The backend's keys get their own prefix, apart from the join keys.
+        prefix_store = PrefixStore("pg/", store)
+        pg = ProcessGroup(prefix_store, rank, world_size)
+        backend_obj, backend_type, device = _make_backend(
+            backend_name, prefix_store, rank, world_size, delta
+        )
+        pg._set_default_backend(backend_type)
+        backend_obj._set_sequence_number_for_group()
+        pg._register_backend(device, backend_type, backend_obj)
+    except BaseException as exc:
+        # Let rank 0's store server stop now rather than when the traceback is collected.
+        del store
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        # The store server serves a duplicate descriptor and the group holds the store, so
+        # our socket is no longer needed (a caller's listen_socket stays the caller's).
+        if listen_socket is None and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+    return pg
+
+
+def stateless_destroy_torch_distributed_process_group(pg: ProcessGroup) -> None:
+    """Destroy ProcessGroup returned by
+    stateless_init_torch_distributed_process_group().
+
+    Shuts its backend down; the store (rank 0: its server) goes when the last reference to
+    ``pg`` does.
+    """
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # torch < 2.7
+        from torch.distributed.distributed_c10d import _shutdown_backend
+
+        _shutdown_backend(pg)
+    if pg.group_name:  # only groups registered by name are in torch's registry
+        from torch.distributed.distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(pg.group_name)

@@ -1,0 +1,112 @@
+"""Run N real processes for one test, with a hard deadline, and report their failures.
+
+``run_ranks(target, world_size, *args)`` starts ``target(rank, *args)`` in one fresh process
+per rank and returns their results in rank order. If a rank raises, the others are killed
+and the test fails with that rank's traceback; if the deadline passes or a rank dies without
+a result, every child still running is killed and the test fails naming the missing ranks.
+No child outlives the call.
+
+Processes come from a ``forkserver`` (on Linux) that has imported torch once: each child is a
+fresh fork of that clean, single-threaded server, so it starts in milliseconds instead of
+re-importing torch for seconds, yet shares no state with the pytest process (as with
+``spawn``, which is used where forkserver is unavailable). ``target`` and its arguments
+must be picklable: module-level functions of a test module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["free_port", "run_ranks"]
+
+_PRELOAD = ["torch.distributed", "bridge_py.distributed"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, then release it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _child(target: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:
+    try:
+        value = target(rank, *args)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    else:
+        results.put((rank, True, value))
+
+
+def _stop(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(5)
+
+
+def run_ranks(
+    target: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    ranks: Sequence[int] | None = None,
+) -> list[Any]:
+    """Run ``target(rank, *args)`` for each rank (default: all of ``world_size``) in parallel.
+
+    Returns the results in the order of ``ranks``. Raises AssertionError with the child's
+    traceback when a rank raises, or naming the missing ranks after ``timeout`` seconds.
+    """
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
+    ctx = _context()
+    results = ctx.Queue()
+    procs = {
+        rank: ctx.Process(target=_child, args=(target, rank, args, results), daemon=True)
+        for rank in ranks
+    }
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs.values():
+            proc.start()
+        while len(done) < len(procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(procs) - set(done))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout:g} s")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                exited = [r for r, p in procs.items() if r not in done and p.exitcode is not None]
+                if not exited:
+                    continue
+                try:  # a result written just before exiting may still be in the pipe
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    codes = {r: procs[r].exitcode for r in exited}
+                    raise AssertionError(f"ranks exited without a result: {codes}") from None
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            done[rank] = value
+    finally:
+        _stop(list(procs.values()))
+        with contextlib.suppress(Exception):
+            results.close()
+    return [done[rank] for rank in ranks]

@@ -1,0 +1,261 @@
+"""Every documented StatelessProcessGroup operation, numerically, across real processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import pytest
+import torch
+from torch.distributed import HashStore
+
+from bridge_py.distributed import StatelessProcessGroup
+from tests.distributed.harness import free_port, run_ranks
+
+BIG = bytes(range(256)) * (4 * 1024 * 1024 // 256)  # 4 MiB
+OBJECTS = [
+    0,
+    -(2**70),
+    3.5,
+    "héllo",
+    b"\x00\xff",
+    None,
+    True,
+    [1, [2, 3]],
+    (4, "five"),
+    {"a": 1, 2: [3.0]},
+    {1, 2},
+    torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    BIG,
+]
+
+
+def _create(rank: int, port: int, world_size: int, **kwargs: object) -> StatelessProcessGroup:
+    return StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, **kwargs)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def _send_recv(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2, store_timeout=30)
+    peer = 1 - rank
+    if rank == 0:
+        for obj in OBJECTS:
+            group.send_obj(obj, dst=peer)
+        echoed = [group.recv_obj(src=peer) for _ in OBJECTS]
+    else:
+        echoed = [group.recv_obj(src=peer) for _ in OBJECTS]
+        for obj in echoed:
+            group.send_obj(obj, dst=peer)
+    group.barrier()
+    return {
+        "same": [_same(a, b) for a, b in zip(OBJECTS, echoed, strict=True)],
+        "send": group.send_dst_counter,
+        "recv": group.recv_src_counter,
+        "keys": group.store.num_keys() if rank == 0 else None,
+    }
+
+
+def test_send_recv_objects_of_several_types() -> None:
+    results = run_ranks(_send_recv, 2, free_port())
+    n = len(OBJECTS)
+    for rank, result in enumerate(results):
+        assert all(result["same"]), result["same"]
+        assert result["send"] == {rank: 0, 1 - rank: n}
+        assert result["recv"] == {rank: 0, 1 - rank: n}
+    # Only the two join keys remain: every object was deleted once received.
+    assert results[0]["keys"] == 2
+
+
+def _two_senders(rank: int, port: int) -> list | None:
+    group = _create(rank, port, 3, store_timeout=30)
+    if rank == 0:
+        group.barrier()  # both senders have sent everything before anything is read
+        from_2 = [group.recv_obj(src=2) for _ in range(5)]
+        from_1 = [group.recv_obj(src=1) for _ in range(5)]
+        return [from_1, from_2]
+    for i in range(5):
+        group.send_obj((rank, i), dst=0)
+    group.barrier()
+    return None
+
+
+def test_two_senders_to_one_receiver_do_not_collide() -> None:
+    from_1, from_2 = run_ranks(_two_senders, 3, free_port())[0]
+    assert from_1 == [(1, i) for i in range(5)]
+    assert from_2 == [(2, i) for i in range(5)]
+
+
+def _broadcast_each(rank: int, port: int) -> dict:
+    group = _create(rank, port, 3, store_timeout=30)
+    received = []
+    for round_ in range(2):
+        for src in range(3):
+            mine = {"src": src, "round": round_, "data": [src * 10 + round_] * 3}
+            received.append(group.broadcast_obj(mine if rank == src else None, src=src))
+    group.barrier()
+    return {
+        "received": received,
+        "send": group.broadcast_send_counter,
+        "recv": group.broadcast_recv_src_counter,
+        "keys": group.store.num_keys(),
+    }
+
+
+def test_broadcast_from_each_src() -> None:
+    results = run_ranks(_broadcast_each, 3, free_port())
+    expected = [
+        {"src": src, "round": r, "data": [src * 10 + r] * 3} for r in range(2) for src in range(3)
+    ]
+    for rank, result in enumerate(results):
+        assert result["received"] == expected
+        assert result["send"] == 2
+        assert result["recv"] == {src: 0 if src == rank else 2 for src in range(3)}
+    assert results[0]["keys"] == 2
+
+
+def _all_gather(rank: int, port: int) -> dict:
+    group = _create(rank, port, 4, store_timeout=30)
+    first = group.all_gather_obj(rank * rank)
+    second = group.all_gather_obj({"rank": rank, "t": torch.full((2,), float(rank))})
+    group.barrier()
+    return {
+        "first": first,
+        "second": [(d["rank"], d["t"].tolist()) for d in second],
+        "send": group.broadcast_send_counter,
+        "recv": group.broadcast_recv_src_counter,
+        "keys": group.store.num_keys(),
+    }
+
+
+def test_all_gather_obj_returns_rank_order() -> None:
+    results = run_ranks(_all_gather, 4, free_port())
+    for rank, result in enumerate(results):
+        assert result["first"] == [0, 1, 4, 9]
+        assert result["second"] == [(r, [float(r)] * 2) for r in range(4)]
+        # Like vLLM: an all_gather is one broadcast from every rank.
+        assert result["send"] == 2
+        assert result["recv"] == {src: 0 if src == rank else 2 for src in range(4)}
+    assert results[0]["keys"] == 2
+
+
+def _barrier_sync(rank: int, port: int) -> tuple[float, float]:
+    group = _create(rank, port, 3, store_timeout=30)
+    if rank == 2:
+        time.sleep(0.5)
+    entered = time.time()
+    group.barrier(timeout=10)
+    left = time.time()
+    group.barrier(timeout=10)
+    return entered, left
+
+
+def test_barrier_waits_for_the_last_rank() -> None:
+    times = run_ranks(_barrier_sync, 3, free_port())
+    last_entry = max(entered for entered, _ in times)
+    assert all(left >= last_entry for _, left in times)
+
+
+def _data_keys(group: StatelessProcessGroup) -> list[str]:
+    """The store's keys, but those of a barrier another rank may already have entered."""
+    return sorted(k for k in group.store.list_keys() if not k.startswith("barrier/"))
+
+
+def _expire(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2, data_expiration_seconds=1, store_timeout=30)
+    written = []
+    if rank == 0:
+        for i in range(3):
+            group.send_obj(i, dst=1)  # never received
+        group.broadcast_obj("b", src=0)  # received, so already deleted by rank 1
+        written = [key for key, _ in group.entries]
+    else:
+        group.broadcast_obj(None, src=0)
+    group.barrier()
+    before = _data_keys(group)
+    if rank == 0:
+        time.sleep(1.5)
+        group.expire_data()
+    group.barrier()
+    return {
+        "written": written,
+        "before": before,
+        "after": _data_keys(group),
+        "entries": len(group.entries),
+    }
+
+
+def test_expire_data_deletes_old_keys() -> None:
+    results = run_ranks(_expire, 2, free_port())
+    assert len(results[0]["written"]) == 5  # 3 sends, a broadcast value and its ack counter
+    join_keys = ["join/count", "join/done"]
+    unreceived = [f"p2p/0/1/{i}" for i in range(3)]
+    for result in results:
+        assert result["before"] == join_keys + unreceived
+        assert result["after"] == join_keys
+    assert results[0]["entries"] == 0
+
+
+def test_fields_and_post_init() -> None:
+    names = [f.name for f in dataclasses.fields(StatelessProcessGroup)]
+    assert names == [
+        "rank",
+        "world_size",
+        "store",
+        "socket",
+        "data_expiration_seconds",
+        "send_dst_counter",
+        "recv_src_counter",
+        "broadcast_send_counter",
+        "broadcast_recv_src_counter",
+        "entries",
+    ]
+    group = StatelessProcessGroup(rank=1, world_size=3, store=HashStore(), socket=None)
+    assert group.send_dst_counter == {0: 0, 1: 0, 2: 0}
+    assert group.recv_src_counter == {0: 0, 1: 0, 2: 0}
+    assert group.broadcast_recv_src_counter == {0: 0, 1: 0, 2: 0}
+    assert group.broadcast_send_counter == 0
+    assert group.data_expiration_seconds == 3600
+    assert group.entries == deque()
+    for rank, world_size in [(3, 3), (-1, 3), (0, 0)]:
+        with pytest.raises(ValueError):
+            StatelessProcessGroup(rank=rank, world_size=world_size, store=HashStore(), socket=None)
+    with pytest.raises(TypeError):
+        StatelessProcessGroup(rank="0", world_size=2, store=HashStore(), socket=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dst"):
+        group.send_obj(1, dst=3)
+
+
+def test_docstrings_follow_the_documented_summaries() -> None:
+    summaries = {
+        "all_gather_obj": "All gather an object from all ranks.",
+        "barrier": "A robust barrier to synchronize all ranks.",
+        "broadcast_obj": "Broadcast an object from a source rank to all other ranks.",
+        "create": "A replacement for `torch.distributed.init_process_group` that does not",
+        "expire_data": "Expire data that is older than data_expiration_seconds seconds.",
+        "recv_obj": "Receive an object from a source rank.",
+        "send_obj": "Send an object to a destination rank.",
+    }
+    for name, summary in summaries.items():
+        doc = getattr(StatelessProcessGroup, name).__doc__
+        assert doc.strip().splitlines()[0] == summary, name
+    barrier_doc = StatelessProcessGroup.barrier.__doc__
+    assert "timeout: Maximum time in seconds to wait for each phase" in barrier_doc
+    for phase in ("1. Each process", "2. Each process", "3. Rank 0 waits"):
+        assert phase in barrier_doc
+
+
+def test_single_rank_group_in_process() -> None:
+    group = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=5)
+    assert group.socket is not None
+    assert group.all_gather_obj("x") == ["x"]
+    assert group.broadcast_obj(7, src=0) == 7
+    group.send_obj("self", dst=0)
+    assert group.recv_obj(src=0) == "self"
+    group.barrier(timeout=1)
+    assert group.store.num_keys() == 2
