@@ -1,0 +1,425 @@
+defmodule VllmBridge.Msgpack do
+  @moduledoc """
+  The value codec of the bridge: canonical msgpack with four extension types.
+
+  Arguments, keyword arguments and results travel as msgpack *inside* the
+  protobuf envelope (`VllmBridge.Proto`). The encoding is canonical, the same
+  bytes `msgpack-python` writes with `use_bin_type=True`, so both sides of the
+  bridge agree byte for byte (the shared vectors in `tests/vectors/` check it):
+
+  | Elixir | msgpack |
+  |---|---|
+  | `nil`, `true`, `false` | nil, true, false |
+  | integer | the smallest int form; outside the 64-bit range: an `:encode` error |
+  | float | always float64 |
+  | binary that is valid UTF-8 | str (the smallest form) |
+  | any other binary | bin |
+  | list | array |
+  | map (entries in the map's iteration order) | map |
+  | other atom | extension 3 (the atom's name) |
+  | tuple | extension 4 (a msgpack array of the elements) |
+  | `%VllmBridge.Tensor{}` | extension 1 (kind, bits, shape, raw data) |
+  | `%VllmBridge.Ref{}` | extension 2 (handle id, class name) |
+
+  Pids, ports, references, functions, bitstrings that are not binaries,
+  improper lists and structs other than the two above cannot be encoded: the
+  result is `{:error, %VllmBridge.Error{category: :encode}}` naming the term.
+
+  ## Large values are not copied
+
+  `encode/1` returns iodata. A binary longer than 64 bytes, and the data of a
+  tensor, is placed in that iodata as the very binary you passed in (a
+  reference to the same off-heap bytes), so encoding a 64 MiB tensor allocates
+  a few bytes of header, not 64 MiB. `decode/2` likewise returns str, bin and
+  tensor data as sub-binaries of its input: they keep the input alive, so use
+  `:binary.copy/1` on a small piece you keep for long from a large reply.
+
+  ## Decoding atoms
+
+  An atom arrives as its name. `decode/2` returns the existing atom of that
+  name, and **the name as a binary when no such atom exists**: atoms are never
+  created from wire data (the atom table is finite and never collected).
+  Atoms your code uses literally always exist, so round trips of your own
+  atoms are exact.
+
+  ## Decoding special floats
+
+  Elixir floats cannot be NaN or infinite; float64/float32 values that are
+  decode as `:nan`, `:infinity` and `:neg_infinity` (as Nx does). These atoms
+  encode back as atoms, not floats.
+
+  ## Refs
+
+  A ref on the wire is only a handle id and a class name; `decode/2` returns a
+  `%VllmBridge.Ref{}` with the fields given in `opts[:ref]` (`:pool`,
+  `:worker`, `:session`) stamped on it, which is how the runtime records
+  where the object lives.
+  """
+
+  import Bitwise
+
+  alias VllmBridge.{Error, Ref, Tensor}
+
+  @ext_tensor 1
+  @ext_ref 2
+  @ext_atom 3
+  @ext_tuple 4
+
+  @max_u32 0xFFFFFFFF
+  @max_u64 0xFFFFFFFFFFFFFFFF
+  @min_s64 -0x8000000000000000
+
+  # Binaries up to this size are copied into their header; larger ones are
+  # referenced from the iodata.
+  @inline_limit 64
+
+  @doc """
+  Encodes a term as canonical msgpack iodata.
+
+  ## Examples
+
+      iex> {:ok, iodata} = VllmBridge.Msgpack.encode(%{"a" => [1, 2.5, {:ok, nil}]})
+      iex> IO.iodata_to_binary(iodata) |> Base.encode16(case: :lower)
+      "81a1619301cb4004000000000000c7060492d5036f6bc0"
+
+      iex> {:error, error} = VllmBridge.Msgpack.encode(%{pid: self()})
+      iex> error.category
+      :encode
+  """
+  @spec encode(term()) :: {:ok, iodata()} | {:error, Error.t()}
+  def encode(term) do
+    {:ok, enc(term)}
+  catch
+    {__MODULE__, %Error{} = error} -> {:error, error}
+  end
+
+  @doc """
+  Like `encode/1`, but returns the iodata or raises `VllmBridge.Error`.
+  """
+  @spec encode!(term()) :: iodata()
+  def encode!(term) do
+    case encode(term) do
+      {:ok, iodata} -> iodata
+      {:error, error} -> raise error
+    end
+  end
+
+  @doc """
+  Decodes one msgpack value that fills the whole binary.
+
+  ## Options
+
+    * `:ref` - a keyword list or map of fields (`:pool`, `:worker`,
+      `:session`) stamped on every `%VllmBridge.Ref{}` decoded
+
+  Malformed input, trailing bytes and unknown extension types give
+  `{:error, %VllmBridge.Error{category: :protocol}}`.
+
+  ## Examples
+
+      iex> VllmBridge.Msgpack.decode(<<0x92, 0x01, 0xA2, "hi">>)
+      {:ok, [1, "hi"]}
+
+      iex> VllmBridge.Msgpack.decode(<<0xD7, 2, 7::64>>, ref: [session: "s"])
+      {:ok, %VllmBridge.Ref{id: 7, class: "", session: "s"}}
+  """
+  @spec decode(binary(), keyword()) :: {:ok, term()} | {:error, Error.t()}
+  def decode(binary, opts \\ [])
+
+  def decode(binary, opts) when is_binary(binary) and is_list(opts) do
+    case dec(binary, Keyword.get(opts, :ref)) do
+      {term, <<>>} ->
+        {:ok, term}
+
+      {_term, rest} ->
+        {:error,
+         Error.new(:protocol, "msgpack: #{byte_size(rest)} trailing bytes after the value",
+           details: %{offset: byte_size(binary) - byte_size(rest)}
+         )}
+    end
+  catch
+    {__MODULE__, message, rest} ->
+      {:error,
+       Error.new(:protocol, "msgpack: " <> message,
+         details: %{offset: byte_size(binary) - byte_size(rest)}
+       )}
+  end
+
+  def decode(other, _opts) do
+    {:error,
+     Error.new(:bad_args, "msgpack: decode/2 needs a binary, got #{inspect(other, limit: 5)}")}
+  end
+
+  ## Encoding -----------------------------------------------------------------
+
+  defp enc(nil), do: <<0xC0>>
+  defp enc(false), do: <<0xC2>>
+  defp enc(true), do: <<0xC3>>
+
+  defp enc(int) when is_integer(int) do
+    cond do
+      int >= 0 -> enc_uint(int)
+      int >= -32 -> <<int::8-signed>>
+      int >= -0x80 -> <<0xD0, int::8-signed>>
+      int >= -0x8000 -> <<0xD1, int::16-signed>>
+      int >= -0x80000000 -> <<0xD2, int::32-signed>>
+      int >= @min_s64 -> <<0xD3, int::64-signed>>
+      true -> fail(int, "integers below -2^63 do not fit msgpack")
+    end
+  end
+
+  defp enc(float) when is_float(float), do: <<0xCB, float::float-64>>
+
+  defp enc(bin) when is_binary(bin) do
+    size = byte_size(bin)
+
+    header =
+      if utf8?(bin) do
+        cond do
+          size < 32 -> <<0b101::3, size::5>>
+          size <= 0xFF -> <<0xD9, size>>
+          size <= 0xFFFF -> <<0xDA, size::16>>
+          size <= @max_u32 -> <<0xDB, size::32>>
+          true -> fail(bin, "strings above 4 GiB do not fit msgpack")
+        end
+      else
+        cond do
+          size <= 0xFF -> <<0xC4, size>>
+          size <= 0xFFFF -> <<0xC5, size::16>>
+          size <= @max_u32 -> <<0xC6, size::32>>
+          true -> fail(bin, "binaries above 4 GiB do not fit msgpack")
+        end
+      end
+
+    if size <= @inline_limit, do: <<header::binary, bin::binary>>, else: [header | bin]
+  end
+
+  defp enc(atom) when is_atom(atom) do
+    name = Atom.to_string(atom)
+    [ext_header(byte_size(name), @ext_atom, atom) | name]
+  end
+
+  defp enc(list) when is_list(list), do: enc_list(list, list, [], 0)
+
+  defp enc(%Tensor{type: type, shape: shape, data: data} = tensor) do
+    case Tensor.validate(tensor) do
+      :ok ->
+        {kind, bits} = type
+        dims = shape |> Tuple.to_list() |> Enum.map(&<<&1::64>>)
+        ndim = tuple_size(shape)
+        if ndim > 255, do: fail(tensor, "tensors above 255 dimensions do not fit the wire")
+        head = [Tensor.kind_byte(kind), bits, ndim | dims]
+        size = 3 + 8 * ndim + byte_size(data)
+        [ext_header(size, @ext_tensor, tensor), head | data]
+
+      {:error, error} ->
+        fail(tensor, error.message)
+    end
+  end
+
+  defp enc(%Ref{id: id, class: class} = ref) do
+    cond do
+      not (is_integer(id) and id >= 0 and id <= @max_u64) ->
+        fail(ref, "ref id must be an unsigned 64-bit integer")
+
+      not is_binary(class) ->
+        fail(ref, "ref class must be a binary")
+
+      true ->
+        [ext_header(8 + byte_size(class), @ext_ref, ref), <<id::64>> | class]
+    end
+  end
+
+  defp enc(%struct{} = term) do
+    fail(
+      term,
+      "structs cannot be encoded (only VllmBridge.Tensor and VllmBridge.Ref are); " <>
+        "convert #{inspect(struct)} with Map.from_struct/1 or to a plain value first"
+    )
+  end
+
+  defp enc(map) when is_map(map) do
+    size = map_size(map)
+
+    header =
+      cond do
+        size < 16 -> <<0b1000::4, size::4>>
+        size <= 0xFFFF -> <<0xDE, size::16>>
+        true -> <<0xDF, size::32>>
+      end
+
+    [header | :maps.fold(fn k, v, acc -> [acc, enc(k) | enc(v)] end, [], map)]
+  end
+
+  defp enc(tuple) when is_tuple(tuple) do
+    payload = enc_list(Tuple.to_list(tuple), tuple, [], 0)
+    [ext_header(IO.iodata_length(payload), @ext_tuple, tuple) | payload]
+  end
+
+  defp enc(pid) when is_pid(pid), do: fail(pid, "pids cannot cross the bridge")
+  defp enc(port) when is_port(port), do: fail(port, "ports cannot cross the bridge")
+
+  defp enc(ref) when is_reference(ref),
+    do: fail(ref, "references cannot cross the bridge")
+
+  defp enc(fun) when is_function(fun), do: fail(fun, "functions cannot cross the bridge")
+
+  defp enc(bits) when is_bitstring(bits),
+    do: fail(bits, "bitstrings that are not whole bytes cannot be encoded")
+
+  defp enc_uint(int) when int < 0x80, do: <<int>>
+  defp enc_uint(int) when int <= 0xFF, do: <<0xCC, int>>
+  defp enc_uint(int) when int <= 0xFFFF, do: <<0xCD, int::16>>
+  defp enc_uint(int) when int <= @max_u32, do: <<0xCE, int::32>>
+  defp enc_uint(int) when int <= @max_u64, do: <<0xCF, int::64>>
+  defp enc_uint(int), do: fail(int, "integers above 2^64-1 do not fit msgpack")
+
+  defp enc_list([head | tail], whole, acc, n), do: enc_list(tail, whole, [acc | enc(head)], n + 1)
+
+  defp enc_list([], _whole, acc, n) do
+    cond do
+      n < 16 -> [<<0b1001::4, n::4>> | acc]
+      n <= 0xFFFF -> [<<0xDC, n::16>> | acc]
+      true -> [<<0xDD, n::32>> | acc]
+    end
+  end
+
+  defp enc_list(_improper, whole, _acc, _n),
+    do: fail(whole, "improper lists cannot be encoded")
+
+  defp ext_header(1, type, _term), do: <<0xD4, type>>
+  defp ext_header(2, type, _term), do: <<0xD5, type>>
+  defp ext_header(4, type, _term), do: <<0xD6, type>>
+  defp ext_header(8, type, _term), do: <<0xD7, type>>
+  defp ext_header(16, type, _term), do: <<0xD8, type>>
+  defp ext_header(size, type, _term) when size <= 0xFF, do: <<0xC7, size, type>>
+  defp ext_header(size, type, _term) when size <= 0xFFFF, do: <<0xC8, size::16, type>>
+  defp ext_header(size, type, _term) when size <= @max_u32, do: <<0xC9, size::32, type>>
+  defp ext_header(_size, _type, term), do: fail(term, "extension payloads above 4 GiB")
+
+  @spec fail(term(), String.t()) :: no_return()
+  defp fail(term, why) do
+    message = "cannot encode #{inspect(term, limit: 8, printable_limit: 80)}: #{why}"
+    throw({__MODULE__, Error.new(:encode, message, details: %{term: term})})
+  end
+
+  # UTF-8 validity, eight ASCII bytes at a time where possible.
+  defp utf8?(<<word::64, rest::binary>>) when (word &&& 0x8080808080808080) == 0,
+    do: utf8?(rest)
+
+  defp utf8?(<<byte, rest::binary>>) when byte < 0x80, do: utf8?(rest)
+  defp utf8?(<<_::utf8, rest::binary>>), do: utf8?(rest)
+  defp utf8?(<<>>), do: true
+  defp utf8?(_), do: false
+
+  ## Decoding -----------------------------------------------------------------
+
+  defp dec(<<byte, rest::binary>>, _r) when byte < 0x80, do: {byte, rest}
+  defp dec(<<0b1000::4, n::4, rest::binary>>, r), do: dec_map(n, rest, r, [])
+  defp dec(<<0b1001::4, n::4, rest::binary>>, r), do: dec_array(n, rest, r, [])
+  defp dec(<<0b101::3, n::5, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xC0, rest::binary>>, _r), do: {nil, rest}
+  defp dec(<<0xC2, rest::binary>>, _r), do: {false, rest}
+  defp dec(<<0xC3, rest::binary>>, _r), do: {true, rest}
+  defp dec(<<0xC4, n, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xC5, n::16, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xC6, n::32, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xC7, n, t, p::binary-size(n), rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xC8, n::16, t, p::binary-size(n), rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xC9, n::32, t, p::binary-size(n), rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xCA, x::float-32, rest::binary>>, _r), do: {x, rest}
+  defp dec(<<0xCA, x::bitstring-32, rest::binary>>, _r), do: {special(x), rest}
+  defp dec(<<0xCB, x::float-64, rest::binary>>, _r), do: {x, rest}
+  defp dec(<<0xCB, x::bitstring-64, rest::binary>>, _r), do: {special(x), rest}
+  defp dec(<<0xCC, i, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xCD, i::16, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xCE, i::32, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xCF, i::64, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xD0, i::8-signed, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xD1, i::16-signed, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xD2, i::32-signed, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xD3, i::64-signed, rest::binary>>, _r), do: {i, rest}
+  defp dec(<<0xD4, t, p::binary-1, rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xD5, t, p::binary-2, rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xD6, t, p::binary-4, rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xD7, t, p::binary-8, rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xD8, t, p::binary-16, rest::binary>>, r), do: {ext(t, p, r), rest}
+  defp dec(<<0xD9, n, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xDA, n::16, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xDB, n::32, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
+  defp dec(<<0xDC, n::16, rest::binary>>, r), do: dec_array(n, rest, r, [])
+  defp dec(<<0xDD, n::32, rest::binary>>, r), do: dec_array(n, rest, r, [])
+  defp dec(<<0xDE, n::16, rest::binary>>, r), do: dec_map(n, rest, r, [])
+  defp dec(<<0xDF, n::32, rest::binary>>, r), do: dec_map(n, rest, r, [])
+  defp dec(<<0b111::3, _::5, _::binary>> = bin, _r), do: dec_negative_fixint(bin)
+  defp dec(<<>> = rest, _r), do: throw({__MODULE__, "unexpected end of input", rest})
+  defp dec(<<0xC1, _::binary>> = rest, _r), do: throw({__MODULE__, "invalid byte 0xc1", rest})
+
+  defp dec(<<byte, _::binary>> = rest, _r) do
+    throw({__MODULE__, "truncated value (type byte 0x#{hex(byte)})", rest})
+  end
+
+  defp dec_negative_fixint(<<i::8-signed, rest::binary>>), do: {i, rest}
+
+  defp dec_array(0, rest, _r, acc), do: {:lists.reverse(acc), rest}
+
+  defp dec_array(n, rest, r, acc) do
+    {value, rest} = dec(rest, r)
+    dec_array(n - 1, rest, r, [value | acc])
+  end
+
+  defp dec_map(0, rest, _r, acc), do: {:maps.from_list(acc), rest}
+
+  defp dec_map(n, rest, r, acc) do
+    {key, rest} = dec(rest, r)
+    {value, rest} = dec(rest, r)
+    dec_map(n - 1, rest, r, [{key, value} | acc])
+  end
+
+  defp ext(@ext_atom, name, _r) do
+    :erlang.binary_to_existing_atom(name, :utf8)
+  rescue
+    ArgumentError -> name
+  end
+
+  defp ext(@ext_tuple, payload, r) do
+    case dec(payload, r) do
+      {list, <<>>} when is_list(list) -> List.to_tuple(list)
+      _ -> throw({__MODULE__, "tuple extension must hold exactly one array", payload})
+    end
+  end
+
+  defp ext(@ext_ref, <<id::64, class::binary>>, r), do: Ref.stamp(%Ref{id: id, class: class}, r)
+
+  defp ext(@ext_tensor, <<kind, bits, ndim, dims::binary-size(ndim * 8), data::binary>> = p, _r) do
+    type = Tensor.type_from_wire(kind, bits) || throw({__MODULE__, "unknown tensor type", p})
+    shape = List.to_tuple(for <<d::64 <- dims>>, do: d)
+
+    if byte_size(data) != Tensor.byte_size_of(type, shape) do
+      throw({__MODULE__, "tensor data size does not match its type and shape", p})
+    end
+
+    %Tensor{type: type, shape: shape, data: data}
+  end
+
+  defp ext(type, payload, _r) when type in [@ext_ref, @ext_tensor] do
+    throw({__MODULE__, "malformed extension #{type} payload", payload})
+  end
+
+  defp ext(type, payload, _r) do
+    throw({__MODULE__, "unknown extension type #{type}", payload})
+  end
+
+  defp special(bits) do
+    {exp_size, man_size} = if bit_size(bits) == 32, do: {8, 23}, else: {11, 52}
+    <<sign::1, _exp::size(exp_size), mantissa::size(man_size)>> = bits
+
+    cond do
+      mantissa != 0 -> :nan
+      sign == 1 -> :neg_infinity
+      true -> :infinity
+    end
+  end
+
+  defp hex(byte), do: Integer.to_string(byte, 16) |> String.downcase()
+end

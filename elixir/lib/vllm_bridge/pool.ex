@@ -1,0 +1,267 @@
+defmodule VllmBridge.Pool do
+  @moduledoc """
+  A fixed set of `VllmBridge.Worker`s, each with its own Python process,
+  under one supervisor.
+
+      children = [
+        {VllmBridge.Pool, name: MyApp.Ranks, size: 2}
+      ]
+
+  A pool is a supervision tree and an ETS table, no extra process:
+
+      VllmBridge.Pool (Supervisor, :rest_for_one)
+      ├── Registry  (name: <pool>.Registry, keys: worker index)
+      └── Supervisor (:one_for_one)
+          ├── VllmBridge.Worker 0
+          └── VllmBridge.Worker ...
+
+  Each worker registers under its index (`0..size-1`), so `worker/2` is one
+  ETS lookup. The pool's settings and a round-robin counter (an `:atomics`
+  array) live in the Registry's metadata, so `next_worker/1` is lock-free
+  and needs no process either.
+
+  Workers are independent Python processes: objects (and the handles of
+  `VllmBridge.Ref`s) live in exactly one of them. A worker that dies is
+  restarted at the same index with a fresh Python process; refs into the old
+  one become stale (see `VllmBridge.Runtime`).
+
+  A pool on another node is reached with Erlang distribution: run the
+  `VllmBridge.Runtime` call on that node (`:erpc.call/4`), or pass refs, which
+  carry their worker's pid.
+  """
+
+  use Supervisor
+
+  alias VllmBridge.{Error, Worker}
+
+  @default_name VllmBridge.DefaultPool
+  @default_timeout 120_000
+
+  @typedoc "A pool's registered name."
+  @type name :: atom()
+
+  @doc "The name used when none is given: `#{inspect(@default_name)}`."
+  @spec default_name() :: name()
+  def default_name, do: @default_name
+
+  @doc """
+  Returns a child specification (the child id is the pool name).
+  """
+  @spec child_spec(keyword()) :: Supervisor.child_spec()
+  def child_spec(opts) do
+    %{
+      id: Keyword.get(opts, :name, @default_name),
+      start: {__MODULE__, :start_link, [opts]},
+      type: :supervisor
+    }
+  end
+
+  @doc """
+  Starts a pool.
+
+  ## Options
+
+    * `:name` - the pool's name (default `#{inspect(@default_name)}`)
+    * `:size` - how many workers (default `1`)
+    * `:python` - the Python executable (see `VllmBridge.Worker.find_python/1`)
+    * `:env` - extra environment variables for the Python processes
+    * `:cd` - working directory of the Python processes
+    * `:args` - extra command-line arguments for `python -m bridge_py.worker`
+      (e.g. `["--exports", "my_module:table"]`)
+    * `:timeout` - default per-call timeout in ms of calls on this pool
+      (default `#{@default_timeout}`)
+    * `:max_restarts`, `:max_seconds` - restart intensity of the workers'
+      supervisor (defaults 3 and 5, as for any supervisor)
+  """
+  @spec start_link(keyword()) :: Supervisor.on_start()
+  def start_link(opts \\ []) do
+    name = Keyword.get(opts, :name, @default_name)
+    size = Keyword.get(opts, :size, 1)
+    timeout = Keyword.get(opts, :timeout, @default_timeout)
+
+    cond do
+      not is_atom(name) or name == nil ->
+        {:error, Error.new(:bad_args, "pool name must be an atom, got #{inspect(name)}")}
+
+      not (is_integer(size) and size > 0) ->
+        {:error,
+         Error.new(:bad_args, "pool size must be a positive integer, got #{inspect(size)}")}
+
+      not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
+        {:error, Error.new(:bad_args, "timeout must be ms or :infinity, got #{inspect(timeout)}")}
+
+      true ->
+        opts = Keyword.merge(opts, name: name, size: size, timeout: timeout)
+        Supervisor.start_link(__MODULE__, opts, name: name)
+    end
+  end
+
+  @impl true
+  def init(opts) do
+    name = Keyword.fetch!(opts, :name)
+    size = Keyword.fetch!(opts, :size)
+    registry = registry(name)
+    counter = :atomics.new(1, signed: false)
+    worker_opts = Keyword.take(opts, [:python, :env, :cd, :args])
+
+    workers =
+      for index <- 0..(size - 1) do
+        Supervisor.child_spec(
+          {Worker,
+           [
+             name: {:via, Registry, {registry, index}},
+             pool: name,
+             index: index
+           ] ++ worker_opts},
+          id: {Worker, index}
+        )
+      end
+
+    workers_sup = %{
+      id: :workers,
+      type: :supervisor,
+      start:
+        {Supervisor, :start_link,
+         [
+           workers,
+           [
+             strategy: :one_for_one,
+             max_restarts: Keyword.get(opts, :max_restarts, 3),
+             max_seconds: Keyword.get(opts, :max_seconds, 5)
+           ]
+         ]}
+    }
+
+    meta = [size: size, timeout: Keyword.fetch!(opts, :timeout), counter: counter]
+
+    Supervisor.init(
+      [{Registry, keys: :unique, name: registry, meta: meta}, workers_sup],
+      strategy: :rest_for_one
+    )
+  end
+
+  @doc """
+  The pid of the worker at `index`.
+
+  Errors: `:bad_args` for an index outside the pool, `:worker` when the pool
+  does not exist or that worker is restarting.
+  """
+  @spec worker(name(), non_neg_integer()) :: {:ok, pid()} | {:error, Error.t()}
+  def worker(pool, index) when is_integer(index) do
+    with {:ok, size} <- size(pool) do
+      if index >= 0 and index < size do
+        lookup(pool, index)
+      else
+        {:error,
+         Error.new(
+           :bad_args,
+           "worker index #{index} is outside pool #{inspect(pool)} (size #{size})",
+           details: %{pool: pool, index: index}
+         )}
+      end
+    end
+  end
+
+  def worker(pool, index) do
+    {:error,
+     Error.new(:bad_args, "worker index must be an integer, got #{inspect(index)}",
+       details: %{pool: pool}
+     )}
+  end
+
+  @doc """
+  The next worker in round-robin order. A worker that is restarting is
+  skipped; the error is `:worker` only when no worker is running.
+  """
+  @spec next_worker(name()) :: {:ok, pid()} | {:error, Error.t()}
+  def next_worker(pool) do
+    with {:ok, size} <- size(pool),
+         {:ok, counter} <- meta(pool, :counter) do
+      start = :atomics.add_get(counter, 1, 1)
+      first_running(pool, start, size, size)
+    end
+  end
+
+  defp first_running(pool, _n, _size, 0) do
+    {:error,
+     Error.new(:worker, "no worker of pool #{inspect(pool)} is running", details: %{pool: pool})}
+  end
+
+  defp first_running(pool, n, size, tries) do
+    case lookup(pool, rem(n, size)) do
+      {:ok, pid} -> {:ok, pid}
+      {:error, _} -> first_running(pool, n + 1, size, tries - 1)
+    end
+  end
+
+  @doc "The number of workers of a pool."
+  @spec size(name()) :: {:ok, pos_integer()} | {:error, Error.t()}
+  def size(pool), do: meta(pool, :size)
+
+  @doc "The pool's default per-call timeout in ms (or `:infinity`)."
+  @spec timeout(name()) :: {:ok, timeout()} | {:error, Error.t()}
+  def timeout(pool), do: meta(pool, :timeout)
+
+  @doc """
+  The running workers as `{index, pid}`, by index (a restarting worker is
+  missing).
+  """
+  @spec workers(name()) :: {:ok, [{non_neg_integer(), pid()}]} | {:error, Error.t()}
+  def workers(pool) do
+    with {:ok, size} <- size(pool) do
+      workers = for index <- 0..(size - 1), {:ok, pid} <- [lookup(pool, index)], do: {index, pid}
+
+      {:ok, workers}
+    end
+  end
+
+  @doc """
+  The index of the worker `pid` in `pool`, or `:error` when `pid` is not one
+  of the pool's running workers (it died, was replaced, or never belonged).
+  """
+  @spec index_of(name(), pid()) :: {:ok, non_neg_integer()} | :error
+  def index_of(pool, pid) when is_pid(pid) do
+    if node(pid) == node() and not Process.alive?(pid) do
+      :error
+    else
+      case Registry.keys(registry(pool), pid) do
+        [index] -> {:ok, index}
+        _ -> :error
+      end
+    end
+  rescue
+    ArgumentError -> :error
+  end
+
+  defp lookup(pool, index) do
+    case Registry.lookup(registry(pool), index) do
+      [{pid, _}] ->
+        {:ok, pid}
+
+      [] ->
+        {:error,
+         Error.new(:worker, "worker #{index} of pool #{inspect(pool)} is not running",
+           details: %{pool: pool, index: index}
+         )}
+    end
+  rescue
+    ArgumentError -> {:error, no_pool(pool)}
+  end
+
+  defp meta(pool, key) when is_atom(pool) do
+    case Registry.meta(registry(pool), key) do
+      {:ok, value} -> {:ok, value}
+      :error -> {:error, no_pool(pool)}
+    end
+  rescue
+    ArgumentError -> {:error, no_pool(pool)}
+  end
+
+  defp meta(pool, _key), do: {:error, no_pool(pool)}
+
+  defp no_pool(pool) do
+    Error.new(:worker, "no pool named #{inspect(pool)} is running", details: %{pool: pool})
+  end
+
+  defp registry(pool), do: Module.concat(pool, Registry)
+end

@@ -1,0 +1,463 @@
+defmodule VllmBridge.Proto do
+  @moduledoc """
+  A hand-written proto3 codec for the envelopes of `proto/bridge.proto`.
+
+  The schema is small and fixed, so this module encodes and decodes it with
+  binary pattern matching instead of a protobuf library (none is available
+  to the runtime, and none is needed). Messages are plain maps and tagged
+  tuples:
+
+      # Request
+      %{id: 1, session: "", op: {:ping, %{payload: <<0x91, 0x01>>}}}
+
+      # ops
+      {:create, %{class_name: s, args: b, kwargs: b}}
+      {:call, %{handle: i, method: s, args: b, kwargs: b}}
+      {:call_function, %{function: s, args: b, kwargs: b}}
+      {:get_attr, %{handle: i, name: s}}
+      {:release, %{handles: [i]}}
+      {:release_session, %{}}
+      {:describe, %{}}
+      {:ping, %{payload: b}}
+
+      # Reply
+      %{id: 1, result: {:value, msgpack_bytes}}
+      %{id: 1, result: {:error, %{category: s, message: s, python_type: s,
+                                  traceback: s, details: b}}}
+
+  ## Canonical bytes
+
+  Encoders write fields in field-number order and leave out fields that hold
+  their proto3 default (`0`, `""`, no elements), except the member of the
+  `oneof` that is set, which is always written (even when empty). Repeated
+  `uint64` fields are packed. Equal messages therefore have equal bytes in
+  Elixir and Python, which the shared vectors in `tests/vectors/` check.
+
+  Encoding returns iodata; the `bytes` fields (`args`, `kwargs`, `payload`,
+  `details`, `value`) may be given as iodata, typically straight from
+  `VllmBridge.Msgpack.encode/1`, so a large argument is never copied on its
+  way to the port.
+
+  ## Lenient decoding
+
+  Decoders accept anything a conforming proto3 encoder may write: fields in
+  any order, unknown fields (skipped), repeated fields packed or not, and a
+  field given twice (the last one wins; messages are not merged). Decoded
+  messages have every field, defaults filled in. A message whose `oneof` is
+  not set is refused: the bridge never sends one.
+  """
+
+  import Bitwise
+
+  alias VllmBridge.Error
+
+  @typedoc "A decoded or to-be-encoded bridge.proto `Request`."
+  @type request :: %{id: pos_integer(), session: binary(), op: op()}
+
+  @type op ::
+          {:create, %{class_name: binary(), args: iodata(), kwargs: iodata()}}
+          | {:call,
+             %{handle: non_neg_integer(), method: binary(), args: iodata(), kwargs: iodata()}}
+          | {:call_function, %{function: binary(), args: iodata(), kwargs: iodata()}}
+          | {:get_attr, %{handle: non_neg_integer(), name: binary()}}
+          | {:release, %{handles: [non_neg_integer()]}}
+          | {:release_session, %{}}
+          | {:describe, %{}}
+          | {:ping, %{payload: iodata()}}
+
+  @typedoc "The `error` member of a `Reply`."
+  @type reply_error :: %{
+          category: binary(),
+          message: binary(),
+          python_type: binary(),
+          traceback: binary(),
+          details: iodata()
+        }
+
+  @typedoc "A decoded or to-be-encoded bridge.proto `Reply`."
+  @type reply :: %{id: non_neg_integer(), result: {:value, iodata()} | {:error, reply_error()}}
+
+  # wire types
+  @varint 0
+  @i64 1
+  @len 2
+  @i32 5
+
+  # field layouts: {field number, key, kind}
+  @op_fields [
+    create: {10, [{1, :class_name, :string}, {2, :args, :bytes}, {3, :kwargs, :bytes}]},
+    call:
+      {11,
+       [{1, :handle, :uint64}, {2, :method, :string}, {3, :args, :bytes}, {4, :kwargs, :bytes}]},
+    call_function: {12, [{1, :function, :string}, {2, :args, :bytes}, {3, :kwargs, :bytes}]},
+    get_attr: {13, [{1, :handle, :uint64}, {2, :name, :string}]},
+    release: {14, [{1, :handles, :packed_uint64}]},
+    release_session: {15, []},
+    describe: {16, []},
+    ping: {17, [{1, :payload, :bytes}]}
+  ]
+
+  @error_fields [
+    {1, :category, :string},
+    {2, :message, :string},
+    {3, :python_type, :string},
+    {4, :traceback, :string},
+    {5, :details, :bytes}
+  ]
+
+  ## Requests -----------------------------------------------------------------
+
+  @doc """
+  Encodes a `Request` as iodata.
+
+  Returns `{:error, %VllmBridge.Error{category: :bad_args}}` when the map
+  does not have the documented shape.
+
+  ## Examples
+
+      iex> {:ok, iodata} = VllmBridge.Proto.encode_request(%{id: 1, session: "", op: {:describe, %{}}})
+      iex> IO.iodata_to_binary(iodata)
+      <<8, 1, 130, 1, 0>>
+  """
+  @spec encode_request(request()) :: {:ok, iodata()} | {:error, Error.t()}
+  def encode_request(%{id: id, op: {op, fields}} = request) when is_map(fields) do
+    session = Map.get(request, :session, "")
+
+    case Keyword.fetch(@op_fields, op) do
+      {:ok, {number, layout}} ->
+        body = encode_fields(layout, fields)
+
+        {:ok,
+         [
+           uint64_field(1, id),
+           string_field(2, session),
+           len_field(number, body)
+         ]}
+
+      :error ->
+        bad!("unknown request op #{inspect(op)}")
+    end
+  catch
+    {__MODULE__, error} -> {:error, error}
+  end
+
+  def encode_request(other), do: {:error, bad("not a request: #{inspect(other, limit: 8)}")}
+
+  @doc """
+  Decodes a `Request`. Errors are `:protocol` errors.
+
+  ## Examples
+
+      iex> VllmBridge.Proto.decode_request(<<8, 1, 130, 1, 0>>)
+      {:ok, %{id: 1, session: "", op: {:describe, %{}}}}
+  """
+  @spec decode_request(binary()) :: {:ok, request()} | {:error, Error.t()}
+  def decode_request(binary) when is_binary(binary) do
+    acc =
+      fold_fields(binary, %{id: 0, session: "", op: nil}, fn
+        1, @varint, value, acc -> %{acc | id: value}
+        2, @len, value, acc -> %{acc | session: value}
+        n, @len, value, acc when n in 10..17 -> %{acc | op: decode_op(n, value)}
+        n, type, _value, _acc when n in [1, 2] or n in 10..17 -> wrong_type(n, type)
+        _n, _type, _value, acc -> acc
+      end)
+
+    case acc do
+      %{op: nil} -> {:error, protocol("request has no operation")}
+      request -> {:ok, request}
+    end
+  catch
+    {__MODULE__, error} -> {:error, error}
+  end
+
+  for {op, {number, layout}} <- @op_fields do
+    defp decode_op(unquote(number), binary) do
+      {unquote(op), decode_fields(binary, unquote(Macro.escape(layout)))}
+    end
+  end
+
+  ## Replies ------------------------------------------------------------------
+
+  @doc """
+  Encodes a `Reply` as iodata.
+
+  ## Examples
+
+      iex> {:ok, iodata} = VllmBridge.Proto.encode_reply(%{id: 5, result: {:value, <<0xC0>>}})
+      iex> IO.iodata_to_binary(iodata)
+      <<8, 5, 18, 1, 0xC0>>
+  """
+  @spec encode_reply(reply()) :: {:ok, iodata()} | {:error, Error.t()}
+  def encode_reply(%{id: id, result: result}) do
+    body =
+      case result do
+        {:value, value} -> bytes_field(2, value, true)
+        {:error, %{} = error} -> len_field(3, encode_fields(@error_fields, error))
+        other -> bad!("not a reply result: #{inspect(other, limit: 8)}")
+      end
+
+    {:ok, [uint64_field(1, id) | body]}
+  catch
+    {__MODULE__, error} -> {:error, error}
+  end
+
+  def encode_reply(other), do: {:error, bad("not a reply: #{inspect(other, limit: 8)}")}
+
+  @doc """
+  Decodes a `Reply`. Errors are `:protocol` errors.
+
+  ## Examples
+
+      iex> VllmBridge.Proto.decode_reply(<<8, 5, 18, 1, 0xC0>>)
+      {:ok, %{id: 5, result: {:value, <<0xC0>>}}}
+  """
+  @spec decode_reply(binary()) :: {:ok, reply()} | {:error, Error.t()}
+  def decode_reply(binary) when is_binary(binary) do
+    acc =
+      fold_fields(binary, %{id: 0, result: nil}, fn
+        1, @varint, value, acc -> %{acc | id: value}
+        2, @len, value, acc -> %{acc | result: {:value, value}}
+        3, @len, value, acc -> %{acc | result: {:error, decode_fields(value, @error_fields)}}
+        n, type, _value, _acc when n in 1..3 -> wrong_type(n, type)
+        _n, _type, _value, acc -> acc
+      end)
+
+    case acc do
+      %{result: nil} -> {:error, protocol("reply has neither value nor error")}
+      reply -> {:ok, reply}
+    end
+  catch
+    {__MODULE__, error} -> {:error, error}
+  end
+
+  @doc """
+  Reads the id of an encoded `Reply` without decoding the rest.
+
+  An id is never 0, and encoders write fields in field-number order, so a
+  reply starts with `0x08 varint(id)`. A reply that does not start with field
+  1 carries id 0 (the worker could not read the request's id) and gives
+  `{:ok, 0}`. Replies written by other encoders in another field order are
+  handled by decoding them in full.
+
+  ## Examples
+
+      iex> VllmBridge.Proto.reply_id(<<8, 0x96, 0x01, 18, 1, 0xC0>>)
+      {:ok, 150}
+  """
+  @spec reply_id(binary()) :: {:ok, non_neg_integer()} | {:error, Error.t()}
+  def reply_id(<<0x08, rest::binary>> = binary) do
+    case varint(rest) do
+      {id, _rest} -> {:ok, id}
+      :error -> {:error, protocol("truncated reply id", binary)}
+    end
+  end
+
+  def reply_id(binary) when is_binary(binary) do
+    case decode_reply(binary) do
+      {:ok, %{id: id}} -> {:ok, id}
+      {:error, _} = error -> error
+    end
+  end
+
+  ## Field encoding -----------------------------------------------------------
+
+  defp encode_fields(layout, fields) do
+    for {number, key, kind} <- layout do
+      case Map.fetch(fields, key) do
+        {:ok, value} -> encode_field(kind, number, value, key)
+        :error -> []
+      end
+    end
+  end
+
+  defp encode_field(:uint64, number, value, _key), do: uint64_field(number, value)
+  defp encode_field(:string, number, value, _key), do: string_field(number, value)
+  defp encode_field(:bytes, number, value, _key), do: bytes_field(number, value, false)
+
+  defp encode_field(:packed_uint64, number, values, key) when is_list(values) do
+    case values do
+      [] -> []
+      _ -> len_field(number, Enum.map(values, &uint64!(&1, key)))
+    end
+  end
+
+  defp encode_field(_kind, _number, value, key) do
+    bad!("field #{key}: expected a list, got #{inspect(value, limit: 8)}")
+  end
+
+  defp uint64_field(_number, 0), do: []
+  defp uint64_field(number, value), do: [tag(number, @varint) | uint64!(value, number)]
+
+  defp string_field(_number, ""), do: []
+
+  defp string_field(number, value) when is_binary(value) do
+    [tag(number, @len), encode_varint(byte_size(value)) | value]
+  end
+
+  defp string_field(number, value),
+    do: bad!("field #{number}: expected a string, got #{inspect(value, limit: 8)}")
+
+  defp bytes_field(number, value, always?) do
+    size =
+      try do
+        IO.iodata_length(value)
+      rescue
+        ArgumentError ->
+          bad!("field #{number}: expected iodata, got #{inspect(value, limit: 8)}")
+      end
+
+    if size == 0 and not always?,
+      do: [],
+      else: [tag(number, @len), encode_varint(size) | value]
+  end
+
+  defp len_field(number, iodata) do
+    [tag(number, @len), encode_varint(IO.iodata_length(iodata)) | iodata]
+  end
+
+  defp tag(number, type), do: encode_varint(number <<< 3 ||| type)
+
+  defp uint64!(value, _where)
+       when is_integer(value) and value >= 0 and value <= 0xFFFFFFFFFFFFFFFF,
+       do: encode_varint(value)
+
+  defp uint64!(value, where),
+    do: bad!("field #{where}: expected a uint64, got #{inspect(value, limit: 8)}")
+
+  defp encode_varint(value) when value < 0x80, do: <<value>>
+  defp encode_varint(value), do: encode_varint(value, [])
+
+  defp encode_varint(value, acc) when value < 0x80,
+    do: IO.iodata_to_binary(:lists.reverse([value | acc]))
+
+  defp encode_varint(value, acc),
+    do: encode_varint(value >>> 7, [(value &&& 0x7F) ||| 0x80 | acc])
+
+  ## Field decoding -----------------------------------------------------------
+
+  # Calls fun.(number, wire_type, value, acc) for every field; a length-
+  # delimited value is a sub-binary, a fixed one an integer.
+  defp fold_fields(<<>>, acc, _fun), do: acc
+
+  defp fold_fields(binary, acc, fun) do
+    {key, rest} = varint!(binary, binary)
+    number = key >>> 3
+
+    if number == 0, do: throw({__MODULE__, protocol("field number 0", binary)})
+
+    {value, rest} =
+      case key &&& 7 do
+        @varint ->
+          varint!(rest, binary)
+
+        @len ->
+          {size, rest} = varint!(rest, binary)
+
+          case rest do
+            <<value::binary-size(size), rest::binary>> -> {value, rest}
+            _ -> throw({__MODULE__, protocol("truncated length-delimited field", binary)})
+          end
+
+        @i64 ->
+          case rest do
+            <<value::little-64, rest::binary>> -> {value, rest}
+            _ -> throw({__MODULE__, protocol("truncated fixed64 field", binary)})
+          end
+
+        @i32 ->
+          case rest do
+            <<value::little-32, rest::binary>> -> {value, rest}
+            _ -> throw({__MODULE__, protocol("truncated fixed32 field", binary)})
+          end
+
+        type ->
+          throw({__MODULE__, protocol("unsupported wire type #{type}", binary)})
+      end
+
+    fold_fields(rest, fun.(number, key &&& 7, value, acc), fun)
+  end
+
+  defp decode_fields(binary, layout) do
+    defaults = Map.new(layout, fn {_n, key, kind} -> {key, default(kind)} end)
+
+    binary
+    |> fold_fields({defaults, %{}}, fn number, type, value, {acc, packed} ->
+      case List.keyfind(layout, number, 0) do
+        nil ->
+          {acc, packed}
+
+        {_, key, :packed_uint64} ->
+          # repeated: packed (len) or one element at a time (varint)
+          values =
+            case type do
+              @len -> unpack_varints(value, [])
+              @varint -> [value]
+              _ -> wrong_type(number, type)
+            end
+
+          {acc, Map.update(packed, key, [values], &[values | &1])}
+
+        {_, key, :uint64} when type == @varint ->
+          {Map.put(acc, key, value), packed}
+
+        {_, key, kind} when kind in [:string, :bytes] and type == @len ->
+          {Map.put(acc, key, value), packed}
+
+        _ ->
+          wrong_type(number, type)
+      end
+    end)
+    |> then(fn {acc, packed} ->
+      Enum.reduce(packed, acc, fn {key, chunks}, acc ->
+        Map.put(acc, key, chunks |> :lists.reverse() |> Enum.concat())
+      end)
+    end)
+  end
+
+  defp default(:uint64), do: 0
+  defp default(:string), do: ""
+  defp default(:bytes), do: ""
+  defp default(:packed_uint64), do: []
+
+  defp unpack_varints(<<>>, acc), do: :lists.reverse(acc)
+
+  defp unpack_varints(binary, acc) do
+    {value, rest} = varint!(binary, binary)
+    unpack_varints(rest, [value | acc])
+  end
+
+  defp varint!(binary, whole) do
+    case varint(binary) do
+      :error -> throw({__MODULE__, protocol("truncated or overlong varint", whole)})
+      ok -> ok
+    end
+  end
+
+  # 64-bit varints: at most 10 bytes; bits beyond 64 are dropped as protobuf does.
+  defp varint(<<0::1, b0::7, rest::binary>>), do: {b0, rest}
+
+  defp varint(binary), do: varint(binary, 0, 0)
+
+  defp varint(<<1::1, bits::7, rest::binary>>, shift, acc) when shift < 63,
+    do: varint(rest, shift + 7, acc ||| bits <<< shift)
+
+  defp varint(<<0::1, bits::7, rest::binary>>, shift, acc) when shift <= 63,
+    do: {(acc ||| bits <<< shift) &&& 0xFFFFFFFFFFFFFFFF, rest}
+
+  defp varint(_binary, _shift, _acc), do: :error
+
+  @spec wrong_type(pos_integer(), non_neg_integer()) :: no_return()
+  defp wrong_type(number, type) do
+    throw({__MODULE__, protocol("field #{number} has wire type #{type}")})
+  end
+
+  defp protocol(message, binary \\ nil) do
+    details = if binary, do: %{bytes: byte_size(binary)}, else: %{}
+    Error.new(:protocol, "protobuf: " <> message, details: details)
+  end
+
+  defp bad(message), do: Error.new(:bad_args, "protobuf: " <> message)
+
+  @spec bad!(String.t()) :: no_return()
+  defp bad!(message), do: throw({__MODULE__, bad(message)})
+end

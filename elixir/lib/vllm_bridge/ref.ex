@@ -1,0 +1,66 @@
+defmodule VllmBridge.Ref do
+  @moduledoc """
+  A reference to one live Python object held by one worker.
+
+  Results that cannot cross the wire as values (a `StatelessProcessGroup`, a
+  store, a socket) come back as refs. On the wire a ref is only
+  `{id, class}` (msgpack extension 2); when the runtime decodes a reply it
+  stamps the ref with where the object lives:
+
+    * `:id` - the worker's handle number
+    * `:class` - the Python class name (informative; may be `""`)
+    * `:pool` - the name of the `VllmBridge.Pool` that holds the worker
+    * `:worker` - the pid of the `VllmBridge.Worker` that holds the object
+    * `:session` - the session that owns the handle
+
+  Calls on a ref always go to `:worker`. When that worker has died (and
+  perhaps been replaced by a fresh one at the same place in the pool) the
+  object is gone, and calls return an error of category `:stale_ref` instead
+  of being sent elsewhere.
+
+  Treat refs as opaque: pass them back to `VllmBridge.Runtime` (or the
+  generated `Vllm.*` modules) and do not build them by hand outside tests.
+  """
+
+  @enforce_keys [:id]
+  defstruct id: nil, class: "", pool: nil, worker: nil, session: ""
+
+  @type t :: %__MODULE__{
+          id: non_neg_integer(),
+          class: String.t(),
+          pool: atom() | nil,
+          worker: pid() | nil,
+          session: String.t()
+        }
+
+  @doc """
+  Builds a ref from a handle id and class name, with `fields` (a keyword list
+  or map of `:pool`, `:worker`, `:session`) stamped on it. Unknown fields are
+  ignored.
+
+  ## Examples
+
+      iex> VllmBridge.Ref.new(7, "StatelessProcessGroup", session: "s1")
+      %VllmBridge.Ref{id: 7, class: "StatelessProcessGroup", session: "s1"}
+  """
+  @spec new(non_neg_integer(), String.t(), keyword() | map()) :: t()
+  def new(id, class, fields \\ []) when is_integer(id) and id >= 0 and is_binary(class) do
+    stamp(%__MODULE__{id: id, class: class}, fields)
+  end
+
+  @doc """
+  Stamps `fields` (`:pool`, `:worker`, `:session`, as a keyword list or map)
+  on `ref`; other keys are ignored.
+  """
+  @spec stamp(t(), keyword() | map() | nil) :: t()
+  def stamp(%__MODULE__{} = ref, nil), do: ref
+
+  def stamp(%__MODULE__{} = ref, fields) when is_list(fields) or is_map(fields) do
+    Enum.reduce(fields, ref, fn
+      {:pool, pool}, acc -> %{acc | pool: pool}
+      {:worker, worker}, acc -> %{acc | worker: worker}
+      {:session, session}, acc -> %{acc | session: session}
+      _, acc -> acc
+    end)
+  end
+end
