@@ -1,0 +1,267 @@
+"""Values across the bridge: msgpack with four extension types.
+
+The layout of every type is in ``docs/protocol.md``; this module is its Python half.
+Decoding never unpickles anything: the only things that can come out of a payload are
+plain values, tensors, tuples, :class:`Atom` s and objects the worker already holds
+(refs, resolved through a :class:`RefResolver`).
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from typing import Any, Protocol
+
+import msgpack
+import torch
+
+EXT_TENSOR = 1
+EXT_REF = 2
+EXT_ATOM = 3
+EXT_TUPLE = 4
+
+_INT64_MIN = -(2**63)
+_UINT64_MAX = 2**64 - 1
+
+
+class Atom(str):
+    """An Elixir atom that crossed the bridge.
+
+    A ``str`` subclass, so it works anywhere a string does (a dict key, a keyword
+    argument name), but it encodes back to an atom, so ``:ok`` round-trips as ``:ok``.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Atom({str.__repr__(self)})"
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (Atom, (str(self),))
+
+
+class CodecError(ValueError):
+    """A value that cannot be encoded or a payload that cannot be decoded."""
+
+
+class RefResolver(Protocol):
+    """What the codec needs from the handle registry, for one request's session."""
+
+    def resolve(self, handle: int) -> Any:
+        """Return the live object behind ``handle`` (raise if it is not this session's)."""
+
+    def register(self, obj: Any) -> tuple[int, str]:
+        """Hold ``obj`` under a new handle; return the handle and its class name."""
+
+
+# (kind, bits) <-> torch dtype. ``kind`` is the ASCII byte on the wire.
+_DTYPES: dict[tuple[str, int], torch.dtype] = {
+    ("f", 16): torch.float16,
+    ("b", 16): torch.bfloat16,
+    ("f", 32): torch.float32,
+    ("f", 64): torch.float64,
+    ("c", 64): torch.complex64,
+    ("c", 128): torch.complex128,
+    ("s", 8): torch.int8,
+    ("s", 16): torch.int16,
+    ("s", 32): torch.int32,
+    ("s", 64): torch.int64,
+    ("u", 8): torch.uint8,
+    ("u", 16): torch.uint16,
+    ("u", 32): torch.uint32,
+    ("u", 64): torch.uint64,
+    ("p", 8): torch.bool,
+}
+_KINDS: dict[torch.dtype, tuple[str, int]] = {dtype: kb for kb, dtype in _DTYPES.items()}
+
+
+def dtype_to_wire(dtype: torch.dtype) -> tuple[str, int]:
+    """The ``(kind, bits)`` pair of a torch dtype, e.g. ``torch.float32 -> ("f", 32)``."""
+    try:
+        return _KINDS[dtype]
+    except KeyError:
+        raise CodecError(f"tensors of dtype {dtype} cannot cross the bridge") from None
+
+
+def dtype_from_wire(kind: str, bits: int) -> torch.dtype:
+    """The torch dtype of a ``(kind, bits)`` pair, e.g. ``("b", 16) -> torch.bfloat16``."""
+    try:
+        return _DTYPES[(kind, bits)]
+    except KeyError:
+        raise CodecError(f"unknown tensor type {kind!r}{bits}") from None
+
+
+def encode_tensor(tensor: torch.Tensor) -> bytes:
+    """The ext-1 payload of a tensor: header, then its elements little-endian, row-major."""
+    kind, bits = dtype_to_wire(tensor.dtype)
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    header = struct.pack(f">cBB{t.dim()}Q", kind.encode(), bits, t.dim(), *t.shape)
+    if t.numel() == 0:
+        return header
+    # A byte view of the storage; torch is little-endian on every platform it supports.
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return header + data
+
+
+def decode_tensor(payload: bytes) -> torch.Tensor:
+    """A CPU tensor (owning its memory) from an ext-1 payload."""
+    if len(payload) < 3:
+        raise CodecError("tensor payload shorter than its header")
+    kind, bits, ndim = chr(payload[0]), payload[1], payload[2]
+    dtype = dtype_from_wire(kind, bits)
+    end = 3 + 8 * ndim
+    if len(payload) < end:
+        raise CodecError("tensor payload shorter than its shape")
+    shape = struct.unpack_from(f">{ndim}Q", payload, 3)
+    numel = 1
+    for d in shape:
+        numel *= d
+    expected = numel * (bits // 8)
+    if len(payload) - end != expected:
+        raise CodecError(
+            f"tensor of shape {tuple(shape)} and type {kind}{bits} needs {expected} bytes "
+            f"of data, got {len(payload) - end}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # frombuffer warns that bytes are read-only; we only read from it.
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(payload, dtype=torch.uint8, offset=end, count=expected)
+    # Copy into the tensor's own (aligned, writable) memory: the data starts at an
+    # arbitrary offset in the payload, and a misaligned complex128 view crashes.
+    out = torch.empty(shape, dtype=dtype)
+    out.reshape(-1).view(torch.uint8).copy_(src)
+    return out
+
+
+class Codec:
+    """Encodes results and decodes arguments for one request.
+
+    ``resolver`` connects refs to the handle registry; without one (pure value
+    traffic, the test vectors) refs decode to :class:`RefValue` and objects that are
+    not plain values cannot be encoded.
+    """
+
+    def __init__(self, resolver: RefResolver | None = None) -> None:
+        self._resolver = resolver
+
+    # -- encoding -------------------------------------------------------------------
+
+    def encode(self, value: Any) -> bytes:
+        """Msgpack bytes of ``value``; unencodable objects become refs (given a resolver)."""
+        try:
+            return msgpack.packb(
+                value, default=self._default, use_bin_type=True, strict_types=True, datetime=False
+            )
+        except OverflowError as exc:
+            raise CodecError(f"integer out of the 64-bit range: {exc}") from None
+
+    def _default(self, obj: Any) -> Any:
+        if isinstance(obj, Atom):
+            return msgpack.ExtType(EXT_ATOM, str(obj).encode())
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(EXT_TUPLE, self.encode(list(obj)))
+        if isinstance(obj, torch.Tensor):
+            return msgpack.ExtType(EXT_TENSOR, encode_tensor(obj))
+        if isinstance(obj, RefValue):
+            return msgpack.ExtType(EXT_REF, obj.to_payload())
+        # Subclasses of plain types (strict_types sends them here): encode as the base type.
+        if isinstance(obj, bool):
+            return bool(obj)
+        if isinstance(obj, int):
+            if not _INT64_MIN <= obj <= _UINT64_MAX:
+                raise CodecError(f"integer {obj} is outside the 64-bit range")
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            return bytes(obj)
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, (list, set, frozenset)):
+            return list(obj)
+        if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # numpy scalars
+            return obj.item()
+        if self._resolver is not None:
+            handle, class_name = self._resolver.register(obj)
+            return msgpack.ExtType(EXT_REF, RefValue(handle, class_name).to_payload())
+        raise CodecError(f"a value of type {type(obj).__qualname__} cannot cross the bridge")
+
+    # -- decoding -------------------------------------------------------------------
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        """The value in msgpack bytes; raises :class:`CodecError` on malformed input."""
+        try:
+            return msgpack.unpackb(
+                data,
+                ext_hook=self._ext_hook,
+                raw=False,
+                strict_map_key=False,
+                use_list=True,
+                timestamp=0,
+            )
+        except CodecError:
+            raise
+        except (ValueError, TypeError, msgpack.UnpackException, struct.error) as exc:
+            raise CodecError(f"malformed msgpack value: {exc}") from None
+
+    def _ext_hook(self, code: int, payload: bytes) -> Any:
+        if code == EXT_TENSOR:
+            return decode_tensor(payload)
+        if code == EXT_ATOM:
+            return Atom(payload.decode("utf-8"))
+        if code == EXT_TUPLE:
+            items = self.decode(payload)
+            if not isinstance(items, list):
+                raise CodecError("tuple payload is not an array")
+            return tuple(items)
+        if code == EXT_REF:
+            ref = RefValue.from_payload(payload)
+            if self._resolver is None:
+                return ref
+            return self._resolver.resolve(ref.handle)
+        raise CodecError(f"unknown msgpack extension type {code}")
+
+
+class RefValue:
+    """A ref as plain data: the handle id and class name (used where no registry is)."""
+
+    __slots__ = ("class_name", "handle")
+
+    def __init__(self, handle: int, class_name: str = "") -> None:
+        self.handle = handle
+        self.class_name = class_name
+
+    def to_payload(self) -> bytes:
+        """The ext-2 payload: handle as u64 big-endian, then the class name."""
+        return struct.pack(">Q", self.handle) + self.class_name.encode()
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> RefValue:
+        """Parse an ext-2 payload."""
+        if len(payload) < 8:
+            raise CodecError("ref payload shorter than its handle")
+        (handle,) = struct.unpack_from(">Q", payload)
+        return cls(handle, payload[8:].decode("utf-8"))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RefValue) and (self.handle, self.class_name) == (
+            other.handle,
+            other.class_name,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.handle, self.class_name))
+
+    def __repr__(self) -> str:
+        return f"RefValue({self.handle}, {self.class_name!r})"
+
+
+PLAIN = Codec()
+"""A codec without a registry, for pure values."""

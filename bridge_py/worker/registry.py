@@ -1,0 +1,125 @@
+"""Handles: the worker's table of live objects, each owned by one session.
+
+A client never holds a Python object, only a handle (an integer) that names it in
+one worker. Handles belong to the session that created them; a session may use only
+its own handles, and releasing a session releases all of them at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class HandleNotFound(LookupError):
+    """A handle that is unknown, released, or owned by another session."""
+
+
+@dataclass
+class _Entry:
+    obj: Any
+    session: str
+    class_name: str
+    # Serialises method calls on this object: vLLM's objects are not thread-safe,
+    # and the calls of one object must run in the order they arrive.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class HandleRegistry:
+    """Thread-safe map of handle -> object, grouped by session."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._sessions: dict[str, set[int]] = {}
+        # (session, id(obj)) -> handle: an object already held comes back under the
+        # same handle instead of piling up new ones (entries keep obj alive, so its id
+        # cannot be reused while it is here).
+        self._by_object: dict[tuple[str, int], int] = {}
+        self._ids = itertools.count(1)
+
+    def register(self, obj: Any, session: str, class_name: str) -> int:
+        """Hold ``obj`` for ``session``; return its handle (never 0).
+
+        An object this session already holds keeps its handle.
+        """
+        with self._lock:
+            known = self._by_object.get((session, id(obj)))
+            if known is not None:
+                return known
+            handle = next(self._ids)
+            self._entries[handle] = _Entry(obj, session, class_name)
+            self._sessions.setdefault(session, set()).add(handle)
+            self._by_object[(session, id(obj))] = handle
+            return handle
+
+    def _forget(self, handle: int) -> None:
+        entry = self._entries.pop(handle)
+        self._by_object.pop((entry.session, id(entry.obj)), None)
+
+    def _entry(self, handle: int, session: str) -> _Entry:
+        with self._lock:
+            entry = self._entries.get(handle)
+        if entry is None:
+            raise HandleNotFound(f"no object with handle {handle} (never created, or released)")
+        if entry.session != session:
+            raise HandleNotFound(
+                f"handle {handle} ({entry.class_name}) belongs to another session than {session!r}"
+            )
+        return entry
+
+    def get(self, handle: int, session: str) -> Any:
+        """The object behind ``handle``, if ``session`` owns it."""
+        return self._entry(handle, session).obj
+
+    def call_lock(self, handle: int, session: str) -> threading.Lock:
+        """The lock that serialises calls on ``handle``."""
+        return self._entry(handle, session).lock
+
+    def release(self, handles: list[int], session: str) -> int:
+        """Forget the given handles of ``session``; return how many were held."""
+        freed = 0
+        with self._lock:
+            owned = self._sessions.get(session, set())
+            for handle in handles:
+                if handle in owned:
+                    owned.discard(handle)
+                    self._forget(handle)
+                    freed += 1
+            if not owned:
+                self._sessions.pop(session, None)
+        return freed
+
+    def release_session(self, session: str) -> int:
+        """Forget every handle of ``session``; return how many there were."""
+        with self._lock:
+            handles = self._sessions.pop(session, set())
+            for handle in handles:
+                self._forget(handle)
+        return len(handles)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+class SessionResolver:
+    """The codec's view of the registry for one request: resolve and register refs."""
+
+    __slots__ = ("_names", "_registry", "_session")
+
+    def __init__(self, registry: HandleRegistry, session: str, class_names: Any) -> None:
+        self._registry = registry
+        self._session = session
+        self._names = class_names
+
+    def resolve(self, handle: int) -> Any:
+        """The object behind a ref argument."""
+        return self._registry.get(handle, self._session)
+
+    def register(self, obj: Any) -> tuple[int, str]:
+        """Hold a result that cannot be encoded as a value; return its handle and class."""
+        class_name = self._names(type(obj))
+        return self._registry.register(obj, self._session, class_name), class_name

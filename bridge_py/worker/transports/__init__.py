@@ -1,0 +1,1 @@
+"""Transports: thin loops that move envelopes between a client and the dispatcher."""

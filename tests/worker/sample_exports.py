@@ -1,0 +1,97 @@
+"""A small export table for the worker's own tests: blocking, printing, raising objects.
+
+Served with ``python -m bridge_py.worker --exports tests.worker.sample_exports:table``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import torch
+
+from bridge_py.worker.exports import ExportedClass, ExportedFunction, ExportTable
+
+
+class Counter:
+    """A counter with a gate that blocks callers until it is opened."""
+
+    def __init__(self, start: int = 0, *, step: int = 1) -> None:
+        self.value = start
+        self.step = step
+        self._gate = threading.Event()
+
+    def incr(self, by: int | None = None) -> int:
+        """Add ``by`` (default: step) and return the new value."""
+        self.value += self.step if by is None else by
+        return self.value
+
+    def wait_gate(self, timeout: float = 10.0) -> bool:
+        """Block until ``open_gate`` is called (True) or ``timeout`` passes (False)."""
+        return self._gate.wait(timeout)
+
+    def fail(self, message: str) -> None:
+        """Raise ValueError(message)."""
+        raise ValueError(message)
+
+    def noisy(self, nbytes: int) -> int:
+        """Print ``nbytes`` to stdout from Python and from C (fd 1); return nbytes."""
+        print("p" * nbytes, flush=True)
+        libc = ctypes.CDLL(None)
+        libc.write(1, b"c" * nbytes, nbytes)
+        os.write(1, b"\n")
+        return nbytes
+
+    def secret(self) -> str:
+        """Not exported: must be unreachable."""
+        return "secret"
+
+
+def open_gate(counter: Counter) -> None:
+    """Release every caller blocked in ``counter.wait_gate`` (a function: no handle lock)."""
+    counter._gate.set()
+
+
+def double(x: torch.Tensor | float) -> torch.Tensor | float:
+    """Twice x (a tensor or a number)."""
+    return x * 2
+
+
+def echo(value: object) -> object:
+    """Return the value unchanged (round-trips any value)."""
+    return value
+
+
+def sleep(seconds: float) -> float:
+    """Sleep, then return the seconds slept."""
+    time.sleep(seconds)
+    return seconds
+
+
+def make_unencodable() -> object:
+    """An object with no value encoding: comes back as a ref."""
+    return threading.Lock()
+
+
+def table() -> ExportTable:
+    """The sample table."""
+    return ExportTable.build(
+        classes=[
+            ExportedClass(
+                name="Counter",
+                cls=Counter,
+                elixir_module="Sample.Counter",
+                methods=("incr", "wait_gate", "fail", "noisy"),
+                attributes=("value", "step"),
+            )
+        ],
+        functions=[
+            ExportedFunction("open_gate", open_gate, "Sample"),
+            ExportedFunction("double", double, "Sample"),
+            ExportedFunction("echo", echo, "Sample"),
+            ExportedFunction("sleep", sleep, "Sample"),
+            ExportedFunction("make_unencodable", make_unencodable, "Sample"),
+        ],
+    )

@@ -1,0 +1,99 @@
+"""The value codec: round trips, canonical forms, and clear errors."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from bridge_py.worker.codec import PLAIN, Atom, Codec, CodecError, RefValue, decode_tensor
+
+DTYPES = [
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.bool,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 3), (2, 0, 4)], ids=str)
+def test_tensors_round_trip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = (torch.rand(shape) * 100).to(dtype)
+    back = PLAIN.decode(PLAIN.encode(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_non_contiguous_tensors_are_sent_contiguous() -> None:
+    t = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()
+    assert torch.equal(PLAIN.decode(PLAIN.encode(t)), t)
+
+
+def test_decoded_tensors_own_writable_memory() -> None:
+    back = PLAIN.decode(PLAIN.encode(torch.ones(4)))
+    back.add_(1)  # would be undefined behaviour on a view of immutable bytes
+    assert torch.equal(back, torch.full((4,), 2.0))
+
+
+def test_atoms_tuples_and_nesting_round_trip() -> None:
+    value = {Atom("k"): (Atom("ok"), [1, (2.5, None)], b"\x00"), "s": "str"}
+    back = PLAIN.decode(PLAIN.encode(value))
+    assert back == value
+    key = next(iter(back))
+    assert type(key) is Atom and type(back[key][0]) is Atom and type(back[key]) is tuple
+
+
+def test_integers_outside_64_bits_are_refused() -> None:
+    with pytest.raises(CodecError, match="64-bit"):
+        PLAIN.encode(2**64)
+    with pytest.raises(CodecError, match="64-bit"):
+        PLAIN.encode([-(2**63) - 1])
+
+
+def test_unencodable_values_without_a_registry_are_refused() -> None:
+    with pytest.raises(CodecError, match="cannot cross"):
+        PLAIN.encode(object())
+
+
+def test_unknown_extension_and_garbage_are_codec_errors() -> None:
+    with pytest.raises(CodecError, match="extension type 9"):
+        PLAIN.decode(msgpack.packb(msgpack.ExtType(9, b"x")))
+    with pytest.raises(CodecError):
+        PLAIN.decode(b"\xc1")
+    with pytest.raises(CodecError):
+        PLAIN.decode(b"\x92\x01")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"f", b"z\x20\x01" + b"\x00" * 8, b"f\x20\x01" + (2).to_bytes(8, "big") + b"\x00"],
+)
+def test_malformed_tensor_payloads_are_codec_errors(payload: bytes) -> None:
+    with pytest.raises(CodecError):
+        decode_tensor(payload)
+
+
+def test_refs_without_registry_decode_to_ref_values() -> None:
+    ref = RefValue(5, "X")
+    assert PLAIN.decode(PLAIN.encode([ref])) == [ref]
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.objects: dict[int, object] = {}
+
+    def resolve(self, handle: int) -> object:
+        return self.objects[handle]
+
+    def register(self, obj: object) -> tuple[int, str]:
+        handle = len(self.objects) + 1
+        self.objects[handle] = obj
+        return handle, type(obj).__name__
+
+
+def test_unencodable_results_become_refs_and_resolve_back() -> None:
+    codec = Codec(_Registry())
+    thing = object()
+    data = codec.encode({"x": thing})
+    ref = PLAIN.decode(data)["x"]
+    assert ref == RefValue(1, "object")
+    assert codec.decode(PLAIN.encode(ref)) is thing
