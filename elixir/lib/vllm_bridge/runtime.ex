@@ -176,7 +176,7 @@ defmodule VllmBridge.Runtime do
 
       workers
       |> Enum.map(fn {_index, pid} ->
-        {%{pool: ctx.pool, worker: pid, stale?: false}, ctx, {:release_session, %{}}}
+        {%{pool: ctx.pool, worker: pid}, ctx, {:release_session, %{}}}
       end)
       |> run_many()
     end
@@ -298,13 +298,13 @@ defmodule VllmBridge.Runtime do
 
   ## Placement -----------------------------------------------------------------
 
-  # A target: the pool, the worker pid, and whether a dead worker means a stale ref.
+  # A target: the pool and the worker pid (and, for a ref, its session).
   defp place(%{worker: %Ref{} = ref} = ctx), do: ref_target(ref, ctx)
   defp place(%{worker: index, pool: pool}) when is_integer(index), do: target(pool, index)
 
   defp place(%{worker: pid, pool: pool}) when is_pid(pid) do
     case Pool.index_of(pool, pid) do
-      {:ok, _index} -> {:ok, %{pool: pool, worker: pid, stale?: false}}
+      {:ok, _index} -> {:ok, %{pool: pool, worker: pid}}
       :error -> bad("#{inspect(pid)} is not a running worker of pool #{inspect(pool)}", pid)
     end
   end
@@ -314,12 +314,12 @@ defmodule VllmBridge.Runtime do
 
   defp place(%{pool: pool}) do
     with {:ok, pid} <- Pool.next_worker(pool),
-         do: {:ok, %{pool: pool, worker: pid, stale?: false}}
+         do: {:ok, %{pool: pool, worker: pid}}
   end
 
   defp target(pool, index) do
     with {:ok, pid} <- Pool.worker(pool, index),
-         do: {:ok, %{pool: pool, worker: pid, stale?: false}}
+         do: {:ok, %{pool: pool, worker: pid}}
   end
 
   defp ref_target(%Ref{worker: pid, pool: ref_pool} = ref, ctx) when is_pid(pid) do
@@ -327,7 +327,7 @@ defmodule VllmBridge.Runtime do
 
     case Pool.index_of(pool, pid) do
       {:ok, _index} ->
-        {:ok, %{pool: pool, worker: pid, stale?: true, session: ref.session}}
+        {:ok, %{pool: pool, worker: pid, session: ref.session}}
 
       :error ->
         {:error, stale(ref, pool)}
@@ -418,20 +418,6 @@ defmodule VllmBridge.Runtime do
 
       {:error, _} = error ->
         error
-    end
-  end
-
-  defp finish(
-         {:error, %Error{category: :worker}} = error,
-         %{stale?: true} = target,
-         _session,
-         _id
-       ) do
-    # the worker went away between placement and the call: the object is gone
-    if Pool.index_of(target.pool, target.worker) == :error do
-      {:error, %{elem(error, 1) | category: :stale_ref}}
-    else
-      error
     end
   end
 

@@ -113,7 +113,9 @@ defmodule VllmBridge.Worker do
   @spec request(server(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
   def request(worker, id, frame, timeout) do
-    GenServer.call(worker, {:request, id, frame}, timeout)
+    with :ok <- check_frame(frame) do
+      GenServer.call(worker, {:request, id, frame}, timeout)
+    end
   catch
     :exit, {:timeout, _} ->
       GenServer.cast(worker, {:cancel, id})
@@ -134,9 +136,13 @@ defmodule VllmBridge.Worker do
   Like `request/4`, but returns at once with a request handle for
   `await/2`, so one process can have requests in flight on several workers.
   """
-  @spec send_request(server(), pos_integer(), iodata()) :: {server(), pos_integer(), term()}
+  @spec send_request(server(), pos_integer(), iodata()) ::
+          {server(), pos_integer(), term() | {:error, Error.t()}}
   def send_request(worker, id, frame) do
-    {worker, id, :gen_server.send_request(worker, {:request, id, frame})}
+    case check_frame(frame) do
+      :ok -> {worker, id, :gen_server.send_request(worker, {:request, id, frame})}
+      {:error, _} = error -> {worker, id, error}
+    end
   end
 
   @doc """
@@ -145,6 +151,8 @@ defmodule VllmBridge.Worker do
   """
   @spec await({server(), pos_integer(), term()}, timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
+  def await({_worker, _id, {:error, _} = error}, _timeout), do: error
+
   def await({worker, id, request_id}, timeout) do
     case :gen_server.receive_response(request_id, timeout) do
       {:reply, reply} ->
@@ -164,6 +172,13 @@ defmodule VllmBridge.Worker do
            details: %{worker: worker, reason: reason}
          )}
     end
+  end
+
+  defp check_frame(frame) do
+    _ = :erlang.iolist_size(frame)
+    :ok
+  rescue
+    ArgumentError -> {:error, Error.new(:bad_args, "request frame is not iodata")}
   end
 
   @doc """

@@ -37,3 +37,63 @@ defmodule VllmBridge.TestPython do
       )
   end
 end
+
+defmodule VllmBridge.PoolHelpers do
+  @moduledoc false
+  # Helpers for tests against real Python workers.
+
+  import ExUnit.Callbacks, only: [start_supervised!: 1]
+  import ExUnit.Assertions
+
+  alias VllmBridge.{Pool, Runtime}
+
+  @sample_args ["--exports", "tests.worker.sample_exports:table"]
+
+  def sample_args, do: @sample_args
+
+  @doc "Starts a pool under the test supervisor and waits until every worker answers."
+  def start_pool!(name, size, opts \\ []) do
+    opts = Keyword.merge([name: name, size: size, args: @sample_args, timeout: 60_000], opts)
+    start_supervised!(Supervisor.child_spec({Pool, opts}, id: name))
+    warm!(name)
+    name
+  end
+
+  def warm!(pool) do
+    {:ok, size} = Pool.size(pool)
+
+    for index <- 0..(size - 1) do
+      assert {:ok, :warm} = Runtime.ping(:warm, __runtime__: [pool: pool, worker: index])
+    end
+
+    pool
+  end
+
+  @doc "Polls `fun` every 20 ms until it returns a truthy value, for at most `ms`."
+  def eventually(fun, ms \\ 10_000) do
+    deadline = System.monotonic_time(:millisecond) + ms
+    do_eventually(fun, deadline)
+  end
+
+  defp do_eventually(fun, deadline) do
+    case fun.() do
+      result when result not in [nil, false] ->
+        result
+
+      _ ->
+        if System.monotonic_time(:millisecond) > deadline do
+          flunk("condition not met in time")
+        else
+          Process.sleep(20)
+          do_eventually(fun, deadline)
+        end
+    end
+  end
+
+  def free_tcp_port do
+    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
+    {:ok, port} = :inet.port(socket)
+    :gen_tcp.close(socket)
+    port
+  end
+end

@@ -1,0 +1,186 @@
+Code.require_file("support/test_python.exs", __DIR__)
+
+defmodule VllmBridge.PoolTest do
+  # Pools and workers with real Python processes: crashes, restarts, blocking
+  # collectives, the raw worker API. Each test has its own pool.
+  use ExUnit.Case, async: true
+
+  import VllmBridge.PoolHelpers
+
+  alias VllmBridge.{Error, Pool, Proto, Ref, Runtime, Worker}
+
+  @moduletag timeout: 90_000
+
+  setup do
+    unless VllmBridge.TestPython.worker_available?() do
+      raise "the Python worker (bridge_py.worker) is not available"
+    end
+
+    :ok
+  end
+
+  test "pool functions", %{test: test} do
+    pool = start_pool!(:"#{test}", 2)
+
+    assert {:ok, 2} = Pool.size(pool)
+    assert {:ok, 60_000} = Pool.timeout(pool)
+    assert {:ok, [{0, w0}, {1, w1}]} = Pool.workers(pool)
+    assert w0 != w1
+    assert {:ok, ^w0} = Pool.worker(pool, 0)
+    assert {:ok, 1} = Pool.index_of(pool, w1)
+    assert :error = Pool.index_of(pool, self())
+    assert {:error, %Error{category: :bad_args}} = Pool.worker(pool, 2)
+    assert {:error, %Error{category: :bad_args}} = Pool.worker(pool, -1)
+    assert {:error, %Error{category: :bad_args}} = Pool.worker(pool, :zero)
+    assert {:error, %Error{category: :worker}} = Pool.worker(:no_such_pool, 0)
+    assert {:error, %Error{category: :worker}} = Pool.next_worker(:no_such_pool)
+    assert {:error, %Error{category: :worker}} = Pool.size("not an atom")
+
+    picks = for _ <- 1..4, do: elem(Pool.next_worker(pool), 1)
+    assert Enum.frequencies(picks) == %{w0 => 2, w1 => 2}
+
+    assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: :bad_pool, size: 0)
+    assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: "x")
+  end
+
+  @tag :capture_log
+  test "a killed Python process: pending callers get :worker errors, the worker restarts",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 2)
+    {:ok, old} = Pool.worker(pool, 0)
+    {:ok, other} = Pool.worker(pool, 1)
+    {:ok, os_pid} = Worker.os_pid(old)
+    assert is_integer(os_pid)
+
+    {:ok, counter} = Runtime.call_class("Counter", [], __runtime__: [pool: pool, worker: 0])
+
+    waiters =
+      for _ <- 1..2,
+          do:
+            Task.async(fn ->
+              Runtime.call_function("sleep", [30.0], __runtime__: [pool: pool, worker: 0])
+            end)
+
+    blocked = Task.async(fn -> Runtime.call_method(counter, "wait_gate", [30.0]) end)
+    eventually(fn -> match?({:ok, %{pending: 3}}, Worker.info(old)) end)
+
+    monitor = Process.monitor(old)
+    {_, 0} = System.cmd("kill", ["-9", Integer.to_string(os_pid)])
+
+    for task <- [blocked | waiters] do
+      assert {:error, %Error{category: :worker, message: message}} = Task.await(task, 5_000)
+      assert message =~ "exited"
+    end
+
+    assert_receive {:DOWN, ^monitor, :process, ^old, _}, 5_000
+
+    # a fresh worker (and Python process) takes index 0; the other is untouched
+    new =
+      eventually(fn ->
+        match?({:ok, pid} when pid != old, Pool.worker(pool, 0)) && elem(Pool.worker(pool, 0), 1)
+      end)
+
+    assert {:ok, new_os_pid} = Worker.os_pid(new)
+    assert new_os_pid != os_pid
+    assert {:ok, ^other} = Pool.worker(pool, 1)
+    assert {:ok, :alive} = Runtime.ping(:alive, __runtime__: [pool: pool, worker: 0])
+
+    # refs into the dead process are stale, never sent to the new one
+    assert {:error, %Error{category: :stale_ref, message: message}} =
+             Runtime.call_method(counter, "incr", [])
+
+    assert message =~ "Counter handle #{counter.id}"
+  end
+
+  test "a barrier blocks one call while the same worker keeps answering", %{test: test} do
+    # the shipped export table: StatelessProcessGroup over a TCPStore
+    pool = start_pool!(:"#{test}", 2, args: [])
+    port = free_tcp_port()
+
+    create = fn rank ->
+      Task.async(fn ->
+        Runtime.call_function(
+          "StatelessProcessGroup.create",
+          ["127.0.0.1", port, rank, 2],
+          store_timeout: 30,
+          __runtime__: [pool: pool, worker: rank]
+        )
+      end)
+    end
+
+    [t0, t1] = Enum.map([0, 1], create)
+    assert {:ok, %Ref{class: "StatelessProcessGroup"} = g0} = Task.await(t0, 40_000)
+    assert {:ok, %Ref{class: "StatelessProcessGroup"} = g1} = Task.await(t1, 40_000)
+    assert {:ok, w0} = Pool.worker(pool, 0)
+    assert g0.worker == w0
+    assert {:ok, 0} = Runtime.get_attr(g0, "rank")
+    assert {:ok, 2} = Runtime.get_attr(g1, "world_size")
+
+    # rank 0 enters the barrier; rank 1 has not arrived, so it blocks
+    barrier0 = Task.async(fn -> Runtime.call_method(g0, "barrier", [], timeout: 20) end)
+
+    for i <- 1..10 do
+      assert {:ok, {:pong, ^i}} = Runtime.ping({:pong, i}, __runtime__: [pool: pool, worker: 0])
+    end
+
+    assert Task.yield(barrier0, 200) == nil
+
+    assert {:ok, nil} = Runtime.call_method(g1, "barrier", [], timeout: 20)
+    assert {:ok, nil} = Task.await(barrier0, 20_000)
+
+    # and the group carries objects between ranks
+    b0 = Task.async(fn -> Runtime.call_method(g0, "broadcast_obj", [%{"k" => [1, 2]}, 0]) end)
+    assert {:ok, %{"k" => [1, 2]}} = Runtime.call_method(g1, "broadcast_obj", [nil, 0])
+    assert {:ok, %{"k" => [1, 2]}} = Task.await(b0, 20_000)
+
+    assert {:ok, 1} = Runtime.release(g1)
+    assert {:ok, 1} = Runtime.release(g0)
+  end
+
+  describe "Worker" do
+    test "raw requests, duplicate ids, info" do
+      worker = start_supervised!({Worker, args: sample_args()})
+      {:ok, info} = Worker.info(worker)
+      assert %{pending: 0, pool: nil} = info
+      assert is_integer(info.os_pid)
+
+      id = Worker.new_id()
+
+      {:ok, frame} =
+        Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: <<0xC3>>}}})
+
+      assert {:ok, reply} = Worker.request(worker, id, frame, 30_000)
+      assert {:ok, %{id: ^id, result: {:value, <<0xC3>>}}} = Proto.decode_reply(reply)
+
+      # the same id twice while in flight is refused
+      id = Worker.new_id()
+      {:ok, args} = VllmBridge.Msgpack.encode([0.3])
+
+      {:ok, frame} =
+        Proto.encode_request(%{
+          id: id,
+          session: "",
+          op: {:call_function, %{function: "sleep", args: args, kwargs: ""}}
+        })
+
+      first = Worker.send_request(worker, id, frame)
+      assert {:error, %Error{category: :bad_args}} = Worker.request(worker, id, frame, 5_000)
+      assert {:ok, _reply} = Worker.await(first, 5_000)
+
+      # not iodata
+      assert {:error, %Error{category: :bad_args}} =
+               Worker.request(worker, Worker.new_id(), [:nope], 5_000)
+    end
+
+    test "a Python that cannot start is an error at start" do
+      assert {:error, {{:python_not_started, "/nonexistent/python", _}, _}} =
+               start_supervised({Worker, python: "/nonexistent/python"})
+    end
+
+    test "a worker that is not running is a :worker error" do
+      assert {:error, %Error{category: :worker}} = Worker.request(:no_such_worker, 1, "", 1_000)
+
+      assert {:error, %Error{category: :worker}} = Worker.os_pid(:no_such_worker)
+    end
+  end
+end
