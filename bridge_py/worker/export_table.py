@@ -14,6 +14,7 @@ def default_exports() -> ExportTable:
     from bridge_py import distributed as d
 
     return ExportTable.build(
+        module_docs={"Vllm.Distributed": d.__doc__ or ""},
         classes=[
             ExportedClass(
                 name="StatelessProcessGroup",
@@ -31,6 +32,7 @@ def default_exports() -> ExportTable:
                 attributes=(
                     "rank",
                     "world_size",
+                    "store",
                     "data_expiration_seconds",
                     "broadcast_send_counter",
                     "send_dst_counter",

@@ -56,13 +56,18 @@ class ExportTable:
 
     classes: dict[str, ExportedClass] = field(default_factory=dict)
     functions: dict[str, ExportedFunction] = field(default_factory=dict)
+    # Elixir module name -> moduledoc, for modules that hold functions only.
+    module_docs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(
-        cls, classes: Iterable[ExportedClass], functions: Iterable[ExportedFunction] = ()
+        cls,
+        classes: Iterable[ExportedClass],
+        functions: Iterable[ExportedFunction] = (),
+        module_docs: dict[str, str] | None = None,
     ) -> ExportTable:
         """A table from its entries; checks that every listed member exists."""
-        table = cls()
+        table = cls(module_docs=dict(module_docs or {}))
         for entry in classes:
             for member in (*entry.methods, *entry.static_methods, *entry.attributes):
                 if _is_dunder(member):

@@ -1,0 +1,79 @@
+"""The code generator: conventions on a sample table, and the --check contract."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bridge_py.codegen.__main__ import generate, main
+from bridge_py.codegen.model import build, underscore
+from tests.worker.sample_exports import table as sample_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_module_paths_follow_elixir_underscore() -> None:
+    assert underscore("StatelessProcessGroup") == "stateless_process_group"
+    assert underscore("NFSWorkspace") == "nfs_workspace"
+    assert underscore("GroupCoordinator") == "group_coordinator"
+    names = {m.name: m.path for m in build(sample_table())}
+    assert names == {"Sample": "sample.ex", "Sample.Counter": "sample/counter.ex"}
+
+
+def test_conventions_on_the_sample_table() -> None:
+    files = generate(sample_table())
+    counter = files["sample/counter.ex"]
+    # Counter(start=0, *, step=1): the optional positional goes in args, step is an option.
+    assert "def new(args, opts \\\\ []) do" in counter
+    assert 'VllmBridge.Runtime.call_class("Counter", [], [{:__args__, args} | opts])' in counter
+    assert "(keyword option `step:`)" in counter
+    # incr(self, by=None): ref first, then the args list.
+    assert "def incr(ref, args, opts \\\\ []) do" in counter
+    assert "@spec incr(t(), [term()], keyword()) :: {:ok, integer()}" in counter
+    # wait_gate(self, timeout: float = 10.0) -> bool
+    assert "{:ok, boolean()}" in counter
+    # Attributes are zero-argument getters.
+    assert "def value(ref) do" in counter and 'get_attr(ref, "value")' in counter
+    # Unexported methods get no function.
+    assert "secret" not in counter
+    sample = files["sample.ex"]
+    assert "def echo(value, opts \\\\ []) do" in sample
+    assert "def open_gate(counter, opts \\\\ []) do" in sample
+    assert "@spec double(VllmBridge.Tensor.t() | float(), keyword())" in sample
+    assert "DO NOT EDIT" in sample
+
+
+def test_check_passes_on_the_checked_in_files() -> None:
+    assert main(["--check"]) == 0
+
+
+def test_check_fails_on_a_hand_edit_and_generation_repairs_it(tmp_path: Path) -> None:
+    out = tmp_path / "lib"
+    shutil.copytree(ROOT / "elixir" / "lib" / "vllm", out / "vllm")
+    assert main(["--check", "--out", str(out)]) == 0
+    edited = out / "vllm" / "distributed" / "stateless_process_group.ex"
+    edited.write_text(edited.read_text().replace("def barrier(", "def barrier_renamed("))
+    assert main(["--check", "--out", str(out)]) == 1
+    assert main(["--out", str(out)]) == 0
+    assert main(["--check", "--out", str(out)]) == 0
+
+
+def test_check_fails_when_a_file_is_missing_or_orphaned(tmp_path: Path) -> None:
+    out = tmp_path / "lib"
+    shutil.copytree(ROOT / "elixir" / "lib" / "vllm", out / "vllm")
+    (out / "vllm" / "distributed.ex").unlink()
+    assert main(["--check", "--out", str(out)]) == 1
+    main(["--out", str(out)])
+    orphan = out / "vllm" / "old.ex"
+    orphan.write_text((out / "vllm" / "distributed.ex").read_text())
+    assert main(["--check", "--out", str(out)]) == 1
+
+
+@pytest.mark.parametrize("bad", ['"""', '  """  '])
+def test_docstrings_that_would_break_a_heredoc_are_refused(bad: str) -> None:
+    from bridge_py.codegen.render import _heredoc
+
+    with pytest.raises(ValueError):
+        _heredoc(f"line\n{bad}\nmore")
