@@ -27,7 +27,7 @@ from torch.distributed import Store
 
 from bridge_py.distributed import keys
 from bridge_py.distributed.barrier import run_barrier
-from bridge_py.distributed.store import format_address, join_group, open_store, remaining
+from bridge_py.distributed.store import format_address, join_group, open_store
 from bridge_py.distributed.waiting import BoundedWaiter
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
@@ -241,7 +241,7 @@ class StatelessProcessGroup:
         owned = listen_socket is None
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
         try:
-            join_group(store, rank, world_size, address, remaining(deadline))
+            join_group(store, rank, world_size, address, store_timeout, deadline)
         except BaseException as exc:
             # Release the store (rank 0: stop serving) before the error travels up: frames
             # kept alive by the traceback would otherwise keep the server running.

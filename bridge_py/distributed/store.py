@@ -163,26 +163,43 @@ _JOIN_COUNT = "join/count"
 _JOIN_DONE = "join/done"
 
 
-def join_group(store: TCPStore, rank: int, world_size: int, address: str, timeout: float) -> None:
+def join_group(
+    store: TCPStore,
+    rank: int,
+    world_size: int,
+    address: str,
+    timeout: float,
+    deadline: float | None = None,
+) -> None:
     """Return once all ``world_size`` ranks have joined the store, or raise ``StoreError``.
 
+    Waits until ``deadline`` (a ``time.monotonic()`` value) when given, else for ``timeout``
+    seconds; errors quote ``timeout`` (the caller's whole budget, connecting included).
     Each rank adds one to a counter; the rank that brings it to ``world_size`` sets a "done"
     key that everyone waits for (on a separate connection, with a deadline, see
     :class:`BoundedWaiter`). These two keys stay in the store for the group's life: a rank
     that joins late must still find them.
     """
-    joined = store.add(_JOIN_COUNT, 1)
+    try:
+        joined = store.add(_JOIN_COUNT, 1)
+        if joined == world_size:
+            store.set(_JOIN_DONE, b"1")
+            return
+        if joined < world_size:
+            wait_for = timeout if deadline is None else remaining(deadline)
+            if BoundedWaiter(store).wait([_JOIN_DONE], wait_for):
+                return
+            seen = store.add(_JOIN_COUNT, 0)
+    except RuntimeError as exc:
+        raise StoreError(
+            f"rank {rank} lost the store at {address} while waiting for all {world_size} "
+            f"ranks to join (did rank 0 give up?): {_first_line(exc)}"
+        ) from exc
     if joined > world_size:
         raise StoreError(
             f"rank {rank} is rank number {joined} to join {address}, but world_size is "
             f"{world_size}: another group uses this address, or ranks disagree on world_size"
         )
-    if joined == world_size:
-        store.set(_JOIN_DONE, b"1")
-        return
-    if BoundedWaiter(store).wait([_JOIN_DONE], timeout):
-        return
-    seen = store.add(_JOIN_COUNT, 0)
     raise StoreError(
         f"{seen} of {world_size} ranks joined {address} within {timeout:g} s "
         f"(rank {rank} gave up waiting for the others)"

@@ -22,7 +22,7 @@ from torch.distributed import Backend, PrefixStore, ProcessGroup
 from torch.distributed.distributed_c10d import _get_default_timeout, is_nccl_available
 
 from bridge_py.distributed.stateless_process_group import validate_rank
-from bridge_py.distributed.store import format_address, join_group, open_store, remaining
+from bridge_py.distributed.store import format_address, join_group, open_store
 
 __all__ = [
     "stateless_destroy_torch_distributed_process_group",
@@ -92,7 +92,7 @@ def stateless_init_torch_distributed_process_group(
     store, sock = open_store(host, port, rank, seconds, listen_socket=listen_socket)
     try:
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
-        join_group(store, rank, world_size, address, remaining(deadline))
+        join_group(store, rank, world_size, address, seconds, deadline)
         # The backend's keys get their own prefix, apart from the join keys.
         prefix_store = PrefixStore("pg/", store)
         pg = ProcessGroup(prefix_store, rank, world_size)

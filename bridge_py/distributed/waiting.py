@@ -30,9 +30,8 @@ class BoundedWaiter:
         if self._connection is None:
             try:
                 self._connection = self._store.clone()
-            except (RuntimeError, AttributeError, NotImplementedError):
-                # Stores without clone() (e.g. HashStore) are in-process: a timed-out wait
-                # leaves nothing behind, so waiting on the store itself is safe.
+            except (AttributeError, NotImplementedError):
+                # A custom store without clone(): wait on the store itself.
                 self._connection = self._store
         return self._connection
 

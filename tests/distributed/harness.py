@@ -74,6 +74,7 @@ def run_ranks(
     Returns the results in the order of ``ranks``. Raises AssertionError with the child's
     traceback when a rank raises, or naming the missing ranks after ``timeout`` seconds.
     """
+    __tracebackhide__ = True  # pytest: show the child's traceback, not this function
     ranks = list(range(world_size)) if ranks is None else list(ranks)
     ctx = _context()
     results = ctx.Queue()

@@ -1,0 +1,47 @@
+"""barrier(timeout) fails fast and clearly when a rank is missing, and the group stays usable."""
+
+from __future__ import annotations
+
+import time
+
+from bridge_py.distributed import StatelessProcessGroup
+from tests.distributed.harness import free_port, run_ranks
+
+TIMEOUT = 1.0
+
+
+def _absent_rank(rank: int, port: int) -> dict:
+    # store_timeout is large: the barrier must be bounded by its own timeout, not by this.
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=300)
+    result: dict = {}
+    if rank == 2:
+        time.sleep(TIMEOUT + 1.0)  # misses barrier 0, then arrives late
+    start = time.monotonic()
+    try:
+        group.barrier(timeout=TIMEOUT)
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    result["elapsed"] = time.monotonic() - start
+    # Every rank is present now: the next barrier, and the group's main connection, work.
+    group.barrier(timeout=30)
+    result["gathered"] = group.all_gather_obj(rank)
+    group.barrier(timeout=30)
+    return result
+
+
+def test_barrier_times_out_naming_rank_phase_and_arrivals() -> None:
+    results = run_ranks(_absent_rank, 3, free_port())
+    for rank in (0, 1):
+        error = results[rank]["error"]
+        assert results[rank]["elapsed"] < TIMEOUT + 1.0, results[rank]
+        assert f"failed on rank {rank}" in error
+        assert "phase 1 (arrival)" in error
+        assert "2 of 3 ranks arrived" in error
+    # The late rank learns the same outcome at once instead of passing a barrier the others
+    # gave up on, so all ranks agree and number their next barrier alike.
+    late = results[2]
+    assert "failed on rank 2" in late["error"]
+    assert "timed out after 1 s in phase 1 (arrival): 2 of 3 ranks arrived" in late["error"]
+    assert late["elapsed"] < 0.5
+    for result in results:
+        assert result["gathered"] == [0, 1, 2]
