@@ -18,7 +18,7 @@ import time
 import traceback
 
 import torch
-from torch.distributed import Backend, PrefixStore, ProcessGroup
+from torch.distributed import Backend, PrefixStore, ProcessGroup, TCPStore
 from torch.distributed.distributed_c10d import _get_default_timeout, is_nccl_available
 
 from bridge_py.distributed.stateless_process_group import validate_rank
@@ -63,6 +63,22 @@ def _make_backend(
     raise ValueError(f"unsupported backend {str(backend)!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
 
 
+def _assemble(
+    store: TCPStore, rank: int, world_size: int, backend: Backend, timeout: datetime.timedelta
+) -> ProcessGroup:
+    """A ProcessGroup over ``store`` with one backend registered for its device."""
+    # The backend's keys get their own prefix, apart from the join keys.
+    prefix_store = PrefixStore("pg/", store)
+    pg = ProcessGroup(prefix_store, rank, world_size)
+    backend_obj, backend_type, device = _make_backend(
+        backend, prefix_store, rank, world_size, timeout
+    )
+    pg._set_default_backend(backend_type)
+    backend_obj._set_sequence_number_for_group()
+    pg._register_backend(device, backend_type, backend_obj)
+    return pg
+
+
 def stateless_init_torch_distributed_process_group(
     host: str,
     port: int,
@@ -93,15 +109,7 @@ def stateless_init_torch_distributed_process_group(
     try:
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
         join_group(store, rank, world_size, address, seconds, deadline)
-        # The backend's keys get their own prefix, apart from the join keys.
-        prefix_store = PrefixStore("pg/", store)
-        pg = ProcessGroup(prefix_store, rank, world_size)
-        backend_obj, backend_type, device = _make_backend(
-            backend_name, prefix_store, rank, world_size, delta
-        )
-        pg._set_default_backend(backend_type)
-        backend_obj._set_sequence_number_for_group()
-        pg._register_backend(device, backend_type, backend_obj)
+        pg = _assemble(store, rank, world_size, backend_name, delta)
     except BaseException as exc:
         # Let rank 0's store server stop now rather than when the traceback is collected.
         del store

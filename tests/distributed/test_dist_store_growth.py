@@ -44,6 +44,9 @@ def _mixed_operations(rank: int, port: int) -> dict:
 
 def test_store_holds_a_constant_number_of_keys_after_many_operations() -> None:
     results = run_ranks(_mixed_operations, WORLD_SIZE, free_port(), timeout=150)
-    print(f"{OPERATIONS} mixed operations in {results[0]['seconds']:.1f} s")
+    print(
+        f"{OPERATIONS} mixed operations in {results[0]['seconds']:.1f} s, "
+        f"at most {results[0]['most_keys']} keys in the store"
+    )
     assert results[0]["most_keys"] <= MAX_KEYS, results[0]
     assert results[0]["final_keys"] == 2  # the two join keys
