@@ -27,10 +27,10 @@ defmodule VllmBridge.Msgpack do
 
   ## Large values are not copied
 
-  `encode/1` returns iodata. A binary longer than 64 bytes, and the data of a
-  tensor, is placed in that iodata as the very binary you passed in (a
-  reference to the same off-heap bytes), so encoding a 64 MiB tensor allocates
-  a few bytes of header, not 64 MiB. `decode/2` likewise returns str, bin and
+  `encode/1` returns iodata. Every binary, and the data of a tensor, is placed
+  in that iodata as the very binary you passed in (for a binary over 64 bytes,
+  a reference to the same off-heap bytes), so encoding a 64 MiB tensor
+  allocates a few bytes of header, not 64 MiB. `decode/2` likewise returns str, bin and
   tensor data as sub-binaries of its input: they keep the input alive, so use
   `:binary.copy/1` on a small piece you keep for long from a large reply.
 
@@ -68,10 +68,6 @@ defmodule VllmBridge.Msgpack do
   @max_u32 0xFFFFFFFF
   @max_u64 0xFFFFFFFFFFFFFFFF
   @min_s64 -0x8000000000000000
-
-  # Binaries up to this size are copied into their header; larger ones are
-  # referenced from the iodata.
-  @inline_limit 64
 
   @doc """
   Encodes a term as canonical msgpack iodata.
@@ -191,7 +187,7 @@ defmodule VllmBridge.Msgpack do
         end
       end
 
-    if size <= @inline_limit, do: <<header::binary, bin::binary>>, else: [header | bin]
+    [header | bin]
   end
 
   defp enc(atom) when is_atom(atom) do
@@ -303,8 +299,9 @@ defmodule VllmBridge.Msgpack do
     throw({__MODULE__, Error.new(:encode, message, details: %{term: term})})
   end
 
-  # UTF-8 validity, eight ASCII bytes at a time where possible.
-  defp utf8?(<<word::64, rest::binary>>) when (word &&& 0x8080808080808080) == 0,
+  # UTF-8 validity, eight ASCII bytes at a time where possible (two 32-bit
+  # words: a 64-bit one would be a bignum).
+  defp utf8?(<<w1::32, w2::32, rest::binary>>) when ((w1 ||| w2) &&& 0x80808080) == 0,
     do: utf8?(rest)
 
   defp utf8?(<<byte, rest::binary>>) when byte < 0x80, do: utf8?(rest)
@@ -314,67 +311,82 @@ defmodule VllmBridge.Msgpack do
 
   ## Decoding -----------------------------------------------------------------
 
-  defp dec(<<byte, rest::binary>>, _r) when byte < 0x80, do: {byte, rest}
-  defp dec(<<0b1000::4, n::4, rest::binary>>, r), do: dec_map(n, rest, r, [])
-  defp dec(<<0b1001::4, n::4, rest::binary>>, r), do: dec_array(n, rest, r, [])
-  defp dec(<<0b101::3, n::5, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xC0, rest::binary>>, _r), do: {nil, rest}
-  defp dec(<<0xC2, rest::binary>>, _r), do: {false, rest}
-  defp dec(<<0xC3, rest::binary>>, _r), do: {true, rest}
-  defp dec(<<0xC4, n, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xC5, n::16, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xC6, n::32, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xC7, n, t, p::binary-size(n), rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xC8, n::16, t, p::binary-size(n), rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xC9, n::32, t, p::binary-size(n), rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xCA, x::float-32, rest::binary>>, _r), do: {x, rest}
-  defp dec(<<0xCA, x::bitstring-32, rest::binary>>, _r), do: {special(x), rest}
-  defp dec(<<0xCB, x::float-64, rest::binary>>, _r), do: {x, rest}
-  defp dec(<<0xCB, x::bitstring-64, rest::binary>>, _r), do: {special(x), rest}
-  defp dec(<<0xCC, i, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xCD, i::16, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xCE, i::32, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xCF, i::64, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xD0, i::8-signed, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xD1, i::16-signed, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xD2, i::32-signed, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xD3, i::64-signed, rest::binary>>, _r), do: {i, rest}
-  defp dec(<<0xD4, t, p::binary-1, rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xD5, t, p::binary-2, rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xD6, t, p::binary-4, rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xD7, t, p::binary-8, rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xD8, t, p::binary-16, rest::binary>>, r), do: {ext(t, p, r), rest}
-  defp dec(<<0xD9, n, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xDA, n::16, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xDB, n::32, s::binary-size(n), rest::binary>>, _r), do: {s, rest}
-  defp dec(<<0xDC, n::16, rest::binary>>, r), do: dec_array(n, rest, r, [])
-  defp dec(<<0xDD, n::32, rest::binary>>, r), do: dec_array(n, rest, r, [])
-  defp dec(<<0xDE, n::16, rest::binary>>, r), do: dec_map(n, rest, r, [])
-  defp dec(<<0xDF, n::32, rest::binary>>, r), do: dec_map(n, rest, r, [])
-  defp dec(<<0b111::3, _::5, _::binary>> = bin, _r), do: dec_negative_fixint(bin)
-  defp dec(<<>> = rest, _r), do: throw({__MODULE__, "unexpected end of input", rest})
-  defp dec(<<0xC1, _::binary>> = rest, _r), do: throw({__MODULE__, "invalid byte 0xc1", rest})
+  # A stack machine: d/3 reads the next value, v/4 hands a finished value to
+  # the innermost open array or map. Both keep the binary first and only ever
+  # tail-call each other, so the VM keeps one match context for the whole
+  # input instead of making a sub-binary per value. Stack frames:
+  # {:a, left, acc} (array), {:k, left, acc} (map, a key is next) and
+  # {:v, left, key, acc} (map, the value of key is next).
+  defp dec(bin, r), do: d(bin, [], r)
 
-  defp dec(<<byte, _::binary>> = rest, _r) do
+  defp d(<<byte, rest::binary>>, st, r) when byte < 0x80, do: v(rest, st, r, byte)
+  defp d(<<0b1000::4, n::4, rest::binary>>, st, r), do: map(rest, st, r, n)
+  defp d(<<0b1001::4, n::4, rest::binary>>, st, r), do: array(rest, st, r, n)
+  defp d(<<0b101::3, n::5, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<0xC0, rest::binary>>, st, r), do: v(rest, st, r, nil)
+  defp d(<<0xC2, rest::binary>>, st, r), do: v(rest, st, r, false)
+  defp d(<<0xC3, rest::binary>>, st, r), do: v(rest, st, r, true)
+  defp d(<<0xC4, n, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<0xC5, n::16, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<0xC6, n::32, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+
+  defp d(<<0xC7, n, t, p::binary-size(n), rest::binary>>, st, r),
+    do: v(rest, st, r, ext(t, p, r))
+
+  defp d(<<0xC8, n::16, t, p::binary-size(n), rest::binary>>, st, r),
+    do: v(rest, st, r, ext(t, p, r))
+
+  defp d(<<0xC9, n::32, t, p::binary-size(n), rest::binary>>, st, r),
+    do: v(rest, st, r, ext(t, p, r))
+
+  defp d(<<0xCA, x::float-32, rest::binary>>, st, r), do: v(rest, st, r, x)
+  defp d(<<0xCA, x::bitstring-32, rest::binary>>, st, r), do: v(rest, st, r, special(x))
+  defp d(<<0xCB, x::float-64, rest::binary>>, st, r), do: v(rest, st, r, x)
+  defp d(<<0xCB, x::bitstring-64, rest::binary>>, st, r), do: v(rest, st, r, special(x))
+  defp d(<<0xCC, i, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xCD, i::16, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xCE, i::32, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xCF, i::64, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xD0, i::8-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xD1, i::16-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xD2, i::32-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xD3, i::64-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
+  defp d(<<0xD4, t, p::binary-1, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xD5, t, p::binary-2, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xD6, t, p::binary-4, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xD7, t, p::binary-8, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xD8, t, p::binary-16, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xD9, n, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<0xDA, n::16, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<0xDB, n::32, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<0xDC, n::16, rest::binary>>, st, r), do: array(rest, st, r, n)
+  defp d(<<0xDD, n::32, rest::binary>>, st, r), do: array(rest, st, r, n)
+  defp d(<<0xDE, n::16, rest::binary>>, st, r), do: map(rest, st, r, n)
+  defp d(<<0xDF, n::32, rest::binary>>, st, r), do: map(rest, st, r, n)
+  defp d(<<i::8-signed, rest::binary>>, st, r) when i >= -32, do: v(rest, st, r, i)
+  defp d(<<>> = rest, _st, _r), do: throw({__MODULE__, "unexpected end of input", rest})
+  defp d(<<0xC1, _::binary>> = rest, _st, _r), do: throw({__MODULE__, "invalid byte 0xc1", rest})
+
+  defp d(<<byte, _::binary>> = rest, _st, _r) do
     throw({__MODULE__, "truncated value (type byte 0x#{hex(byte)})", rest})
   end
 
-  defp dec_negative_fixint(<<i::8-signed, rest::binary>>), do: {i, rest}
+  defp array(rest, st, r, 0), do: v(rest, st, r, [])
+  defp array(rest, st, r, n), do: d(rest, [{:a, n, []} | st], r)
 
-  defp dec_array(0, rest, _r, acc), do: {:lists.reverse(acc), rest}
+  defp map(rest, st, r, 0), do: v(rest, st, r, %{})
+  defp map(rest, st, r, n), do: d(rest, [{:k, n, []} | st], r)
 
-  defp dec_array(n, rest, r, acc) do
-    {value, rest} = dec(rest, r)
-    dec_array(n - 1, rest, r, [value | acc])
-  end
+  defp v(rest, [], _r, value), do: {value, rest}
+  defp v(rest, [{:a, 1, acc} | st], r, value), do: v(rest, st, r, :lists.reverse(acc, [value]))
+  defp v(rest, [{:a, n, acc} | st], r, value), do: d(rest, [{:a, n - 1, [value | acc]} | st], r)
+  defp v(rest, [{:k, n, acc} | st], r, key), do: d(rest, [{:v, n, key, acc} | st], r)
 
-  defp dec_map(0, rest, _r, acc), do: {:maps.from_list(acc), rest}
+  defp v(rest, [{:v, 1, key, acc} | st], r, value),
+    do: v(rest, st, r, :maps.from_list(:lists.reverse(acc, [{key, value}])))
 
-  defp dec_map(n, rest, r, acc) do
-    {key, rest} = dec(rest, r)
-    {value, rest} = dec(rest, r)
-    dec_map(n - 1, rest, r, [{key, value} | acc])
-  end
+  defp v(rest, [{:v, n, key, acc} | st], r, value),
+    do: d(rest, [{:k, n - 1, [{key, value} | acc]} | st], r)
 
   defp ext(@ext_atom, name, _r) do
     :erlang.binary_to_existing_atom(name, :utf8)
@@ -383,7 +395,7 @@ defmodule VllmBridge.Msgpack do
   end
 
   defp ext(@ext_tuple, payload, r) do
-    case dec(payload, r) do
+    case d(payload, [], r) do
       {list, <<>>} when is_list(list) -> List.to_tuple(list)
       _ -> throw({__MODULE__, "tuple extension must hold exactly one array", payload})
     end

@@ -111,6 +111,35 @@ defmodule VllmBridge.Runtime do
   end
 
   @doc """
+  Calls an exported static or class method (`"StatelessProcessGroup.create"`)
+  where the documented Elixir signature puts a ref first: `ref` is `nil`, or
+  a ref used only for placement (the call runs on that ref's worker, as with
+  `__runtime__: [worker: ref]`); it is not passed to Python.
+  """
+  @spec call_static(Ref.t() | nil, String.t(), args(), opts()) :: result()
+  def call_static(ref, name, args, opts \\ [])
+  def call_static(nil, name, args, opts), do: call_function(name, args, opts)
+
+  def call_static(%Ref{} = ref, name, args, opts) when is_list(opts) do
+    if Keyword.keyword?(opts) do
+      {runtime, opts} = Keyword.pop(opts, :__runtime__, [])
+
+      if Keyword.keyword?(runtime) do
+        runtime = Keyword.update(runtime, :worker, ref, &(&1 || ref))
+        call_function(name, args, [{:__runtime__, runtime} | opts])
+      else
+        bad(":__runtime__ must be a keyword list", runtime)
+      end
+    else
+      bad("options must be a keyword list", opts)
+    end
+  end
+
+  def call_static(other, _name, _args, _opts) do
+    bad("the first argument of a static method is nil or a ref (for placement)", other)
+  end
+
+  @doc """
   Reads an exported attribute or property of the object `ref` names.
   """
   @spec get_attr(Ref.t(), String.t(), opts()) :: result()

@@ -124,6 +124,14 @@ defmodule VllmBridge.RuntimeTest do
     # a ref among the arguments places the call next to it (open_gate(counter))
     for _ <- 1..3, do: assert({:ok, nil} = Runtime.call_function("open_gate", [counter], rt()))
 
+    # call_static/4: a ref first, for placement only (generated static methods)
+    for _ <- 1..3 do
+      assert {:ok, %Ref{worker: ^w2}} = Runtime.call_static(counter, "make_unencodable", [], rt())
+    end
+
+    assert {:ok, 5} = Runtime.call_static(nil, "echo", [5], rt())
+    assert {:error, %Error{category: :bad_args}} = Runtime.call_static(:x, "echo", [5], rt())
+
     # an explicit worker: pid must belong to the pool
     assert {:ok, _} = Runtime.ping(1, rt(worker: w2))
     assert {:error, %Error{category: :bad_args}} = Runtime.ping(1, rt(worker: self()))
