@@ -24,7 +24,11 @@ from bridge_py.worker.exports import ExportTable
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED_ROOT = "vllm"
 
-_FORMAT = "for path <- System.argv(), do: File.write!(path, [Code.format_file!(path), ?\\n])"
+# Exactly what `mix format` writes: the formatted code and one trailing newline.
+_FORMAT = (
+    "for path <- System.argv(), do: File.write!(path, "
+    "[path |> Code.format_file!() |> IO.iodata_to_binary() |> String.trim_trailing(), ?\\n])"
+)
 
 
 def _table(spec: str) -> ExportTable:

@@ -89,4 +89,3 @@ defmodule Vllm.Distributed do
     )
   end
 end
-

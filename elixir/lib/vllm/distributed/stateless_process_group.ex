@@ -345,4 +345,3 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     VllmBridge.Runtime.get_attr(ref, "world_size")
   end
 end
-
