@@ -85,7 +85,8 @@ defmodule Vllm.Distributed.StatelessProcessGroupTest do
     {:ok, tensor} =
       Tensor.new({:f, 32}, {2, 3}, for(x <- 1..6, into: <<>>, do: <<x * 1.5::float-32-little>>))
 
-    {:ok, ints} = Tensor.new({:s, 64}, {2}, <<-7::signed-64-little, 1 <<< 40::signed-64-little>>)
+    {:ok, ints} =
+      Tensor.new({:s, 64}, {2}, <<-7::signed-64-little, 1_099_511_627_776::signed-64-little>>)
 
     term = %{
       "map" => %{1 => "one", :atom_key => [1, 2]},
