@@ -103,7 +103,9 @@ def _broadcast_each(rank: int, port: int) -> dict:
         "received": received,
         "send": group.broadcast_send_counter,
         "recv": group.broadcast_recv_src_counter,
-        "keys": group.store.num_keys(),
+        # Only rank 0 reads the store after the barrier: it serves the store, and the
+        # others may exit (their reads could race rank 0's exit otherwise).
+        "keys": group.store.num_keys() if rank == 0 else None,
     }
 
 
@@ -129,7 +131,9 @@ def _all_gather(rank: int, port: int) -> dict:
         "second": [(d["rank"], d["t"].tolist()) for d in second],
         "send": group.broadcast_send_counter,
         "recv": group.broadcast_recv_src_counter,
-        "keys": group.store.num_keys(),
+        # Only rank 0 reads the store after the barrier: it serves the store, and the
+        # others may exit (their reads could race rank 0's exit otherwise).
+        "keys": group.store.num_keys() if rank == 0 else None,
     }
 
 

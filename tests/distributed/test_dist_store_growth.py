@@ -37,7 +37,8 @@ def _mixed_operations(rank: int, port: int) -> dict:
     return {
         "seconds": time.monotonic() - start,
         "most_keys": most_keys,
-        "final_keys": group.store.num_keys(),
+        # Only rank 0 (the store's server) reads it after the last barrier.
+        "final_keys": group.store.num_keys() if rank == 0 else None,
         "entries": len(group.entries),
     }
 
