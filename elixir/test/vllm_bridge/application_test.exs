@@ -28,17 +28,15 @@ defmodule VllmBridge.ApplicationTest do
       Application.ensure_all_started(:vllm_bridge)
     end)
 
-    if VllmBridge.TestPython.worker_available?() do
-      Application.put_env(:vllm_bridge, :default_pool,
-        size: 1,
-        args: VllmBridge.PoolHelpers.sample_args()
-      )
+    Application.put_env(:vllm_bridge, :default_pool,
+      size: 1,
+      args: VllmBridge.PoolHelpers.sample_args()
+    )
 
-      :ok = Application.stop(:vllm_bridge)
-      {:ok, _} = Application.ensure_all_started(:vllm_bridge)
+    :ok = Application.stop(:vllm_bridge)
+    {:ok, _} = Application.ensure_all_started(:vllm_bridge)
 
-      assert {:ok, 1} = Pool.size(VllmBridge.DefaultPool)
-      assert {:ok, {:hi, [1]}} = Runtime.ping({:hi, [1]})
-    end
+    assert {:ok, 1} = Pool.size(VllmBridge.DefaultPool)
+    assert {:ok, {:hi, [1]}} = Runtime.ping({:hi, [1]})
   end
 end

@@ -135,42 +135,36 @@ defmodule VllmBridge.ProtoTest do
     assert {:error, %Error{category: :protocol}} = Proto.reply_id(<<>>)
   end
 
-  test "agrees with the Python protobuf runtime, when available" do
-    python = VllmBridge.TestPython.python()
+  test "agrees with the Python protobuf runtime" do
+    python = VllmBridge.TestPython.python!()
 
-    if python && VllmBridge.TestPython.has_module?(python, "google.protobuf") do
-      hexes =
-        Enum.map_join(@requests, ",", fn r ->
-          {:ok, io} = Proto.encode_request(r)
-          "\"" <> Base.encode16(bin(io), case: :lower) <> "\""
-        end)
+    hexes =
+      Enum.map_join(@requests, ",", fn r ->
+        {:ok, io} = Proto.encode_request(r)
+        "\"" <> Base.encode16(bin(io), case: :lower) <> "\""
+      end)
 
-      script = """
-      import sys, tempfile, subprocess, importlib
-      from google.protobuf import descriptor_pool
-      # compile bridge.proto with grpc_tools when present; otherwise skip quietly
-      try:
-          from grpc_tools import protoc
-      except ImportError:
-          sys.exit(0)
-      out = tempfile.mkdtemp()
-      assert protoc.main(["protoc", "-Iproto", "--python_out=" + out, "proto/bridge.proto"]) == 0
-      sys.path.insert(0, out)
-      pb = importlib.import_module("bridge_pb2")
-      for h in [#{hexes}]:
-          data = bytes.fromhex(h)
-          m = pb.Request()
-          m.ParseFromString(data)
-          assert m.SerializeToString(deterministic=True) == data, (h, m)
-      """
+    script = """
+    import sys, tempfile, subprocess, importlib
+    from google.protobuf import descriptor_pool
+    from grpc_tools import protoc
+    out = tempfile.mkdtemp()
+    assert protoc.main(["protoc", "-Iproto", "--python_out=" + out, "proto/bridge.proto"]) == 0
+    sys.path.insert(0, out)
+    pb = importlib.import_module("bridge_pb2")
+    for h in [#{hexes}]:
+        data = bytes.fromhex(h)
+        m = pb.Request()
+        m.ParseFromString(data)
+        assert m.SerializeToString(deterministic=True) == data, (h, m)
+    """
 
-      assert {out, 0} =
-               System.cmd(python, ["-c", script],
-                 cd: VllmBridge.TestPython.root(),
-                 stderr_to_stdout: true
-               )
+    assert {out, 0} =
+             System.cmd(python, ["-c", script],
+               cd: VllmBridge.TestPython.root(),
+               stderr_to_stdout: true
+             )
 
-      assert out == ""
-    end
+    assert out == ""
   end
 end

@@ -55,38 +55,34 @@ defmodule VllmBridge.VectorsTest do
 
   @tag timeout: 60_000
   test "Python decodes Elixir's encodings to its own cases" do
-    python = VllmBridge.TestPython.python()
+    python = VllmBridge.TestPython.python!()
     check = Path.join(@dir, "check.py")
+    assert File.exists?(check)
 
-    if python == nil or not File.exists?(check) or
-         not VllmBridge.TestPython.has_module?(python, "torch") do
-      IO.puts(:stderr, "\nskipping the Python half of the vectors test: no Python with torch")
-    else
-      for {kind, file} <- [{"msgpack", "msgpack.txt"}, {"envelope", "envelope.txt"}] do
-        lines =
-          for {name, _bytes, value} <- vectors(file) do
-            {:ok, iodata} =
-              if kind == "msgpack", do: Msgpack.encode(value), else: encode(name, value)
+    for {kind, file} <- [{"msgpack", "msgpack.txt"}, {"envelope", "envelope.txt"}] do
+      lines =
+        for {name, _bytes, value} <- vectors(file) do
+          {:ok, iodata} =
+            if kind == "msgpack", do: Msgpack.encode(value), else: encode(name, value)
 
-            [name, "\t", Base.encode16(IO.iodata_to_binary(iodata), case: :lower), "\n"]
-          end
-
-        path =
-          Path.join(
-            System.tmp_dir!(),
-            "vllm_bridge_#{kind}_#{System.unique_integer([:positive])}"
-          )
-
-        File.write!(path, lines)
-
-        try do
-          {output, status} =
-            System.cmd(python, [check, kind, path], cd: @root, stderr_to_stdout: true)
-
-          assert status == 0, "check.py #{kind} failed:\n#{output}"
-        after
-          File.rm(path)
+          [name, "\t", Base.encode16(IO.iodata_to_binary(iodata), case: :lower), "\n"]
         end
+
+      path =
+        Path.join(
+          System.tmp_dir!(),
+          "vllm_bridge_#{kind}_#{System.unique_integer([:positive])}"
+        )
+
+      File.write!(path, lines)
+
+      try do
+        {output, status} =
+          System.cmd(python, [check, kind, path], cd: @root, stderr_to_stdout: true)
+
+        assert status == 0, "check.py #{kind} failed:\n#{output}"
+      after
+        File.rm(path)
       end
     end
   end

@@ -18,6 +18,11 @@ defmodule VllmBridge.TestPython do
     end
   end
 
+  @doc "The Python the runtime would use; fails the test when there is none (make setup)."
+  def python! do
+    python() || raise "no Python found: run `make setup` (or set VLLM_BRIDGE_PYTHON)"
+  end
+
   def has_module?(python, module) do
     match?({_, 0}, System.cmd(python, ["-c", "import #{module}"], stderr_to_stdout: true))
   end
