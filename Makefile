@@ -32,8 +32,8 @@ test-elixir:
 	MIX_ENV=test mix test
 
 lint:
-	$(PY) -m ruff check bridge_py tests bench
-	$(PY) -m ruff format --check bridge_py tests bench
+	$(PY) -m ruff check bridge_py tests $(wildcard bench)
+	$(PY) -m ruff format --check bridge_py tests $(wildcard bench)
 	mix format --check-formatted
 
 # Regenerate the checked-in Elixir modules from the export table.

@@ -19,6 +19,9 @@ _SIMPLE: dict[Any, str] = {
     type(None): "nil",
     None: "nil",
     torch.Tensor: "VllmBridge.Tensor.t()",
+    torch.dtype: "VllmBridge.Tensor.type()",
+    torch.device: "String.t()",
+    torch.Size: "tuple()",
 }
 
 

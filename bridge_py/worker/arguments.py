@@ -15,6 +15,10 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from bridge_py.worker.codec import CodecError, dtype_from_term
+
 
 class BadArguments(TypeError):
     """Arguments that do not fit the callee's signature."""
@@ -66,21 +70,49 @@ def _fits(value: Any, allowed: tuple[type, ...]) -> bool:
     return isinstance(value, allowed)
 
 
-def check_call(fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """Raise :class:`BadArguments` naming ``name`` when the call cannot fit ``fn``."""
+def _takes_dtype(annotation: Any) -> bool:
+    if annotation is torch.dtype:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(arg is torch.dtype for arg in typing.get_args(annotation))
+    return False
+
+
+def prepare_call(
+    fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """Check a call against ``fn``'s signature and return its arguments, ready to pass.
+
+    Raises :class:`BadArguments` naming ``name`` when the call cannot fit. Arguments
+    annotated ``torch.dtype`` are converted from their wire form (``{:f, 32}``,
+    ``"float32"``); everything else passes through unchanged.
+    """
     target = getattr(fn, "__func__", fn)
     sig, hints = _signature(target, target is not fn)
     if sig is None:
-        return
+        return args, kwargs
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
         raise BadArguments(f"{name}{sig}: {exc}") from None
+    converted = False
     for param, value in bound.arguments.items():
-        allowed = _allowed(hints.get(param))
+        hint = hints.get(param)
+        if value is not None and _takes_dtype(hint):
+            try:
+                bound.arguments[param] = dtype_from_term(value)
+            except CodecError as exc:
+                raise BadArguments(f"{name}: argument {param!r}: {exc}") from None
+            converted = True
+            continue
+        allowed = _allowed(hint)
         if allowed is not None and not _fits(value, allowed):
             wanted = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
             raise BadArguments(
                 f"{name}: argument {param!r} must be {wanted}, got {type(value).__name__} "
                 f"{value!r:.80}"
             )
+    if not converted:
+        return args, kwargs
+    return list(bound.args), dict(bound.kwargs)

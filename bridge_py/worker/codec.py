@@ -91,6 +91,39 @@ def dtype_from_wire(kind: str, bits: int) -> torch.dtype:
         raise CodecError(f"unknown tensor type {kind!r}{bits}") from None
 
 
+# Nx's names of the wire kinds, for dtypes written as Elixir tuples like {:f, 32}.
+_NX_KINDS = {"f": "f", "b": "bf", "s": "s", "u": "u", "c": "c", "p": "pred"}
+_WIRE_KINDS = {nx: wire for wire, nx in _NX_KINDS.items()}
+
+
+def dtype_to_term(dtype: torch.dtype) -> tuple[Atom, int]:
+    """A torch dtype as the Elixir (Nx-style) type tuple: ``torch.bfloat16 -> (:bf, 16)``."""
+    kind, bits = dtype_to_wire(dtype)
+    return (Atom(_NX_KINDS[kind]), bits)
+
+
+def dtype_from_term(value: Any) -> torch.dtype:
+    """A torch dtype from what a client may send for one.
+
+    Accepts an Nx-style type tuple (``(:f, 32)``, ``(:bf, 16)``, ``(:pred, 8)``), or a
+    torch dtype name as a string or atom (``"float32"``, ``:bfloat16``).
+    """
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        kind, bits = value
+        if isinstance(kind, str) and isinstance(bits, int) and kind in _WIRE_KINDS:
+            return dtype_from_wire(_WIRE_KINDS[kind], bits)
+    if isinstance(value, str):
+        dtype = getattr(torch, str(value), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise CodecError(
+        f"{value!r} is not a dtype: use an Nx-style type such as {{:f, 32}} or a torch "
+        'dtype name such as "float32"'
+    )
+
+
 def encode_tensor(tensor: torch.Tensor) -> bytes:
     """The ext-1 payload of a tensor: header, then its elements little-endian, row-major."""
     kind, bits = dtype_to_wire(tensor.dtype)
@@ -167,6 +200,10 @@ class Codec:
             return msgpack.ExtType(EXT_TUPLE, self.encode(list(obj)))
         if isinstance(obj, torch.Tensor):
             return msgpack.ExtType(EXT_TENSOR, encode_tensor(obj))
+        if isinstance(obj, torch.dtype):
+            return self._default(dtype_to_term(obj))
+        if isinstance(obj, torch.device):
+            return str(obj)
         if isinstance(obj, RefValue):
             return msgpack.ExtType(EXT_REF, obj.to_payload())
         # Subclasses of plain types (strict_types sends them here): encode as the base type.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.arguments import BadArguments, check_call
+from bridge_py.worker.arguments import BadArguments, prepare_call
 from bridge_py.worker.codec import Codec, CodecError, RefValue
 from bridge_py.worker.exports import ExportTable, NotExported
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
@@ -137,7 +137,7 @@ class Dispatcher:
     @staticmethod
     def _call(fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         try:
-            check_call(fn, name, args, kwargs)
+            args, kwargs = prepare_call(fn, name, args, kwargs)
         except BadArguments as exc:
             raise _Failure("bad_args", str(exc)) from None
         try:

@@ -64,6 +64,16 @@ def echo(value: object) -> object:
     return value
 
 
+def zeros(shape: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor of zeros: ``dtype`` may arrive as {:f, 32} or "float32"."""
+    return torch.zeros(shape, dtype=dtype)
+
+
+def dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype of a tensor (comes back as an Nx-style type tuple)."""
+    return tensor.dtype
+
+
 def sleep(seconds: float) -> float:
     """Sleep, then return the seconds slept."""
     time.sleep(seconds)
@@ -92,6 +102,8 @@ def table() -> ExportTable:
             ExportedFunction("double", double, "Sample"),
             ExportedFunction("echo", echo, "Sample"),
             ExportedFunction("sleep", sleep, "Sample"),
+            ExportedFunction("zeros", zeros, "Sample"),
+            ExportedFunction("dtype_of", dtype_of, "Sample"),
             ExportedFunction("make_unencodable", make_unencodable, "Sample"),
         ],
     )

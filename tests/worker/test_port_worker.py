@@ -42,6 +42,20 @@ def test_tensors_cross_in_both_directions(worker: PortClient) -> None:
     assert torch.equal(worker.function("echo", big), big)
 
 
+def test_dtype_arguments_accept_nx_types_and_names(worker: PortClient) -> None:
+    t = worker.function("zeros", [2, 3], (Atom("bf"), 16))
+    assert t.dtype == torch.bfloat16 and t.shape == (2, 3)
+    assert worker.function("zeros", [1], "float64").dtype == torch.float64
+    assert worker.function("zeros", [1], dtype=Atom("int8")).dtype == torch.int8
+    assert worker.function("zeros", [1], (Atom("pred"), 8)).dtype == torch.bool
+    assert worker.function("zeros", [1]).dtype == torch.float32
+    # dtypes come back as the same Nx-style tuples.
+    assert worker.function("dtype_of", torch.ones(1, dtype=torch.bfloat16)) == (Atom("bf"), 16)
+    for bad in [(Atom("f"), 7), "nonsense", 3]:
+        err = _error(worker, pb.CallFunction("zeros", PLAIN.encode([[1], bad])))
+        assert err.category == "bad_args" and "'dtype'" in err.message, err
+
+
 def test_blocking_call_does_not_stall_other_calls(worker: PortClient) -> None:
     gate = worker.create("Counter")
     other = worker.create("Counter")
