@@ -1,0 +1,562 @@
+"""vLLM's MessageQueue without vLLM: one writer broadcasting objects to many readers.
+
+Readers on the writer's node read from a shared-memory ring (:class:`ShmRingBuffer`, see
+``shm_ring.py`` for its layout); readers on other nodes get the same bytes over TCP
+(``shm_remote.py``, stdlib sockets, no ZeroMQ). Names, signatures and behaviour follow
+``vllm.distributed.device_communicators.shm_broadcast``; it does better in these ways:
+
+* a message larger than a chunk streams through consecutive chunks (readers copy each part
+  out and free the chunk at once), so any size works with any ring, without a side channel;
+* every wait is bounded by its ``timeout`` (``TimeoutError`` says what it waited for, and a
+  timeout in the middle of a message resumes, never corrupts the stream), and with
+  ``timeout=None`` a wait still ends with :class:`PeerGoneError` when the peer it waits for
+  closes its end or its process exits (local peers: their PID is checked a few times a
+  second while sleeping; remote ones: the connection closes or TCP keepalive gives up);
+* waiting spins for 2 ms, then sleeps in naps of at most 1 ms: an idle queue costs no core;
+* clear errors: a rank that is not a reader, a local handle used on another host, a reader
+  slot held twice, a writer or reader used the wrong way round;
+* :meth:`MessageQueue.close` (and garbage collection, and interpreter exit) unlinks the
+  segment; segment names carry a random token; readers never unlink.
+
+Messages are pickled (``shm_serialization.py``): connect only processes that trust each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+from bridge_py.distributed.device_communicators.shm_group import object_group, same_node_as
+from bridge_py.distributed.device_communicators.shm_remote import (
+    KIND_DATA,
+    KIND_READY,
+    RemotePublisher,
+    RemoteSubscriber,
+)
+from bridge_py.distributed.device_communicators.shm_ring import (
+    CHUNK_HEADER_BYTES,
+    SLOT_DETACHED,
+    SLOT_EMPTY,
+    ShmRingBuffer,
+)
+from bridge_py.distributed.device_communicators.shm_serialization import dumps, loads
+from bridge_py.distributed.device_communicators.shm_wait import (
+    PeerGoneError,
+    deadline_after,
+    pid_namespace,
+    process_alive,
+    wait_until,
+)
+
+__all__ = ["Handle", "MessageQueue", "PeerGoneError", "ShmRingBuffer"]
+
+logger = logging.getLogger(__name__)
+
+# How long a reader tries to connect to the writer, and wait_until_ready's default bound.
+CONNECT_TIMEOUT_SECONDS = 60.0
+READY_TIMEOUT_SECONDS = 300.0
+
+
+@dataclasses.dataclass
+class Handle:
+    """What a reader needs to join a queue; the writer's :meth:`MessageQueue.export_handle`.
+
+    The first five fields are vLLM's (``local_subscribe_addr`` stays None: large messages go
+    through the ring itself); the rest let readers check that they belong to this queue.
+    """
+
+    local_reader_ranks: list[int] = dataclasses.field(default_factory=list)
+    buffer_handle: tuple[int, int, int, str] | None = None
+    local_subscribe_addr: str | None = None
+    remote_subscribe_addr: str | None = None
+    remote_addr_ipv6: bool = False
+    # The ranks that may connect as remote readers (None: any rank not local).
+    remote_reader_ranks: list[int] | None = None
+    # A random token that remote readers present when they connect.
+    token: bytes = b""
+    # The writer's host name, for error messages.
+    writer_host: str = ""
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    """A message being written; kept when a timeout interrupts it, finished by the next call."""
+
+    payload: bytes
+    parts: int
+    part: int = 0
+    published: bool = False
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """A multi-chunk message being read; kept when a timeout interrupts it."""
+
+    data: bytearray
+    part: int = 0
+    filled: int = 0
+
+
+def _check_ranks(ranks: list[int], what: str) -> list[int]:
+    ranks = list(ranks)
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"{what} must be non-negative ints, got {ranks}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{what} must be distinct, got {ranks}")
+    return ranks
+
+
+class MessageQueue:
+    """A one-writer, many-reader queue of picklable objects (shared memory, and TCP).
+
+    The writer constructs it and hands :meth:`export_handle` to the readers, who call
+    :meth:`create_from_handle`; everyone then calls :meth:`wait_until_ready`. Or every rank
+    of a group calls :meth:`create_from_process_group`, which does all of that.
+    """
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int = 1024 * 1024 * 10,
+        max_chunks: int = 10,
+        connect_ip: str | None = None,
+        *,
+        remote_reader_ranks: list[int] | None = None,
+    ) -> None:
+        """The writer's end: ``n_reader`` readers, ``n_local_reader`` of them on this node.
+
+        ``local_reader_ranks`` (default ``range(n_local_reader)``) are the ranks that read
+        the ring; the others connect over TCP to ``connect_ip`` (default: ``VLLM_HOST_IP``
+        from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
+        after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
+        may connect. Ranks are those readers pass to :meth:`create_from_handle`.
+        """
+        if not 0 <= n_local_reader <= n_reader:
+            raise ValueError(
+                f"need 0 <= n_local_reader <= n_reader, got {n_local_reader} and {n_reader}"
+            )
+        n_remote_reader = n_reader - n_local_reader
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+            if remote_reader_ranks is None:
+                remote_reader_ranks = list(range(n_local_reader, n_reader))
+        local_reader_ranks = _check_ranks(local_reader_ranks, "local_reader_ranks")
+        if len(local_reader_ranks) != n_local_reader:
+            raise ValueError(
+                f"local_reader_ranks has {len(local_reader_ranks)} ranks, "
+                f"n_local_reader is {n_local_reader}"
+            )
+        if remote_reader_ranks is None and n_remote_reader == 0:
+            remote_reader_ranks = []
+        if remote_reader_ranks is not None:
+            remote_reader_ranks = _check_ranks(remote_reader_ranks, "remote_reader_ranks")
+            if len(remote_reader_ranks) != n_remote_reader:
+                raise ValueError(
+                    f"remote_reader_ranks has {len(remote_reader_ranks)} ranks, "
+                    f"expected n_reader - n_local_reader = {n_remote_reader}"
+                )
+            if set(remote_reader_ranks) & set(local_reader_ranks):
+                raise ValueError("a rank cannot be both a local and a remote reader")
+        self.n_reader = n_reader
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_remote_reader
+        token = secrets.token_bytes(16)
+        self.buffer: ShmRingBuffer | None = None
+        self._publisher: RemotePublisher | None = None
+        self._subscriber: RemoteSubscriber | None = None
+        if n_local_reader > 0:
+            self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
+        remote_address = None
+        if n_remote_reader > 0:
+            host = connect_ip or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+            try:
+                self._publisher = RemotePublisher(host, token, n_remote_reader, remote_reader_ranks)
+            except BaseException:
+                if self.buffer is not None:
+                    self.buffer.close()
+                raise
+            remote_address = self._publisher.address
+        self.current_idx = 0 if self.buffer is not None else -1
+        self.local_reader_rank = -1
+        self._is_writer = True
+        self._is_local_reader = False
+        self._is_remote_reader = False
+        self._ready = False
+        self._outgoing: _Outgoing | None = None
+        self._incoming: _Incoming | None = None
+        self._namespace = pid_namespace()
+        self._lock = threading.Lock()
+        self.handle = Handle(
+            local_reader_ranks=local_reader_ranks,
+            buffer_handle=self.buffer.handle() if self.buffer is not None else None,
+            remote_subscribe_addr=remote_address,
+            remote_addr_ipv6=remote_address is not None and remote_address.startswith("tcp://["),
+            remote_reader_ranks=remote_reader_ranks,
+            token=token,
+            writer_host=socket.gethostname(),
+        )
+        logger.debug("message queue handle: %s", self.handle)
+
+    def export_handle(self) -> Handle:
+        """The handle readers pass to :meth:`create_from_handle` (picklable)."""
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
+        """A reader's end of the queue that ``handle`` describes, as reader ``rank``.
+
+        ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
+        must then be on this host), else connects over TCP as a remote reader.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        self = MessageQueue.__new__(MessageQueue)
+        self.handle = handle
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self.n_remote_reader = (
+            -1 if handle.remote_reader_ranks is None else len(handle.remote_reader_ranks)
+        )
+        self.n_reader = (
+            -1 if self.n_remote_reader < 0 else self.n_local_reader + self.n_remote_reader
+        )
+        self.buffer = None
+        self._publisher = None
+        self._subscriber = None
+        self.current_idx = -1
+        self.local_reader_rank = -1
+        self._is_writer = False
+        self._is_local_reader = rank in handle.local_reader_ranks
+        self._is_remote_reader = not self._is_local_reader
+        self._ready = False
+        self._outgoing = None
+        self._incoming = None
+        self._namespace = pid_namespace()
+        self._lock = threading.Lock()
+        if self._is_local_reader:
+            self._attach_ring(handle, rank)
+        else:
+            self._connect_remote(handle, rank)
+        return self
+
+    def _attach_ring(self, handle: Handle, rank: int) -> None:
+        if handle.buffer_handle is None:
+            raise ValueError(f"rank {rank} is a local reader but the handle has no ring buffer")
+        name = handle.buffer_handle[3]
+        try:
+            self.buffer = ShmRingBuffer(*handle.buffer_handle)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"rank {rank} is a local reader of a queue whose writer runs on "
+                f"{handle.writer_host!r}, but its shared memory {name!r} does not exist on "
+                f"this host ({socket.gethostname()!r}): readers on another node must be "
+                "remote readers (not in local_reader_ranks), or the writer closed the queue"
+            ) from None
+        self.local_reader_rank = handle.local_reader_ranks.index(rank)
+        self.current_idx = 0
+        self.buffer.attach_reader(self.local_reader_rank)
+
+    def _connect_remote(self, handle: Handle, rank: int) -> None:
+        allowed = handle.remote_reader_ranks
+        if handle.remote_subscribe_addr is None or (allowed is not None and rank not in allowed):
+            raise ValueError(
+                f"rank {rank} is not a reader of this queue: local readers are "
+                f"{handle.local_reader_ranks}, remote readers are "
+                f"{'any other rank' if allowed is None else allowed}"
+            )
+        self._subscriber = RemoteSubscriber(
+            handle.remote_subscribe_addr, handle.token, rank, CONNECT_TIMEOUT_SECONDS
+        )
+
+    def wait_until_ready(self, timeout: float | None = READY_TIMEOUT_SECONDS) -> None:
+        """This is a collective operation. All processes (including the
+        readers and the writer) should call this function.
+
+        The writer waits for every local reader to attach and every remote reader to
+        connect, then tells them all to go; readers wait for that. Raises TimeoutError
+        after ``timeout`` seconds (None: no limit) naming who is missing.
+        """
+        deadline = deadline_after(timeout)
+        if self._is_writer:
+            buffer = self.buffer
+            if buffer is not None:
+                readers = range(buffer.n_reader)
+
+                def attached() -> bool:
+                    return all(buffer.reader_state(i)[0] != SLOT_EMPTY for i in readers)
+
+                try:
+                    wait_until(attached, "local readers to attach", deadline)
+                except TimeoutError as exc:
+                    missing = [
+                        self.handle.local_reader_ranks[i]
+                        for i in readers
+                        if buffer.reader_state(i)[0] == SLOT_EMPTY
+                    ]
+                    raise TimeoutError(f"{exc}: local reader ranks {missing} did not") from None
+            if self._publisher is not None:
+                self._publisher.accept(deadline)
+                self._publisher.publish(KIND_READY, b"")
+                self._publisher.flush(deadline)
+            if buffer is not None:
+                buffer.set_ready()
+            self._ready = True
+        elif self._is_local_reader:
+            buffer = self._ring()
+            wait_until(
+                buffer.is_ready,
+                "the writer to see every reader join (wait_until_ready)",
+                deadline,
+                check=lambda: self._check_writer(None),
+            )
+        else:
+            self._remote().wait_ready(timeout)
+
+    # --- writing ---
+
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Write to message queue with optional timeout (in seconds).
+
+        Waits while the ring is full (every chunk not yet read by some local reader) and
+        while remote readers' sockets are full. ``timeout`` bounds the whole call: on
+        TimeoutError, a message already partly written is finished by the next ``enqueue``
+        (it is never torn) and ``obj`` was not sent if the interrupted message was an
+        earlier one. Raises PeerGoneError when a reader it waits for has exited or closed.
+        """
+        if not self._is_writer:
+            raise RuntimeError("Only writers can enqueue")
+        if self._publisher is not None and not self._ready:
+            raise RuntimeError("call wait_until_ready() before enqueue: remote readers join there")
+        deadline = deadline_after(timeout)
+        with self._lock:
+            self._flush(deadline)  # a message an earlier timeout interrupted
+            payload = dumps(obj)
+            per_chunk = (
+                self.buffer.max_chunk_bytes - CHUNK_HEADER_BYTES if self.buffer is not None else 1
+            )
+            self._outgoing = _Outgoing(payload, max(1, -(-len(payload) // per_chunk)))
+            self._flush(deadline)
+
+    def _flush(self, deadline: float | None) -> None:
+        outgoing = self._outgoing
+        if outgoing is None:
+            return
+        buffer = self.buffer
+        if buffer is not None:
+            per_chunk = buffer.max_chunk_bytes - CHUNK_HEADER_BYTES
+            payload = memoryview(outgoing.payload)
+            while outgoing.part < outgoing.parts:
+                idx = self.current_idx
+                self._wait_free(buffer, idx, deadline)
+                begin = outgoing.part * per_chunk
+                buffer.write_chunk(
+                    idx, len(payload), outgoing.part, payload[begin : begin + per_chunk]
+                )
+                outgoing.part += 1
+                self.current_idx = (idx + 1) % buffer.max_chunks
+        if self._publisher is not None:
+            if not outgoing.published:
+                self._publisher.publish(KIND_DATA, outgoing.payload)
+                outgoing.published = True
+            self._publisher.flush(deadline)
+        self._outgoing = None
+
+    def _wait_free(self, buffer: ShmRingBuffer, idx: int, deadline: float | None) -> None:
+        try:
+            wait_until(
+                lambda: buffer.chunk_writable(idx),
+                f"local readers to free chunk {idx}",
+                deadline,
+                check=lambda: self._check_readers(idx),
+            )
+        except TimeoutError as exc:
+            lagging = [self.handle.local_reader_ranks[i] for i in buffer.unread_by(idx)]
+            raise TimeoutError(f"{exc}: local reader ranks {lagging} have not read it") from None
+
+    def _check_readers(self, idx: int) -> None:
+        """Raise PeerGoneError if a reader that has not read chunk ``idx`` is gone."""
+        buffer = self._ring()
+        for reader in buffer.unread_by(idx):
+            state, pid, namespace = buffer.reader_state(reader)
+            rank = self.handle.local_reader_ranks[reader]
+            if state == SLOT_DETACHED:
+                raise PeerGoneError(f"local reader rank {rank} closed its end of the queue")
+            if state != SLOT_EMPTY and self._same_namespace(namespace) and not process_alive(pid):
+                raise PeerGoneError(f"local reader rank {rank} (pid {pid}) has exited")
+
+    def _same_namespace(self, namespace: int) -> bool:
+        return namespace != 0 and namespace == self._namespace
+
+    # --- reading ---
+
+    def dequeue(
+        self,
+        timeout: float | None = None,
+        cancel: threading.Event | None = None,
+        indefinite: bool = False,
+    ) -> Any:
+        """Read from message queue with optional timeout (in seconds).
+
+        Raises TimeoutError after ``timeout`` seconds (a message partly received by then is
+        kept and completed by the next call), RuntimeError("cancelled") soon after
+        ``cancel`` is set, and PeerGoneError once the writer has closed the queue or exited
+        and every message it wrote has been read. With ``timeout=None`` it waits as long as
+        the writer lives; ``indefinite`` only silences the periodic "still waiting" log.
+        """
+        if self._is_writer:
+            raise RuntimeError("Only readers can dequeue")
+        deadline = deadline_after(timeout)
+        with self._lock:
+            if self._is_remote_reader:
+                kind, body = self._remote().recv_frame(deadline, cancel)
+                if kind != KIND_DATA:
+                    raise RuntimeError(f"unexpected frame kind {kind} from the writer")
+                return loads(body)
+            return self._read_local(deadline, cancel, not indefinite)
+
+    def _read_local(self, deadline: float | None, cancel: threading.Event | None, log: bool) -> Any:
+        buffer = self._ring()
+        while True:
+            idx = self.current_idx
+            self._wait_readable(buffer, idx, deadline, cancel, log)
+            total, part, size = buffer.chunk_header(idx)
+            incoming = self._incoming
+            expected = 0 if incoming is None else incoming.part
+            if part != expected:
+                raise RuntimeError(f"chunk {idx} holds part {part}, expected part {expected}")
+            if incoming is None and size == total:
+                data = buffer.read_chunk(idx)
+                self._advance(buffer, idx)
+                return loads(data)
+            if incoming is None:
+                incoming = self._incoming = _Incoming(bytearray(total))
+            incoming.filled += buffer.read_chunk_into(idx, incoming.data, incoming.filled)
+            incoming.part += 1
+            self._advance(buffer, idx)
+            if incoming.filled == len(incoming.data):
+                self._incoming = None
+                return loads(incoming.data)
+
+    def _wait_readable(
+        self,
+        buffer: ShmRingBuffer,
+        idx: int,
+        deadline: float | None,
+        cancel: threading.Event | None,
+        log: bool,
+    ) -> None:
+        reader = self.local_reader_rank
+        wait_until(
+            lambda: buffer.chunk_readable(idx, reader),
+            "a message from the writer",
+            deadline,
+            check=lambda: self._check_writer(idx),
+            cancel=cancel,
+            log=log,
+        )
+
+    def _advance(self, buffer: ShmRingBuffer, idx: int) -> None:
+        buffer.mark_read(idx, self.local_reader_rank)
+        self.current_idx = (idx + 1) % buffer.max_chunks
+
+    def _check_writer(self, idx: int | None) -> None:
+        """Raise PeerGoneError if the writer is gone and chunk ``idx`` holds nothing to read."""
+        buffer = self._ring()
+        closed, pid, namespace = buffer.writer_state()
+        gone = closed or (self._same_namespace(namespace) and not process_alive(pid))
+        if not gone:
+            return
+        if idx is not None and buffer.chunk_readable(idx, self.local_reader_rank):
+            return  # written before the writer left: read it first
+        raise PeerGoneError(
+            "the writer closed the queue" if closed else f"the writer (pid {pid}) has exited"
+        )
+
+    def broadcast_object(self, obj: Any = None, *, timeout: float | None = None) -> Any:
+        """The writer enqueues ``obj`` and returns it; readers return what they dequeue."""
+        if self._is_writer:
+            self.enqueue(obj, timeout)
+            return obj
+        return self.dequeue(timeout)
+
+    # --- lifecycle ---
+
+    def close(self) -> None:
+        """Release this end. The writer marks the queue closed (readers get PeerGoneError
+        after the last message) and unlinks the shared memory; readers detach.
+
+        Idempotent. Garbage collection and interpreter exit release the shared memory too.
+        """
+        if self.buffer is not None:
+            self.buffer.close()
+        if self._publisher is not None:
+            self._publisher.close()
+        if self._subscriber is not None:
+            self._subscriber.close()
+        self._outgoing = None
+        self._incoming = None
+
+    def __enter__(self) -> MessageQueue:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _ring(self) -> ShmRingBuffer:
+        if self.buffer is None or self.buffer.closed:
+            raise RuntimeError("this end of the message queue has no open shared memory")
+        return self.buffer
+
+    def _remote(self) -> RemoteSubscriber:
+        if self._subscriber is None:
+            raise RuntimeError("this end of the message queue is not a remote reader")
+        return self._subscriber
+
+    @staticmethod
+    def create_from_process_group(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        writer_rank: int = 0,
+        blocking: bool = True,
+        *,
+        connect_ip: str | None = None,
+    ) -> MessageQueue:
+        """Creates a MessageQueue for a distributed process group with one writer and
+        multiple readers.
+
+        A collective over ``pg`` (a StatelessProcessGroup, a torch ProcessGroup with a CPU
+        backend, or anything with a ``cpu_group``): group rank ``writer_rank`` becomes the
+        writer, every other rank a reader, local if it shares the writer's shared memory,
+        else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
+        ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
+        """
+        group = object_group(pg)
+        if not 0 <= writer_rank < group.world_size:
+            raise ValueError(f"writer_rank must be in [0, {group.world_size}), got {writer_rank}")
+        local = same_node_as(group, writer_rank)
+        if group.rank == writer_rank:
+            readers = [rank for rank in range(group.world_size) if rank != writer_rank]
+            queue = MessageQueue(
+                n_reader=len(readers),
+                n_local_reader=sum(local[rank] for rank in readers),
+                local_reader_ranks=[rank for rank in readers if local[rank]],
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+                connect_ip=connect_ip,
+                remote_reader_ranks=[rank for rank in readers if not local[rank]],
+            )
+            group.broadcast_obj(queue.export_handle(), writer_rank)
+        else:
+            handle = group.broadcast_obj(None, writer_rank)
+            queue = MessageQueue.create_from_handle(handle, group.rank)
+        if blocking:
+            queue.wait_until_ready()
+        return queue
