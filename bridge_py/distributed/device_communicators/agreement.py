@@ -1,0 +1,246 @@
+"""Make every rank agree on a collective's arguments before any data moves.
+
+With gloo, ranks that call a collective with different shapes do not get an error: the
+process aborts (``gloo::EnforceNotMet``, then ``terminate``) or hangs. And a rank that
+rejects its own arguments (a ``dst`` out of range, a size that does not divide) leaves the
+others blocked in the collective until the timeout.
+
+:class:`Agreement` prevents both. Before a collective, each rank contributes one fixed-size
+row of int64 (which operation, its dtype, shape and parameters, and whether its own
+arguments were valid) to a single all-gather on the group's CPU (gloo) group. The row has
+the same size whatever the arguments, so this exchange itself cannot mismatch. Every rank
+then sees the same table and reaches the same verdict: all go on, or all raise a
+:class:`CollectiveMismatchError` naming the group, the ranks and what differs. No rank is
+left waiting, and the group stays usable.
+
+The check costs one small all-gather per collective. It is on by default for CPU
+communicators and off for CUDA ones (where it would add a host round trip to every
+collective); the environment variable ``VLLM_BRIDGE_CHECK_COLLECTIVES`` (``1``/``0``)
+overrides the default. It must have the same value on every rank of a group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "CHECK_ENV",
+    "Agreement",
+    "CollectiveMismatchError",
+    "Signature",
+    "checks_enabled",
+    "describe_dtype",
+    "dtype_code",
+    "hash_ints",
+]
+
+CHECK_ENV = "VLLM_BRIDGE_CHECK_COLLECTIVES"
+
+_MAX_DIMS = 8
+_MAX_PARAMS = 4
+# op, error flag, dtype, ndim, shape slots, parameter slots
+_WIDTH = 4 + _MAX_DIMS + _MAX_PARAMS
+_ANY = -2  # a shape entry that may differ between ranks (the gathered dim of all_gatherv)
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks of a group called a collective with arguments that do not fit together."""
+
+
+def checks_enabled(device: torch.device) -> bool:
+    """Whether collectives on ``device`` are checked: the environment, else CPU only."""
+    value = os.environ.get(CHECK_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return device.type == "cpu"
+
+
+def _stable_hash(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A number naming ``dtype`` identically in every process."""
+    if dtype in _DTYPES:
+        return _DTYPES.index(dtype)
+    return _stable_hash(str(dtype))
+
+
+def describe_dtype(code: int) -> str:
+    """The dtype a :func:`dtype_code` names, as text."""
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"<dtype #{code}>"
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What must be equal on every rank for one collective call.
+
+    ``shape`` entries equal to ``-2`` may differ between ranks. ``params`` are small ints
+    (a normalised dim, a root, a hash of a size list); ``param_names`` name them in errors,
+    a trailing ``#`` marking a hashed value.
+    """
+
+    op: str
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    params: tuple[int, ...] = ()
+    param_names: tuple[str, ...] = field(default=())
+
+    def encode(self, failed: bool) -> torch.Tensor:
+        """This signature as one row of the agreement table."""
+        row = [0] * _WIDTH
+        row[0] = _stable_hash(self.op)
+        row[1] = 1 if failed else 0
+        row[2] = -1 if self.dtype is None else dtype_code(self.dtype)
+        shape = self.shape
+        if shape is None:
+            row[3] = -1
+        else:
+            row[3] = len(shape)
+            dims = list(shape[:_MAX_DIMS])
+            if len(shape) > _MAX_DIMS:  # the tail shares the last slot, as a hash
+                dims[-1] = _stable_hash(repr(tuple(shape[_MAX_DIMS - 1 :])))
+            row[4 : 4 + len(dims)] = dims
+        params = list(self.params[:_MAX_PARAMS])
+        if len(self.params) > _MAX_PARAMS:
+            params[-1] = _stable_hash(repr(tuple(self.params[_MAX_PARAMS - 1 :])))
+        row[4 + _MAX_DIMS : 4 + _MAX_DIMS + len(params)] = params
+        return torch.tensor(row, dtype=torch.int64)
+
+
+def _shape_text(row: Sequence[int]) -> str:
+    ndim = row[3]
+    if ndim < 0:
+        return "no tensor"
+    dims = ["*" if d == _ANY else str(d) for d in row[4 : 4 + min(ndim, _MAX_DIMS)]]
+    if ndim > _MAX_DIMS:
+        dims[-1] = "..."
+    return "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
+
+
+class Agreement:
+    """The pre-collective argument check of one group (see the module docstring)."""
+
+    def __init__(
+        self,
+        cpu_group: ProcessGroup,
+        rank_in_group: int,
+        ranks: Sequence[int],
+        label: str,
+        enabled: bool,
+    ) -> None:
+        self.cpu_group = cpu_group
+        self.rank_in_group = rank_in_group
+        self.ranks = list(ranks)
+        self.world_size = len(self.ranks)
+        self.label = label
+        self.enabled = enabled
+
+    def who(self, rank_in_group: int) -> str:
+        """``rank R (global G)`` for a rank of this group."""
+        return f"rank {rank_in_group} (global {self.ranks[rank_in_group]})"
+
+    def check(self, signature: Signature, error: Exception | None = None) -> None:
+        """Raise on every rank unless all ranks passed valid, matching arguments.
+
+        ``error`` is this rank's own complaint about its arguments (None when they are
+        valid). With checks disabled, or in a group of one, it is raised at once and nothing
+        is exchanged.
+        """
+        if not self.enabled or self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        row = signature.encode(error is not None)
+        table = torch.empty(self.world_size * _WIDTH, dtype=torch.int64)
+        dist.all_gather_into_tensor(table, row, group=self.cpu_group)
+        rows = table.view(self.world_size, _WIDTH).tolist()
+        if any(r[1] for r in rows):
+            self._raise_rejected(signature, rows, error)
+        mismatch = self._first_mismatch(signature, rows)
+        if mismatch is not None:
+            raise CollectiveMismatchError(mismatch)
+
+    def _raise_rejected(
+        self, signature: Signature, rows: list[list[int]], error: Exception | None
+    ) -> None:
+        # Rare path: share the complaints so that every rank can say what went wrong.
+        messages: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(
+            messages, None if error is None else str(error), group=self.cpu_group
+        )
+        if error is not None:
+            raise error
+        culprits = [f"{self.who(r)}: {messages[r]}" for r in range(self.world_size) if rows[r][1]]
+        raise CollectiveMismatchError(
+            f"{signature.op} in {self.label} was not run because other ranks rejected "
+            f"their arguments: " + "; ".join(culprits)
+        )
+
+    def _first_mismatch(self, signature: Signature, rows: list[list[int]]) -> str | None:
+        first = rows[0]
+        for r, row in enumerate(rows[1:], start=1):
+            if row == first:
+                continue
+            return self._explain(signature, rows, 0, r)
+        return None
+
+    def _explain(self, signature: Signature, rows: list[list[int]], a: int, b: int) -> str:
+        ra, rb = rows[a], rows[b]
+        head = f"{signature.op} in {self.label}: "
+        if ra[0] != rb[0]:
+            return head + (
+                f"{self.who(a)} and {self.who(b)} called different collectives at the "
+                "same point (every rank of a group must call the same collectives in the "
+                "same order)"
+            )
+        if ra[2 : 4 + _MAX_DIMS] != rb[2 : 4 + _MAX_DIMS]:
+            return head + (
+                f"ranks disagree on the tensor: {self.who(a)} has shape {_shape_text(ra)} "
+                f"{describe_dtype(ra[2])}, {self.who(b)} has shape {_shape_text(rb)} "
+                f"{describe_dtype(rb[2])}"
+            )
+        base = 4 + _MAX_DIMS
+        for i in range(_MAX_PARAMS):
+            if ra[base + i] != rb[base + i]:
+                name = signature.param_names[i] if i < len(signature.param_names) else "args"
+                if name.endswith("#"):  # a hashed value: its number means nothing to a reader
+                    return head + (
+                        f"ranks disagree on {name[:-1]}: {self.who(a)} and {self.who(b)} "
+                        "passed different values"
+                    )
+                return head + (
+                    f"ranks disagree on {name}: {self.who(a)} passed {ra[base + i]}, "
+                    f"{self.who(b)} passed {rb[base + i]}"
+                )
+        return head + f"{self.who(a)} and {self.who(b)} passed different arguments"
+
+
+def hash_ints(values: Sequence[int] | None) -> int:
+    """A stable number standing for a list of ints (or None) in a :class:`Signature`."""
+    return -1 if values is None else _stable_hash(repr([int(v) for v in values]))

@@ -1,0 +1,118 @@
+"""All-to-all managers: how ``dispatch``/``combine`` move mixture-of-experts tokens.
+
+:class:`NaiveAll2AllManager` is vLLM's testing-and-debugging manager in its
+all-gather/reduce-scatter form (vLLM's ``AgRsAll2AllManager``, also exported under that
+name): ``dispatch`` gathers the tokens of every rank (an ``all_gatherv`` of the hidden
+states, router logits and extra tensors), ``combine`` sums the experts' outputs over the
+ranks and hands each rank back the rows of its own tokens (a ``reduce_scatterv``). vLLM
+reads the per-rank token counts from its forward context; here ``dispatch`` exchanges them
+(one small all-gather) and ``combine`` reuses the counts of the latest ``dispatch``.
+
+:class:`All2AllDispatchMixin` routes a communicator's ``dispatch``/``combine`` to its manager
+when it has one and keeps the base class's no-op otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bridge_py.distributed.device_communicators.base_device_communicator import (
+    All2AllManagerBase,
+)
+
+if TYPE_CHECKING:
+    from bridge_py.distributed.device_communicators.base_device_communicator import (
+        DeviceCommunicatorBase,
+    )
+
+__all__ = ["AgRsAll2AllManager", "All2AllDispatchMixin", "NaiveAll2AllManager"]
+
+
+class NaiveAll2AllManager(All2AllManagerBase):
+    """
+    A naive implementation of all2all communication: every rank receives every token.
+    Not efficient; for testing, debugging and CPU groups.
+    """
+
+    def __init__(self, communicator: DeviceCommunicatorBase) -> None:
+        super().__init__(communicator)
+        self._sizes: list[int] | None = None
+
+    def _token_counts(self, num_tokens: int) -> list[int]:
+        local = torch.tensor([num_tokens], dtype=torch.int64)
+        counts = torch.empty(self.world_size, dtype=torch.int64)
+        torch.distributed.all_gather_into_tensor(counts, local, group=self.cpu_group)
+        return [int(n) for n in counts.tolist()]
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> tuple[Any, ...]:
+        """Gather the tokens (rows) of every rank, in rank order.
+
+        Returns ``(hidden_states, router_logits)`` holding all ranks' tokens, plus the
+        gathered ``extra_tensors`` when given. ``is_sequence_parallel`` is accepted for
+        vLLM's signature; the tokens are those of this communicator's group either way.
+        """
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() == 0:
+            raise ValueError("dispatch needs hidden_states with a token dimension (dim 0)")
+        sizes = self._token_counts(hidden_states.shape[0])
+        tensors = [hidden_states, router_logits, *(extra_tensors or [])]
+        gathered = self.communicator.all_gatherv(tensors, dim=0, sizes=sizes)
+        self._sizes = sizes
+        if extra_tensors is not None:
+            return gathered[0], gathered[1], list(gathered[2:])
+        return gathered[0], gathered[1]
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        """Sum ``hidden_states`` over the ranks and keep the rows of this rank's tokens."""
+        if self._sizes is None:
+            raise RuntimeError("combine called before dispatch: the token counts are unknown")
+        return self.communicator.reduce_scatterv(hidden_states, dim=0, sizes=self._sizes)
+
+    def destroy(self) -> None:
+        """Forget the token counts of the latest dispatch."""
+        self._sizes = None
+
+
+# vLLM's name for the all-gather/reduce-scatter manager.
+AgRsAll2AllManager = NaiveAll2AllManager
+
+
+class All2AllDispatchMixin:
+    """``dispatch``/``combine`` through ``self.all2all_manager`` when there is one."""
+
+    all2all_manager: All2AllManagerBase | None
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> tuple[Any, ...]:
+        """
+        Dispatch the hidden states and router logits to the appropriate device.
+        Without an all-to-all manager this is a no-op, as in the base class.
+        """
+        if self.all2all_manager is None:
+            return super().dispatch(  # type: ignore[misc]
+                hidden_states, router_logits, is_sequence_parallel, extra_tensors
+            )
+        return self.all2all_manager.dispatch(
+            hidden_states, router_logits, is_sequence_parallel, extra_tensors
+        )
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        """
+        Combine the hidden states and router logits from the appropriate device.
+        Without an all-to-all manager this is a no-op, as in the base class.
+        """
+        if self.all2all_manager is None:
+            return super().combine(hidden_states, is_sequence_parallel)  # type: ignore[misc]
+        return self.all2all_manager.combine(hidden_states, is_sequence_parallel)

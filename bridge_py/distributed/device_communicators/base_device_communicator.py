@@ -1,0 +1,585 @@
+"""DeviceCommunicatorBase: the collectives of one group, over torch.distributed.
+
+Same names, signatures and results as vLLM's ``DeviceCommunicatorBase``, with these
+differences, all in the caller's favour:
+
+* every documented method works on any backend: ``all_gatherv`` and ``reduce_scatterv``
+  (uneven sizes, any dim) are implemented instead of raising NotImplementedError, and
+  dtypes the backend lacks (``int16`` on gloo, ``bool`` sums) are adapted
+  (see ``wire_dtypes``);
+* ``all_reduce`` is out of place: the input is never modified;
+* arguments are validated, and with checks on (the default on CPU, see ``agreement``) all
+  ranks agree on them before any data moves, so bad input raises a clear error on every
+  rank instead of aborting the process or hanging, and the group keeps working;
+* a missing ``device_group`` means the ``cpu_group`` (vLLM would silently use the world).
+
+Collectives go through ``self.dist_module`` (``torch.distributed`` here), the hook where a
+device-specific transport such as a shared-memory all-reduce plugs in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from bridge_py.distributed.device_communicators.agreement import (
+    Agreement,
+    Signature,
+    checks_enabled,
+    describe_dtype,
+    dtype_code,
+    hash_ints,
+)
+from bridge_py.distributed.device_communicators.wire_dtypes import (
+    for_reduction,
+    for_transport,
+    reducible,
+)
+
+__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase"]
+
+_HEADER_DIMS = 8
+_HEADER_WIDTH = 4 + _HEADER_DIMS  # dtype, wire-is-bytes, wire numel, ndim, shape slots
+
+
+class All2AllManagerBase:
+    """Moves the tokens of a mixture-of-experts layer between the ranks of one group.
+
+    vLLM builds its managers from the cpu group and reads token counts from its forward
+    context; here a manager works through the communicator that owns it, and learns the
+    token counts from the ranks themselves.
+    """
+
+    def __init__(self, communicator: DeviceCommunicatorBase) -> None:
+        self.communicator = communicator
+        self.cpu_group = communicator.cpu_group
+        self.rank = communicator.rank_in_group
+        self.world_size = communicator.world_size
+        self._internode: bool | None = None
+
+    @property
+    def internode(self) -> bool:
+        """Whether the group spans several nodes (a collective probe, run on first use)."""
+        if self._internode is None:
+            from bridge_py.distributed.parallel_state import in_the_same_node_as
+
+            self._internode = not all(in_the_same_node_as(self.cpu_group, source_rank=0))
+        return self._internode
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> tuple[Any, ...]:
+        """Send each rank's tokens to the ranks that need them."""
+        raise NotImplementedError
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        """Bring the processed tokens back to the ranks they came from."""
+        raise NotImplementedError
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Allocate whatever buffers ``model``'s shapes call for (none here)."""
+
+    def destroy(self) -> None:
+        """Release the manager's resources."""
+
+
+def _default_use_all2all(unique_name: str) -> bool:
+    """vLLM's rule: expert-parallel groups move tokens when data parallelism is on."""
+    if not unique_name.startswith("ep"):
+        return False
+    from bridge_py.distributed import parallel_state
+
+    dp = parallel_state._DP
+    return dp is not None and dp.world_size > 1
+
+
+class DeviceCommunicatorBase:
+    """
+    Base class for device-specific communicator.
+    It can use the `cpu_group` to initialize the communicator.
+    If the device has PyTorch integration (PyTorch can recognize its
+    communication backend), the `device_group` will also be given.
+    """
+
+    def __init__(
+        self,
+        cpu_group: ProcessGroup,
+        device: torch.device | None = None,
+        device_group: ProcessGroup | None = None,
+        unique_name: str = "",
+        *,
+        use_all2all: bool | None = None,
+    ) -> None:
+        """Initialize self. See help(type(self)) for accurate signature.
+
+        ``use_all2all`` (not in vLLM, which reads its config) asks subclasses for an
+        all-to-all manager so that ``dispatch``/``combine`` move tokens; None applies
+        vLLM's rule (an ``ep`` group while data parallelism is on).
+        """
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cpu_group = cpu_group
+        self.device_group = device_group if device_group is not None else cpu_group
+        self.unique_name = unique_name
+        self.rank = dist.get_rank(cpu_group)
+        self.world_size = dist.get_world_size(cpu_group)
+        self.ranks = dist.get_process_group_ranks(cpu_group)
+        self.global_rank = dist.get_rank()
+        self.global_world_size = dist.get_world_size()
+        self.rank_in_group = dist.get_group_rank(cpu_group, self.global_rank)
+        self.backend = str(dist.get_backend(self.device_group))
+        self.dist_module: Any = dist
+        self.use_all2all = (
+            _default_use_all2all(unique_name) if use_all2all is None else bool(use_all2all)
+        )
+        self.all2all_manager: All2AllManagerBase | None = None
+        name = f"group {unique_name!r}" if unique_name else "group"
+        self.agreement = Agreement(
+            cpu_group,
+            self.rank_in_group,
+            self.ranks,
+            f"{name} (global ranks {self.ranks})",
+            checks_enabled(self.device),
+        )
+
+    # ----------------------------------------------------------------- validation helpers
+
+    def _error(self, op: str, message: str, kind: type[Exception] = ValueError) -> Exception:
+        who = self.agreement.who(self.rank_in_group)
+        return kind(f"{op} on {who} of {self.agreement.label}: {message}")
+
+    def _tensor_error(self, op: str, tensor: Any, reduce: bool = False) -> Exception | None:
+        if not isinstance(tensor, torch.Tensor):
+            return self._error(
+                op, f"expected a torch.Tensor, got {type(tensor).__name__}", TypeError
+            )
+        if tensor.device.type != self.device.type:
+            return self._error(
+                op,
+                f"the tensor is on {tensor.device} but this communicator serves "
+                f"{self.device.type} tensors",
+            )
+        if reduce and not reducible(tensor.dtype, self.backend):
+            return self._error(op, f"dtype {tensor.dtype} cannot be summed", TypeError)
+        return None
+
+    def _dim_error(self, op: str, tensor: torch.Tensor, dim: Any) -> tuple[int, Exception | None]:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            return 0, self._error(op, f"dim must be an int, got {dim!r}", TypeError)
+        if not -tensor.dim() <= dim < tensor.dim():
+            return 0, self._error(
+                op, f"invalid dim ({dim}) for input tensor with shape {tuple(tensor.shape)}"
+            )
+        return dim % tensor.dim(), None
+
+    def _peer_error(self, op: str, name: str, peer: Any, allow_self: bool) -> Exception | None:
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            return self._error(
+                op, f"{name} must be an int rank in the group, got {peer!r}", TypeError
+            )
+        if not 0 <= peer < self.world_size:
+            return self._error(
+                op, f"invalid {name} rank ({peer}): the group has ranks 0..{self.world_size - 1}"
+            )
+        if not allow_self and peer == self.rank_in_group:
+            return self._error(op, f"{name} ({peer}) is this rank itself")
+        return None
+
+    def _sizes_error(self, op: str, sizes: Any) -> Exception | None:
+        if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
+            return self._error(op, f"sizes must be a list of ints, got {sizes!r}", TypeError)
+        if len(sizes) != self.world_size:
+            return self._error(
+                op, f"sizes has {len(sizes)} entries but the group has {self.world_size} ranks"
+            )
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+            return self._error(op, f"sizes must be non-negative ints, got {list(sizes)}")
+        return None
+
+    @staticmethod
+    def _signature(
+        op: str,
+        tensor: Any,
+        params: tuple[int, ...] = (),
+        names: tuple[str, ...] = (),
+        shape: tuple[int, ...] | None = None,
+    ) -> Signature:
+        if not isinstance(tensor, torch.Tensor):
+            return Signature(op, None, None, params, names)
+        return Signature(op, tensor.dtype, shape or tuple(tensor.shape), params, names)
+
+    # --------------------------------------------------------------------- collectives
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """Sum ``input_`` over the group; returns a new tensor (the input is not modified).
+
+        ``bool`` tensors come back as the logical OR over the ranks.
+        """
+        error = self._tensor_error("all_reduce", input_, reduce=True)
+        self.agreement.check(self._signature("all_reduce", input_), error)
+        if input_.numel() == 0:
+            return input_.clone()
+        wire, restore = for_reduction(input_, self.backend)
+        if wire.data_ptr() == input_.data_ptr():
+            wire = wire.clone()
+        self.dist_module.all_reduce(wire, group=self.device_group)
+        return restore(wire).reshape(input_.shape)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim``, in rank order."""
+        error = self._tensor_error("all_gather", input_)
+        dim_n = 0
+        if error is None:
+            dim_n, error = self._dim_error("all_gather", input_, dim)
+        self.agreement.check(self._signature("all_gather", input_, (dim_n,), ("dim",)), error)
+        shape = tuple(input_.shape)
+        out_shape = (*shape[:dim_n], self.world_size * shape[dim_n], *shape[dim_n + 1 :])
+        if input_.numel() == 0:
+            return torch.empty(out_shape, dtype=input_.dtype, device=input_.device)
+        stacked = self._gather_flat(input_).reshape((self.world_size, *shape))
+        return stacked.movedim(0, dim_n).reshape(out_shape)
+
+    def _gather_flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same size everywhere), flat and in rank order."""
+        wire, restore = for_transport(tensor, self.backend)
+        out = torch.empty(self.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
+        self.dist_module.all_gather_into_tensor(out, wire, group=self.device_group)
+        return restore(out)
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather where rank ``r`` contributes ``sizes[r]`` entries along ``dim``.
+
+        ``input_`` may be a list of tensors (each gathered with the same ``sizes``; a list
+        comes back). ``sizes=None`` means every rank has the same size. vLLM supports only
+        ``dim=0``; any dim works here.
+        """
+        op = "all_gatherv"
+        single = isinstance(input_, torch.Tensor)
+        tensors: list[Any] = [input_] if single else list(input_)  # type: ignore[arg-type]
+        error: Exception | None = None
+        dims: list[int] = []
+        if not tensors:
+            error = self._error(op, "no tensors to gather")
+        for tensor in tensors:
+            error = error or self._tensor_error(op, tensor)
+            if error is None:
+                d, error = self._dim_error(op, tensor, dim)
+                dims.append(d)
+        if error is None and sizes is not None:
+            error = self._sizes_error(op, sizes)
+            if error is None:
+                mine = sizes[self.rank_in_group]
+                for tensor, d in zip(tensors, dims, strict=False):
+                    if tensor.shape[d] != mine:
+                        error = self._error(
+                            op,
+                            f"the tensor has {tensor.shape[d]} entries along dim {dim} but "
+                            f"sizes[{self.rank_in_group}] is {mine} (sizes={list(sizes)})",
+                        )
+                        break
+        first = tensors[0] if tensors else None
+        masked: tuple[int, ...] | None = None
+        layout = 0
+        if error is None:
+            assert isinstance(first, torch.Tensor)
+            masked = tuple(
+                -2 if (i == dims[0] and sizes is not None) else n for i, n in enumerate(first.shape)
+            )
+            layout = hash_ints(
+                [dtype_code(t.dtype) for t in tensors]
+                + [
+                    n if (i != d or sizes is None) else -2
+                    for t, d in zip(tensors, dims, strict=True)
+                    for i, n in enumerate(t.shape)
+                ]
+                + [t.dim() for t in tensors]
+            )
+        signature = self._signature(
+            op,
+            first,
+            (dims[0] if dims else 0, hash_ints(sizes), len(tensors), layout),
+            ("dim", "sizes#", "number of tensors", "tensor shapes or dtypes#"),
+            masked,
+        )
+        self.agreement.check(signature, error)
+        results = [
+            self._gather_uneven(t, d, list(sizes) if sizes is not None else None)
+            for t, d in zip(tensors, dims, strict=True)
+        ]
+        return results[0] if single else results
+
+    def _gather_uneven(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int] | None
+    ) -> torch.Tensor:
+        if sizes is None:
+            sizes = [tensor.shape[dim]] * self.world_size
+        rows = tensor.movedim(dim, 0)
+        rest = tuple(rows.shape[1:])
+        longest = max(sizes)
+        out_shape = (*tensor.shape[:dim], sum(sizes), *tensor.shape[dim + 1 :])
+        if longest == 0 or math.prod(rest) == 0:
+            return torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+        if rows.shape[0] < longest:
+            pad = torch.zeros(
+                (longest - rows.shape[0], *rest), dtype=tensor.dtype, device=tensor.device
+            )
+            rows = torch.cat([rows, pad], dim=0)
+        stacked = self._gather_flat(rows).reshape((self.world_size, longest, *rest))
+        pieces = [stacked[r, : sizes[r]] for r in range(self.world_size)]
+        return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Sum ``input_`` over the group and keep this rank's equal slice along ``dim``."""
+        op = "reduce_scatter"
+        error = self._tensor_error(op, input_, reduce=True)
+        dim_n = 0
+        if error is None:
+            dim_n, error = self._dim_error(op, input_, dim)
+        if error is None and input_.shape[dim_n] % self.world_size != 0:
+            error = self._error(
+                op,
+                f"the size along dim {dim} ({input_.shape[dim_n]}) is not divisible by the "
+                f"group size ({self.world_size})",
+            )
+        self.agreement.check(self._signature(op, input_, (dim_n,), ("dim",)), error)
+        chunk = input_.shape[dim_n] // self.world_size
+        return self._reduce_rows(input_, dim_n, [chunk] * self.world_size)
+
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
+        """Reduce-scatter where rank ``r`` keeps ``sizes[r]`` entries along ``dim``.
+
+        ``input_`` has ``sum(sizes)`` entries along ``dim`` on every rank; ``sizes=None``
+        means equal slices (as :meth:`reduce_scatter`).
+        """
+        if sizes is None:
+            return self.reduce_scatter(input_, dim)
+        op = "reduce_scatterv"
+        error = self._tensor_error(op, input_, reduce=True)
+        dim_n = 0
+        if error is None:
+            dim_n, error = self._dim_error(op, input_, dim)
+        if error is None:
+            error = self._sizes_error(op, sizes)
+        if error is None and sum(sizes) != input_.shape[dim_n]:
+            error = self._error(
+                op,
+                f"sum(sizes) = {sum(sizes)} but the tensor has {input_.shape[dim_n]} entries "
+                f"along dim {dim} (sizes={list(sizes)})",
+            )
+        self.agreement.check(
+            self._signature(op, input_, (dim_n, hash_ints(sizes)), ("dim", "sizes#")), error
+        )
+        return self._reduce_rows(input_, dim_n, list(sizes))
+
+    def _reduce_rows(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        rows = tensor.movedim(dim, 0)
+        rest = tuple(rows.shape[1:])
+        longest = max(sizes)
+        mine = sizes[self.rank_in_group]
+        if longest == 0 or rows.numel() == 0:
+            out = torch.zeros((mine, *rest), dtype=tensor.dtype, device=tensor.device)
+            return out.movedim(0, dim).contiguous()
+        if any(s != longest for s in sizes):
+            padded = torch.zeros(
+                (self.world_size, longest, *rest), dtype=tensor.dtype, device=tensor.device
+            )
+            offset = 0
+            for r, size in enumerate(sizes):
+                padded[r, :size] = rows[offset : offset + size]
+                offset += size
+            rows = padded.reshape((self.world_size * longest, *rest))
+        wire, restore = for_reduction(rows.contiguous(), self.backend)
+        out = torch.empty((longest, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
+        self.dist_module.reduce_scatter_tensor(out, wire, group=self.device_group)
+        return restore(out)[:mine].movedim(0, dim).contiguous()
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """
+        NOTE: We assume that the input tensor is on the same device across
+        all the ranks.
+        NOTE: `dst` is the local rank of the destination rank.
+
+        Returns the concatenation along ``dim`` on ``dst`` and None on the other ranks.
+        """
+        op = "gather"
+        error = self._tensor_error(op, input_) or self._peer_error(op, "dst", dst, True)
+        dim_n = 0
+        if error is None:
+            dim_n, error = self._dim_error(op, input_, dim)
+        dst_code = dst if isinstance(dst, int) else -1
+        self.agreement.check(self._signature(op, input_, (dst_code, dim_n), ("dst", "dim")), error)
+        is_dst = self.rank_in_group == dst
+        if input_.numel() == 0:
+            if not is_dst:
+                return None
+            return torch.cat([input_] * self.world_size, dim=dim_n)
+        wire, restore = for_transport(input_, self.backend)
+        gather_list = [torch.empty_like(wire) for _ in range(self.world_size)] if is_dst else None
+        self.dist_module.gather(wire, gather_list, dst=self.ranks[dst], group=self.device_group)
+        if gather_list is None:
+            return None
+        parts = [restore(part).reshape(input_.shape) for part in gather_list]
+        return torch.cat(parts, dim=dim_n)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``input_`` from the group's rank ``src`` into every rank's ``input_``.
+
+        Not in vLLM's communicator (its GroupCoordinator calls torch directly); here it
+        shares the checks and dtype handling of the other collectives. Returns ``input_``.
+        """
+        op = "broadcast"
+        error = self._tensor_error(op, input_) or self._peer_error(op, "src", src, True)
+        src_code = src if isinstance(src, int) else -1
+        self.agreement.check(self._signature(op, input_, (src_code,), ("src",)), error)
+        if input_.numel() == 0:
+            return input_
+        wire, restore = for_transport(input_, self.backend)
+        self.dist_module.broadcast(wire, src=self.ranks[src], group=self.device_group)
+        if self.rank_in_group != src and not input_.is_contiguous():
+            input_.copy_(restore(wire).reshape(input_.shape))
+        return input_
+
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Sends a tensor to the destination rank in a blocking way
+
+        NOTE: `dst` is the local rank of the destination rank (default: the next rank).
+        """
+        op = "send"
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        error = self._tensor_error(op, tensor) or self._peer_error(op, "dst", dst, False)
+        if error is not None:
+            raise error
+        wire, _ = for_transport(tensor, self.backend)
+        peer = self.ranks[dst]
+        if self.agreement.enabled:
+            header = self._header(tensor, wire)
+            self.dist_module.send(header, peer, group=self.cpu_group)
+        if wire.numel() > 0:
+            self.dist_module.send(wire, peer, group=self.device_group)
+
+    def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
+        """Receives a tensor from the source rank.
+
+        NOTE: `src` is the local rank of the source rank (default: the previous rank).
+        With checks on, a tensor whose shape or dtype differs from ``size``/``dtype`` is
+        received, dropped, and reported with a ValueError (the pair stays in step).
+        """
+        op = "recv"
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        error = self._peer_error(op, "src", src, False)
+        if error is None and not isinstance(dtype, torch.dtype):
+            error = self._error(op, f"dtype must be a torch.dtype, got {dtype!r}", TypeError)
+        if error is not None:
+            raise error
+        tensor = torch.empty(size, dtype=dtype, device=self.device)
+        wire, restore = for_transport(tensor, self.backend)
+        peer = self.ranks[src]
+        if self.agreement.enabled:
+            got = torch.empty(_HEADER_WIDTH, dtype=torch.int64)
+            self.dist_module.recv(got, peer, group=self.cpu_group)
+            expected = self._header(tensor, wire)
+            if not torch.equal(got, expected):
+                self._drain(got, peer)
+                raise self._error(
+                    op,
+                    f"expected shape {tuple(tensor.shape)} {dtype} from "
+                    f"{self.agreement.who(src)}, but it sent shape "
+                    f"{self._header_shape(got)} {describe_dtype(int(got[0]))}; the message "
+                    "was received and dropped",
+                )
+        if wire.numel() > 0:
+            self.dist_module.recv(wire, peer, group=self.device_group)
+            if not tensor.is_contiguous():  # pragma: no cover - torch.empty is contiguous
+                tensor.copy_(restore(wire).reshape(tensor.shape))
+        return tensor
+
+    @staticmethod
+    def _header(tensor: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
+        shape = list(tensor.shape)
+        values = [
+            dtype_code(tensor.dtype),
+            int(wire.dtype != tensor.dtype),
+            wire.numel(),
+            len(shape),
+        ]
+        dims = shape[:_HEADER_DIMS] + [0] * max(0, _HEADER_DIMS - len(shape))
+        if len(shape) > _HEADER_DIMS:
+            dims[-1] = hash_ints(shape[_HEADER_DIMS - 1 :])
+        return torch.tensor(values + dims, dtype=torch.int64)
+
+    @staticmethod
+    def _header_shape(header: torch.Tensor) -> tuple[int, ...] | str:
+        ndim = int(header[3])
+        if ndim > _HEADER_DIMS:
+            return f"<{ndim} dims>"
+        return tuple(int(d) for d in header[4 : 4 + ndim])
+
+    def _drain(self, header: torch.Tensor, peer: int) -> None:
+        """Receive and drop the payload announced by ``header`` (a mismatched send)."""
+        numel = int(header[2])
+        if numel == 0:
+            return
+        code, is_bytes = int(header[0]), bool(header[1])
+        from bridge_py.distributed.device_communicators.agreement import _DTYPES
+
+        dtype = torch.uint8 if is_bytes or not 0 <= code < len(_DTYPES) else _DTYPES[code]
+        scratch = torch.empty(numel, dtype=dtype, device=self.device)
+        self.dist_module.recv(scratch, peer, group=self.device_group)
+
+    # ----------------------------------------------------------------- model & all2all
+
+    def destroy(self) -> None:
+        """Release what the communicator holds (its all-to-all manager); groups stay."""
+        if self.all2all_manager is not None:
+            self.all2all_manager.destroy()
+            self.all2all_manager = None
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """
+        Prepare the communication buffer for the model.
+        """
+        if self.all2all_manager is not None:
+            self.all2all_manager.prepare_communication_buffer_for_model(model)
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> tuple[Any, ...]:
+        """
+        Dispatch the hidden states and router logits to the appropriate device.
+        This is a no-op in the base class.
+
+        Returns ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
+        """
+        if extra_tensors is not None:
+            return hidden_states, router_logits, extra_tensors
+        return hidden_states, router_logits
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        """
+        Combine the hidden states and router logits from the appropriate device.
+        This is a no-op in the base class.
+        """
+        return hidden_states

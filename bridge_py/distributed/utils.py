@@ -1,0 +1,107 @@
+"""Small helpers of ``vllm.distributed.utils``: divisibility, tensor splitting, layer partitioning.
+
+The same names and results as vLLM's. ``StatelessProcessGroup`` and the stateless torch
+process-group functions, which vLLM also keeps in this module, are re-exported from their own
+modules here so that ``from ...utils import StatelessProcessGroup`` works as it does in vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
+from bridge_py.distributed.torch_process_group import (
+    stateless_destroy_torch_distributed_process_group,
+    stateless_init_torch_distributed_process_group,
+)
+
+__all__ = [
+    "StatelessProcessGroup",
+    "divide",
+    "ensure_divisibility",
+    "get_pp_indices",
+    "split_tensor_along_last_dim",
+    "stateless_destroy_torch_distributed_process_group",
+    "stateless_init_torch_distributed_process_group",
+]
+
+# vLLM's environment variable for a hand-made pipeline partition, e.g. "4,4,5,3".
+PP_LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Ensure that numerator is divisible by the denominator.
+
+    Raises ValueError (vLLM asserts) so that the check survives ``python -O``.
+    """
+    if denominator == 0 or numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Ensure that numerator is divisible by the denominator and return
+    the division value."""
+    ensure_divisibility(numerator, denominator)
+    return numerator // denominator
+
+
+def split_tensor_along_last_dim(
+    tensor: torch.Tensor,
+    num_partitions: int,
+    contiguous_split_chunks: bool = False,
+) -> Sequence[torch.Tensor]:
+    """Split a tensor along its last dimension.
+
+    Arguments:
+        tensor: input tensor.
+        num_partitions: number of partitions to split the tensor
+        contiguous_split_chunks: If True, make each chunk contiguous
+                                 in memory.
+
+    Returns:
+        A list of Tensors (views of ``tensor`` unless ``contiguous_split_chunks``).
+    """
+    last_dim = tensor.dim() - 1
+    chunk = divide(tensor.size()[last_dim], num_partitions)
+    pieces = torch.split(tensor, chunk, dim=last_dim)
+    if contiguous_split_chunks:
+        return tuple(piece.contiguous() for piece in pieces)
+    return pieces
+
+
+def _partition_from_env(text: str, num_hidden_layers: int, pp_size: int) -> list[int]:
+    try:
+        partitions = [int(layer) for layer in text.split(",")]
+    except ValueError as err:
+        raise ValueError(f"Invalid partition string: {text}") from err
+    if len(partitions) != pp_size:
+        raise ValueError(f"{len(partitions)=} does not match {pp_size=}.")
+    if sum(partitions) != num_hidden_layers:
+        raise ValueError(f"{sum(partitions)=} does not match {num_hidden_layers=}.")
+    return partitions
+
+
+def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Try to evenly distribute layers across partitions.
+
+    If the number of layers is not divisible by the number of partitions, the remaining
+    layers are spread one each over the partitions just before the last one (the last
+    partition often holds an extra norm layer, so it is spared). The environment variable
+    ``VLLM_PP_LAYER_PARTITION`` ("4,4,5,3") overrides the split, as in vLLM. Returns the
+    half-open range ``(start_layer, end_layer)`` of ``pp_rank``.
+    """
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+    text = os.environ.get(PP_LAYER_PARTITION_ENV)
+    if text is not None:
+        partitions = _partition_from_env(text, num_hidden_layers, pp_size)
+    else:
+        partitions = [num_hidden_layers // pp_size] * pp_size
+        remaining = num_hidden_layers % pp_size
+        for i in range(2, remaining + 2):
+            partitions[-i] += 1
+    start_layer = sum(partitions[:pp_rank])
+    return start_layer, start_layer + partitions[pp_rank]
