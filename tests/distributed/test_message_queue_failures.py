@@ -1,0 +1,259 @@
+"""MessageQueue when things go wrong: timeouts, cancel, dead peers, misuse, cleanup.
+
+Peers that die are real processes killed with SIGKILL; after each test no segment of ours may
+be left in /dev/shm (the killed-writer test removes the one a killed writer cannot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
+
+import pytest
+
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.device_communicators.shm_broadcast import (
+    MessageQueue,
+    PeerGoneError,
+)
+from bridge_py.distributed.device_communicators.shm_ring import NAME_PREFIX
+from tests.distributed.harness import free_port, run_ranks
+
+TIMEOUT = 30.0
+
+
+def _segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(NAME_PREFIX)}
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments() -> Iterator[None]:
+    before = _segments()
+    yield
+    assert _segments() - before == set()
+
+
+def _timed(call: object, *args: object, **kwargs: object) -> tuple[str, float]:
+    """``(exception type: message, seconds)`` of a call expected to raise."""
+    start = time.monotonic()
+    try:
+        call(*args, **kwargs)  # type: ignore[operator]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "returned", time.monotonic() - start
+
+
+def _timeouts(rank: int, port: int) -> dict:
+    """Rank 0 writes, rank 1 reads shared memory, rank 2 reads over TCP."""
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 3)
+    big = b"b" * 5000  # five chunks of 1 KiB
+    if rank == 0:
+        queue = MessageQueue(2, 1, max_chunk_bytes=1024, max_chunks=2)
+        pg.broadcast_obj(queue.export_handle(), 0)
+        queue.wait_until_ready(TIMEOUT)
+        pg.barrier(TIMEOUT)  # readers have timed out on an empty queue
+        queue.enqueue("m1", timeout=TIMEOUT)
+        queue.enqueue("m2", timeout=TIMEOUT)  # the ring is full now
+        full = _timed(queue.enqueue, big, timeout=0.3)
+        pg.barrier(TIMEOUT)  # readers start reading
+        queue.enqueue("after", timeout=TIMEOUT)  # finishes `big` first
+        pg.barrier(TIMEOUT)
+        queue.close()
+        return {"full": full}
+    queue = MessageQueue.create_from_handle(pg.broadcast_obj(None, 0), rank - 1)
+    queue.wait_until_ready(TIMEOUT)
+    empty = _timed(queue.dequeue, timeout=0.3)
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    cancelled = _timed(queue.dequeue, cancel=cancel)
+    pg.barrier(TIMEOUT)
+    pg.barrier(TIMEOUT)
+    received = [queue.dequeue(timeout=TIMEOUT) for _ in range(4)]
+    pg.barrier(TIMEOUT)
+    queue.close()
+    return {
+        "empty": empty,
+        "cancelled": cancelled,
+        "received": received == ["m1", "m2", big, "after"],
+    }
+
+
+def test_timeouts_are_prompt_and_resumable() -> None:
+    writer, local, remote = run_ranks(_timeouts, 3, free_port(), timeout=60)
+    message, seconds = writer["full"]
+    assert message.startswith("TimeoutError") and "local reader ranks [0]" in message
+    assert 0.3 <= seconds < 2.0
+    for reader in (local, remote):
+        message, seconds = reader["empty"]
+        assert message.startswith("TimeoutError") and "waiting for a message" in message
+        assert 0.3 <= seconds < 2.0
+        message, seconds = reader["cancelled"]
+        assert message == "RuntimeError: cancelled" and seconds < 2.0
+        assert reader["received"] is True
+
+
+def _fork(target: Callable[..., None], *args: object) -> int:
+    """Run ``target(*args)`` in a forked child (rank processes are daemons: no mp children)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            target(*args)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _kill(pid: int) -> int:
+    """SIGKILL ``pid`` and reap it; its wait status."""
+    os.kill(pid, signal.SIGKILL)
+    return os.waitpid(pid, 0)[1]
+
+
+def _victim_reader(handle: object, conn: object) -> None:
+    queue = MessageQueue.create_from_handle(handle, 0)  # type: ignore[arg-type]
+    queue.wait_until_ready(TIMEOUT)
+    conn.send(queue.dequeue(timeout=TIMEOUT))  # type: ignore[attr-defined]
+    time.sleep(TIMEOUT)
+
+
+def _killed_reader(rank: int, port: int) -> object:
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2)
+    if rank == 0:
+        queue = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2)
+        pg.broadcast_obj(queue.export_handle(), 0)
+        queue.wait_until_ready(TIMEOUT)
+        queue.enqueue("first", timeout=TIMEOUT)
+        pg.barrier(TIMEOUT)  # the reader has been killed
+        start = time.monotonic()
+        try:
+            for i in range(10):  # the second one fills the ring
+                queue.enqueue(i)  # no timeout: only the dead reader can stop it
+        except PeerGoneError as exc:
+            error = str(exc)
+        name = queue.buffer.name if queue.buffer is not None else ""
+        queue.close()
+        return error, time.monotonic() - start, name, os.path.exists(f"/dev/shm/{name}")
+    handle = pg.broadcast_obj(None, 0)
+    mine, theirs = multiprocessing.Pipe()
+    victim = _fork(_victim_reader, handle, theirs)
+    assert mine.poll(TIMEOUT) and mine.recv() == "first"
+    status = _kill(victim)
+    pg.barrier(TIMEOUT)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_writer_notices_a_killed_reader_and_cleans_up() -> None:
+    (error, seconds, name, exists), killed = run_ranks(_killed_reader, 2, free_port(), timeout=60)
+    assert killed
+    assert "local reader rank 0" in error and "exited" in error
+    assert seconds < 5.0
+    assert name.startswith(NAME_PREFIX) and not exists
+
+
+def _victim_writer(conn: object) -> None:
+    queue = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2)
+    conn.send(queue.export_handle())  # type: ignore[attr-defined]
+    queue.wait_until_ready(TIMEOUT)
+    queue.enqueue("last words", timeout=TIMEOUT)
+    time.sleep(TIMEOUT)
+
+
+def _killed_writer(rank: int) -> tuple:
+    mine, theirs = multiprocessing.Pipe()
+    victim = _fork(_victim_writer, theirs)
+    assert mine.poll(TIMEOUT)
+    handle = mine.recv()
+    name = handle.buffer_handle[3]
+    try:
+        queue = MessageQueue.create_from_handle(handle, 0)
+        queue.wait_until_ready(TIMEOUT)
+        time.sleep(0.2)  # the message is written
+        _kill(victim)
+        first = queue.dequeue(timeout=TIMEOUT)  # written before the writer died
+        gone = _timed(queue.dequeue)  # no timeout: the dead writer ends the wait
+        queue.close()
+    finally:
+        # A killed writer cannot unlink; multiprocessing's resource tracker would, at its exit.
+        with contextlib.suppress(FileNotFoundError):
+            segment = shared_memory.SharedMemory(name=name)
+            segment.close()
+            segment.unlink()
+    return first, gone
+
+
+def test_reader_notices_a_killed_writer() -> None:
+    [(first, (message, seconds))] = run_ranks(_killed_writer, 1, timeout=60)
+    assert first == "last words"
+    assert message.startswith("PeerGoneError") and "exited" in message
+    assert seconds < 5.0
+
+
+def _closed_writer(rank: int) -> tuple:
+    writer = MessageQueue(1, 1, max_chunk_bytes=256, max_chunks=2)
+    name = writer.buffer.name  # type: ignore[union-attr]
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready(TIMEOUT)
+    reader.wait_until_ready(TIMEOUT)
+    received: list = []
+    reader_thread = threading.Thread(
+        target=lambda: received.append(reader.dequeue(timeout=TIMEOUT))
+    )
+    reader_thread.start()
+    writer.enqueue(b"x" * 600, timeout=TIMEOUT)  # three chunks: more than the ring
+    reader_thread.join(TIMEOUT)
+    writer.enqueue("bye", timeout=TIMEOUT)
+    del writer
+    gc.collect()  # collecting the writer closes the queue and unlinks its segment
+    unlinked = not os.path.exists(f"/dev/shm/{name}")
+    received.append(reader.dequeue(timeout=TIMEOUT))  # written before the writer went
+    after = _timed(reader.dequeue)
+    reader.close()
+    reader.close()  # idempotent
+    return unlinked, received == [b"x" * 600, "bye"], after[0]
+
+
+def test_garbage_collected_writer_unlinks_and_readers_drain() -> None:
+    [(unlinked, drained, after)] = run_ranks(_closed_writer, 1, timeout=60)
+    assert unlinked and drained
+    assert after == "PeerGoneError: the writer closed the queue"
+
+
+def test_misuse_is_reported_clearly() -> None:
+    with pytest.raises(ValueError, match="n_local_reader <= n_reader"):
+        MessageQueue(1, 2)
+    with pytest.raises(ValueError, match="local_reader_ranks has 1 ranks"):
+        MessageQueue(2, 2, local_reader_ranks=[0])
+    with pytest.raises(ValueError, match="both a local and a remote"):
+        MessageQueue(2, 1, local_reader_ranks=[1], remote_reader_ranks=[1])
+    with MessageQueue(2, 1, max_chunk_bytes=256, max_chunks=2) as writer:
+        handle = writer.export_handle()
+        with pytest.raises(ValueError, match=r"rank 5 is not a reader .* remote readers are \[1\]"):
+            MessageQueue.create_from_handle(handle, 5)
+        with pytest.raises(ValueError, match="non-negative int"):
+            MessageQueue.create_from_handle(handle, -1)
+        with pytest.raises(RuntimeError, match="Only readers can dequeue"):
+            writer.dequeue(timeout=0)
+        with pytest.raises(RuntimeError, match="wait_until_ready"):
+            writer.enqueue("too early")  # a remote reader has not connected yet
+        reader = MessageQueue.create_from_handle(handle, 0)
+        with pytest.raises(RuntimeError, match="Only writers can enqueue"):
+            reader.enqueue("x")
+        reader.close()
+        # A handle whose segment is not on this host: the reader is on another node.
+        elsewhere = dataclasses.replace(
+            handle,
+            buffer_handle=(*handle.buffer_handle[:3], NAME_PREFIX + "000000000000"),
+            writer_host="far-away",
+        )
+        with pytest.raises(RuntimeError, match="must be remote readers"):
+            MessageQueue.create_from_handle(elsewhere, 0)
+        with pytest.raises(TimeoutError, match=r"remote readers to connect.*ranks \[1\]"):
+            writer.wait_until_ready(timeout=0.2)
