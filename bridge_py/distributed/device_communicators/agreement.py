@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
+
 __all__ = [
     "CHECK_ENV",
     "Agreement",
@@ -178,7 +180,7 @@ class Agreement:
             return
         row = signature.encode(error is not None)
         table = torch.empty(self.world_size * _WIDTH, dtype=torch.int64)
-        dist.all_gather_into_tensor(table, row, group=self.cpu_group)
+        all_gather_into(table, row, self.cpu_group)
         rows = table.view(self.world_size, _WIDTH).tolist()
         if any(r[1] for r in rows):
             self._raise_rejected(signature, rows, error)

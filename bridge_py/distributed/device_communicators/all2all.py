@@ -21,6 +21,7 @@ import torch
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     All2AllManagerBase,
 )
+from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 
 if TYPE_CHECKING:
     from bridge_py.distributed.device_communicators.base_device_communicator import (
@@ -43,7 +44,7 @@ class NaiveAll2AllManager(All2AllManagerBase):
     def _token_counts(self, num_tokens: int) -> list[int]:
         local = torch.tensor([num_tokens], dtype=torch.int64)
         counts = torch.empty(self.world_size, dtype=torch.int64)
-        torch.distributed.all_gather_into_tensor(counts, local, group=self.cpu_group)
+        all_gather_into(counts, local, self.cpu_group)
         return [int(n) for n in counts.tolist()]
 
     def dispatch(

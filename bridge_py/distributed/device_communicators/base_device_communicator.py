@@ -35,6 +35,10 @@ from bridge_py.distributed.device_communicators.agreement import (
     dtype_code,
     hash_ints,
 )
+from bridge_py.distributed.device_communicators.torch_compat import (
+    all_gather_into,
+    reduce_scatter_into,
+)
 from bridge_py.distributed.device_communicators.wire_dtypes import (
     for_reduction,
     for_transport,
@@ -251,7 +255,7 @@ class DeviceCommunicatorBase:
         """Every rank's ``tensor`` (same size everywhere), flat and in rank order."""
         wire, restore = for_transport(tensor, self.backend)
         out = torch.empty(self.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
-        self.dist_module.all_gather_into_tensor(out, wire, group=self.device_group)
+        all_gather_into(out, wire, self.device_group, self.dist_module)
         return restore(out)
 
     def all_gatherv(
@@ -405,7 +409,7 @@ class DeviceCommunicatorBase:
             rows = padded.reshape((self.world_size * longest, *rest))
         wire, restore = for_reduction(rows.contiguous(), self.backend)
         out = torch.empty((longest, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
-        self.dist_module.reduce_scatter_tensor(out, wire, group=self.device_group)
+        reduce_scatter_into(out, wire, self.device_group, self.dist_module)
         return restore(out)[:mine].movedim(0, dim).contiguous()
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:

@@ -3,8 +3,9 @@
 Everything runs through ``self.dist_module``, which is ``torch.distributed`` (on the gloo
 device group) today. A shared-memory fast path, like vLLM's ``_CPUSHMDistributed``, plugs
 in by replacing ``dist_module`` with an object offering the same functions
-(``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``gather``,
-``broadcast``, ``send``, ``recv``, with torch.distributed's signatures): see
+(``all_reduce``, ``all_gather_single`` or ``all_gather_into_tensor``,
+``reduce_scatter_single`` or ``reduce_scatter_tensor``, ``gather``, ``broadcast``, ``send``,
+``recv``, with torch.distributed's signatures): see
 :meth:`CpuCommunicator._select_dist_module`.
 """
 
