@@ -1,0 +1,302 @@
+"""torch.distribute utils: gather configs and tensors to one rank (ModelOpt's ``distribute``).
+
+Same names, parameters and results as ``modelopt.torch.export.distribute``:
+:class:`NFSWorkspace`, :func:`get_configs_parallel` and :func:`get_tensors_parallel` (context
+managers), plus :func:`gather_configs` and :func:`gather_tensors`, which return the list
+directly (for callers that cannot hold a context open, like the Elixir bridge).
+
+A gather is a collective over ``group``: every rank of the group calls it, in the same order.
+The ranks listed in ``ranks`` (group ranks) contribute a value; the first of them, the
+*reader*, gets the list of their values in the order of ``ranks`` (``None`` configs
+included); every other rank gets ``[]``. Ranks of the group that are not in ``ranks`` take
+part in the synchronization only. The steps:
+
+1. the reader draws a random token and the group broadcasts it; it names the call's
+   shared-memory segments (``bpd<token>r<rank>``) or its folder in the workspace, so
+   concurrent calls and jobs never collide (ModelOpt's fixed ``rank_<r>`` names do);
+2. each other contributing rank writes its value (one segment, or one state file);
+3. barrier; the reader reads every value (copies: nothing it yields points into shared
+   memory) and removes every segment or file at once;
+4. the body of the ``with`` runs; on exit (also when the body raises) a last barrier, as in
+   ModelOpt, so that all ranks leave together.
+
+Cleanup does not depend on the happy path: on any failure a writer removes its own segment
+and the reader removes all of them (removal is idempotent), so a rank that dies leaves no
+segment once the others have finished; they fail with a RuntimeError naming the step, within
+the group's timeout (for a StatelessProcessGroup, the ``timeout`` keyword, default 30 s).
+A rank whose value cannot be written (say, a config that is not plain data) or, for the
+reader, read, still joins both barriers, then raises; the others are not kept waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge_py.distributed.distribute_codec import (
+    config_from_bytes,
+    config_to_bytes,
+    tensor_from_view,
+    tensor_header_and_body,
+)
+from bridge_py.distributed.distribute_group import GroupSync, as_group_sync
+from bridge_py.distributed.distribute_nfs import NfsChannel, NFSWorkspace
+from bridge_py.distributed.distribute_shm import ShmChannel
+
+__all__ = [
+    "NFSWorkspace",
+    "gather_configs",
+    "gather_tensors",
+    "get_configs_parallel",
+    "get_tensors_parallel",
+]
+
+
+def _check_ranks(ranks: Sequence[int], size: int) -> list[int]:
+    """``ranks`` as a list, or ValueError/TypeError (raised alike on every rank)."""
+    checked = list(ranks)
+    if not checked:
+        raise ValueError("ranks must name at least one rank")
+    for rank in checked:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"ranks must be ints, got {type(rank).__name__}")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} in ranks is not in the group [0, {size})")
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"ranks must be distinct, got {checked}")
+    return checked
+
+
+def _step(sync: GroupSync, what: str, name: str, action: Callable[[], Any]) -> Any:
+    """Run a group operation; say which gather, rank and step failed if it does."""
+    try:
+        return action()
+    except Exception as exc:
+        raise RuntimeError(f"{name}: rank {sync.rank} failed at {what}: {exc}") from exc
+
+
+class _Channel:
+    """What the protocol needs from a transport (shared memory or a workspace folder)."""
+
+    def publish(self, rank: int, value: Any) -> None: ...
+    def take(self, rank: int) -> Any: ...
+    def remove(self, rank: int) -> None: ...
+    def remove_all(self, ranks: Sequence[int]) -> None: ...
+
+
+class _ShmTensors(_Channel):
+    def __init__(self, token: int) -> None:
+        self.shm = ShmChannel(token)
+
+    def publish(self, rank: int, value: Any) -> None:
+        header, body = tensor_header_and_body(value)
+        self.shm.publish(rank, header, body)
+
+    def take(self, rank: int) -> Any:
+        return self.shm.take(rank, tensor_from_view)
+
+    def remove(self, rank: int) -> None:
+        self.shm.remove(rank)
+
+    def remove_all(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            self.shm.remove(rank)
+
+
+class _ShmConfigs(_ShmTensors):
+    def publish(self, rank: int, value: Any) -> None:
+        self.shm.publish(rank, {}, config_to_bytes(value))
+
+    def take(self, rank: int) -> Any:
+        return self.shm.take(rank, lambda _header, view: config_from_bytes(bytes(view)))
+
+
+class _NfsConfigs(_Channel):
+    def __init__(self, root: Path | str, token: int, rank: int) -> None:
+        self.nfs = NfsChannel(root, token, rank)
+
+    def publish(self, rank: int, value: Any) -> None:
+        self.nfs.publish(value)
+
+    def take(self, rank: int) -> Any:
+        return self.nfs.take(rank)
+
+    def remove(self, rank: int) -> None:
+        self.nfs.remove(rank)
+
+    def remove_all(self, ranks: Sequence[int]) -> None:
+        self.nfs.remove_all()
+
+
+@contextlib.contextmanager
+def _gather(
+    name: str,
+    value: Any,
+    ranks: Sequence[int],
+    sync: GroupSync,
+    open_channel: Callable[[int, int], _Channel],
+) -> Iterator[list[Any]]:
+    """The protocol of the module docstring, for one value per rank of ``ranks``."""
+    ranks = _check_ranks(ranks, sync.size)
+    me, reader = sync.rank, ranks[0]
+    token = _step(sync, "agreeing on the call's token", name, lambda: sync.agree_token(reader))
+    if me not in ranks:
+        _step(sync, "the barrier after writing", name, sync.barrier)
+        try:
+            yield []
+        finally:
+            _step(sync, "the barrier on exit", name, sync.barrier)
+        return
+    channel = open_channel(token, me)
+    writers = [rank for rank in ranks if rank != reader]
+    try:
+        failure: BaseException | None = None
+        if me != reader:
+            try:
+                channel.publish(me, value)
+            except Exception as exc:  # still synchronize, so that no rank waits in vain
+                failure = exc
+        _step(sync, "the barrier after writing", name, sync.barrier)
+        gathered: list[Any] = []
+        if me == reader:
+            try:
+                gathered = [value if rank == reader else channel.take(rank) for rank in ranks]
+            except Exception as exc:
+                failure = exc
+            finally:
+                channel.remove_all(writers)
+        if failure is not None:
+            _step(sync, "the barrier on exit", name, sync.barrier)
+            raise failure
+        try:
+            yield gathered
+        finally:
+            _step(sync, "the barrier on exit", name, sync.barrier)
+    finally:
+        # Idempotent: normally everything is gone already; after a failure, whoever is left
+        # removes what it can (a writer its own, the reader everyone's).
+        if me == reader:
+            channel.remove_all(writers)
+        else:
+            channel.remove(me)
+
+
+@contextlib.contextmanager
+def get_configs_parallel(
+    config: Any,
+    ranks: list[int],
+    group: Any,
+    workspace_path: Path | str | None = None,
+    *,
+    timeout: float | None = None,
+) -> Iterator[list[Any]]:
+    """Gathers the layer config across distributed processes using shm or NFS.
+
+    Args:
+        config: the config (nullable) that each rank want to pass to the first rank: ``None``
+            or a dict of plain data (None, bool, int, float, str, list, tuple, dict) and
+            tensors.
+        ranks: the list of the ranks (ranks in ``group``)
+        group: the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+            GroupCoordinator, or None (torch.distributed's default group if initialized).
+        workspace_path: the path to the NFS directory for postprocess cross rank
+            communication.
+        timeout: (keyword only, an extension) seconds each barrier of a
+            StatelessProcessGroup may wait (default 30).
+
+    Yields:
+        the first rank in the ranks has the full access of the configs across all the ranks
+        (in the order of ``ranks``, ``None`` included). the other ranks returns an empty list
+
+    When workspace_path is provided, an NFSWorkspace object (in a folder of its own for this
+    call) is created to perform communication across ranks. Otherwise, SharedMemory is used
+    for local multi-process communication. The shm will be destroyed after consumption.
+    """
+    sync = as_group_sync(group, timeout)
+    if workspace_path is not None:
+        root = workspace_path
+
+        def open_channel(token: int, rank: int) -> _Channel:
+            return _NfsConfigs(root, token, rank)
+
+    else:
+
+        def open_channel(token: int, rank: int) -> _Channel:
+            return _ShmConfigs(token)
+
+    with _gather("get_configs_parallel", config, ranks, sync, open_channel) as configs:
+        yield configs
+
+
+@contextlib.contextmanager
+def get_tensors_parallel(
+    tensor: torch.Tensor,
+    ranks: list[int],
+    group: Any = None,
+    *,
+    timeout: float | None = None,
+) -> Iterator[list[torch.Tensor]]:
+    """Gathers the tensors across distributed processes using shm.
+
+    Args:
+        tensor: the tensor that each rank want to pass to the first rank. Unlike ModelOpt's,
+            the tensors may differ in dtype and shape across the ranks.
+        ranks: the list of the ranks (ranks in ``group``)
+        group: the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+            GroupCoordinator, or None (torch.distributed's default group if initialized).
+        timeout: (keyword only, an extension) seconds each barrier of a
+            StatelessProcessGroup may wait (default 30).
+
+    Yields:
+        the first rank in the ranks has the full access of the tensors across all the ranks
+        (CPU tensors, in the order of ``ranks``). the other ranks returns an empty list
+
+    The shm will be destroyed after consumption.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    sync = as_group_sync(group, timeout)
+    with _gather("get_tensors_parallel", tensor.cpu(), ranks, sync, _open_shm_tensors) as out:
+        yield out
+
+
+def _open_shm_tensors(token: int, rank: int) -> _Channel:
+    return _ShmTensors(token)
+
+
+def gather_configs(
+    config: Any,
+    ranks: list[int],
+    group: Any,
+    workspace_path: Path | str | None = None,
+    *,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Gathers the layer config across distributed processes using shm or NFS.
+
+    :func:`get_configs_parallel` as a plain call: returns the list it yields (the configs of
+    all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+    """
+    with get_configs_parallel(config, ranks, group, workspace_path, timeout=timeout) as got:
+        return list(got)
+
+
+def gather_tensors(
+    tensor: torch.Tensor,
+    ranks: list[int],
+    group: Any = None,
+    *,
+    timeout: float | None = None,
+) -> list[torch.Tensor]:
+    """Gathers the tensors across distributed processes using shm.
+
+    :func:`get_tensors_parallel` as a plain call: returns the list it yields (the tensors of
+    all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+    Every tensor is a copy: none points into shared memory or aliases the caller's tensor.
+    """
+    with get_tensors_parallel(tensor, ranks, group, timeout=timeout) as got:
+        return [t.clone() for t in got]

@@ -1,0 +1,197 @@
+"""NFSWorkspace: a directory shared by all ranks, one state file per rank.
+
+Compatible with ModelOpt's ``modelopt.torch.export.distribute.NFSWorkspace`` (same
+constructor, property, methods and file names ``rank_<r>_state.pth`` holding
+``{"config": ..., "weight": ...}`` written by ``torch.save``), and better in these ways:
+
+* a state file is replaced atomically (written to a temporary file in the same directory,
+  fsynced, then ``os.replace``d), so a reader never sees half a file, and the previous state
+  stays readable until the new one is complete;
+* it is read with ``torch.load(weights_only=True)``: reading executes no pickled code;
+* every rank creates the directory (not only rank 0), so it exists before any rank writes;
+* the rank in file names can be given (``rank=``), which stateless groups need.
+
+As in ModelOpt, reads and writes involve no collective and no barrier: synchronizing the ranks
+is the caller's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from bridge_py.distributed.distribute_codec import join_config, load_state, save_state
+from bridge_py.distributed.distribute_codec import split_config as _split
+from bridge_py.distributed.distribute_shm import NAME_PREFIX
+
+__all__ = ["NFSWorkspace", "NfsChannel"]
+
+_NOT_INITIALIZED = "NFSWorkspace is not initialized!"
+
+
+def _default_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable where the file system allows it (best effort)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class NFSWorkspace:
+    """A shared workspace implementation using Network File Storage (NFS).
+
+    NOTE: all read/write/modifition to the NFS dir do not involve any collective
+    communication nor barrier. It is users' responsibility to synchronize all ranks (local
+    and remote processes).
+
+    This implementation uses ``torch.save`` and ``torch.load`` (with ``weights_only=True``)
+    for serialization.
+
+    Args:
+        workspace_path: the path to the NFS directory for postprocess cross rank
+            communication. If not provided, SharedMemory will be used instead.
+        rank: the rank that names this process's state file (keyword only, an extension);
+            by default torch.distributed's rank when it is initialized, else 0.
+    """
+
+    def __init__(self, workspace_path: Path | str | None = None, *, rank: int | None = None):
+        """Create the NFS work dir and clean up existing state files."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        if rank is not None and rank < 0:
+            raise ValueError(f"rank must be non-negative, got {rank}")
+        self.path = Path("") if workspace_path is None else Path(workspace_path)
+        self._is_initialized = workspace_path is not None
+        self.rank = _default_rank() if rank is None else rank
+        if self._is_initialized:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.state_path = self._get_state_path(self.rank)
+            self._clean_up()
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the workspace is initialized."""
+        return self._is_initialized
+
+    def write_configs_and_weights(
+        self, config_json: dict[str, Any], weights: dict[str, Any]
+    ) -> None:
+        """All ranks write the state file to the shared NFS dir.
+
+        The file is replaced atomically: readers see the previous state or this one, whole.
+
+        Args:
+            config_json: model or module config in json
+            weights: module weights in torch's state_dict format
+        """
+        self._check()
+        self._write_state({"config": config_json, "weight": weights})
+
+    def read_configs_and_weights_from_rank(
+        self, target_rank: int
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """All ranks read the target_rank state file.
+
+        Args:
+            target_rank: the target rank
+
+        Returns:
+            the model/module config and the weights; ``(None, None)`` when that rank has no
+            state file.
+        """
+        self._check()
+        try:
+            with open(self._get_state_path(target_rank), "rb") as file:
+                return load_state(file)
+        except FileNotFoundError:
+            return None, None
+
+    def _check(self) -> None:
+        if not self._is_initialized:
+            raise ValueError(_NOT_INITIALIZED)
+
+    def _get_state_path(self, target_rank: int) -> Path:
+        """Return the state file path of a particular rank."""
+        self._check()
+        return self.path.joinpath(f"rank_{target_rank}_state.pth")
+
+    def _write_state(self, state: dict[str, Any]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{self.state_path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                save_state(state["config"], state["weight"], file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(self.path)
+
+    def _clean_up(self) -> None:
+        """Remove this rank's state file and any temporary file a crashed write left."""
+        self._check()
+        self.state_path.unlink(missing_ok=True)
+        for leftover in self.path.glob(f".{self.state_path.name}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+
+
+class NfsChannel:
+    """The state files of one gather call, in their own folder of the workspace.
+
+    The folder is named after the call's token, so two calls sharing a workspace never touch
+    each other's files. Every writer writes a state file, also for a ``None`` config (its
+    config is then ``{}`` and its weights hold the marker ``__none__``), so that the reader
+    can tell a missing file (a workspace that is not shared) from a ``None`` config.
+    """
+
+    def __init__(self, root: Path | str, token: int, rank: int) -> None:
+        self.folder = Path(root) / f"{NAME_PREFIX}{token:016x}"
+        self.workspace = NFSWorkspace(self.folder, rank=rank)
+
+    def publish(self, config: Any) -> None:
+        """Write this rank's config (``None`` included)."""
+        if config is None:
+            self.workspace.write_configs_and_weights({}, {"__none__": True})
+        else:
+            self.workspace.write_configs_and_weights(*_split(config))
+
+    def take(self, rank: int) -> Any:
+        """Read ``rank``'s config and delete its state file."""
+        path = self.workspace._get_state_path(rank)
+        config_json, weights = self.workspace.read_configs_and_weights_from_rank(rank)
+        if config_json is None or weights is None:
+            raise RuntimeError(
+                f"rank {rank} left no state file in {self.folder}: it failed to write it, or "
+                "the workspace is not shared by all ranks of the group"
+            )
+        path.unlink(missing_ok=True)
+        if weights.get("__none__") is True:
+            return None
+        return join_config(config_json, weights)
+
+    def remove(self, rank: int) -> None:
+        """Delete ``rank``'s state file, then the folder if it is empty (idempotent)."""
+        with contextlib.suppress(OSError):
+            self.workspace._get_state_path(rank).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()
+
+    def remove_all(self) -> None:
+        """Delete the call's folder and everything in it (idempotent)."""
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,146 @@
+"""Named shared-memory segments for one gather: one per writing rank, unique per call.
+
+A segment holds one framed message: an 8-byte little-endian header length, a JSON header,
+padding up to a 64-byte boundary, then the body bytes (the header says how many). Segment
+names are ``bpd<token>r<rank>``: the token is drawn afresh for every call and agreed through
+the group, so concurrent calls and concurrent jobs on one node never share a name.
+
+Who removes what: a writer creates its segment, fills it and closes its mapping (the segment
+lives on under its name). The reader (the first rank of the gather) copies each message out
+and unlinks the name at once. Removal is idempotent, so on any failure a writer removes its
+own segment and the reader removes every writer's, whoever is left standing: a rank that dies
+leaves nothing behind once the others have finished.
+
+Python's resource tracker is kept out of it (``track=False`` on 3.13+, an immediate
+unregister before): it would otherwise unlink segments that another process still needs when
+a process exits, and warn about "leaked" segments that the protocol removes itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+__all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
+
+NAME_PREFIX = "bpd"
+_ALIGN = 64
+_LEN_BYTES = 8
+_TRACK_PARAM = sys.version_info >= (3, 13)
+
+
+def segment_name(token: int, rank: int) -> str:
+    """The name (without the leading slash) of ``rank``'s segment in the call ``token``."""
+    return f"{NAME_PREFIX}{token:016x}r{rank}"
+
+
+def _open(name: str, size: int = 0) -> SharedMemory:
+    """Create (``size > 0``, exclusively) or attach to ``name``, untracked by the tracker."""
+    create = size > 0
+    if _TRACK_PARAM:
+        return SharedMemory(name=name, create=create, size=size, track=False)  # type: ignore[call-arg]
+    shm = SharedMemory(name=name, create=create, size=size)
+    # 3.10-3.12 register every segment, even one only attached to.
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+def _unlink(shm: SharedMemory) -> None:
+    """Remove ``shm``'s name; the memory goes when the last mapping of it is closed."""
+    if _TRACK_PARAM:
+        shm.unlink()
+        return
+    # SharedMemory.unlink would unregister the name a second time (the tracker then prints a
+    # KeyError), so call the primitive it uses.
+    from multiprocessing.shared_memory import _posixshmem  # type: ignore[attr-defined]
+
+    _posixshmem.shm_unlink(shm._name)  # type: ignore[attr-defined]
+
+
+def _data_offset(header_len: int) -> int:
+    end = _LEN_BYTES + header_len
+    return (end + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class ShmChannel:
+    """The segments of one gather call, named by its agreed ``token``."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def name(self, rank: int) -> str:
+        """The segment name of ``rank`` in this call."""
+        return segment_name(self.token, rank)
+
+    def publish(self, rank: int, header: dict[str, Any], body: Any) -> None:
+        """Create ``rank``'s segment holding ``header`` and ``body`` (a bytes-like object).
+
+        The mapping is closed before returning: the segment lives on under its name until the
+        reader (or a cleanup) unlinks it.
+        """
+        body_view = memoryview(body).cast("B")
+        header = {**header, "nbytes": body_view.nbytes}
+        head = json.dumps(header).encode()
+        offset = _data_offset(len(head))
+        shm = _open(self.name(rank), offset + body_view.nbytes)
+        try:
+            buf = shm.buf
+            buf[:_LEN_BYTES] = len(head).to_bytes(_LEN_BYTES, "little")
+            buf[_LEN_BYTES : _LEN_BYTES + len(head)] = head
+            buf[offset : offset + body_view.nbytes] = body_view
+            del buf
+        except BaseException:
+            with contextlib.suppress(OSError):
+                _unlink(shm)
+            raise
+        finally:
+            shm.close()
+
+    def take(self, rank: int, read_body: Any) -> Any:
+        """Read ``rank``'s message, unlink its segment, and return ``read_body(header, view)``.
+
+        ``view`` is a memoryview of the body, valid only during the call: ``read_body`` must
+        copy what it keeps. Raises RuntimeError when the segment is missing or truncated.
+        """
+        try:
+            shm = _open(self.name(rank))
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"shared-memory segment {self.name(rank)!r} of rank {rank} is missing"
+            ) from None
+        try:
+            _unlink(shm)
+            return self._read(shm, rank, read_body)
+        finally:
+            shm.close()
+
+    def _read(self, shm: SharedMemory, rank: int, read_body: Any) -> Any:
+        with shm.buf[:_LEN_BYTES] as raw_len:
+            head_len = int.from_bytes(raw_len, "little")
+        offset = _data_offset(head_len)
+        if offset > shm.size:
+            raise RuntimeError(f"shared-memory segment of rank {rank} is truncated")
+        with shm.buf[_LEN_BYTES : _LEN_BYTES + head_len] as raw_head:
+            header = json.loads(bytes(raw_head))
+        nbytes = int(header["nbytes"])
+        if offset + nbytes > shm.size:
+            raise RuntimeError(f"shared-memory segment of rank {rank} is truncated")
+        with shm.buf[offset : offset + nbytes] as view:
+            return read_body(header, view)
+
+    def remove(self, rank: int) -> None:
+        """Unlink ``rank``'s segment if it still exists (idempotent)."""
+        try:
+            shm = _open(self.name(rank))
+        except FileNotFoundError:
+            return
+        try:
+            _unlink(shm)
+        except FileNotFoundError:
+            pass
+        finally:
+            shm.close()

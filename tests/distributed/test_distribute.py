@@ -1,0 +1,265 @@
+"""get_tensors_parallel / get_configs_parallel with real processes, groups and /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bridge_py.distributed import (
+    StatelessProcessGroup,
+    stateless_destroy_torch_distributed_process_group,
+    stateless_init_torch_distributed_process_group,
+)
+from bridge_py.distributed.distribute import (
+    gather_configs,
+    gather_tensors,
+    get_configs_parallel,
+    get_tensors_parallel,
+)
+from bridge_py.distributed.distribute_codec import tensor_header_and_body
+from bridge_py.distributed.distribute_group import as_group_sync
+from bridge_py.distributed.distribute_shm import NAME_PREFIX, ShmChannel, segment_name
+from tests.distributed.harness import free_port, run_ranks
+
+SHM = Path("/dev/shm")
+TIMEOUT = 20.0  # barrier timeout of the gathers (StatelessProcessGroup) in the happy paths
+
+
+def _segments() -> set[str]:
+    if not SHM.is_dir():
+        return set()
+    return {name for name in os.listdir(SHM) if name.startswith(NAME_PREFIX)}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left() -> Any:
+    """Every test of this module must leave /dev/shm as it found it."""
+    before = _segments()
+    yield
+    assert _segments() - before == set()
+
+
+def _group(kind: str, rank: int, world_size: int, port: int) -> Any:
+    if kind == "spg":
+        return StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=30)
+    return stateless_init_torch_distributed_process_group(
+        "127.0.0.1", port, rank, world_size, backend="gloo", timeout=30
+    )
+
+
+def _release(kind: str, group: Any) -> None:
+    if kind == "gloo":
+        stateless_destroy_torch_distributed_process_group(group)
+
+
+# dtype, shape; the tensors of a case differ in values from rank to rank.
+CASES = [
+    (torch.float32, (2, 3)),
+    (torch.bfloat16, (5,)),
+    (torch.int64, ()),
+    (torch.bool, (2, 2, 2)),
+    (torch.float16, (0, 3)),
+    (torch.complex64, (3,)),
+    (torch.uint8, (4, 1)),
+]
+
+
+def _tensor(rank: int, case: int) -> torch.Tensor:
+    dtype, shape = CASES[case]
+    values = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float64) + 10 * rank
+    if dtype == torch.bool:
+        return (values.long() % (rank + 2) == 0).reshape(shape)
+    if dtype.is_complex:
+        return torch.complex(values, -values).to(dtype).reshape(shape)
+    return values.to(dtype).reshape(shape)
+
+
+def _tensors_job(rank: int, kind: str, port: int, world_size: int, ranks: list[int]) -> list:
+    group = _group(kind, rank, world_size, port)
+    lengths = []
+    for case in range(len(CASES)):
+        with get_tensors_parallel(_tensor(rank, case), ranks, group, timeout=TIMEOUT) as got:
+            lengths.append(len(got))
+            for src, tensor in zip(ranks if got else [], got, strict=True):
+                expected = _tensor(src, case)
+                assert tensor.dtype == expected.dtype and tensor.shape == expected.shape
+                assert torch.equal(tensor, expected), (src, case)
+    # Non-contiguous input; gather_tensors returns copies.
+    source = torch.arange(12.0).reshape(3, 4).t() + rank
+    plain = gather_tensors(source, ranks, group, timeout=TIMEOUT)
+    if plain:
+        assert [t.tolist() for t in plain] == [(source - rank + r).tolist() for r in ranks]
+        assert plain[0] is not source and plain[0].data_ptr() != source.data_ptr()
+    lengths.append(len(plain))
+    _release(kind, group)
+    return lengths
+
+
+@pytest.mark.parametrize(
+    ("kind", "world_size", "ranks"),
+    [("spg", 2, [1, 0]), ("gloo", 3, [1, 2]), ("spg", 3, [2, 0, 1])],
+    ids=["spg-2-reader1", "gloo-3-rank0-outside", "spg-3-reader2"],
+)
+def test_tensors(kind: str, world_size: int, ranks: list[int]) -> None:
+    results = run_ranks(_tensors_job, world_size, kind, free_port(), world_size, ranks)
+    for rank, lengths in enumerate(results):
+        assert lengths == [len(ranks) if rank == ranks[0] else 0] * (len(CASES) + 1)
+
+
+def _config(rank: int) -> dict | None:
+    if rank == 0:
+        return None
+    return {
+        "name": f"layer{rank}",
+        "nested": {"empty": {}, "none": None, "flags": [True, False], "scale": rank / 4},
+        "weight": torch.full((2, rank), float(rank)),
+        "shards": (torch.arange(3) * rank, "tp"),
+        "views": [torch.arange(10)[rank::3]],
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return type(a) is type(b) and a == b
+
+
+def _configs_job(
+    rank: int, kind: str, port: int, world_size: int, ranks: list[int], workspace: str | None
+) -> list[int]:
+    group = _group(kind, rank, world_size, port)
+    lengths = []
+    with get_configs_parallel(_config(rank), ranks, group, workspace, timeout=TIMEOUT) as got:
+        lengths.append(len(got))
+        for src, config in zip(ranks if got else [], got, strict=True):
+            assert _same(config, _config(src)), (src, config)
+    plain = gather_configs({"rank": rank}, ranks, group, workspace, timeout=TIMEOUT)
+    assert plain == ([{"rank": r} for r in ranks] if rank == ranks[0] else [])
+    lengths.append(len(plain))
+    _release(kind, group)
+    return lengths
+
+
+@pytest.mark.parametrize("transport", ["shm", "workspace"])
+@pytest.mark.parametrize(
+    ("kind", "world_size", "ranks"),
+    [("spg", 3, [2, 0, 1]), ("gloo", 3, [1, 2])],
+    ids=["spg-3-reader2", "gloo-3-rank0-outside"],
+)
+def test_configs(
+    kind: str, world_size: int, ranks: list[int], transport: str, tmp_path: Path
+) -> None:
+    workspace = str(tmp_path / "ws") if transport == "workspace" else None
+    results = run_ranks(_configs_job, world_size, kind, free_port(), world_size, ranks, workspace)
+    for rank, lengths in enumerate(results):
+        assert lengths == [len(ranks) if rank == ranks[0] else 0] * 2
+    if workspace is not None:
+        assert list(Path(workspace).iterdir()) == []  # every call's folder is gone
+
+
+def _body_raises_job(rank: int, port: int, world_size: int) -> str:
+    group = _group("spg", rank, world_size, port)
+    outcome = "ok"
+    try:
+        with get_tensors_parallel(torch.ones(3) * rank, [0, 1, 2], group, timeout=TIMEOUT) as got:
+            if rank == 1:
+                raise ValueError("body failed")
+            assert len(got) == (3 if rank == 0 else 0)
+    except ValueError as exc:
+        outcome = str(exc)
+    # The group is still usable: the next gather works.
+    assert len(gather_tensors(torch.ones(1), [0, 1, 2], group, timeout=TIMEOUT)) in (0, 3)
+    return outcome
+
+
+def test_body_raising_on_one_rank_still_cleans_up() -> None:
+    results = run_ranks(_body_raises_job, 3, free_port(), 3)
+    assert results == ["ok", "body failed", "ok"]
+
+
+def _two_jobs(rank: int, ports: list[int], rounds: int) -> int:
+    job, local = divmod(rank, 2)
+    group = _group("spg", local, 2, ports[job])
+    checked = 0
+    for step in range(rounds):
+        mine = torch.full((64,), float(1000 * job + 10 * step + local))
+        with get_tensors_parallel(mine, [0, 1], group, timeout=TIMEOUT) as got:
+            for src, tensor in enumerate(got):
+                assert torch.equal(tensor, torch.full((64,), float(1000 * job + 10 * step + src)))
+                checked += 1
+        configs = gather_configs({"job": job, "src": local}, [0, 1], group, timeout=TIMEOUT)
+        assert configs in ([], [{"job": job, "src": 0}, {"job": job, "src": 1}])
+    return checked
+
+
+def test_two_groups_on_one_node_do_not_collide() -> None:
+    # Ranks 0, 1 form one job and ranks 2, 3 another, with the same group ranks (0 and 1).
+    rounds = 5
+    results = run_ranks(_two_jobs, 4, [free_port(), free_port()], rounds)
+    assert results == [2 * rounds, 0, 2 * rounds, 0]
+
+
+def _dying_rank(rank: int, port: int, world_size: int, ranks: list[int], token_file: str) -> None:
+    """Take part in a gather up to a point, then get SIGKILLed (no cleanup code runs)."""
+    group = _group("spg", rank, world_size, port)
+    sync = as_group_sync(group, timeout=3)
+    token = sync.agree_token(ranks[0])
+    if rank != ranks[0]:  # a writer dies right after writing its segment
+        ShmChannel(token).publish(rank, *tensor_header_and_body(torch.ones(1024)))
+    else:  # the reader dies once every writer has written
+        sync.barrier()
+    Path(token_file).write_text(str(token))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _survivor(rank: int, port: int, world_size: int, ranks: list[int]) -> tuple[str, float]:
+    group = _group("spg", rank, world_size, port)
+    start = time.monotonic()
+    try:
+        with get_tensors_parallel(torch.ones(1024) * rank, ranks, group, timeout=3):
+            pass
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("dies", ["writer", "reader"])
+def test_killed_rank_leaves_no_segment(dies: str, tmp_path: Path) -> None:
+    world_size, victim = 3, 2  # rank 0 serves the group's store: it must survive
+    ranks = [0, 1, 2] if dies == "writer" else [2, 0, 1]
+    port, token_file = free_port(), tmp_path / "token"
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    dying = multiprocessing.get_context(method).Process(
+        target=_dying_rank, args=(victim, port, world_size, ranks, str(token_file)), daemon=True
+    )
+    dying.start()
+    try:
+        results = run_ranks(_survivor, world_size, port, world_size, ranks, ranks=[0, 1])
+    finally:
+        dying.join(30)
+        if dying.is_alive():
+            dying.kill()
+    assert dying.exitcode == -signal.SIGKILL
+    for message, elapsed in results:
+        assert "get_tensors_parallel" in message and "barrier" in message, message
+        assert elapsed < 15, elapsed
+    # Rank 0 times out; rank 1 too, or it sees rank 0's store go away when rank 0 exits.
+    assert "timed out" in results[0][0], results[0][0]
+    assert "timed out" in results[1][0] or "closed" in results[1][0], results[1][0]
+    token = int(token_file.read_text())
+    assert not [r for r in range(world_size) if (SHM / segment_name(token, r)).exists()]
