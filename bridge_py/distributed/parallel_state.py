@@ -264,45 +264,57 @@ class GroupCoordinator:
     def create_mq_broadcaster(
         self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True
     ) -> Any:
-        """A shared-memory ``MessageQueue`` over this group's CPU group.
+        """A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
 
-        ``writer_rank`` is the group rank that writes. ``external_writer_handle`` and
-        ``blocking`` are passed on when not at their defaults (the queue must support them).
+        ``writer_rank`` is the group rank that writes, every other rank reads; with
+        ``blocking`` every rank waits until the queue is connected. ``external_writer_handle``
+        (a writer outside the group, in vLLM) is not supported by this MessageQueue.
         """
         from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
-        kwargs: dict[str, Any] = {"writer_rank": writer_rank}
         if external_writer_handle is not None:
-            kwargs["external_writer_handle"] = external_writer_handle
-        if not blocking:
-            kwargs["blocking"] = blocking
+            raise NotImplementedError(
+                "create_mq_broadcaster: external_writer_handle is not supported"
+            )
+        self._check_peer("create_mq_broadcaster", "writer", writer_rank)
         return MessageQueue.create_from_process_group(
-            self.cpu_group, _MQ_CHUNK_BYTES, _MQ_CHUNKS, **kwargs
+            self.cpu_group, _MQ_CHUNK_BYTES, _MQ_CHUNKS, writer_rank=writer_rank, blocking=blocking
         )
 
     def create_single_reader_mq_broadcasters(
         self, reader_rank_in_group: int = 0, blocking: bool = False
-    ) -> Any:
-        """Queues that every rank writes and one rank (``reader_rank_in_group``) reads.
+    ) -> tuple[Any, list[Any]]:
+        """One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
 
-        Uses ``MessageQueue.create_from_process_group_single_reader`` as vLLM does.
+        As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
+        (the reader too) gets a queue it writes, with one reader slot; the writers' handles
+        are gathered on the reader. Returns ``(queue, handles)``: ``handles`` lists every
+        rank's handle (in group rank order) on the reader and is empty elsewhere; the reader
+        opens them with ``MessageQueue.create_from_handle(handle, 0)``. ``blocking`` waits
+        until the reader has connected, so the reader must open the handles on its own
+        (or pass ``blocking=False`` and call ``wait_until_ready`` later).
         """
-        from bridge_py.distributed.device_communicators import shm_broadcast
+        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
         self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
-        queue_cls = shm_broadcast.MessageQueue
-        factory = getattr(queue_cls, "create_from_process_group_single_reader", None)
-        if factory is None:
-            raise NotImplementedError(
-                "this MessageQueue has no create_from_process_group_single_reader"
-            )
-        return factory(
-            self.cpu_group,
-            _MQ_CHUNK_BYTES,
-            _MQ_CHUNKS,
-            reader_rank=self.ranks[reader_rank_in_group],
-            blocking=blocking,
+        same_node = in_the_same_node_as(self.cpu_group, source_rank=reader_rank_in_group)
+        queue = MessageQueue(
+            n_reader=1,
+            n_local_reader=1 if same_node[self.rank_in_group] else 0,
+            max_chunk_bytes=_MQ_CHUNK_BYTES,
+            max_chunks=_MQ_CHUNKS,
         )
+        is_reader = self.rank_in_group == reader_rank_in_group
+        handles: list[Any] | None = [None] * self.world_size if is_reader else None
+        dist.gather_object(
+            queue.export_handle(),
+            handles,
+            dst=self.ranks[reader_rank_in_group],
+            group=self.cpu_group,
+        )
+        if blocking:
+            queue.wait_until_ready()
+        return queue, list(handles or [])
 
     # ------------------------------------------------------------------- ranks
 
@@ -746,7 +758,11 @@ class GroupCoordinator:
         comm = getattr(self, "_comm", None)
         if comm is not None:
             comm.destroy()
-        self.mq_broadcaster = None
+        queue, self.mq_broadcaster = getattr(self, "mq_broadcaster", None), None
+        close = getattr(queue, "close", None)
+        if close is not None:  # release the shared memory now rather than at collection
+            with contextlib.suppress(Exception):
+                close()
 
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Let the device communicator size its buffers for ``model`` (a no-op without one)."""

@@ -1,0 +1,186 @@
+"""The module functions of parallel_state and communication_op on 4 gloo processes, and the
+pure helpers of utils.
+
+One spawned run goes init -> TP 2 -> destroy -> init -> TP 2 x PP 2 -> destroy -> init ->
+TP 2 x DP 2 (expert parallel dispatch/combine) -> destroy, in the same processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bridge_py.distributed import communication_op as ops
+from bridge_py.distributed import parallel_state as ps
+from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
+from bridge_py.distributed.utils import (
+    divide,
+    ensure_divisibility,
+    get_pp_indices,
+    split_tensor_along_last_dim,
+)
+from tests.distributed.harness import free_port, run_ranks
+
+
+def _init(rank: int, port: int) -> None:
+    ps.init_distributed_environment(
+        world_size=4,
+        rank=rank,
+        distributed_init_method=ps.get_distributed_init_method("127.0.0.1", port),
+        backend="nccl",  # falls back to gloo without CUDA, as in vLLM
+    )
+
+
+def _destroy() -> None:
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+    assert not dist.is_initialized()
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="world group is not initialized"):
+        ps.get_world_group()
+
+
+def _tensor_parallel(rank: int) -> None:
+    world = ps.get_world_group()
+    assert (world.world_size, world.rank_in_group, world.local_rank) == (4, rank, rank)
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="tensor model parallel group is not initialized"):
+        ps.get_tp_group()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    assert ps.model_parallel_is_initialized()
+    tp = ps.get_tp_group()
+    assert tp.ranks == ([0, 1] if rank < 2 else [2, 3])
+    assert ps.get_tensor_model_parallel_rank() == rank % 2
+    assert ps.get_tensor_model_parallel_world_size() == 2
+    assert tp.mq_broadcaster is not None  # vLLM broadcasts TP objects through shared memory
+    assert ps.get_pp_group().ranks == [rank]  # TP 2 on 4 ranks: 2 external data replicas
+    assert ps.get_dp_group().ranks == [rank]
+    assert ps.get_ep_group().ranks == tp.ranks
+    ps.ensure_model_parallel_initialized(2, 1)
+    with pytest.raises(RuntimeError, match="unexpected size"):
+        ps.ensure_model_parallel_initialized(4, 1)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        ps.initialize_model_parallel(2)
+
+    x = torch.arange(6.0).reshape(2, 3) + rank
+    peer = x - rank + (rank ^ 1)
+    low, high = (x, peer) if rank % 2 == 0 else (peer, x)
+    assert torch.equal(tp.all_reduce(x), low + high)
+    assert torch.equal(ops.tensor_model_parallel_all_reduce(x), low + high)
+    assert torch.equal(ops.tensor_model_parallel_all_gather(x), torch.cat([low, high], -1))
+    assert torch.equal(ops.tensor_model_parallel_all_gather(x, 0), torch.cat([low, high], 0))
+    y = torch.arange(8.0).reshape(2, 4) * (rank + 1)
+    scattered = ops.tensor_model_parallel_reduce_scatter(y)
+    pair = tp.ranks
+    expected = (torch.arange(8.0).reshape(2, 4) * sum(r + 1 for r in pair)).chunk(2, -1)
+    assert torch.equal(scattered, expected[rank % 2])
+    gathered = ops.tensor_model_parallel_gather(x, dst=1, dim=0)
+    assert (gathered is None) == (rank % 2 == 0)
+    if gathered is not None:
+        assert torch.equal(gathered, torch.cat([low, high], 0))
+    sent = {"x": torch.ones(2) * tp.ranks[0], "step": 7} if rank % 2 == 0 else None
+    got = ops.broadcast_tensor_dict(sent, src=0)
+    assert (
+        got is not None and got["step"] == 7 and torch.equal(got["x"], torch.ones(2) * tp.ranks[0])
+    )
+    ps.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))
+    with ps.graph_capture(torch.device("cpu")) as context:
+        assert context.stream is None
+    world.barrier()
+
+
+def _pipeline(rank: int) -> None:
+    ps.initialize_model_parallel(2, 2)
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    assert pp.ranks == ([0, 2] if rank % 2 == 0 else [1, 3])
+    assert pp.is_first_rank == (rank < 2) and pp.is_last_rank == (rank >= 2)
+    assert ps.get_dp_group().ranks == [rank]
+    assert ps.get_ep_group().ranks == tp.ranks
+    hidden = torch.arange(12.0).reshape(3, 4)
+    if pp.is_first_rank:
+        pp.send_tensor_dict({"hidden": hidden, "pos": 5}, all_gather_group=tp)
+    else:
+        got = pp.recv_tensor_dict(all_gather_group=tp)
+        assert got is not None and got["pos"] == 5 and torch.equal(got["hidden"], hidden)
+
+
+def _expert_parallel(rank: int) -> None:
+    ps.initialize_model_parallel(2, 1, data_parallel_size=2)
+    tp, dp, ep = ps.get_tp_group(), ps.get_dp_group(), ps.get_ep_group()
+    assert tp.ranks == ([0, 1] if rank < 2 else [2, 3])
+    assert dp.ranks == ([0, 2] if rank % 2 == 0 else [1, 3])
+    assert ep.ranks == [0, 1, 2, 3]
+    comm = ep.device_communicator
+    assert comm is not None and comm.all2all_manager is not None  # EP while DP > 1
+    assert tp.device_communicator is not None and tp.device_communicator.all2all_manager is None
+    tokens = rank + 1  # uneven token counts
+    hidden = torch.full((tokens, 3), float(rank))
+    logits = torch.full((tokens, 2), float(10 * rank))
+    all_hidden, all_logits = ep.dispatch(hidden, logits)
+    counts = [1, 2, 3, 4]
+    expected = torch.cat([torch.full((n, 3), float(r)) for r, n in enumerate(counts)])
+    assert torch.equal(all_hidden, expected)
+    assert all_logits.shape == (10, 2)
+    # Each rank's "experts" scale every token; combine sums over ranks, keeps its own rows.
+    out = ep.combine(all_hidden * (rank + 1))
+    assert torch.equal(out, hidden * sum(range(1, 5)))
+
+
+def _in_the_same_node(rank: int, port: int) -> None:
+    world = ps.get_world_group()
+    assert ps.in_the_same_node_as(world.cpu_group, source_rank=0) == [True] * 4
+    assert ps.in_the_same_node_as(world.cpu_group, source_rank=3) == [True] * 4
+    spg = StatelessProcessGroup.create("127.0.0.1", port, rank, 4)
+    assert ps.in_the_same_node_as(spg, source_rank=1) == [True] * 4
+
+
+def _lifecycle(rank: int, ports: list[int]) -> str:
+    _init(rank, ports[0])
+    _tensor_parallel(rank)
+    _in_the_same_node(rank, ports[3])
+    _destroy()
+    _init(rank, ports[1])
+    _pipeline(rank)
+    _destroy()
+    _init(rank, ports[2])
+    _expert_parallel(rank)
+    _destroy()
+    return "ok"
+
+
+def test_init_model_parallel_destroy_and_init_again() -> None:
+    ports = [free_port() for _ in range(4)]
+    assert run_ranks(_lifecycle, 4, ports, timeout=120) == ["ok"] * 4
+
+
+def test_get_distributed_init_method() -> None:
+    assert ps.get_distributed_init_method("127.0.0.1", 1234) == "tcp://127.0.0.1:1234"
+    assert ps.get_distributed_init_method("::1", 1234) == "tcp://[::1]:1234"
+
+
+def test_divide_and_split() -> None:
+    assert divide(12, 4) == 3
+    ensure_divisibility(12, 3)
+    with pytest.raises(ValueError, match="13 is not divisible by 4"):
+        divide(13, 4)
+    t = torch.arange(12).reshape(2, 6)
+    parts = split_tensor_along_last_dim(t, 3)
+    assert [p.shape for p in parts] == [torch.Size([2, 2])] * 3
+    assert not parts[1].is_contiguous()
+    assert all(p.is_contiguous() for p in split_tensor_along_last_dim(t, 3, True))
+    assert torch.equal(torch.cat(list(parts), -1), t)
+
+
+def test_get_pp_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    assert [get_pp_indices(8, r, 2) for r in range(2)] == [(0, 4), (4, 8)]
+    # 10 layers on 4 stages: the 2 extra layers go to the stages before the last.
+    assert [get_pp_indices(10, r, 4) for r in range(4)] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    assert [get_pp_indices(4, r, 2) for r in range(2)] == [(0, 1), (1, 4)]
+    with pytest.raises(ValueError, match="does not match"):
+        get_pp_indices(5, 0, 2)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "a,b")
+    with pytest.raises(ValueError, match="Invalid partition string"):
+        get_pp_indices(4, 0, 2)
