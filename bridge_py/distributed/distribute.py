@@ -151,18 +151,21 @@ def _gather(
         finally:
             _step(sync, "the barrier on exit", name, sync.barrier)
         return
-    channel = open_channel(token, me)
     writers = [rank for rank in ranks if rank != reader]
+    channel: _Channel | None = None
+    failure: BaseException | None = None
     try:
-        failure: BaseException | None = None
-        if me != reader:
-            try:
+        # A failure to open or write is raised only after both barriers, so that no other
+        # rank waits in vain; the reader then reports the value as missing.
+        try:
+            channel = open_channel(token, me)
+            if me != reader:
                 channel.publish(me, value)
-            except Exception as exc:  # still synchronize, so that no rank waits in vain
-                failure = exc
+        except Exception as exc:
+            failure = exc
         _step(sync, "the barrier after writing", name, sync.barrier)
         gathered: list[Any] = []
-        if me == reader:
+        if me == reader and channel is not None and failure is None:
             try:
                 gathered = [value if rank == reader else channel.take(rank) for rank in ranks]
             except Exception as exc:
@@ -179,10 +182,11 @@ def _gather(
     finally:
         # Idempotent: normally everything is gone already; after a failure, whoever is left
         # removes what it can (a writer its own, the reader everyone's).
-        if me == reader:
-            channel.remove_all(writers)
-        else:
-            channel.remove(me)
+        if channel is not None:
+            if me == reader:
+                channel.remove_all(writers)
+            else:
+                channel.remove(me)
 
 
 @contextlib.contextmanager

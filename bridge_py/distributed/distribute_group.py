@@ -12,8 +12,8 @@ them for:
   (CPU when it has a CPU backend, else the current CUDA device);
 * a ``StatelessProcessGroup``: ``barrier(timeout)`` and ``broadcast_obj``;
 * a ``GroupCoordinator`` (duck-typed: an object with ``barrier()`` and ``cpu_group``): its
-  own ``barrier()``; its rank (``rank_in_group``, else the CPU group's) and broadcasts on
-  its ``cpu_group``;
+  own ``barrier()``; its rank (``rank_in_group``, else the CPU group's) and the broadcast
+  of its ``cpu_group`` (a torch ProcessGroup or a StatelessProcessGroup);
 * ``None``: torch.distributed's default group when it is initialized, else a group of this
   process alone.
 """

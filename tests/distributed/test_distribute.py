@@ -263,3 +263,24 @@ def test_killed_rank_leaves_no_segment(dies: str, tmp_path: Path) -> None:
     assert "timed out" in results[1][0] or "closed" in results[1][0], results[1][0]
     token = int(token_file.read_text())
     assert not [r for r in range(world_size) if (SHM / segment_name(token, r)).exists()]
+
+
+def _bad_config_job(rank: int, port: int, world_size: int) -> str:
+    group = _group("spg", rank, world_size, port)
+    config = {1: "not a str key"} if rank == 1 else {"rank": rank}
+    start = time.monotonic()
+    try:
+        got = gather_configs(config, [0, 1, 2], group, timeout=TIMEOUT)
+    except (TypeError, RuntimeError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = f"got {len(got)}"
+    assert time.monotonic() - start < TIMEOUT / 2  # nobody waited for a barrier to time out
+    return outcome
+
+
+def test_a_config_that_cannot_be_written_fails_without_a_hang() -> None:
+    results = run_ranks(_bad_config_job, 3, free_port(), 3)
+    assert "segment" in results[0] and "of rank 1 is missing" in results[0], results[0]
+    assert results[1].startswith("TypeError: config key 1"), results[1]
+    assert results[2] == "got 0"
