@@ -1,9 +1,12 @@
 """Entry point: ``python -m bridge_py.worker``.
 
-Serves the shipped export table over stdin/stdout frames until stdin closes. Before
-anything else it moves the protocol off file descriptors 0 and 1: fd 1 is pointed at
-stderr, so whatever Python or C code prints can never corrupt a frame, and fd 0 at
-/dev/null, so no child process can steal a frame.
+Serves an export table (the shipped one by default) over stdin/stdout frames until
+stdin closes, or over gRPC (``--grpc HOST:PORT``), or both (``--grpc ... --stdio``):
+one dispatcher and one handle registry behind both transports.
+
+Before anything else it moves the protocol off file descriptors 0 and 1: fd 1 is
+pointed at stderr, so whatever Python or C code prints can never corrupt a frame, and
+fd 0 at /dev/null, so no child process can steal a frame.
 """
 
 from __future__ import annotations
@@ -11,9 +14,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bridge_py.worker.exports import ExportTable
+if TYPE_CHECKING:  # imported after the stdio switch: importing torch may print
+    from bridge_py.worker.dispatcher import Dispatcher
+    from bridge_py.worker.exports import ExportTable
 
 
 def _claim_stdio() -> tuple[int, int]:
@@ -30,6 +39,8 @@ def _claim_stdio() -> tuple[int, int]:
 
 def _load_exports(spec: str) -> ExportTable:
     """Call the ``module:function`` named on the command line for the export table."""
+    from bridge_py.worker.exports import ExportTable
+
     module_name, _, function = spec.partition(":")
     table = getattr(importlib.import_module(module_name), function or "default_exports")()
     if not isinstance(table, ExportTable):
@@ -37,36 +48,98 @@ def _load_exports(spec: str) -> ExportTable:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, serve until stdin closes, exit without waiting on blocked calls."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bridge_py.worker", description=__doc__)
-    parser.add_argument(
-        "--max-frame-bytes",
-        type=int,
-        default=None,
-        help="refuse frames longer than this (default 2 GiB)",
-    )
     parser.add_argument(
         "--exports",
         default="bridge_py.worker.export_table:default_exports",
         metavar="MODULE:FUNCTION",
         help="a function returning the ExportTable to serve (default: the shipped table)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--max-frame-bytes", type=int, default=None, help="port: refuse longer frames (2 GiB)"
+    )
+    parser.add_argument(
+        "--grpc",
+        metavar="HOST:PORT",
+        help="serve gRPC (port 0: any free port); loopback only unless a token is given",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="gRPC: the shared token every call must carry (default: $VLLM_BRIDGE_TOKEN)",
+    )
+    parser.add_argument(
+        "--max-message-bytes", type=int, default=None, help="gRPC: message size limit (256 MiB)"
+    )
+    parser.add_argument(
+        "--port-file", type=Path, help="gRPC: write the bound port here once serving"
+    )
+    parser.add_argument(
+        "--stdio", action="store_true", help="with --grpc: serve stdin/stdout frames too"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, serve, exit without waiting on calls still blocked in Python."""
+    args = _parser().parse_args(argv)
+    use_stdio = args.grpc is None or args.stdio
     proto_in, proto_out = _claim_stdio()
 
     from bridge_py.worker.dispatcher import Dispatcher
-    from bridge_py.worker.transports.port import DEFAULT_MAX_FRAME, PortTransport
 
     dispatcher = Dispatcher(_load_exports(args.exports))
-    with os.fdopen(proto_in, "rb", buffering=1 << 16) as infile:
-        PortTransport(
-            dispatcher, infile, proto_out, max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME
-        ).serve()
-    # stdin closed: the client is gone. Calls still blocked (a barrier) must not keep
-    # the process alive, so leave without joining threads.
+    # Held here so the gRPC server lives as long as the process.
+    grpc_server = _start_grpc(dispatcher, args) if args.grpc is not None else None
+    if use_stdio:
+        from bridge_py.worker.transports.port import DEFAULT_MAX_FRAME, PortTransport
+
+        with os.fdopen(proto_in, "rb", buffering=1 << 16) as infile:
+            PortTransport(
+                dispatcher, infile, proto_out, max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME
+            ).serve()
+        # stdin closed: the client is gone.
+    else:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    # Calls still blocked (a barrier) must not keep the process alive: leave without
+    # joining threads.
+    del grpc_server
     sys.stderr.flush()
     os._exit(0)
+
+
+def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:
+    """Start the gRPC server (exit with status 2 and a message if it cannot)."""
+    from bridge_py.worker.transports.grpc import (
+        DEFAULT_MAX_MESSAGE,
+        TOKEN_ENV,
+        InsecureBinding,
+        serve_grpc,
+        split_address,
+    )
+
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    try:
+        server, port = serve_grpc(
+            dispatcher,
+            args.grpc,
+            token=token,
+            max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE,
+        )
+    except (InsecureBinding, OSError, ValueError) as exc:
+        print(f"bridge_py.worker: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
+    host, _ = split_address(args.grpc)
+    print(f"bridge_py.worker: serving gRPC on {host}:{port}", file=sys.stderr, flush=True)
+    if args.port_file is not None:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    return server
 
 
 if __name__ == "__main__":

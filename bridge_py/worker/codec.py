@@ -47,8 +47,8 @@ class CodecError(ValueError):
 class RefResolver(Protocol):
     """What the codec needs from the handle registry, for one request's session."""
 
-    def resolve(self, handle: int) -> Any:
-        """Return the live object behind ``handle`` (raise if it is not this session's)."""
+    def resolve(self, ref: RefValue) -> Any:
+        """Return the live object behind a ref (raise if it is not this session's)."""
 
     def register(self, obj: Any) -> tuple[int, str]:
         """Hold ``obj`` under a new handle; return the handle and its class name."""
@@ -262,7 +262,7 @@ class Codec:
             ref = RefValue.from_payload(payload)
             if self._resolver is None:
                 return ref
-            return self._resolver.resolve(ref.handle)
+            return self._resolver.resolve(ref)
         raise CodecError(f"unknown msgpack extension type {code}")
 
 

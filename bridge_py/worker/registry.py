@@ -115,9 +115,9 @@ class SessionResolver:
         self._session = session
         self._names = class_names
 
-    def resolve(self, handle: int) -> Any:
-        """The object behind a ref argument."""
-        return self._registry.get(handle, self._session)
+    def resolve(self, ref: Any) -> Any:
+        """The object behind a ref argument (a codec ``RefValue``)."""
+        return self._registry.get(ref.handle, self._session)
 
     def register(self, obj: Any) -> tuple[int, str]:
         """Hold a result that cannot be encoded as a value; return its handle and class."""

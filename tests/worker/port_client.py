@@ -34,7 +34,19 @@ class WorkerError(Exception):
 class PortClient:
     """One worker subprocess and the frames to and from it."""
 
-    def __init__(self, *extra_args: str, exports: str | None = None) -> None:
+    def __init__(
+        self,
+        *extra_args: str,
+        exports: str | None = None,
+        proc: subprocess.Popen | None = None,
+    ) -> None:
+        self._ids = itertools.count(1)
+        self._buf = b""
+        self._early: dict[int, pb.Reply] = {}
+        if proc is not None:  # speak to a worker someone else started with pipes
+            self.proc = proc
+            self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+            return
         args = [sys.executable, "-m", "bridge_py.worker", *extra_args]
         if exports:
             args += ["--exports", exports]
@@ -49,9 +61,6 @@ class PortClient:
             env=env,
             cwd=ROOT,
         )
-        self._ids = itertools.count(1)
-        self._buf = b""
-        self._early: dict[int, pb.Reply] = {}
 
     # -- frames ---------------------------------------------------------------------
 

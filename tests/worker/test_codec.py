@@ -81,8 +81,8 @@ class _Registry:
     def __init__(self) -> None:
         self.objects: dict[int, object] = {}
 
-    def resolve(self, handle: int) -> object:
-        return self.objects[handle]
+    def resolve(self, ref: RefValue) -> object:
+        return self.objects[ref.handle]
 
     def register(self, obj: object) -> tuple[int, str]:
         handle = len(self.objects) + 1

@@ -1,0 +1,243 @@
+"""A gRPC connection to one worker: handle-based operations, as the port offers them."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import grpc
+
+from bridge_py.client.proxy import RemoteObject
+from bridge_py.worker import envelope as pb
+from bridge_py.worker.codec import Codec, RefValue
+from bridge_py.worker.transports.grpc import SERVICE, TOKEN_ENV
+
+_RPC = {
+    pb.CreateInstance: "Create",
+    pb.CallMethod: "Call",
+    pb.CallFunction: "CallFunction",
+    pb.GetAttribute: "GetAttribute",
+    pb.ReleaseHandles: "Release",
+    pb.ReleaseSession: "ReleaseSession",
+    pb.Describe: "Describe",
+    pb.Ping: "Ping",
+}
+
+
+class BridgeError(RuntimeError):
+    """A failed call: the worker's error reply, or a gRPC status, as data.
+
+    ``category`` is one of docs/protocol.md's categories, or ``"transport"`` for gRPC
+    failures (then ``code`` is the grpc.StatusCode).
+    """
+
+    def __init__(
+        self,
+        category: str,
+        message: str,
+        python_type: str = "",
+        traceback: str = "",
+        code: grpc.StatusCode | None = None,
+    ) -> None:
+        super().__init__(f"[{category}] {message}")
+        self.category = category
+        self.message = message
+        self.python_type = python_type
+        self.traceback = traceback
+        self.code = code
+
+
+class _ProxyCodec:
+    """The codec's ref hooks on the client side: refs <-> proxies of this client."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = weakref.ref(client)
+
+    def resolve(self, ref: RefValue) -> Any:
+        client = self._client()
+        if client is None:
+            raise BridgeError("transport", "the client is closed")
+        return client._proxy(ref.handle, ref.class_name)
+
+    def register(self, obj: Any) -> tuple[int, str]:
+        if isinstance(obj, RemoteObject):
+            return obj._handle, obj._class_name
+        raise TypeError(f"a {type(obj).__name__} cannot be sent to a remote worker")
+
+
+class Client:
+    """One channel to one worker, in one session (handles are the session's)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        session: str | None = None,
+        timeout: float | None = 300.0,
+        max_message_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        self.target = target
+        # A session of our own is released whole on close; a given one may be shared.
+        self._own_session = session is None
+        self.session = session if session is not None else f"grpc-{uuid.uuid4().hex}"
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self._stubs = {
+            name: self._channel.unary_unary(
+                f"/{SERVICE}/{name}",
+                request_serializer=pb.encode_request,
+                response_deserializer=pb.decode_reply,
+            )
+            for name in _RPC.values()
+        }
+        self._ids = itertools.count(1)
+        self._codec = Codec(_ProxyCodec(self))
+        self._proxies: weakref.WeakValueDictionary[int, RemoteObject] = (
+            weakref.WeakValueDictionary()
+        )
+        self._lock = threading.Lock()
+        self._members: dict[str, tuple[set[str], set[str]]] | None = None
+        self._closed = False
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _request(self, op: pb.Operation, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise BridgeError("transport", "the client is closed")
+        request = pb.Request(id=next(self._ids), session=self.session, op=op)
+        try:
+            reply = self._stubs[_RPC[type(op)]](
+                request,
+                timeout=timeout if timeout is not None else self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            raise BridgeError(
+                "transport",
+                f"{code.name}: {exc.details()}",
+                code=code,  # type: ignore[attr-defined]
+            ) from None
+        if reply.error is not None:
+            e = reply.error
+            raise BridgeError(e.category, e.message, e.python_type, e.traceback)
+        return self._codec.decode(reply.value) if reply.value else None
+
+    def _encode(self, values: Any) -> bytes:
+        return self._codec.encode(values) if values else b""
+
+    def _proxy(self, handle: int, class_name: str = "") -> RemoteObject:
+        with self._lock:
+            proxy = self._proxies.get(handle)
+            if proxy is None:
+                proxy = RemoteObject(self, handle, class_name)
+                self._proxies[handle] = proxy
+            return proxy
+
+    def _members_of(self, class_name: str) -> tuple[set[str], set[str]]:
+        """(methods, attributes) of an exported class, from the worker's describe."""
+        if self._members is None:
+            table = self.describe()
+            self._members = {
+                name: (set(entry["methods"]), set(entry["attributes"]))
+                for name, entry in table["classes"].items()
+            }
+        return self._members.get(class_name, (set(), set()))
+
+    # -- operations -----------------------------------------------------------------
+
+    def attach(self, handle: int, class_name: str = "") -> RemoteObject:
+        """A proxy for a handle this client's session already holds (made by another
+        client of the session, over either transport). The proxy then owns it: it is
+        released with the proxy or when this client closes."""
+        return self._proxy(handle, class_name)
+
+    def create(self, class_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Construct an exported class in the worker; returns a proxy."""
+        op = pb.CreateInstance(class_name, self._encode(list(args)), self._encode(kwargs))
+        return self._request(op)
+
+    def call_function(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an exported function or static method (``"Class.method"``)."""
+        return self._request(pb.CallFunction(name, self._encode(list(args)), self._encode(kwargs)))
+
+    def call_method(self, obj: RemoteObject, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an exported method of a remote object (proxies do this for you)."""
+        op = pb.CallMethod(obj._handle, method, self._encode(list(args)), self._encode(kwargs))
+        return self._request(op)
+
+    def get_attr(self, obj: RemoteObject, name: str) -> Any:
+        """Read an exported attribute of a remote object."""
+        return self._request(pb.GetAttribute(obj._handle, name))
+
+    def release(self, *objs: RemoteObject) -> int:
+        """Release remote objects now; returns how many handles the worker freed."""
+        return self._request(pb.ReleaseHandles([o._handle for o in objs]))
+
+    def describe(self) -> dict[str, Any]:
+        """The worker's export table."""
+        return self._request(pb.Describe())
+
+    def ping(self, value: Any = None, timeout: float | None = None) -> Any:
+        """Round-trip ``value`` through the worker (a health check)."""
+        return self._request(pb.Ping(self._codec.encode(value)), timeout)
+
+    def _release_handle(self, handle: int) -> None:
+        """Best effort, for proxies being collected: never raises."""
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):
+            self._request(pb.ReleaseHandles([handle]), timeout=5.0)
+
+    def close(self) -> None:
+        """Release this client's handles and close the channel.
+
+        With a session of its own (the default) the whole session is released; with a
+        given ``session=`` only the handles of this client's live proxies are, since
+        others may share that session.
+        """
+        if self._closed:
+            return
+        try:
+            if self._own_session:
+                self._request(pb.ReleaseSession(), timeout=5.0)
+            else:
+                handles = list(self._proxies.keys())
+                if handles:
+                    self._request(pb.ReleaseHandles(handles), timeout=5.0)
+        except BridgeError:
+            pass
+        finally:
+            self._closed = True
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(target: str, token: str | None = None, **options: Any) -> Client:
+    """A client for the worker at ``target`` ("host:port").
+
+    ``token`` defaults to ``$VLLM_BRIDGE_TOKEN``. Options: ``session`` (default: a new
+    one per client), ``timeout`` (seconds per call, default 300), ``max_message_bytes``.
+    """
+    return Client(target, token=token or os.environ.get(TOKEN_ENV), **options)
+
+
+__all__ = ["BridgeError", "Client", "connect"]

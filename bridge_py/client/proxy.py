@@ -1,0 +1,47 @@
+"""Proxies: remote objects that look local (methods call through, attributes read through)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bridge_py.client.connection import Client
+
+
+class RemoteObject:
+    """An object held by a worker; exported methods and attributes reach through.
+
+    ``proxy.method(*args, **kwargs)`` calls the method in the worker;
+    ``proxy.attribute`` reads an exported attribute. The handle is released when the
+    proxy is garbage-collected (or with ``client.release(proxy)``).
+    """
+
+    __slots__ = ("__weakref__", "_class_name", "_client", "_handle")
+
+    def __init__(self, client: Client, handle: int, class_name: str) -> None:
+        object.__setattr__(self, "_client", client)
+        object.__setattr__(self, "_handle", handle)
+        object.__setattr__(self, "_class_name", class_name)
+        weakref.finalize(self, client._release_handle, handle)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        methods, attributes = self._client._members_of(self._class_name)
+        if name in attributes:
+            return self._client.get_attr(self, name)
+        if name in methods or not (methods or attributes):
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return self._client.call_method(self, name, *args, **kwargs)
+
+            call.__name__ = name
+            return call
+        raise AttributeError(f"{self._class_name} exports no method or attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("remote objects are read-only")
+
+    def __repr__(self) -> str:
+        return f"<RemoteObject {self._class_name} handle={self._handle} at {self._client.target}>"
