@@ -9,7 +9,9 @@ A gather is a collective over ``group``: every rank of the group calls it, in th
 The ranks listed in ``ranks`` (group ranks) contribute a value; the first of them, the
 *reader*, gets the list of their values in the order of ``ranks`` (``None`` configs
 included); every other rank gets ``[]``. Ranks of the group that are not in ``ranks`` take
-part in the synchronization only. The steps:
+part in the synchronization only. ``ranks`` are ranks *in ``group``* (for a
+GroupCoordinator, ``rank_in_group``), the only numbering a stateless group has; ModelOpt takes
+global ranks, which are the same for the world group and for ``group=None``. The steps:
 
 1. the reader draws a random token and the group broadcasts it; it names the call's
    shared-memory segments (``bpd<token>r<rank>``) or its folder in the workspace, so

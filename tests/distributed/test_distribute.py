@@ -284,3 +284,33 @@ def test_a_config_that_cannot_be_written_fails_without_a_hang() -> None:
     assert "segment" in results[0] and "of rank 1 is missing" in results[0], results[0]
     assert results[1].startswith("TypeError: config key 1"), results[1]
     assert results[2] == "got 0"
+
+
+def _coordinator_job(rank: int, port: int) -> list[int]:
+    from bridge_py.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(
+        world_size=4,
+        rank=rank,
+        distributed_init_method=ps.get_distributed_init_method("127.0.0.1", port),
+        backend="gloo",
+    )
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp = ps.get_tp_group()  # global ranks [0, 1] or [2, 3]; group ranks 0 and 1
+    lengths = []
+    with get_tensors_parallel(torch.tensor([rank]), [1, 0], tp) as got:
+        first = tp.ranks[0]
+        assert [t.tolist() for t in got] in ([], [[first + 1], [first]])
+        lengths.append(len(got))
+    # torch.distributed's default group (group=None): ranks are global ranks.
+    with get_configs_parallel({"rank": rank}, [3, 1], None) as configs:
+        assert configs in ([], [{"rank": 3}, {"rank": 1}])
+        lengths.append(len(configs))
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+    return lengths
+
+
+def test_group_coordinator_and_default_group() -> None:
+    results = run_ranks(_coordinator_job, 4, free_port())
+    assert results == [[0, 0], [2, 0], [0, 0], [2, 2]]
