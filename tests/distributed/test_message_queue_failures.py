@@ -24,21 +24,22 @@ from bridge_py.distributed.device_communicators.shm_broadcast import (
     MessageQueue,
     PeerGoneError,
 )
-from bridge_py.distributed.device_communicators.shm_ring import NAME_PREFIX
+from bridge_py.distributed.device_communicators.shm_ring import NAME_PREFIX, orphaned_segments
 from tests.distributed.harness import free_port, run_ranks
 
 TIMEOUT = 30.0
 
 
-def _segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(NAME_PREFIX)}
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_segments() -> Iterator[None]:
-    before = _segments()
+    """Every segment a test's writers created is gone once its processes have exited.
+
+    Only orphans count (segments whose writer has exited): other people's live queues may
+    come and go in /dev/shm meanwhile.
+    """
+    before = set(orphaned_segments())
     yield
-    assert _segments() - before == set()
+    assert set(orphaned_segments()) - before == set()
 
 
 def _timed(call: object, *args: object, **kwargs: object) -> tuple[str, float]:
@@ -180,18 +181,20 @@ def _killed_writer(rank: int) -> tuple:
         first = queue.dequeue(timeout=TIMEOUT)  # written before the writer died
         gone = _timed(queue.dequeue)  # no timeout: the dead writer ends the wait
         queue.close()
+        orphaned = name in orphaned_segments()
     finally:
         # A killed writer cannot unlink; multiprocessing's resource tracker would, at its exit.
         with contextlib.suppress(FileNotFoundError):
             segment = shared_memory.SharedMemory(name=name)
             segment.close()
             segment.unlink()
-    return first, gone
+    return first, gone, orphaned
 
 
 def test_reader_notices_a_killed_writer() -> None:
-    [(first, (message, seconds))] = run_ranks(_killed_writer, 1, timeout=60)
+    [(first, (message, seconds), orphaned)] = run_ranks(_killed_writer, 1, timeout=60)
     assert first == "last words"
+    assert orphaned  # found by orphaned_segments() (then removed by the test)
     assert message.startswith("PeerGoneError") and "exited" in message
     assert seconds < 5.0
 

@@ -110,7 +110,8 @@ class RemotePublisher:
         return len(self._peers) == self._n_reader
 
     def accept(self, deadline: float | None) -> None:
-        """Accept connections until every expected remote reader has said hello."""
+        """Accept connections until every expected remote reader has said hello, then stop
+        listening."""
         while not self.all_connected:
             left = remaining(deadline)
             if left == 0:
@@ -135,6 +136,8 @@ class RemotePublisher:
             conn.setblocking(False)
             self._peers[rank] = conn
             self._pending[rank] = collections.deque()
+        with contextlib.suppress(OSError):
+            self._listener.close()  # everyone is here: free the port
 
     def _hello(self, conn: socket.socket, deadline: float | None) -> int:
         left = remaining(deadline)

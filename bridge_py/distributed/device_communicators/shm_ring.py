@@ -48,7 +48,13 @@ from bridge_py.distributed.device_communicators.shm_wait import (
     process_alive,
 )
 
-__all__ = ["CHUNK_HEADER_BYTES", "NAME_PREFIX", "ShmRingBuffer", "attach_segment"]
+__all__ = [
+    "CHUNK_HEADER_BYTES",
+    "NAME_PREFIX",
+    "ShmRingBuffer",
+    "attach_segment",
+    "orphaned_segments",
+]
 
 NAME_PREFIX = "vbmq_"
 _MAGIC = b"VBMQ"
@@ -85,16 +91,45 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
             resource_tracker.register = register  # type: ignore[assignment]
 
 
-def _release(shm: shared_memory.SharedMemory, creator: bool, slot: list[int]) -> None:
-    """Mark the writer closed (or this reader detached), unlink if creator, unmap."""
-    with contextlib.suppress(Exception):
-        buf = shm.buf
-        if creator:
-            buf[_CLOSED_AT] = 1
-        elif slot:
-            buf[slot[0]] = SLOT_DETACHED
-        fence()
-    if creator:
+def orphaned_segments(directory: str = "/dev/shm") -> list[str]:
+    """Names of queue segments whose writer process has exited (of this PID namespace).
+
+    Only a killed writer leaves one behind (until its resource tracker exits); unlink them
+    with ``SharedMemory(name).unlink()``. Empty where ``directory`` does not exist.
+    """
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(NAME_PREFIX)]
+    except FileNotFoundError:
+        return []
+    orphans = []
+    for name in sorted(names):
+        try:
+            with open(os.path.join(directory, name), "rb") as segment:
+                header = segment.read(_HEADER.size)
+            magic, *_, pid, _, namespace = _HEADER.unpack(header)
+        except (OSError, struct.error):
+            continue  # gone meanwhile, or not ours
+        if magic == _MAGIC and namespace == pid_namespace() and not process_alive(pid):
+            orphans.append(name)
+    return orphans
+
+
+def _release(shm: shared_memory.SharedMemory, creator: bool, slot: list[int], pid: int) -> None:
+    """Mark the writer closed (or this reader detached), unlink if creator, unmap.
+
+    In a process forked from the owner (``pid``) only the mapping is released: the queue
+    still belongs to the process that created or attached it.
+    """
+    owner = os.getpid() == pid
+    if owner:
+        with contextlib.suppress(Exception):
+            buf = shm.buf
+            if creator:
+                buf[_CLOSED_AT] = 1
+            elif slot:
+                buf[slot[0]] = SLOT_DETACHED
+            fence()
+    if creator and owner:
         with contextlib.suppress(FileNotFoundError):
             shm.unlink()
     # A view still referenced elsewhere (a traceback) keeps the mapping until it goes.
@@ -141,7 +176,7 @@ class ShmRingBuffer:
         self.name = self.shared_memory.name
         self._buf = self.shared_memory.buf
         self._finalizer = weakref.finalize(
-            self, _release, self.shared_memory, self.is_creator, self._slot
+            self, _release, self.shared_memory, self.is_creator, self._slot, os.getpid()
         )
 
     def _create(self) -> tuple[shared_memory.SharedMemory, bytes]:
