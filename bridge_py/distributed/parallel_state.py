@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import sys
 from collections import namedtuple
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -290,9 +291,10 @@ class GroupCoordinator:
         (the reader too) gets a queue it writes, with one reader slot; the writers' handles
         are gathered on the reader. Returns ``(queue, handles)``: ``handles`` lists every
         rank's handle (in group rank order) on the reader and is empty elsewhere; the reader
-        opens them with ``MessageQueue.create_from_handle(handle, 0)``. ``blocking`` waits
-        until the reader has connected, so the reader must open the handles on its own
-        (or pass ``blocking=False`` and call ``wait_until_ready`` later).
+        opens them with ``MessageQueue.create_from_handle(handle, 0)``. With ``blocking``
+        the other ranks wait until the reader has opened their queue; the reader cannot
+        wait on its own queue before opening it, so it returns at once and calls
+        ``wait_until_ready`` on its queue after opening the handles.
         """
         from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
@@ -312,7 +314,7 @@ class GroupCoordinator:
             dst=self.ranks[reader_rank_in_group],
             group=self.cpu_group,
         )
-        if blocking:
+        if blocking and not is_reader:
             queue.wait_until_ready()
         return queue, list(handles or [])
 
@@ -1121,11 +1123,16 @@ def _group_info(pg: ProcessGroup | StatelessProcessGroup) -> tuple[int, int, lis
 
 def _attach_without_tracking(name: str) -> shared_memory.SharedMemory:
     """Open a segment another process created, without this process's resource tracker
-    claiming it (Python < 3.13 registers attached segments and unlinks them at exit)."""
-    shm = shared_memory.SharedMemory(name=name)
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+    claiming it (before Python 3.13, attaching registers the segment, and the tracker
+    unlinks it when this process exits). The same workaround as vLLM's."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register  # type: ignore[assignment]
 
 
 def in_the_same_node_as(

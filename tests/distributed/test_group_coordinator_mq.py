@@ -1,0 +1,68 @@
+"""GroupCoordinator with shared-memory message queues (shm_broadcast.MessageQueue), 3 ranks."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+from bridge_py.distributed.parallel_state import GroupCoordinator
+from tests.distributed.harness import free_port, run_ranks
+
+
+def _queues(rank: int, port: int) -> str:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=3,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    g = GroupCoordinator([[0, 1, 2]], rank, "gloo", True, use_message_queue_broadcaster=True)
+    assert isinstance(g.mq_broadcaster, MessageQueue)
+
+    # broadcast_object and the metadata of broadcast_tensor_dict go through the queue.
+    for step in range(3):
+        assert g.broadcast_object({"step": step} if rank == 0 else None) == {"step": step}
+    sent = {"x": torch.arange(4.0), "tag": "t"} if rank == 0 else None
+    got = g.broadcast_tensor_dict(sent)
+    assert got is not None and got["tag"] == "t" and torch.equal(got["x"], torch.arange(4.0))
+    with pytest.raises(ValueError, match="only supports src=0"):
+        g.broadcast_object("x", src=1)
+
+    # A queue written by rank 1.
+    queue = g.create_mq_broadcaster(writer_rank=1)
+    assert queue.broadcast_object("from 1" if rank == 1 else None) == "from 1"
+    if rank == 1:
+        queue.enqueue([1, 2, 3])
+    else:
+        assert queue.dequeue() == [1, 2, 3]
+    with pytest.raises(NotImplementedError):
+        g.create_mq_broadcaster(external_writer_handle=object())
+
+    # Every rank writes its own queue; rank 2 reads them all.
+    own, handles = g.create_single_reader_mq_broadcasters(reader_rank_in_group=2)
+    if rank == 2:
+        assert len(handles) == 3
+        readers = [MessageQueue.create_from_handle(handle, 0) for handle in handles]
+        own.wait_until_ready()  # this rank is both the writer and the reader of its queue
+        for reader in readers:
+            reader.wait_until_ready()
+        own.enqueue("self")
+        assert [reader.dequeue() for reader in readers] == ["rank 0", "rank 1", "self"]
+    else:
+        assert handles == []
+        own.wait_until_ready()
+        own.enqueue(f"rank {rank}")
+    g.barrier()
+    g.destroy()
+    assert g.mq_broadcaster is None
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_message_queue_broadcasters() -> None:
+    assert run_ranks(_queues, 3, free_port(), timeout=90) == ["ok"] * 3
