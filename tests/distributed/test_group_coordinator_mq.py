@@ -44,7 +44,8 @@ def _queues(rank: int, port: int) -> str:
         g.create_mq_broadcaster(external_writer_handle=object())
 
     # Every rank writes its own queue; rank 2 reads them all.
-    own, handles = g.create_single_reader_mq_broadcasters(reader_rank_in_group=2)
+    # With blocking, ranks 0 and 1 return once rank 2 has opened their queues.
+    own, handles = g.create_single_reader_mq_broadcasters(reader_rank_in_group=2, blocking=True)
     if rank == 2:
         assert len(handles) == 3
         readers = [MessageQueue.create_from_handle(handle, 0) for handle in handles]
@@ -55,7 +56,6 @@ def _queues(rank: int, port: int) -> str:
         assert [reader.dequeue() for reader in readers] == ["rank 0", "rank 1", "self"]
     else:
         assert handles == []
-        own.wait_until_ready()
         own.enqueue(f"rank {rank}")
     g.barrier()
     g.destroy()
