@@ -12,6 +12,7 @@ fd 0 at /dev/null, so no child process can steal a frame.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import signal
@@ -105,11 +106,26 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
-    # Calls still blocked (a barrier) must not keep the process alive: leave without
-    # joining threads.
     del grpc_server
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_promptly()
+    return 0
+
+
+def _exit_promptly(grace: float = 2.0) -> None:
+    """Run atexit hooks (they unlink shared memory), then leave, within ``grace`` seconds.
+
+    Calls still blocked in Python (a barrier) must not keep the process alive, so the
+    process never joins their threads, and a hook that hangs cannot delay the exit by
+    more than ``grace``.
+    """
+    watchdog = threading.Timer(grace, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:

@@ -12,6 +12,485 @@ defmodule Vllm.Distributed do
   """
 
   @doc ~S"""
+  Broadcast a tensor dictionary over the TP group (returned as is when
+  torch.distributed is not initialized).
+
+  ## Parameters
+
+    * `tensor_dict` (`%{optional(term()) => term()} | nil`, default: `None`) (in `args`, position 0)
+    * `src` (`integer()`, default: `0`) (in `args`, position 1)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `%{optional(term()) => term()} | nil`
+  """
+  @spec broadcast_tensor_dict([term()], keyword()) ::
+          {:ok, %{optional(term()) => term()} | nil} | {:error, VllmBridge.Error.t()}
+  def broadcast_tensor_dict(args, opts \\ []) do
+    VllmBridge.Runtime.call_function("broadcast_tensor_dict", [], [{:__args__, args} | opts])
+  end
+
+  @doc ~S"""
+  Destroy the world group and torch.distributed's default group.
+
+  Afterwards :func:`init_distributed_environment` may be called again.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec destroy_distributed_environment(keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def destroy_distributed_environment(opts \\ []) do
+    VllmBridge.Runtime.call_function("destroy_distributed_environment", [], opts)
+  end
+
+  @doc ~S"""
+  Set the groups to none and destroy them.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec destroy_model_parallel(keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def destroy_model_parallel(opts \\ []) do
+    VllmBridge.Runtime.call_function("destroy_model_parallel", [], opts)
+  end
+
+  @doc ~S"""
+  Ensure that numerator is divisible by the denominator and return
+  the division value.
+
+  ## Parameters
+
+    * `numerator` (`integer()`)
+    * `denominator` (`integer()`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `integer()`
+  """
+  @spec divide(integer(), integer(), keyword()) ::
+          {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def divide(numerator, denominator, opts \\ []) do
+    VllmBridge.Runtime.call_function("divide", [numerator, denominator], opts)
+  end
+
+  @doc ~S"""
+  Ensure that numerator is divisible by the denominator.
+
+  Raises ValueError (vLLM asserts) so that the check survives ``python -O``.
+
+  ## Parameters
+
+    * `numerator` (`integer()`)
+    * `denominator` (`integer()`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec ensure_divisibility(integer(), integer(), keyword()) ::
+          {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def ensure_divisibility(numerator, denominator, opts \\ []) do
+    VllmBridge.Runtime.call_function("ensure_divisibility", [numerator, denominator], opts)
+  end
+
+  @doc ~S"""
+  Helper to initialize model parallel groups if they are not initialized,
+  or ensure tensor-parallel and pipeline-parallel sizes are equal to expected
+  values if the model parallel groups are initialized.
+
+  ## Parameters
+
+    * `tensor_model_parallel_size` (`integer()`)
+    * `pipeline_model_parallel_size` (`integer()`)
+    * `backend` (`String.t() | nil`, default: `None`) (in `args`, position 0)
+    * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec ensure_model_parallel_initialized(integer(), integer(), [term()], keyword()) ::
+          {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def ensure_model_parallel_initialized(
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        args,
+        opts \\ []
+      ) do
+    VllmBridge.Runtime.call_function(
+      "ensure_model_parallel_initialized",
+      [tensor_model_parallel_size, pipeline_model_parallel_size],
+      [{:__args__, args} | opts]
+    )
+  end
+
+  @doc ~S"""
+  Gathers the layer config across distributed processes using shm or NFS.
+
+  :func:`get_configs_parallel` as a plain call: returns the list it yields (the configs of
+  all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+
+  ## Parameters
+
+    * `config` (`term()`)
+    * `ranks` (`[integer()]`)
+    * `group` (`term()`)
+    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (in `args`, position 0)
+    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `[term()]`
+  """
+  @spec get_configs_parallel(term(), [integer()], term(), [term()], keyword()) ::
+          {:ok, [term()]} | {:error, VllmBridge.Error.t()}
+  def get_configs_parallel(config, ranks, group, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("get_configs_parallel", [config, ranks, group], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
+  ``tcp://ip:port`` (IPv6 addresses in brackets), for ``distributed_init_method``.
+
+  ## Parameters
+
+    * `ip` (`String.t()`)
+    * `port` (`integer()`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `String.t()`
+  """
+  @spec get_distributed_init_method(String.t(), integer(), keyword()) ::
+          {:ok, String.t()} | {:error, VllmBridge.Error.t()}
+  def get_distributed_init_method(ip, port, opts \\ []) do
+    VllmBridge.Runtime.call_function("get_distributed_init_method", [ip, port], opts)
+  end
+
+  @doc ~S"""
+  The data parallel group the caller rank belongs to.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `Vllm.Distributed.GroupCoordinator.t()`
+  """
+  @spec get_dp_group(keyword()) ::
+          {:ok, Vllm.Distributed.GroupCoordinator.t()} | {:error, VllmBridge.Error.t()}
+  def get_dp_group(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_dp_group", [], opts)
+  end
+
+  @doc ~S"""
+  The expert parallel group the caller rank belongs to.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `Vllm.Distributed.GroupCoordinator.t()`
+  """
+  @spec get_ep_group(keyword()) ::
+          {:ok, Vllm.Distributed.GroupCoordinator.t()} | {:error, VllmBridge.Error.t()}
+  def get_ep_group(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_ep_group", [], opts)
+  end
+
+  @doc ~S"""
+  The pipeline model parallel group the caller rank belongs to.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `Vllm.Distributed.GroupCoordinator.t()`
+  """
+  @spec get_pp_group(keyword()) ::
+          {:ok, Vllm.Distributed.GroupCoordinator.t()} | {:error, VllmBridge.Error.t()}
+  def get_pp_group(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_pp_group", [], opts)
+  end
+
+  @doc ~S"""
+  Try to evenly distribute layers across partitions.
+
+  If the number of layers is not divisible by the number of partitions, the remaining
+  layers are spread one each over the partitions just before the last one (the last
+  partition often holds an extra norm layer, so it is spared). The environment variable
+  ``VLLM_PP_LAYER_PARTITION`` ("4,4,5,3") overrides the split, as in vLLM. Returns the
+  half-open range ``(start_layer, end_layer)`` of ``pp_rank``.
+
+  ## Parameters
+
+    * `num_hidden_layers` (`integer()`)
+    * `pp_rank` (`integer()`)
+    * `pp_size` (`integer()`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `{integer(), integer()}`
+  """
+  @spec get_pp_indices(integer(), integer(), integer(), keyword()) ::
+          {:ok, {integer(), integer()}} | {:error, VllmBridge.Error.t()}
+  def get_pp_indices(num_hidden_layers, pp_rank, pp_size, opts \\ []) do
+    VllmBridge.Runtime.call_function(
+      "get_pp_indices",
+      [num_hidden_layers, pp_rank, pp_size],
+      opts
+    )
+  end
+
+  @doc ~S"""
+  Return my rank for the tensor model parallel group.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `integer()`
+  """
+  @spec get_tensor_model_parallel_rank(keyword()) ::
+          {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def get_tensor_model_parallel_rank(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_tensor_model_parallel_rank", [], opts)
+  end
+
+  @doc ~S"""
+  Return world size for the tensor model parallel group.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `integer()`
+  """
+  @spec get_tensor_model_parallel_world_size(keyword()) ::
+          {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def get_tensor_model_parallel_world_size(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_tensor_model_parallel_world_size", [], opts)
+  end
+
+  @doc ~S"""
+  Gathers the tensors across distributed processes using shm.
+
+  :func:`get_tensors_parallel` as a plain call: returns the list it yields (the tensors of
+  all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+  Every tensor is a copy: none points into shared memory or aliases the caller's tensor.
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `ranks` (`[integer()]`)
+    * `group` (`term()`, default: `None`) (in `args`, position 0)
+    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `[VllmBridge.Tensor.t()]`
+  """
+  @spec get_tensors_parallel(VllmBridge.Tensor.t(), [integer()], [term()], keyword()) ::
+          {:ok, [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
+  def get_tensors_parallel(tensor, ranks, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("get_tensors_parallel", [tensor, ranks], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
+  The tensor model parallel group the caller rank belongs to.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `Vllm.Distributed.GroupCoordinator.t()`
+  """
+  @spec get_tp_group(keyword()) ::
+          {:ok, Vllm.Distributed.GroupCoordinator.t()} | {:error, VllmBridge.Error.t()}
+  def get_tp_group(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_tp_group", [], opts)
+  end
+
+  @doc ~S"""
+  The group of every process (after :func:`init_distributed_environment`).
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `Vllm.Distributed.GroupCoordinator.t()`
+  """
+  @spec get_world_group(keyword()) ::
+          {:ok, Vllm.Distributed.GroupCoordinator.t()} | {:error, VllmBridge.Error.t()}
+  def get_world_group(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_world_group", [], opts)
+  end
+
+  @doc ~S"""
+  This is a collective operation that returns if each rank is in the same node
+  as the source rank. It tests if processes are attached to the same
+  memory system (shared access to shared memory).
+
+  ``source_rank`` and the result's indices are ranks of ``pg``.
+
+  ## Parameters
+
+    * `pg` (`VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t()`)
+    * `source_rank` (`integer()`, default: `0`) (in `args`, position 0)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `[boolean()]`
+  """
+  @spec in_the_same_node_as(
+          VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t(),
+          [term()],
+          keyword()
+        ) :: {:ok, [boolean()]} | {:error, VllmBridge.Error.t()}
+  def in_the_same_node_as(pg, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("in_the_same_node_as", [pg], [{:__args__, args} | opts])
+  end
+
+  @doc ~S"""
+  Initialize torch.distributed's default group (if needed) and the world group.
+
+  ``backend`` falls back to gloo when NCCL or CUDA is unavailable, as in vLLM, so the
+  default works on CPU machines. ``local_rank=-1`` means ``LOCAL_RANK`` from the
+  environment with ``env://``, else ``rank``.
+
+  ## Parameters
+
+    * `world_size` (`integer()`, default: `-1`) (in `args`, position 0)
+    * `rank` (`integer()`, default: `-1`) (in `args`, position 1)
+    * `distributed_init_method` (`String.t()`, default: `'env://'`) (in `args`, position 2)
+    * `local_rank` (`integer()`, default: `-1`) (in `args`, position 3)
+    * `backend` (`String.t()`, default: `'nccl'`) (in `args`, position 4)
+    * `timeout` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 5)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec init_distributed_environment([term()], keyword()) ::
+          {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def init_distributed_environment(args, opts \\ []) do
+    VllmBridge.Runtime.call_function("init_distributed_environment", [], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
+  Initialize model parallel groups.
+
+  Arguments:
+      tensor_model_parallel_size: number of GPUs used for tensor model
+          parallelism.
+      pipeline_model_parallel_size: number of GPUs used for pipeline model
+          parallelism.
+      backend: name of torch distributed communication backend (default: the world
+          group's).
+      data_parallel_size: number of data parallel replicas that run together (vLLM
+          reads it from its config).
+
+  The ranks are laid out as ExternalDP x DP x PP x TP (TP fastest). With 8 ranks, TP 2
+  and PP 4: TP groups [0, 1], [2, 3], [4, 5], [6, 7]; PP groups [0, 2, 4, 6],
+  [1, 3, 5, 7]. The expert parallel group of a rank spans DP x TP at its pipeline stage.
+
+  ## Parameters
+
+    * `tensor_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 0)
+    * `pipeline_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 1)
+    * `backend` (`String.t() | nil`, default: `None`) (in `args`, position 2)
+    * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec initialize_model_parallel([term()], keyword()) ::
+          {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def initialize_model_parallel(args, opts \\ []) do
+    VllmBridge.Runtime.call_function("initialize_model_parallel", [], [{:__args__, args} | opts])
+  end
+
+  @doc ~S"""
+  Check if tensor and pipeline parallel groups are initialized.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `boolean()`
+  """
+  @spec model_parallel_is_initialized(keyword()) ::
+          {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def model_parallel_is_initialized(opts \\ []) do
+    VllmBridge.Runtime.call_function("model_parallel_is_initialized", [], opts)
+  end
+
+  @doc ~S"""
+  Split a tensor along its last dimension.
+
+  Arguments:
+      tensor: input tensor.
+      num_partitions: number of partitions to split the tensor
+      contiguous_split_chunks: If True, make each chunk contiguous
+                               in memory.
+
+  Returns:
+      A list of Tensors (views of ``tensor`` unless ``contiguous_split_chunks``).
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `num_partitions` (`integer()`)
+    * `contiguous_split_chunks` (`boolean()`, default: `False`) (in `args`, position 0)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `[VllmBridge.Tensor.t()]`
+  """
+  @spec split_tensor_along_last_dim(VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
+          {:ok, [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
+  def split_tensor_along_last_dim(tensor, num_partitions, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("split_tensor_along_last_dim", [tensor, num_partitions], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
   Destroy ProcessGroup returned by
   stateless_init_torch_distributed_process_group().
 
@@ -87,5 +566,91 @@ defmodule Vllm.Distributed do
       [host, port, rank, world_size],
       [{:__args__, args} | opts]
     )
+  end
+
+  @doc ~S"""
+  All-gather the input tensor across model parallel group.
+
+  ## Parameters
+
+    * `input_` (`VllmBridge.Tensor.t()`)
+    * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t()`
+  """
+  @spec tensor_model_parallel_all_gather(VllmBridge.Tensor.t(), [term()], keyword()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def tensor_model_parallel_all_gather(input_, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("tensor_model_parallel_all_gather", [input_], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
+  All-reduce the input tensor across model parallel group.
+
+  ## Parameters
+
+    * `input_` (`VllmBridge.Tensor.t()`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t()`
+  """
+  @spec tensor_model_parallel_all_reduce(VllmBridge.Tensor.t(), keyword()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def tensor_model_parallel_all_reduce(input_, opts \\ []) do
+    VllmBridge.Runtime.call_function("tensor_model_parallel_all_reduce", [input_], opts)
+  end
+
+  @doc ~S"""
+  Gather the input tensor across model parallel group.
+
+  ## Parameters
+
+    * `input_` (`VllmBridge.Tensor.t()`)
+    * `dst` (`integer()`, default: `0`) (in `args`, position 0)
+    * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t() | nil`
+  """
+  @spec tensor_model_parallel_gather(VllmBridge.Tensor.t(), [term()], keyword()) ::
+          {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
+  def tensor_model_parallel_gather(input_, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("tensor_model_parallel_gather", [input_], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
+  Reduce-Scatter the input tensor across model parallel group.
+
+  ## Parameters
+
+    * `input_` (`VllmBridge.Tensor.t()`)
+    * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t()`
+  """
+  @spec tensor_model_parallel_reduce_scatter(VllmBridge.Tensor.t(), [term()], keyword()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def tensor_model_parallel_reduce_scatter(input_, args, opts \\ []) do
+    VllmBridge.Runtime.call_function("tensor_model_parallel_reduce_scatter", [input_], [
+      {:__args__, args} | opts
+    ])
   end
 end

@@ -20,16 +20,89 @@ defmodule Vllm.GeneratedApiTest do
     world_size: [1]
   ]
 
-  test "StatelessProcessGroup has every documented function at its documented arities" do
-    Code.ensure_loaded!(SPG)
+  # Seed 001 (GroupCoordinator).
+  @group_coordinator [
+    _all_gather_out_place: [3, 4],
+    _all_reduce_out_place: [2, 3],
+    _reduce_scatter_out_place: [3, 4],
+    all_gather: [3, 4],
+    all_gatherv: [3, 4],
+    all_reduce: [2, 3],
+    barrier: [1, 2],
+    broadcast: [3, 4],
+    broadcast_object: [2, 3],
+    broadcast_object_list: [3, 4],
+    broadcast_tensor_dict: [2, 3],
+    combine: [3, 4],
+    create_mq_broadcaster: [2, 3],
+    create_single_reader_mq_broadcasters: [2, 3],
+    destroy: [1, 2],
+    dispatch: [4, 5],
+    first_rank: [1],
+    gather: [3, 4],
+    graph_capture: [2, 3],
+    is_first_rank: [1],
+    is_last_rank: [1],
+    last_rank: [1],
+    new: [5, 6],
+    next_rank: [1],
+    prepare_communication_buffer_for_model: [2, 3],
+    prev_rank: [1],
+    recv: [4, 5],
+    recv_object: [2, 3],
+    recv_tensor_dict: [2, 3],
+    reduce_scatter: [3, 4],
+    reduce_scatterv: [3, 4],
+    send: [3, 4],
+    send_object: [3, 4],
+    send_tensor_dict: [3, 4]
+  ]
 
-    for {name, arities} <- @documented, arity <- arities do
-      assert function_exported?(SPG, name, arity), "missing #{name}/#{arity}"
+  # Seed 003 (DeviceCommunicatorBase).
+  @device_communicator [
+    all_gather: [3, 4],
+    all_gatherv: [3, 4],
+    all_reduce: [2, 3],
+    combine: [3, 4],
+    destroy: [1, 2],
+    dispatch: [4, 5],
+    gather: [3, 4],
+    new: [2, 3],
+    prepare_communication_buffer_for_model: [2, 3],
+    recv: [4, 5],
+    reduce_scatter: [3, 4],
+    reduce_scatterv: [3, 4],
+    send: [3, 4]
+  ]
+
+  @generated [
+    Vllm.Distributed,
+    SPG,
+    Vllm.Distributed.GroupCoordinator,
+    Vllm.Distributed.DeviceCommunicatorBase,
+    Vllm.Distributed.TensorMetadata,
+    Vllm.Distributed.GraphCaptureContext,
+    Vllm.Distributed.MessageQueue,
+    Vllm.Distributed.NFSWorkspace
+  ]
+
+  for {module, documented} <- [
+        {SPG, @documented},
+        {Vllm.Distributed.GroupCoordinator, @group_coordinator},
+        {Vllm.Distributed.DeviceCommunicatorBase, @device_communicator}
+      ] do
+    test "#{inspect(module)} has every documented function at its documented arities" do
+      module = unquote(module)
+      Code.ensure_loaded!(module)
+
+      for {name, arities} <- unquote(documented), arity <- arities do
+        assert function_exported?(module, name, arity), "missing #{name}/#{arity}"
+      end
     end
   end
 
   test "every public function has a @doc and a @spec returning {:ok, _} | {:error, Error}" do
-    for module <- [SPG, Vllm.Distributed] do
+    for module <- @generated do
       {:docs_v1, _, :elixir, _, %{"en" => moduledoc}, _, docs} = Code.fetch_docs(module)
       assert moduledoc != ""
       {:ok, specs} = Code.Typespec.fetch_specs(module)
