@@ -3,12 +3,21 @@
 # `make codegen` (or `mix vllm_bridge.gen`).
 defmodule Vllm.Distributed do
   @moduledoc ~S"""
-  vLLM's stateless distributed primitives, without vLLM.
+  vLLM's distributed primitives, without vLLM (and ModelOpt's cross-rank gathers).
 
-  ``StatelessProcessGroup`` exchanges picklable metadata between ranks through a TCPStore;
-  ``stateless_init_torch_distributed_process_group`` builds a real torch ProcessGroup (gloo on
-  CPU, nccl on CUDA) without touching torch.distributed's global state. Names, signatures and
-  behaviour follow ``vllm.distributed.utils``; the module docstrings say where they do better.
+  * ``StatelessProcessGroup`` exchanges picklable metadata between ranks through a
+    TCPStore; ``stateless_init_torch_distributed_process_group`` builds a real torch
+    ProcessGroup (gloo on CPU, nccl on CUDA) without touching torch.distributed's global
+    state.
+  * ``GroupCoordinator`` and the ``parallel_state`` functions (``init_distributed_environment``,
+    ``initialize_model_parallel``, ``get_tp_group`` ...) run a model's collectives on
+    torch.distributed, through the device communicators; ``MessageQueue`` broadcasts
+    objects through shared memory.
+  * ``NFSWorkspace``, ``get_configs_parallel`` and ``get_tensors_parallel`` gather configs
+    and tensors on one rank, through shared memory or a shared directory.
+
+  Names, signatures and behaviour follow vLLM (``vllm.distributed``) and ModelOpt
+  (``modelopt.torch.export.distribute``); the module docstrings say where they do better.
   """
 
   @doc ~S"""
