@@ -1,0 +1,48 @@
+"""The raw peer of the port benchmarks: echo {:packet, 4} frames from stdin to stdout.
+
+Each frame is a 4-byte big-endian length and that many bytes, written back unchanged.
+Nothing is decoded and nothing but the standard library is imported, so this is the floor
+for any Python process behind an Erlang Port. Exits when stdin closes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+_HEADER = struct.Struct(">I")
+
+
+def _read_exact(stream, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        k = stream.readinto(view[got:])
+        if not k:
+            return False
+        got += k
+    return True
+
+
+def main() -> int:
+    stream = os.fdopen(os.dup(0), "rb", buffering=1 << 16)
+    out = os.dup(1)
+    header = bytearray(4)
+    while _read_exact(stream, memoryview(header)):
+        (size,) = _HEADER.unpack(header)
+        payload = bytearray(size)
+        if not _read_exact(stream, memoryview(payload)):
+            break
+        chunks = [memoryview(bytes(header)), memoryview(payload)]
+        while chunks:
+            written = os.writev(out, chunks)
+            while chunks and written >= len(chunks[0]):
+                written -= len(chunks[0])
+                chunks.pop(0)
+            if chunks and written:
+                chunks[0] = chunks[0][written:]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
