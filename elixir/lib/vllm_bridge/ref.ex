@@ -18,6 +18,16 @@ defmodule VllmBridge.Ref do
   object is gone, and calls return an error of category `:stale_ref` instead
   of being sent elsewhere.
 
+  ## Refs across nodes
+
+  A ref is an ordinary term: it can be sent to, stored on, or returned from
+  another node of an Erlang cluster. Its `:worker` pid says which node holds
+  the object (`node/1` here), and `:pool` is the pool's name on that node.
+  `VllmBridge.Runtime` runs a call on a ref held by another node on that
+  node (the stale-ref check included), so the same ref works from anywhere
+  in the cluster; when that node is down or unreachable the call returns a
+  `:worker` error naming it.
+
   Treat refs as opaque: pass them back to `VllmBridge.Runtime` (or the
   generated `Vllm.*` modules) and do not build them by hand outside tests.
   """
@@ -47,6 +57,29 @@ defmodule VllmBridge.Ref do
   def new(id, class, fields \\ []) when is_integer(id) and id >= 0 and is_binary(class) do
     stamp(%__MODULE__{id: id, class: class}, fields)
   end
+
+  @doc """
+  The node that holds the object: the node of the ref's worker, or `nil` for
+  a ref that names no worker.
+
+  ## Examples
+
+      iex> VllmBridge.Ref.node(VllmBridge.Ref.new(7, "Store", worker: self()))
+      node()
+
+      iex> VllmBridge.Ref.node(VllmBridge.Ref.new(7, "Store"))
+      nil
+  """
+  @spec node(t()) :: node() | nil
+  def node(%__MODULE__{worker: pid}) when is_pid(pid), do: Kernel.node(pid)
+  def node(%__MODULE__{}), do: nil
+
+  @doc """
+  Whether the object lives on this node (its worker is a local pid).
+  """
+  @spec local?(t()) :: boolean()
+  def local?(%__MODULE__{worker: pid}) when is_pid(pid), do: Kernel.node(pid) == Kernel.node()
+  def local?(%__MODULE__{}), do: false
 
   @doc """
   Stamps `fields` (`:pool`, `:worker`, `:session`, as a keyword list or map)

@@ -25,10 +25,14 @@ defmodule VllmBridge.Runtime do
     * `:__args__` - a list appended to the positional arguments (the
       generated modules put optional positional parameters there)
     * `:__runtime__` - how to run the call, a keyword list of:
-      * `:pool` - the `VllmBridge.Pool` (default `VllmBridge.DefaultPool`)
+      * `:pool` - the `VllmBridge.Pool` (default `VllmBridge.DefaultPool`),
+        or `{pool, node}` for a pool of another node (same as `node:`)
+      * `:node` - the node whose pool runs a constructor or function
+        (default: this node; see "Across nodes")
       * `:worker` - where to run a constructor or function: a worker index,
-        or a `VllmBridge.Ref` (run next to that object). Default: the worker
-        of the first ref among the top-level arguments, else round-robin
+        a worker pid, or a `VllmBridge.Ref` (run next to that object).
+        Default: the worker of the first ref among the top-level arguments,
+        else round-robin
       * `:timeout` - ms to wait for the reply (default: the pool's `:timeout`)
       * `:session` - the session that owns created handles and may use them
         (default `""`, the worker's default session; calls on a ref default
@@ -46,6 +50,45 @@ defmodule VllmBridge.Runtime do
   at the same index), the call returns an error of category `:stale_ref`
   without sending anything.
 
+  ## Across nodes
+
+  A pool on another node of an Erlang cluster is used like a local one; the
+  control plane is Erlang distribution, nothing else:
+
+      # a constructor or function on node b's pool
+      {:ok, group} =
+        Vllm.Distributed.StatelessProcessGroup.create(nil, host, port, 2, 4, [],
+          __runtime__: [pool: MyApp.Ranks, node: :"b@10.0.0.2", worker: 0]
+        )
+
+      # calls on the ref go back to node b by themselves
+      {:ok, 2} = Vllm.Distributed.StatelessProcessGroup.rank(group)
+
+  When the placement names a worker on another node (a ref whose `:worker`
+  pid is remote, `worker:` a remote pid or ref, a ref among the arguments, or
+  `node:` / `pool: {pool, node}`), the whole call runs there:
+  `:erpc.call(node, VllmBridge.Runtime, fun, args, timeout)` with the same
+  arguments and options. Placement, the stale-ref check, encoding and the
+  reply's decoding all happen on the node that owns the worker, and the refs
+  that come back keep their remote worker pid, so later calls on them route
+  back. Calls on local refs take the same path as before (one `node/1`
+  comparison more).
+
+  Precedence: a `worker:` ref or pid, and otherwise (when `worker:` is not
+  given) a ref among the arguments, decide the node by themselves, since the
+  object lives there; `node:` applies to `worker:` indexes and round-robin.
+  `release/2` splits its refs by node; `release_session/2` and `describe/1`
+  run on the `node:` given.
+
+  Failures of the remote call are data too: a node that is down or
+  unreachable gives a `:worker` error, a call that outlives its `timeout:`
+  (plus 5 s of slack for the network) a `:timeout` error,
+  both naming the node. Without `timeout:`, the remote node applies its
+  pool's default timeout, and a node that dies is noticed by the connection
+  (at once when its host closes it, else after the distribution tick time).
+  The remote node must run the `:vllm_bridge` application (same version) and
+  the pool the call names. See `docs/deploy.md` for a real multi-machine set-up.
+
   ## Results
 
   Every function returns `{:ok, value}` or `{:error, %VllmBridge.Error{}}`
@@ -56,7 +99,11 @@ defmodule VllmBridge.Runtime do
 
   alias VllmBridge.{Error, Msgpack, Pool, Proto, Ref, Worker}
 
-  @runtime_keys [:pool, :worker, :timeout, :session]
+  @runtime_keys [:pool, :node, :worker, :timeout, :session]
+
+  # Slack added to a caller's timeout for a call forwarded to another node, so
+  # that the remote node's own :timeout error normally arrives first.
+  @remote_margin 5_000
 
   @typedoc "Positional arguments."
   @type args :: [term()]
@@ -74,8 +121,12 @@ defmodule VllmBridge.Runtime do
   def call_class(class_name, args, opts \\ []) do
     with :ok <- check_name(class_name, "class name"),
          {:ok, ctx} <- context(args, opts),
-         {:ok, target} <- place(ctx) do
+         {:ok, target} <- place(ctx),
+         {:ok, ctx} <- encode(ctx) do
       run(target, ctx, {:create, %{class_name: class_name, args: ctx.args, kwargs: ctx.kwargs}})
+    else
+      {:remote, node, timeout} -> remote(node, :call_class, [class_name, args, opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -87,12 +138,16 @@ defmodule VllmBridge.Runtime do
   def call_method(ref, method, args \\ [], opts \\ []) do
     with :ok <- check_name(method, "method name"),
          {:ok, ctx} <- context(args, opts),
-         {:ok, target} <- ref_target(ref, ctx) do
+         {:ok, target} <- ref_target(ref, ctx),
+         {:ok, ctx} <- encode(ctx) do
       run(
         target,
         ctx,
         {:call, %{handle: ref.id, method: method, args: ctx.args, kwargs: ctx.kwargs}}
       )
+    else
+      {:remote, node, timeout} -> remote(node, :call_method, [ref, method, args, opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -105,8 +160,12 @@ defmodule VllmBridge.Runtime do
   def call_function(name, args, opts \\ []) do
     with :ok <- check_name(name, "function name"),
          {:ok, ctx} <- context(args, opts),
-         {:ok, target} <- place(ctx) do
+         {:ok, target} <- place(ctx),
+         {:ok, ctx} <- encode(ctx) do
       run(target, ctx, {:call_function, %{function: name, args: ctx.args, kwargs: ctx.kwargs}})
+    else
+      {:remote, node, timeout} -> remote(node, :call_function, [name, args, opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -149,6 +208,9 @@ defmodule VllmBridge.Runtime do
          :ok <- no_kwargs(ctx, "get_attr/3"),
          {:ok, target} <- ref_target(ref, ctx) do
       run(target, ctx, {:get_attr, %{handle: ref.id, name: name}})
+    else
+      {:remote, node, timeout} -> remote(node, :get_attr, [ref, name, opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -157,7 +219,10 @@ defmodule VllmBridge.Runtime do
 
   Returns the number of objects freed. Refs whose worker is gone count as 0
   (their objects are gone already); releasing a ref twice is harmless.
-  Only `:__runtime__` `timeout:` applies.
+  Refs held on other nodes are released there (one remote call per node, in
+  flight together); refs on a node that is down or unreachable count as 0
+  too, since nothing can reach their objects any more. Only `:__runtime__`
+  `timeout:` applies.
   """
   @spec release(Ref.t() | [Ref.t()], opts()) :: {:ok, non_neg_integer()} | {:error, Error.t()}
   def release(refs, opts \\ [])
@@ -167,7 +232,12 @@ defmodule VllmBridge.Runtime do
     with :ok <- all_refs(refs),
          {:ok, ctx} <- context([], opts),
          :ok <- no_kwargs(ctx, "release/2") do
-      refs
+      {local, remote} =
+        Enum.split_with(refs, &(not is_pid(&1.worker) or node(&1.worker) == node()))
+
+      requests = release_remote(remote, opts)
+
+      local
       |> Enum.group_by(&{&1.pool || ctx.pool, &1.worker, &1.session})
       |> Enum.flat_map(fn {{pool, _worker, session}, group} ->
         ref = hd(group)
@@ -185,14 +255,16 @@ defmodule VllmBridge.Runtime do
         end
       end)
       |> run_many()
+      |> add_remote_counts(requests, ctx.timeout)
     end
   end
 
   def release(other, _opts), do: bad("release/2 needs a ref or a list of refs", other)
 
   @doc """
-  Releases every handle owned by `session` in every worker of the pool.
-  Returns the number of objects freed.
+  Releases every handle owned by `session` in every worker of the pool
+  (of the `:__runtime__` `node:`, default this node). Returns the number of
+  objects freed.
   """
   @spec release_session(String.t(), opts()) :: {:ok, non_neg_integer()} | {:error, Error.t()}
   def release_session(session, opts \\ [])
@@ -200,6 +272,7 @@ defmodule VllmBridge.Runtime do
   def release_session(session, opts) when is_binary(session) do
     with {:ok, ctx} <- context([], opts),
          :ok <- no_kwargs(ctx, "release_session/2"),
+         :ok <- local_node(ctx),
          {:ok, workers} <- Pool.workers(ctx.pool) do
       ctx = %{ctx | session: session}
 
@@ -208,6 +281,9 @@ defmodule VllmBridge.Runtime do
         {%{pool: ctx.pool, worker: pid}, ctx, {:release_session, %{}}}
       end)
       |> run_many()
+    else
+      {:remote, node, timeout} -> remote(node, :release_session, [session, opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -223,6 +299,9 @@ defmodule VllmBridge.Runtime do
          :ok <- no_kwargs(ctx, "describe/1"),
          {:ok, target} <- place(ctx) do
       run(target, ctx, {:describe, %{}})
+    else
+      {:remote, node, timeout} -> remote(node, :describe, [opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -237,6 +316,9 @@ defmodule VllmBridge.Runtime do
          {:ok, payload} <- Msgpack.encode(term),
          {:ok, target} <- place(ctx) do
       run(target, ctx, {:ping, %{payload: payload}})
+    else
+      {:remote, node, timeout} -> remote(node, :ping, [term, opts], timeout)
+      {:error, _} = error -> error
     end
   end
 
@@ -247,17 +329,17 @@ defmodule VllmBridge.Runtime do
          {runtime, opts} = Keyword.pop(opts, :__runtime__, []),
          {extra, kwargs} = Keyword.pop(opts, :__args__, []),
          true <- is_list(extra) || bad(":__args__ must be a list", extra),
-         {:ok, runtime} <- runtime_opts(runtime),
-         {:ok, encoded_args} <- encode_args(args ++ extra),
-         {:ok, encoded_kwargs} <- encode_kwargs(kwargs) do
+         {:ok, runtime} <- runtime_opts(runtime) do
+      args = args ++ extra
+
       {:ok,
        %{
-         args: encoded_args,
-         kwargs: encoded_kwargs,
+         args: args,
+         kwargs: kwargs,
          kwargs?: kwargs != [],
-         refs:
-           for(value <- args ++ extra ++ Keyword.values(kwargs), is_struct(value, Ref), do: value),
+         refs: for(value <- args ++ Keyword.values(kwargs), is_struct(value, Ref), do: value),
          pool: Keyword.get(runtime, :pool) || Pool.default_name(),
+         node: Keyword.get(runtime, :node),
          worker: Keyword.get(runtime, :worker),
          timeout: Keyword.get(runtime, :timeout),
          session: Keyword.get(runtime, :session)
@@ -267,6 +349,15 @@ defmodule VllmBridge.Runtime do
 
   defp context(args, opts) when is_list(args), do: bad("options must be a keyword list", opts)
   defp context(args, _opts), do: bad("positional arguments must be a list", args)
+
+  # Encodes the positional and keyword arguments, once the call is known to
+  # run on this node.
+  defp encode(ctx) do
+    with {:ok, args} <- encode_args(ctx.args),
+         {:ok, kwargs} <- encode_kwargs(ctx.kwargs) do
+      {:ok, %{ctx | args: args, kwargs: kwargs}}
+    end
+  end
 
   defp runtime_opts(runtime) do
     cond do
@@ -279,8 +370,14 @@ defmodule VllmBridge.Runtime do
           runtime
         )
 
+      (node = runtime[:node]) != nil and not (is_atom(node) and node != true and node != false) ->
+        bad(":__runtime__ node must be a node name (an atom)", node)
+
+      match?({_, _}, runtime[:pool]) ->
+        pool_on_node(runtime)
+
       (pool = runtime[:pool]) != nil and not is_atom(pool) ->
-        bad(":__runtime__ pool must be an atom", pool)
+        bad(":__runtime__ pool must be an atom or {pool, node}", pool)
 
       (timeout = runtime[:timeout]) != nil and
           not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
@@ -295,6 +392,26 @@ defmodule VllmBridge.Runtime do
 
       true ->
         {:ok, runtime}
+    end
+  end
+
+  # pool: {name, node} is pool: name, node: node.
+  defp pool_on_node(runtime) do
+    {pool, node} = runtime[:pool]
+
+    cond do
+      not (is_atom(pool) and pool != nil and is_atom(node) and node != nil) ->
+        bad(":__runtime__ pool must be an atom or {pool, node}", runtime[:pool])
+
+      runtime[:node] not in [nil, node] ->
+        bad(
+          ":__runtime__ names two nodes: pool: #{inspect({pool, node})} and " <>
+            "node: #{inspect(runtime[:node])}",
+          runtime
+        )
+
+      true ->
+        runtime_opts(Keyword.merge(runtime, pool: pool, node: node))
     end
   end
 
@@ -327,9 +444,12 @@ defmodule VllmBridge.Runtime do
 
   ## Placement -----------------------------------------------------------------
 
-  # A target: the pool and the worker pid (and, for a ref, its session).
+  # A target: the pool and the worker pid (and, for a ref, its session); or
+  # {:remote, node, timeout} when the call must run on another node.
   defp place(%{worker: %Ref{} = ref} = ctx), do: ref_target(ref, ctx)
-  defp place(%{worker: index, pool: pool}) when is_integer(index), do: target(pool, index)
+
+  defp place(%{worker: pid} = ctx) when is_pid(pid) and node(pid) != node(),
+    do: {:remote, node(pid), ctx.timeout}
 
   defp place(%{worker: pid, pool: pool}) when is_pid(pid) do
     case Pool.index_of(pool, pid) do
@@ -338,8 +458,13 @@ defmodule VllmBridge.Runtime do
     end
   end
 
-  defp place(%{refs: [%Ref{worker: pid} = ref | _]} = ctx) when is_pid(pid),
+  defp place(%{worker: nil, refs: [%Ref{worker: pid} = ref | _]} = ctx) when is_pid(pid),
     do: ref_target(ref, ctx)
+
+  defp place(%{node: on} = ctx) when on != nil and on != node(),
+    do: {:remote, on, ctx.timeout}
+
+  defp place(%{worker: index, pool: pool}) when is_integer(index), do: target(pool, index)
 
   defp place(%{pool: pool}) do
     with {:ok, pid} <- Pool.next_worker(pool),
@@ -350,6 +475,9 @@ defmodule VllmBridge.Runtime do
     with {:ok, pid} <- Pool.worker(pool, index),
          do: {:ok, %{pool: pool, worker: pid}}
   end
+
+  defp ref_target(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
+    do: {:remote, node(pid), ctx.timeout}
 
   defp ref_target(%Ref{worker: pid, pool: ref_pool} = ref, ctx) when is_pid(pid) do
     pool = ref_pool || ctx.pool
@@ -381,8 +509,113 @@ defmodule VllmBridge.Runtime do
     )
   end
 
+  # release_session/2 runs where node: says.
+  defp local_node(%{node: on} = ctx) when on != nil and on != node(),
+    do: {:remote, on, ctx.timeout}
+
+  defp local_node(_ctx), do: :ok
+
   defp describe_ref(%Ref{class: "", id: id}), do: "handle #{id}"
   defp describe_ref(%Ref{class: class, id: id}), do: "#{class} handle #{id}"
+
+  ## Other nodes ---------------------------------------------------------------
+
+  # Runs the same public function on `node`, where the call is local.
+  defp remote(node, fun, args, timeout) do
+    :erpc.call(node, __MODULE__, fun, args, remote_timeout(timeout))
+    |> on_node(node)
+  catch
+    kind, reason -> {:error, remote_error(kind, reason, node, fun, timeout)}
+  end
+
+  defp remote_timeout(nil), do: :infinity
+  defp remote_timeout(:infinity), do: :infinity
+  defp remote_timeout(ms), do: ms + @remote_margin
+
+  # The errors the runtime adds (not those a Python worker sent) name the node.
+  defp on_node({:error, %Error{category: category} = error}, node)
+       when category in [:worker, :timeout, :stale_ref] do
+    {:error,
+     %{
+       error
+       | message: "#{error.message} (on node #{inspect(node)})",
+         details: Map.put(error.details, :node, node)
+     }}
+  end
+
+  defp on_node(result, _node), do: result
+
+  defp remote_error(:error, {:erpc, :noconnection}, node, fun, _timeout) do
+    Error.new(
+      :worker,
+      "node #{inspect(node)} is down or unreachable (no Erlang distribution connection); " <>
+        "#{fun} was not run, and the objects of that node's workers are out of reach",
+      details: %{node: node, function: fun}
+    )
+  end
+
+  defp remote_error(:error, {:erpc, :timeout}, node, fun, timeout) do
+    Error.new(
+      :timeout,
+      "no reply from node #{inspect(node)} to #{fun} within #{timeout} ms " <>
+        "(+#{@remote_margin} ms network slack); the call may still be running there",
+      details: %{node: node, function: fun, timeout: timeout}
+    )
+  end
+
+  defp remote_error(:error, {:exception, :undef, [{__MODULE__, fun, _, _} | _]}, node, fun, _) do
+    Error.new(
+      :worker,
+      "VllmBridge.Runtime.#{fun} is not loaded on node #{inspect(node)}: run the same " <>
+        ":vllm_bridge version there",
+      details: %{node: node, function: fun}
+    )
+  end
+
+  defp remote_error(kind, reason, node, fun, _timeout) do
+    reason =
+      case {kind, reason} do
+        {:error, {:exception, exception, stack}} -> Exception.format(:error, exception, stack)
+        {:exit, {:exception, exit_reason}} -> Exception.format_exit(exit_reason)
+        {:exit, {:signal, signal}} -> "killed: " <> Exception.format_exit(signal)
+        {:error, {:erpc, erpc}} -> "erpc: #{inspect(erpc)}"
+        other -> inspect(other)
+      end
+
+    Error.new(:worker, "#{fun} failed on node #{inspect(node)}: #{reason}",
+      details: %{node: node, function: fun}
+    )
+  end
+
+  # release/2 of the refs held on other nodes: one request per node, sent now.
+  defp release_remote([], _opts), do: []
+
+  defp release_remote(refs, opts) do
+    refs
+    |> Enum.group_by(&node(&1.worker))
+    |> Enum.map(fn {node, refs} ->
+      {node, :erpc.send_request(node, __MODULE__, :release, [refs, opts])}
+    end)
+  end
+
+  defp add_remote_counts(result, [], _timeout), do: result
+
+  defp add_remote_counts(result, requests, timeout) do
+    requests
+    |> Enum.map(fn {node, request} ->
+      try do
+        :erpc.receive_response(request, remote_timeout(timeout)) |> on_node(node)
+      catch
+        :error, {:erpc, :noconnection} -> {:ok, 0}
+        kind, reason -> {:error, remote_error(kind, reason, node, :release, timeout)}
+      end
+    end)
+    |> Enum.reduce(result, fn
+      {:ok, count}, {:ok, total} -> {:ok, total + count}
+      {:error, _} = error, {:ok, _} -> error
+      _, error -> error
+    end)
+  end
 
   ## Requests ------------------------------------------------------------------
 
