@@ -8,14 +8,23 @@ counters, method signatures, pickled objects between ranks), and better in these
   all_gather, barrier), so the store stays small however many operations run;
 * ``barrier(timeout)`` fails within ``timeout`` with a message naming the rank, the phase and
   how many ranks arrived, whatever the store's timeout is (see ``barrier.py``);
+* ``recv_obj`` and ``broadcast_obj`` take a keyword-only ``timeout`` (default: the store's
+  timeout, as in vLLM) and fail with a message naming this rank, the sender, the key and the
+  time waited when the sender never writes (it died, or took another path); the wait runs
+  on a separate connection (``waiting.py``), so the group's own stays usable;
 * ``create`` binds only the given interface (IPv4 or IPv6), accepts a pre-bound socket,
-  returns only when all ranks have joined, and says why when it cannot.
+  returns only when all ranks have joined, and says why when it cannot;
+* with a shared key (``create(..., auth_key=...)``, ``group.auth_key = ...`` or the
+  environment variable ``VLLM_BRIDGE_AUTH_KEY``) every value carries an HMAC-SHA256 tag
+  bound to its store key, checked before unpickling (``auth.py``): whoever can reach the
+  store but lacks the key cannot make a rank unpickle anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import pickle
 import socket
 import time
@@ -26,6 +35,7 @@ from typing import Any
 from torch.distributed import Store
 
 from bridge_py.distributed import keys
+from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import run_barrier
 from bridge_py.distributed.store import format_address, join_group, open_store
 from bridge_py.distributed.waiting import BoundedWaiter
@@ -52,7 +62,9 @@ class StatelessProcessGroup:
     group. Only use it to communicate metadata between processes.
     For data-plane communication, create NCCL-related objects.
 
-    Objects are pickled between ranks: only form groups with processes you trust.
+    Objects are pickled between ranks: only form groups with processes you trust, or give
+    every rank the same ``auth_key`` (see :attr:`auth_key`), so that values written by anyone
+    without the key are refused before they are unpickled.
     """
 
     rank: int
@@ -79,6 +91,64 @@ class StatelessProcessGroup:
         # Not dataclass fields: the documented field list stays vLLM's.
         self._barrier_count = 0
         self._waiter = BoundedWaiter(self.store)
+        self._auth_key: bytes | None = resolve_key(None)
+
+    @property
+    def auth_key(self) -> bytes | None:
+        """The shared key that authenticates values (None: plain pickles, as in vLLM).
+
+        Not a dataclass field, so the documented fields stay vLLM's. It starts as
+        ``$VLLM_BRIDGE_AUTH_KEY`` (None when unset or empty); ``create(..., auth_key=...)``
+        sets it, and so can assigning bytes or a str (UTF-8) before the first operation.
+        Assigning None goes back to the environment variable. All ranks need the same key.
+        """
+        return self._auth_key
+
+    @auth_key.setter
+    def auth_key(self, key: AuthKey | None) -> None:
+        self._auth_key = resolve_key(key)
+
+    def _dumps(self, key: str, obj: Any) -> bytes:
+        """``obj`` pickled, and tagged for store key ``key`` when there is an auth key."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return seal_payload(self._auth_key, _context(key), payload)
+
+    def _loads(self, key: str, data: bytes, src: int) -> Any:
+        """The object in ``data``, read from ``key`` written by ``src``; checked, then unpickled."""
+        what = f"the value of key {key!r} from rank {src} (received by rank {self.rank})"
+        return pickle.loads(open_payload(self._auth_key, _context(key), data, what))
+
+    def _default_timeout(self) -> float:
+        timeout = getattr(self.store, "timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout.total_seconds()
+        return 300.0
+
+    def _await(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
+        """The value of ``key`` (written by ``src``), waiting at most ``timeout`` seconds.
+
+        The wait runs on the bounded waiter's own connection; only then is the value read on
+        the main connection, which therefore never holds a wait that might be abandoned.
+        """
+        limit = self._default_timeout() if timeout is None else timeout
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        start = time.monotonic()
+        try:
+            arrived = self._waiter.wait([key], limit)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{op} on rank {self.rank} lost the store after "
+                f"{time.monotonic() - start:.1f} s while waiting for key {key!r} from rank "
+                f"{src} (did rank 0, which serves the store, exit?): {exc}"
+            ) from exc
+        if not arrived:
+            raise RuntimeError(
+                f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
+                f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank {src} "
+                "did not send it (did it exit, or call something else?)"
+            )
+        return self.store.get(key)
 
     def _peer(self, peer: int, name: str) -> int:
         validate_rank(peer, self.world_size, name)
@@ -97,7 +167,7 @@ class StatelessProcessGroup:
         self._peer(dst, "dst")
         self.expire_data()
         key = keys.p2p_value(self.rank, dst, self.send_dst_counter[dst])
-        self._write(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self._write(key, self._dumps(key, obj))
         self.send_dst_counter[dst] += 1
 
     def expire_data(self) -> None:
@@ -114,35 +184,38 @@ class StatelessProcessGroup:
             self.store.delete_key(key)
             self.entries.popleft()
 
-    def recv_obj(self, src: int) -> Any:
+    def recv_obj(self, src: int, *, timeout: float | None = None) -> Any:
         """Receive an object from a source rank.
 
-        Blocks (up to the store's timeout) until ``src`` has sent its next object, then
-        deletes it from the store and returns it.
+        Blocks until ``src`` has sent its next object, then deletes it from the store and
+        returns it. Waits at most ``timeout`` seconds (None: the store's timeout), then
+        raises RuntimeError naming this rank, ``src``, the key and the time waited; the
+        object is then still expected, so a later call may receive it. With an auth key, a
+        value that fails its check raises AuthenticationError (a RuntimeError) naming the
+        key and ``src``, and is dropped without being unpickled.
         """
         self._peer(src, "src")
         key = keys.p2p_value(src, self.rank, self.recv_src_counter[src])
-        data = self.store.get(key)
+        data = self._await(key, src, "recv_obj", timeout)
         self.store.delete_key(key)
         self.recv_src_counter[src] += 1
-        return pickle.loads(data)
+        return self._loads(key, data, src)
 
-    def broadcast_obj(self, obj: Any | None, src: int) -> Any:
+    def broadcast_obj(self, obj: Any | None, src: int, *, timeout: float | None = None) -> Any:
         """Broadcast an object from a source rank to all other ranks.
 
         Returns ``obj`` on ``src`` and the received object on the other ranks. Unlike vLLM's,
         which does not clean up after all ranks have received the object, the last receiver
-        deletes it from the store, so it can be used any number of times.
+        deletes it from the store, so it can be used any number of times. Receivers wait at
+        most ``timeout`` seconds (None: the store's timeout) and raise as ``recv_obj`` does.
         """
         self._peer(src, "src")
         if self.rank == src:
             self.expire_data()
             if self.world_size > 1:
                 seq = self.broadcast_send_counter
-                self._write(
-                    keys.broadcast_value(src, seq),
-                    pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
-                )
+                key = keys.broadcast_value(src, seq)
+                self._write(key, self._dumps(key, obj))
                 # The ack counter is the receivers' key, but if they never all read the value
                 # it is this rank's expire_data that must remove it.
                 self.entries.append((keys.broadcast_acks(src, seq), time.time()))
@@ -150,13 +223,13 @@ class StatelessProcessGroup:
             return obj
         seq = self.broadcast_recv_src_counter[src]
         key = keys.broadcast_value(src, seq)
-        data = self.store.get(key)
+        data = self._await(key, src, "broadcast_obj", timeout)
         self.broadcast_recv_src_counter[src] += 1
         acks = keys.broadcast_acks(src, seq)
         if self.store.add(acks, 1) >= self.world_size - 1:
             self.store.delete_key(key)
             self.store.delete_key(acks)
-        return pickle.loads(data)
+        return self._loads(key, data, src)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
         """All gather an object from all ranks.
@@ -213,6 +286,7 @@ class StatelessProcessGroup:
         store_timeout: int = 300,
         *,
         listen_socket: Socket | None = None,
+        auth_key: AuthKey | None = None,
     ) -> StatelessProcessGroup:
         """A replacement for `torch.distributed.init_process_group` that does not
         pollute the global state.
@@ -234,8 +308,12 @@ class StatelessProcessGroup:
         Every rank returns once all ``world_size`` ranks have joined, or raises
         ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds saying how many
         ranks joined, that the port is in use, or which address could not be reached.
+
+        ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
+        set) authenticates every value the group stores: all ranks must give the same key.
         """
         validate_rank(rank, world_size)
+        key = resolve_key(auth_key)  # a bad key fails before anything is served
         deadline = time.monotonic() + store_timeout
         store, sock = open_store(host, port, rank, store_timeout, listen_socket=listen_socket)
         owned = listen_socket is None
@@ -251,10 +329,17 @@ class StatelessProcessGroup:
                 with contextlib.suppress(OSError):
                     sock.close()
             raise
-        return StatelessProcessGroup(
+        group = StatelessProcessGroup(
             rank=rank,
             world_size=world_size,
             store=store,
             socket=sock,
             data_expiration_seconds=data_expiration_seconds,
         )
+        group._auth_key = key
+        return group
+
+
+def _context(key: str) -> str:
+    """What a value's tag is bound to: its store key, which names sender, receiver and number."""
+    return f"spg/{key}"

@@ -19,7 +19,11 @@ Readers on the writer's node read from a shared-memory ring (:class:`ShmRingBuff
 * :meth:`MessageQueue.close` (and garbage collection, and interpreter exit) unlinks the
   segment; segment names carry a random token; readers never unlink.
 
-Messages are pickled (``shm_serialization.py``): connect only processes that trust each other.
+Messages are pickled (``shm_serialization.py``): connect only processes that trust each other,
+or give the writer and every reader the same ``auth_key`` (or ``$VLLM_BRIDGE_AUTH_KEY``): each
+message then carries an HMAC-SHA256 tag bound to the queue's token and the message's number,
+checked before unpickling (``auth.py``), and so does the handle exchanged by
+:meth:`MessageQueue.create_from_process_group`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import socket
 import threading
 from typing import Any
 
+from bridge_py.distributed.auth import AuthKey, resolve_key
 from bridge_py.distributed.device_communicators.shm_group import object_group, same_node_as
 from bridge_py.distributed.device_communicators.shm_remote import (
     KIND_DATA,
@@ -103,6 +108,16 @@ class _Incoming:
     filled: int = 0
 
 
+def _explicit_key(key: AuthKey | None) -> bytes | None:
+    """``key`` checked and as bytes; None stays None (each message reads the environment)."""
+    return None if key is None else resolve_key(key)
+
+
+def _handle_context(writer_rank: int) -> str:
+    """What the tag of a handle broadcast by ``create_from_process_group`` is bound to."""
+    return f"mq/handle/{writer_rank}"
+
+
 def _check_ranks(ranks: list[int], what: str) -> list[int]:
     ranks = list(ranks)
     for rank in ranks:
@@ -131,6 +146,7 @@ class MessageQueue:
         connect_ip: str | None = None,
         *,
         remote_reader_ranks: list[int] | None = None,
+        auth_key: AuthKey | None = None,
     ) -> None:
         """The writer's end: ``n_reader`` readers, ``n_local_reader`` of them on this node.
 
@@ -139,6 +155,8 @@ class MessageQueue:
         from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
         after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
         may connect. Ranks are those readers pass to :meth:`create_from_handle`.
+        ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates every message;
+        readers must be given the same key.
         """
         if not 0 <= n_local_reader <= n_reader:
             raise ValueError(
@@ -169,6 +187,9 @@ class MessageQueue:
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_remote_reader
+        self._auth_key = _explicit_key(auth_key)
+        self._sent = 0
+        self._received = 0
         token = secrets.token_bytes(16)
         self.buffer: ShmRingBuffer | None = None
         self._publisher: RemotePublisher | None = None
@@ -211,15 +232,22 @@ class MessageQueue:
         return self.handle
 
     @staticmethod
-    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
+    def create_from_handle(
+        handle: Handle, rank: int, *, auth_key: AuthKey | None = None
+    ) -> MessageQueue:
         """A reader's end of the queue that ``handle`` describes, as reader ``rank``.
 
         ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
-        must then be on this host), else connects over TCP as a remote reader.
+        must then be on this host), else connects over TCP as a remote reader. ``auth_key``
+        (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) must be the writer's.
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        key = _explicit_key(auth_key)
         self = MessageQueue.__new__(MessageQueue)
+        self._auth_key = key
+        self._sent = 0
+        self._received = 0
         self.handle = handle
         self.n_local_reader = len(handle.local_reader_ranks)
         self.n_remote_reader = (
@@ -341,7 +369,8 @@ class MessageQueue:
         deadline = deadline_after(timeout)
         with self._lock:
             self._flush(deadline)  # a message an earlier timeout interrupted
-            payload = dumps(obj)
+            payload = dumps(obj, self._auth_key, context=self._context(self._sent))
+            self._sent += 1
             per_chunk = (
                 self.buffer.max_chunk_bytes - CHUNK_HEADER_BYTES if self.buffer is not None else 1
             )
@@ -422,7 +451,7 @@ class MessageQueue:
                 kind, body = self._remote().recv_frame(deadline, cancel)
                 if kind != KIND_DATA:
                     raise RuntimeError(f"unexpected frame kind {kind} from the writer")
-                return loads(body)
+                return self._loads(body)
             return self._read_local(deadline, cancel, not indefinite)
 
     def _read_local(self, deadline: float | None, cancel: threading.Event | None, log: bool) -> Any:
@@ -438,7 +467,7 @@ class MessageQueue:
             if incoming is None and size == total:
                 data = buffer.read_chunk(idx)
                 self._advance(buffer, idx)
-                return loads(data)
+                return self._loads(data)
             if incoming is None:
                 incoming = self._incoming = _Incoming(bytearray(total))
             incoming.filled += buffer.read_chunk_into(idx, incoming.data, incoming.filled)
@@ -446,7 +475,18 @@ class MessageQueue:
             self._advance(buffer, idx)
             if incoming.filled == len(incoming.data):
                 self._incoming = None
-                return loads(incoming.data)
+                return self._loads(incoming.data)
+
+    def _context(self, seq: int) -> str:
+        """What message ``seq``'s tag is bound to: this queue (its random token) and ``seq``."""
+        return f"mq/{self.handle.token.hex()}/{seq}"
+
+    def _loads(self, data: bytes | bytearray | memoryview) -> Any:
+        """The next message, checked (with a key) before it is unpickled."""
+        seq = self._received
+        self._received += 1  # consumed, whether or not it passes the check
+        what = f"message {seq} of the queue written on {self.handle.writer_host!r}"
+        return loads(data, self._auth_key, context=self._context(seq), what=what)
 
     def _wait_readable(
         self,
@@ -532,6 +572,7 @@ class MessageQueue:
         blocking: bool = True,
         *,
         connect_ip: str | None = None,
+        auth_key: AuthKey | None = None,
     ) -> MessageQueue:
         """Creates a MessageQueue for a distributed process group with one writer and
         multiple readers.
@@ -541,7 +582,10 @@ class MessageQueue:
         writer, every other rank a reader, local if it shares the writer's shared memory,
         else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
         ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
+        ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
+        every message; all ranks must give the same key.
         """
+        key = _explicit_key(auth_key)
         group = object_group(pg)
         if not 0 <= writer_rank < group.world_size:
             raise ValueError(f"writer_rank must be in [0, {group.world_size}), got {writer_rank}")
@@ -556,11 +600,24 @@ class MessageQueue:
                 max_chunks=max_chunks,
                 connect_ip=connect_ip,
                 remote_reader_ranks=[rank for rank in readers if not local[rank]],
+                auth_key=key,
             )
-            group.broadcast_obj(queue.export_handle(), writer_rank)
+            context = _handle_context(writer_rank)
+            group.broadcast_obj(dumps(queue.export_handle(), key, context=context), writer_rank)
         else:
-            handle = group.broadcast_obj(None, writer_rank)
-            queue = MessageQueue.create_from_handle(handle, group.rank)
+            data = group.broadcast_obj(None, writer_rank)
+            if not isinstance(data, bytes):
+                raise TypeError(
+                    f"expected the serialized queue handle from rank {writer_rank}, got "
+                    f"{type(data).__name__}: is the writer running another version?"
+                )
+            handle = loads(
+                data,
+                key,
+                context=_handle_context(writer_rank),
+                what=f"the queue handle from writer rank {writer_rank}",
+            )
+            queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
         if blocking:
             queue.wait_until_ready()
         return queue
