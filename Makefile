@@ -43,5 +43,12 @@ codegen: setup
 demo: setup
 	mix vllm_bridge.demo
 
+# Every benchmark runs ours and its peer in the same run and prints a table; the full
+# run writes bench/RESULTS.md. bench-quick: tiny iteration counts (under a minute), so
+# the suite never rots. Neither fails on speed, only on wrong results.
 bench: setup
-	@echo "no benchmarks yet"
+	BENCH_COMMAND="make bench" bench/run
+
+.PHONY: bench-quick
+bench-quick: setup
+	bench/run --quick

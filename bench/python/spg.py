@@ -137,7 +137,7 @@ def _slowest(results: list[dict], name: str, side: str) -> float:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    rounds = 2 if args.quick else 15
+    rounds = 1 if args.quick else 15
     reps = {"small": 2, "big": 1} if args.quick else {"small": 20, "big": 3}
     rows = []
     for ws in (2, 4):

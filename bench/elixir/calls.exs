@@ -1,0 +1,299 @@
+# Elixir -> Python -> Elixir calls against their peers, in one run, interleaved.
+#
+#   mix run bench/elixir/calls.exs [--quick]
+#
+# 1. Sequential latency of a no-op method (sample Counter.incr through
+#    VllmBridge.Runtime.call_method) vs a raw Port echo of the same request
+#    bytes (bench/python/echo_port.py, the caller owns the port) and vs a
+#    Python gRPC unary call (bridge_py.client against `python -m
+#    bridge_py.worker --grpc`, bench/python/grpc_peer.py).
+# 2. Calls per second, one worker, 8 concurrent callers vs the same raw echo
+#    behind a GenServer that routes replies FIFO to 8 concurrent callers.
+# 3. A 64 MiB f32 tensor echoed through Python (sample `echo`) vs a raw Port
+#    echo of 64 MiB.
+Code.require_file("common.exs", __DIR__)
+
+defmodule Bench.EchoRouter do
+  @moduledoc "The raw echo, shared by concurrent callers: one port, replies in FIFO order."
+  use GenServer
+
+  def start_link(_), do: GenServer.start_link(__MODULE__, nil)
+  def echo(router, frame), do: GenServer.call(router, {:echo, frame}, 60_000)
+
+  @impl true
+  def init(nil), do: {:ok, {Bench.open_echo(), :queue.new()}}
+
+  @impl true
+  def handle_call({:echo, frame}, from, {port, waiting}) do
+    Port.command(port, frame)
+    {:noreply, {port, :queue.in(from, waiting)}}
+  end
+
+  @impl true
+  def handle_info({port, {:data, data}}, {port, waiting}) do
+    {{:value, from}, waiting} = :queue.out(waiting)
+    GenServer.reply(from, data)
+    {:noreply, {port, waiting}}
+  end
+end
+
+defmodule Bench.Calls do
+  alias VllmBridge.{Pool, Proto, Runtime, Tensor, Worker}
+
+  @bench "calls"
+  @pool Bench.CallsPool
+
+  def run do
+    quick = Bench.quick?()
+    root = Worker.project_root()
+
+    {:ok, _sup} =
+      Supervisor.start_link(
+        [
+          {Pool, name: @pool, size: 1, args: ["--exports", "tests.worker.sample_exports:table"]}
+        ],
+        strategy: :one_for_one
+      )
+
+    rt = [__runtime__: [pool: @pool, timeout: 120_000]]
+    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+
+    {:ok, frame} =
+      Proto.encode_request(%{
+        id: Worker.new_id(),
+        session: "",
+        op: {:call, %{handle: counter.id, method: "incr", args: "", kwargs: ""}}
+      })
+
+    frame = IO.iodata_to_binary(frame)
+    echo = Bench.open_echo()
+    grpc = open_grpc(root)
+    {:ok, router} = Bench.EchoRouter.start_link(nil)
+
+    rows =
+      latency(quick, counter, echo, frame, grpc) ++
+        throughput(quick, counter, router, frame) ++ tensor(quick, echo)
+
+    Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
+  end
+
+  ## 1. sequential latency --------------------------------------------------------
+
+  defp latency(quick, counter, echo, frame, grpc) do
+    {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
+    {:ok, start} = Runtime.call_method(counter, "incr", [])
+
+    # Warm-up of every path, untimed.
+    _ = ours_batch(counter, start, 20)
+    _ = echo_batch(echo, frame, 20)
+    _ = grpc_batch(grpc, 20)
+    {:ok, start} = Runtime.call_method(counter, "incr", [])
+
+    {acc, _} =
+      Enum.reduce(1..rounds, {%{ours: [], ping: [], echo: [], grpc: []}, start}, fn r, {acc, v} ->
+        steps = [
+          {:ours, fn -> ours_batch(counter, v, n) end},
+          {:ping, fn -> ping_batch(n) end},
+          {:echo, fn -> echo_batch(echo, frame, n) end},
+          {:grpc, fn -> grpc_batch(grpc, n) end}
+        ]
+
+        steps = if rem(r, 2) == 0, do: steps, else: Enum.reverse(steps)
+        acc = Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
+        {acc, v + n}
+      end)
+
+    [p50, p99] = for p <- [50, 99], do: Map.new(acc, fn {k, v} -> {k, Bench.percentile(v, p)} end)
+    what = "Counter.incr (no-op method), sequential"
+
+    [
+      Bench.time_row(@bench, "#{what}, p50", p50.ours, p50.echo, "raw port echo", at_most: 2.5),
+      Bench.time_row(@bench, "#{what}, p99", p99.ours, p99.echo, "raw port echo"),
+      Bench.time_row(@bench, "#{what}, p50", p50.ours, p50.grpc, "gRPC unary (bridge_py.client)",
+        faster_by: 10
+      ),
+      Bench.time_row(@bench, "#{what}, p99", p99.ours, p99.grpc, "gRPC unary (bridge_py.client)"),
+      Bench.time_row(
+        @bench,
+        "Runtime.ping (inline op), sequential, p50",
+        p50.ping,
+        p50.echo,
+        "raw port echo"
+      )
+    ]
+  end
+
+  defp ours_batch(counter, start, n) do
+    for i <- 1..n do
+      {us, result} = Bench.tc(fn -> Runtime.call_method(counter, "incr", []) end)
+      Bench.check!(result == {:ok, start + i}, "Counter.incr returned #{inspect(result)}")
+      us
+    end
+  end
+
+  defp ping_batch(n) do
+    for _ <- 1..n do
+      {us, result} = Bench.tc(fn -> Runtime.ping(nil, __runtime__: [pool: @pool]) end)
+      Bench.check!(result == {:ok, nil}, "ping returned #{inspect(result)}")
+      us
+    end
+  end
+
+  defp echo_batch(echo, frame, n) do
+    for _ <- 1..n do
+      {us, data} = Bench.tc(fn -> Bench.echo(echo, frame) end)
+      Bench.check!(data == frame, "the echo differs")
+      us
+    end
+  end
+
+  defp open_grpc(root) do
+    port =
+      Port.open({:spawn_executable, Worker.find_python()}, [
+        :binary,
+        {:packet, 4},
+        :exit_status,
+        :use_stdio,
+        args: [Path.join(root, "bench/python/grpc_peer.py")]
+      ])
+
+    receive do
+      {^port, {:data, "ready"}} -> port
+      {^port, {:exit_status, s}} -> raise "grpc_peer.py exited with status #{s}"
+    after
+      120_000 -> raise "grpc_peer.py did not start"
+    end
+  end
+
+  defp grpc_batch(grpc, n) do
+    Port.command(grpc, Integer.to_string(n))
+
+    receive do
+      {^grpc, {:data, data}} -> for <<ns::little-signed-64 <- data>>, do: ns / 1000
+      {^grpc, {:exit_status, s}} -> raise "grpc_peer.py failed (status #{s})"
+    after
+      120_000 -> raise "no answer from grpc_peer.py"
+    end
+  end
+
+  ## 2. throughput, 8 concurrent callers -------------------------------------------
+
+  defp throughput(quick, counter, router, frame) do
+    {rounds, per_caller} = if quick, do: {1, 20}, else: {7, 1000}
+    callers = 8
+
+    {ours, peer} =
+      Enum.reduce(1..rounds, {[], []}, fn r, {ours, peer} ->
+        ours_fun = fn ->
+          {:ok, before} = Runtime.get_attr(counter, "value")
+
+          {us, _} =
+            Bench.tc(fn ->
+              concurrently(callers, per_caller, fn ->
+                {:ok, v} = Runtime.call_method(counter, "incr", [])
+                Bench.check!(is_integer(v), "Counter.incr returned #{inspect(v)}")
+              end)
+            end)
+
+          {:ok, later} = Runtime.get_attr(counter, "value")
+          Bench.check!(later - before == callers * per_caller, "lost increments")
+          callers * per_caller / (us / 1.0e6)
+        end
+
+        peer_fun = fn ->
+          {us, _} =
+            Bench.tc(fn ->
+              concurrently(callers, per_caller, fn ->
+                Bench.check!(Bench.EchoRouter.echo(router, frame) == frame, "the echo differs")
+              end)
+            end)
+
+          callers * per_caller / (us / 1.0e6)
+        end
+
+        if rem(r, 2) == 0 do
+          p = peer_fun.()
+          {[ours_fun.() | ours], [p | peer]}
+        else
+          o = ours_fun.()
+          {[o | ours], [peer_fun.() | peer]}
+        end
+      end)
+
+    [
+      Bench.speed_row(
+        @bench,
+        "Counter.incr, 1 worker, #{callers} concurrent callers",
+        Bench.median(ours),
+        Bench.median(peer),
+        "raw port echo (8 callers)",
+        "calls/s",
+        at_least: 20_000
+      )
+    ]
+  end
+
+  defp concurrently(callers, per_caller, fun) do
+    1..callers
+    |> Enum.map(fn _ -> Task.async(fn -> for _ <- 1..per_caller, do: fun.() end) end)
+    |> Task.await_many(300_000)
+  end
+
+  ## 3. a 64 MiB f32 tensor ---------------------------------------------------------
+
+  defp tensor(quick, echo) do
+    rounds = if quick, do: 1, else: 7
+    mib = 64
+    bytes = mib * 1024 * 1024
+    data = :binary.copy(<<1.0::float-32-little, 2.0::float-32-little>>, div(bytes, 8))
+    {:ok, t} = Tensor.new({:f, 32}, {div(bytes, 4)}, data)
+    rt = [__runtime__: [pool: @pool, timeout: 120_000]]
+
+    ours_fun = fn ->
+      {us, result} = Bench.tc(fn -> Runtime.call_function("echo", [t], rt) end)
+
+      case result do
+        {:ok, %Tensor{type: {:f, 32}, shape: shape, data: back}} ->
+          Bench.check!(shape == t.shape and back == data, "the tensor came back changed")
+
+        other ->
+          Bench.check!(false, "echo returned #{inspect(other, limit: 5)}")
+      end
+
+      mib / (us / 1.0e6)
+    end
+
+    peer_fun = fn ->
+      {us, back} = Bench.tc(fn -> Bench.echo(echo, data) end)
+      Bench.check!(back == data, "the raw echo differs")
+      mib / (us / 1.0e6)
+    end
+
+    _ = {ours_fun.(), peer_fun.()}
+
+    {ours, peer} =
+      Enum.reduce(1..rounds, {[], []}, fn r, {o, p} ->
+        if rem(r, 2) == 0 do
+          pp = peer_fun.()
+          {[ours_fun.() | o], [pp | p]}
+        else
+          oo = ours_fun.()
+          {[oo | o], [peer_fun.() | p]}
+        end
+      end)
+
+    [
+      Bench.speed_row(
+        @bench,
+        "64 MiB f32 tensor Elixir -> Python -> Elixir (echo), round trips",
+        Bench.median(ours),
+        Bench.median(peer),
+        "raw port echo of 64 MiB",
+        "MiB/s",
+        ratio_at_least: 0.7
+      )
+    ]
+  end
+end
+
+Bench.Calls.run()
