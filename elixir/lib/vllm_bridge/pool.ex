@@ -25,9 +25,10 @@ defmodule VllmBridge.Pool do
   restarted at the same index with a fresh Python process; refs into the old
   one become stale (see `VllmBridge.Runtime`).
 
-  A pool on another node is reached with Erlang distribution: run the
-  `VllmBridge.Runtime` call on that node (`:erpc.call/4`), or pass refs, which
-  carry their worker's pid.
+  A pool on another node is reached with Erlang distribution: name its node
+  in the call's placement (`__runtime__: [pool: name, node: node]`), or call
+  a ref, which carries its worker's pid; `VllmBridge.Runtime` then runs the
+  call on that node (see its "Across nodes" section and `docs/deploy.md`).
   """
 
   use Supervisor
