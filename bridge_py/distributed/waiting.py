@@ -3,19 +3,29 @@
 ``Store.wait(keys, timeout)`` honours its own timeout, but when the client gives up the server
 still holds the wait and may answer it later on the same connection, where that late answer
 would be read as the reply to some other request. The waits are therefore made on a second
-connection (``store.clone()``), which is thrown away after a timeout and reopened when next
-needed; the group's own connection never sees an abandoned wait.
+connection, which is thrown away after a timeout and reopened when next needed; the group's
+own connection never sees an abandoned wait.
+
+Opening that connection is bounded by the same deadline: for a ``TCPStore`` it is a new client
+whose connect timeout is what is left of the wait (``Store.clone()`` would retry for the
+store's whole timeout, 300 s by default, when the server has died), so a wait ends on time
+even when rank 0, which serves the store, is gone.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Sequence
 
-from torch.distributed import DistStoreError, Store
+from torch.distributed import DistStoreError, Store, TCPStore
 
 __all__ = ["BoundedWaiter"]
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(value, 0.001))
 
 
 class BoundedWaiter:
@@ -26,25 +36,38 @@ class BoundedWaiter:
         self._connection: Store | None = None
         self._lock = threading.Lock()
 
-    def _open(self) -> Store:
+    def _open(self, deadline: float) -> Store:
+        """The waiting connection, connecting (by ``deadline``, if a TCPStore) when needed."""
         if self._connection is None:
-            try:
-                self._connection = self._store.clone()
-            except (AttributeError, NotImplementedError):
-                # A custom store without clone(): wait on the store itself.
-                self._connection = self._store
+            store = self._store
+            if isinstance(store, TCPStore):
+                self._connection = TCPStore(
+                    store.host,
+                    store.port,
+                    None,
+                    False,
+                    timeout=_seconds(deadline - time.monotonic()),
+                    wait_for_workers=False,
+                    use_libuv=store.libuvBackend,
+                )
+            else:
+                try:
+                    self._connection = store.clone()
+                except (AttributeError, NotImplementedError):
+                    # A custom store without clone(): wait on the store itself.
+                    self._connection = store
         return self._connection
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for all ``keys`` to exist; False if they did not.
 
-        Errors other than the timeout (the server went away, ...) propagate.
+        Errors other than the timeout (the server went away, it cannot be reached) propagate.
         """
-        delta = datetime.timedelta(seconds=max(timeout, 0.001))
+        deadline = time.monotonic() + max(timeout, 0.001)
         with self._lock:
-            connection = self._open()
             try:
-                connection.wait(list(keys), delta)
+                connection = self._open(deadline)
+                connection.wait(list(keys), _seconds(deadline - time.monotonic()))
             except DistStoreError as exc:
                 self._connection = None  # may still receive the abandoned wait's answer
                 if "timeout" not in str(exc).lower():
