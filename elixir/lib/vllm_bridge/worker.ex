@@ -273,7 +273,9 @@ defmodule VllmBridge.Worker do
         {:noreply, %{state | pending: Map.put(pending, id, from)}}
       rescue
         ArgumentError ->
-          {:reply, {:error, Error.new(:bad_args, "request frame is not iodata")}, state}
+          # Port.command also fails on a port that closed because Python exited
+          # (the exit message is still behind this request in the mailbox).
+          {:reply, {:error, command_error(state)}, state}
       end
     end
   end
@@ -361,6 +363,16 @@ defmodule VllmBridge.Worker do
 
     for {_id, from} <- pending, do: GenServer.reply(from, {:error, error})
     :ok
+  end
+
+  defp command_error(state) do
+    if Port.info(state.port) == nil do
+      Error.new(:worker, "the Python worker (os pid #{state.os_pid}) has exited",
+        details: %{pool: state.pool, index: state.index, os_pid: state.os_pid}
+      )
+    else
+      Error.new(:bad_args, "request frame is not iodata")
+    end
   end
 
   defp describe(%{pool: nil}), do: "VllmBridge.Worker #{inspect(self())}"

@@ -63,9 +63,8 @@ defmodule VllmBridge.FaultHelpers do
   /dev/null, so tests that print megabytes keep the test output readable.
   """
   def quiet_python!(dir) do
-    python = VllmBridge.TestPython.python!()
     path = Path.join(dir, "quiet_python")
-    File.write!(path, "#!/bin/sh\nexec #{python} \"$@\" 2>/dev/null\n")
+    File.write!(path, "#!/bin/sh\nexec #{python!()} \"$@\" 2>/dev/null\n")
     File.chmod!(path, 0o755)
     path
   end
@@ -75,11 +74,10 @@ defmodule VllmBridge.FaultHelpers do
   the way `VllmBridge.Worker` does ({:packet, 4}). Returns `{port, os_pid}`.
   """
   def open_raw_worker!(args) do
-    python = VllmBridge.TestPython.python!()
-    root = VllmBridge.TestPython.root()
+    root = Worker.project_root()
 
     port =
-      Port.open({:spawn_executable, python}, [
+      Port.open({:spawn_executable, python!()}, [
         :binary,
         {:packet, 4},
         :exit_status,
@@ -92,6 +90,17 @@ defmodule VllmBridge.FaultHelpers do
 
     {:os_pid, os_pid} = Port.info(port, :os_pid)
     {port, os_pid}
+  end
+
+  @doc "The absolute path of the Python the runtime would use."
+  def python! do
+    python = Worker.find_python([])
+
+    cond do
+      Path.type(python) == :absolute and File.exists?(python) -> python
+      exe = System.find_executable(python) -> exe
+      true -> raise "no Python found: run `make setup` (or set VLLM_BRIDGE_PYTHON)"
+    end
   end
 
   @doc "Encodes a request frame (a binary)."
@@ -113,4 +122,84 @@ defmodule VllmBridge.FaultHelpers do
       _ -> nil
     end
   end
+end
+
+defmodule VllmBridge.Soak do
+  @moduledoc false
+  # The soak driver shared by soak_test.exs and bench/elixir/soak.exs: many
+  # concurrent callers, each checking that every answer is its own. Raises on
+  # a lost, crossed or wrong reply.
+
+  alias VllmBridge.{Pool, Runtime, Worker}
+
+  @doc """
+  Runs about `calls` calls from `callers` concurrent processes across the
+  workers of `pool`: pings of `{caller, i}` (3 in 4), `incr` on the caller's
+  own Counter (1 in 4), and every 100th step a Counter created, used and
+  released in `session`. Returns the number of calls made.
+  """
+  def run(pool, calls, callers, session, timeout \\ 600_000) do
+    {:ok, size} = Pool.size(pool)
+    # a step is one call, every 100th is three
+    steps = div(calls * 100, 102 * callers) + 1
+
+    1..callers
+    |> Enum.map(fn c -> Task.async(fn -> caller(pool, size, c, steps, session) end) end)
+    |> Task.await_many(timeout)
+    |> Enum.sum()
+  end
+
+  defp caller(pool, size, c, steps, session) do
+    rt = fn i -> [__runtime__: [pool: pool, worker: rem(i + c, size), session: session]] end
+    {:ok, counter} = Runtime.call_class("Counter", [], rt.(0))
+
+    {count, calls} =
+      Enum.reduce(1..steps, {0, 1}, fn i, {count, calls} ->
+        cond do
+          rem(i, 100) == 0 ->
+            {:ok, tmp} = Runtime.call_class("Counter", [i], rt.(i))
+            check!(Runtime.call_method(tmp, "incr", []), {:ok, i + 1}, c, i)
+            check!(Runtime.release(tmp), {:ok, 1}, c, i)
+            {count, calls + 3}
+
+          rem(i, 4) == 0 ->
+            check!(Runtime.call_method(counter, "incr", []), {:ok, count + 1}, c, i)
+            {count + 1, calls + 1}
+
+          true ->
+            check!(Runtime.ping({c, i}, rt.(i)), {:ok, {c, i}}, c, i)
+            {count, calls + 1}
+        end
+      end)
+
+    check!(Runtime.get_attr(counter, "value"), {:ok, count}, c, :final)
+    check!(Runtime.release(counter), {:ok, 1}, c, :release)
+
+    case Process.info(self(), :messages) do
+      {:messages, []} -> :ok
+      {:messages, stray} -> raise "caller #{c}: stray messages #{inspect(stray, limit: 5)}"
+    end
+
+    calls + 2
+  end
+
+  defp check!(got, expected, c, i) do
+    if got != expected do
+      raise "caller #{c}, step #{inspect(i)}: expected #{inspect(expected)}, got #{inspect(got)}"
+    end
+  end
+
+  @doc "The Python OS pids of the pool's workers, by index."
+  def os_pids(pool) do
+    {:ok, workers} = Pool.workers(pool)
+
+    for {_index, pid} <- workers do
+      {:ok, os_pid} = Worker.os_pid(pid)
+      os_pid
+    end
+  end
+
+  @doc "The summed VmRSS (KiB) of the pool's Python processes."
+  def rss_kib(pool),
+    do: pool |> os_pids() |> Enum.map(&VllmBridge.FaultHelpers.rss_kib/1) |> Enum.sum()
 end
