@@ -53,7 +53,7 @@ def _doc(fn: Function) -> str:
         )
     if fn.kind != "getter":
         parts.append(
-            "`opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, "
+            "`opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, "
             "timeout:, session:]` (see `VllmBridge.Runtime`)."
         )
     parts.append(f"## Returns\n\n  * `{fn.returns}`")

@@ -29,7 +29,7 @@ defmodule Vllm.Distributed do
     * `tensor_dict` (`%{optional(term()) => term()} | nil`, default: `None`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -46,7 +46,7 @@ defmodule Vllm.Distributed do
 
   Afterwards :func:`init_distributed_environment` may be called again.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -60,7 +60,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Set the groups to none and destroy them.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -80,7 +80,7 @@ defmodule Vllm.Distributed do
     * `numerator` (`integer()`)
     * `denominator` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -102,7 +102,7 @@ defmodule Vllm.Distributed do
     * `numerator` (`integer()`)
     * `denominator` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -126,7 +126,7 @@ defmodule Vllm.Distributed do
     * `backend` (`String.t() | nil`, default: `None`) (in `args`, position 0)
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -161,7 +161,7 @@ defmodule Vllm.Distributed do
     * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (in `args`, position 0)
     * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -183,7 +183,7 @@ defmodule Vllm.Distributed do
     * `ip` (`String.t()`)
     * `port` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -198,7 +198,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The data parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -213,7 +213,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The expert parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -228,7 +228,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The pipeline model parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -255,7 +255,7 @@ defmodule Vllm.Distributed do
     * `pp_rank` (`integer()`)
     * `pp_size` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -274,7 +274,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Return my rank for the tensor model parallel group.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -289,7 +289,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Return world size for the tensor model parallel group.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -315,7 +315,7 @@ defmodule Vllm.Distributed do
     * `group` (`term()`, default: `None`) (in `args`, position 0)
     * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -332,7 +332,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The tensor model parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -347,7 +347,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The group of every process (after :func:`init_distributed_environment`).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -371,7 +371,7 @@ defmodule Vllm.Distributed do
     * `pg` (`VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t()`)
     * `source_rank` (`integer()`, default: `0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -402,7 +402,7 @@ defmodule Vllm.Distributed do
     * `backend` (`String.t()`, default: `'nccl'`) (in `args`, position 4)
     * `timeout` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 5)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -440,7 +440,7 @@ defmodule Vllm.Distributed do
     * `backend` (`String.t() | nil`, default: `None`) (in `args`, position 2)
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -455,7 +455,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Check if tensor and pipeline parallel groups are initialized.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -485,7 +485,7 @@ defmodule Vllm.Distributed do
     * `num_partitions` (`integer()`)
     * `contiguous_split_chunks` (`boolean()`, default: `False`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -510,7 +510,7 @@ defmodule Vllm.Distributed do
 
     * `pg` (`VllmBridge.Ref.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -548,7 +548,7 @@ defmodule Vllm.Distributed do
     * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `None`) (keyword option `timeout:`)
     * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `None`) (keyword option `listen_socket:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -585,7 +585,7 @@ defmodule Vllm.Distributed do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -606,7 +606,7 @@ defmodule Vllm.Distributed do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -627,7 +627,7 @@ defmodule Vllm.Distributed do
     * `dst` (`integer()`, default: `0`) (in `args`, position 0)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -649,7 +649,7 @@ defmodule Vllm.Distributed do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

@@ -97,7 +97,7 @@ defmodule VllmBridge.Runtime do
   and the worker keeps serving after every error.
   """
 
-  alias VllmBridge.{Error, Msgpack, Pool, Proto, Ref, Worker}
+  alias VllmBridge.{Error, Msgpack, Pool, Proto, Ref, Tensor, Worker}
 
   @runtime_keys [:pool, :node, :worker, :timeout, :session]
 
@@ -122,7 +122,7 @@ defmodule VllmBridge.Runtime do
     with :ok <- check_name(class_name, "class name"),
          {:ok, ctx} <- context(args, opts),
          {:ok, target} <- place(ctx),
-         {:ok, ctx} <- encode(ctx) do
+         {:ok, ctx} <- encode(ctx, target) do
       run(target, ctx, {:create, %{class_name: class_name, args: ctx.args, kwargs: ctx.kwargs}})
     else
       {:remote, node, timeout} -> remote(node, :call_class, [class_name, args, opts], timeout)
@@ -139,7 +139,7 @@ defmodule VllmBridge.Runtime do
     with :ok <- check_name(method, "method name"),
          {:ok, ctx} <- context(args, opts),
          {:ok, target} <- ref_target(ref, ctx),
-         {:ok, ctx} <- encode(ctx) do
+         {:ok, ctx} <- encode(ctx, target) do
       run(
         target,
         ctx,
@@ -161,7 +161,7 @@ defmodule VllmBridge.Runtime do
     with :ok <- check_name(name, "function name"),
          {:ok, ctx} <- context(args, opts),
          {:ok, target} <- place(ctx),
-         {:ok, ctx} <- encode(ctx) do
+         {:ok, ctx} <- encode(ctx, target) do
       run(target, ctx, {:call_function, %{function: name, args: ctx.args, kwargs: ctx.kwargs}})
     else
       {:remote, node, timeout} -> remote(node, :call_function, [name, args, opts], timeout)
@@ -351,9 +351,11 @@ defmodule VllmBridge.Runtime do
   defp context(args, _opts), do: bad("positional arguments must be a list", args)
 
   # Encodes the positional and keyword arguments, once the call is known to
-  # run on this node.
-  defp encode(ctx) do
-    with {:ok, args} <- encode_args(ctx.args),
+  # run on this node, in `target`'s worker.
+  defp encode(ctx, target) do
+    with :ok <- check_refs(ctx.args, target),
+         :ok <- check_refs(Keyword.values(ctx.kwargs), target),
+         {:ok, args} <- encode_args(ctx.args),
          {:ok, kwargs} <- encode_kwargs(ctx.kwargs) do
       {:ok, %{ctx | args: args, kwargs: kwargs}}
     end
@@ -508,6 +510,52 @@ defmodule VllmBridge.Runtime do
       details: %{handle: ref.id, class: ref.class, worker: ref.worker, pool: pool}
     )
   end
+
+  # A ref crosses the wire as a bare handle id, which names an object only in
+  # the worker that made it: every ref among the arguments (nested in lists,
+  # maps and tuples too) must live in the worker the call runs on, or the call
+  # would reach another object there.
+  defp check_refs(values, target) when is_list(values) do
+    Enum.reduce_while(values, :ok, fn value, :ok ->
+      case check_ref(value, target) do
+        :ok -> {:cont, :ok}
+        error -> {:halt, error}
+      end
+    end)
+  end
+
+  defp check_ref(%Ref{worker: pid}, %{worker: pid}), do: :ok
+
+  defp check_ref(%Ref{} = ref, target) do
+    pool = ref.pool || target.pool
+
+    if is_pid(ref.worker) and Pool.index_of(pool, ref.worker) != :error do
+      bad(
+        "#{describe_ref(ref)} lives in worker #{inspect(ref.worker)}, but this call runs in " <>
+          "worker #{inspect(target.worker)}: pass refs only to calls on their own worker",
+        ref
+      )
+    else
+      {:error, stale(ref, pool)}
+    end
+  end
+
+  defp check_ref(%Tensor{}, _target), do: :ok
+  defp check_ref(%_{}, _target), do: :ok
+  defp check_ref([_ | _] = list, target), do: check_refs_improper(list, target)
+  defp check_ref(map, target) when is_map(map), do: check_refs(Map.to_list(map), target)
+  defp check_ref(tuple, target) when is_tuple(tuple), do: check_refs(Tuple.to_list(tuple), target)
+  defp check_ref(_other, _target), do: :ok
+
+  # Lists may be improper here (the encoder refuses them later with a clear error).
+  defp check_refs_improper([head | tail], target) do
+    case check_ref(head, target) do
+      :ok -> check_refs_improper(tail, target)
+      error -> error
+    end
+  end
+
+  defp check_refs_improper(_tail, _target), do: :ok
 
   # release_session/2 runs where node: says.
   defp local_node(%{node: on} = ctx) when on != nil and on != node(),

@@ -146,10 +146,9 @@ defmodule VllmBridge.FaultsTest do
     assert_receive {:DOWN, ^monitor, :process, ^worker, _}, 5_000
   end
 
-  # Runtime.context/2 and place/1 (runtime.ex) do not check the refs among the
-  # arguments against the worker the call goes to: a ref of another worker, or
-  # a stale one, is sent as a bare handle id and names another object there.
-  @tag skip: "needs the runtime to check argument refs against the target worker (reported)"
+  # A ref crosses the wire as a bare handle id: the runtime checks every ref
+  # among the arguments against the worker the call goes to, so a ref of
+  # another worker, or a stale one, never names another object there.
   @tag :capture_log
   @tag timeout: 60_000
   test "a ref passed as an argument never resolves in another worker", %{test: test} do

@@ -19,7 +19,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -44,7 +44,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -65,7 +65,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -86,7 +86,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -101,7 +101,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   Release what the communicator holds (its all-to-all manager); groups stay.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -125,7 +125,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
     * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -152,7 +152,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dst` (`integer()`, default: `0`) (in `args`, position 0)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -179,7 +179,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `unique_name` (`String.t()`, default: `''`) (in `args`, position 2)
     * `use_all2all` (`boolean() | nil`, default: `None`) (keyword option `use_all2all:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -200,7 +200,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
     * `model` (`VllmBridge.Ref.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -261,7 +261,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dtype` (`VllmBridge.Tensor.type()`)
     * `src` (`integer() | nil`, default: `None`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -281,7 +281,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -305,7 +305,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -327,7 +327,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `dst` (`integer() | nil`, default: `None`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

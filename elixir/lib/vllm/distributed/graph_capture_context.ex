@@ -15,7 +15,7 @@ defmodule Vllm.Distributed.GraphCaptureContext do
 
     * `stream` (`term()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

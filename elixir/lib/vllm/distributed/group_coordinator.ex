@@ -21,7 +21,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -40,7 +40,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -60,7 +60,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -80,7 +80,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -103,7 +103,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -136,7 +136,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -155,7 +155,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   secretly created GPU tensors. It is easy to mess up the current
   device. Use the CPU group instead.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -177,7 +177,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `src` (`integer()`, default: `0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -200,7 +200,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `obj` (`term()`, default: `None`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -226,7 +226,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `src` (`integer()`, default: `0`) (in `args`, position 0)
     * `group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -256,7 +256,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 2)
     * `metadata_group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 3)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -276,7 +276,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -313,7 +313,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `external_writer_handle` (`term()`, default: `None`) (in `args`, position 1)
     * `blocking` (`boolean()`, default: `True`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -342,7 +342,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `reader_rank_in_group` (`integer()`, default: `0`) (in `args`, position 0)
     * `blocking` (`boolean()`, default: `False`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -359,7 +359,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Destroy the group's process groups, communicator and message queue (idempotent).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -421,7 +421,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
     * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -460,7 +460,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dst` (`integer()`, default: `0`) (in `args`, position 0)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -482,7 +482,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `graph_capture_context` (`Vllm.Distributed.GraphCaptureContext.t() | nil`, default: `None`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -569,7 +569,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `use_message_queue_broadcaster` (`boolean()`, default: `False`) (in `args`, position 0)
     * `group_name` (`String.t() | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -617,7 +617,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `model` (`VllmBridge.Ref.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -688,7 +688,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dtype` (`VllmBridge.Tensor.type()`)
     * `src` (`integer() | nil`, default: `None`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -709,7 +709,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `src` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -745,7 +745,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `None`) (in `args`, position 1)
     * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `None`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -765,7 +765,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -786,7 +786,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -808,7 +808,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `dst` (`integer() | nil`, default: `None`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -830,7 +830,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `obj` (`term()`)
     * `dst` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -868,7 +868,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `None`) (in `args`, position 1)
     * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `None`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

@@ -20,7 +20,7 @@ defmodule Vllm.Distributed.MessageQueue do
     * `obj` (`term()`, default: `None`) (in `args`, position 0)
     * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -38,7 +38,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
   Idempotent. Garbage collection and interpreter exit release the shared memory too.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -53,16 +53,18 @@ defmodule Vllm.Distributed.MessageQueue do
   A reader's end of the queue that ``handle`` describes, as reader ``rank``.
 
   ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
-  must then be on this host), else connects over TCP as a remote reader.
+  must then be on this host), else connects over TCP as a remote reader. ``auth_key``
+  (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) must be the writer's.
 
   ## Parameters
 
     * `handle` (`VllmBridge.Ref.t()`)
     * `rank` (`integer()`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -83,6 +85,8 @@ defmodule Vllm.Distributed.MessageQueue do
   writer, every other rank a reader, local if it shares the writer's shared memory,
   else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
   ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
+  ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
+  every message; all ranks must give the same key.
 
   ## Parameters
 
@@ -92,10 +96,11 @@ defmodule Vllm.Distributed.MessageQueue do
     * `writer_rank` (`integer()`, default: `0`) (in `args`, position 0)
     * `blocking` (`boolean()`, default: `True`) (in `args`, position 1)
     * `connect_ip` (`String.t() | nil`, default: `None`) (keyword option `connect_ip:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -127,7 +132,7 @@ defmodule Vllm.Distributed.MessageQueue do
     * `cancel` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
     * `indefinite` (`boolean()`, default: `False`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -152,7 +157,7 @@ defmodule Vllm.Distributed.MessageQueue do
     * `obj` (`term()`)
     * `timeout` (`float() | nil`, default: `None`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -166,7 +171,7 @@ defmodule Vllm.Distributed.MessageQueue do
   @doc ~S"""
   The handle readers pass to :meth:`create_from_handle` (picklable).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -186,6 +191,8 @@ defmodule Vllm.Distributed.MessageQueue do
   from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
   after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
   may connect. Ranks are those readers pass to :meth:`create_from_handle`.
+  ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates every message;
+  readers must be given the same key.
 
   ## Parameters
 
@@ -196,8 +203,9 @@ defmodule Vllm.Distributed.MessageQueue do
     * `max_chunks` (`integer()`, default: `10`) (in `args`, position 2)
     * `connect_ip` (`String.t() | nil`, default: `None`) (in `args`, position 3)
     * `remote_reader_ranks` (`[integer()] | nil`, default: `None`) (keyword option `remote_reader_ranks:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -224,7 +232,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
     * `timeout` (`float() | nil`, default: `300.0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

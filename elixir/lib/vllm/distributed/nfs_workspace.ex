@@ -41,7 +41,7 @@ defmodule Vllm.Distributed.NFSWorkspace do
     * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (in `args`, position 0)
     * `rank` (`integer() | nil`, default: `None`) (keyword option `rank:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -66,7 +66,7 @@ defmodule Vllm.Distributed.NFSWorkspace do
 
     * `target_rank` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -94,7 +94,7 @@ defmodule Vllm.Distributed.NFSWorkspace do
     * `config_json` (`%{optional(String.t()) => term()}`)
     * `weights` (`%{optional(String.t()) => term()}`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

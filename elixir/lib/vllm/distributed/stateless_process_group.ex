@@ -7,7 +7,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   group. Only use it to communicate metadata between processes.
   For data-plane communication, create NCCL-related objects.
 
-  Objects are pickled between ranks: only form groups with processes you trust.
+  Objects are pickled between ranks: only form groups with processes you trust, or give
+  every rank the same ``auth_key`` (see :attr:`auth_key`), so that values written by anyone
+  without the key are refused before they are unpickled.
   """
   @typedoc "A `StatelessProcessGroup` held by a Python worker."
   @type t :: VllmBridge.Ref.t()
@@ -23,7 +25,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
     * `obj` (`term()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -64,7 +66,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
     * `timeout` (`float()`, default: `30.0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -80,14 +82,16 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Returns ``obj`` on ``src`` and the received object on the other ranks. Unlike vLLM's,
   which does not clean up after all ranks have received the object, the last receiver
-  deletes it from the store, so it can be used any number of times.
+  deletes it from the store, so it can be used any number of times. Receivers wait at
+  most ``timeout`` seconds (None: the store's timeout) and raise as ``recv_obj`` does.
 
   ## Parameters
 
     * `obj` (`term()`)
     * `src` (`integer()`)
+    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -146,6 +150,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds saying how many
   ranks joined, that the port is in use, or which address could not be reached.
 
+  ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
+  set) authenticates every value the group stores: all ranks must give the same key.
+
   ## Parameters
 
     * `host` (`String.t()`)
@@ -155,10 +162,11 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `data_expiration_seconds` (`integer()`, default: `3600`) (in `args`, position 0)
     * `store_timeout` (`integer()`, default: `300`) (in `args`, position 1)
     * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `None`) (keyword option `listen_socket:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -193,7 +201,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Deletes the keys this rank wrote more than ``data_expiration_seconds`` ago (whether or
   not they were received), so that values nobody reads do not stay in the store.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -220,7 +228,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `broadcast_recv_src_counter` (`%{optional(integer()) => integer()}`, default: `<factory>`) (in `args`, position 4)
     * `entries` (`term()`, default: `<factory>`) (in `args`, position 5)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -255,14 +263,19 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Receive an object from a source rank.
 
-  Blocks (up to the store's timeout) until ``src`` has sent its next object, then
-  deletes it from the store and returns it.
+  Blocks until ``src`` has sent its next object, then deletes it from the store and
+  returns it. Waits at most ``timeout`` seconds (None: the store's timeout), then
+  raises RuntimeError naming this rank, ``src``, the key and the time waited; the
+  object is then still expected, so a later call may receive it. With an auth key, a
+  value that fails its check raises AuthenticationError (a RuntimeError) naming the
+  key and ``src``, and is dropped without being unpickled.
 
   ## Parameters
 
     * `src` (`integer()`)
+    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -310,7 +323,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `obj` (`term()`)
     * `dst` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

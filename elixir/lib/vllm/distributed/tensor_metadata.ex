@@ -41,7 +41,7 @@ defmodule Vllm.Distributed.TensorMetadata do
     * `dtype` (`term()`)
     * `size` (`term()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
