@@ -1,12 +1,19 @@
-"""CpuCommunicator: collectives of a CPU group over gloo.
+"""CpuCommunicator: collectives of a CPU group, over shared memory on one node, else gloo.
 
-Everything runs through ``self.dist_module``, which is ``torch.distributed`` (on the gloo
-device group) today. A shared-memory fast path, like vLLM's ``_CPUSHMDistributed``, plugs
-in by replacing ``dist_module`` with an object offering the same functions
-(``all_reduce``, ``all_gather_single`` or ``all_gather_into_tensor``,
-``reduce_scatter_single`` or ``reduce_scatter_tensor``, ``gather``, ``broadcast``, ``send``,
-``recv``, with torch.distributed's signatures): see
-:meth:`CpuCommunicator._select_dist_module`.
+Everything runs through ``self.dist_module``. When every rank of the group can map one
+shared-memory segment (probed once, collectively, at construction; see ``shm_allreduce``),
+``dist_module`` is a :class:`~bridge_py.distributed.device_communicators.shm_allreduce.
+ShmDistModule` (like vLLM's ``_CPUSHMDistributed``): all-reduce, all-gather and
+reduce-scatter go through shared memory, everything else through ``torch.distributed`` on
+the gloo group; the pre-collective argument check (``agreement``) exchanges its table
+through shared memory too, and :meth:`CpuCommunicator.all_reduce` folds that check into its
+data step, so a small all-reduce costs one shared-memory phase. Otherwise (ranks on
+several nodes, no usable ``/dev/shm``, ``VLLM_BRIDGE_CPU_SHM=0``) ``dist_module`` is
+``torch.distributed`` and everything is gloo, as before.
+
+Both transports give the same results: integer sums exactly, floating-point sums of two
+ranks bit for bit; with more ranks the shared-memory sum is the rank-ordered one (the same
+on every rank and every run) while gloo's ring may round differently in the last bits.
 """
 
 from __future__ import annotations
@@ -24,12 +31,23 @@ from bridge_py.distributed.device_communicators.all2all import (
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
+from bridge_py.distributed.device_communicators.shm_allreduce import (
+    ShmAgreement,
+    ShmCollectives,
+    ShmDistModule,
+)
+from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 
 __all__ = ["CpuCommunicator"]
 
 
 class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
-    """Device communicator for CPU tensors (gloo), with all-to-all support for EP groups."""
+    """Device communicator for CPU tensors (shared memory or gloo), with all-to-all support
+    for EP groups.
+
+    ``shm`` is the group's :class:`ShmCollectives` (None when gloo carries everything);
+    ``shm_all_reduce_calls`` and friends count the collectives it ran.
+    """
 
     def __init__(
         self,
@@ -39,17 +57,78 @@ class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
         unique_name: str = "",
         *,
         use_all2all: bool | None = None,
+        use_shm: bool | None = None,
     ) -> None:
-        """Initialize self. See help(type(self)) for accurate signature."""
+        """Initialize self. See help(type(self)) for accurate signature.
+
+        ``use_shm`` (not in vLLM) offers the shared-memory transport (True), declines it
+        (False) or leaves it to the environment (None, ``VLLM_BRIDGE_CPU_SHM``); it is used
+        only when every rank of the group offers it and can map the segment. Construction
+        is a collective on ``cpu_group`` (a broadcast and an all-reduce).
+        """
         super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+        self.shm: ShmCollectives | None = None
+        if self.world_size > 1:  # every rank takes part in the probe, even one declining
+            self.shm = ShmCollectives.create(
+                cpu_group, self.rank_in_group, self.ranks, self.agreement.label, enabled=use_shm
+            )
+        if self.shm is not None:
+            self.agreement = ShmAgreement(self.agreement, self.shm)
         self.dist_module = self._select_dist_module()
         if self.use_all2all:
             self.all2all_manager = NaiveAll2AllManager(self)
 
     def _select_dist_module(self) -> Any:
-        """The transport for this group's collectives.
+        """The transport for this group's collectives: shared memory when every rank of the
+        group is on one node and can map the group's segment, else ``torch.distributed``."""
+        if self.shm is None:
+            return dist
+        return ShmDistModule(self.shm, (self.device_group, self.cpu_group))
 
-        Extension point: return a shared-memory implementation here when every rank of
-        the group is on one node (see ``in_the_same_node_as``) and it is available.
+    # ------------------------------------------------------------------ shared memory
+
+    @property
+    def shm_all_reduce_calls(self) -> int:
+        """All-reduces run over shared memory so far (0 on gloo)."""
+        return 0 if self.shm is None else self.shm.all_reduce_calls
+
+    @property
+    def shm_all_gather_calls(self) -> int:
+        """All-gathers run over shared memory so far (0 on gloo)."""
+        return 0 if self.shm is None else self.shm.all_gather_calls
+
+    @property
+    def shm_reduce_scatter_calls(self) -> int:
+        """Reduce-scatters run over shared memory so far (0 on gloo)."""
+        return 0 if self.shm is None else self.shm.reduce_scatter_calls
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """Sum ``input_`` over the group; returns a new tensor (the input is not modified).
+
+        ``bool`` tensors come back as the logical OR over the ranks. Over shared memory, the
+        argument check travels in the data step itself (one phase for a small tensor).
         """
-        return dist
+        shm = self.shm
+        if shm is None:
+            return super().all_reduce(input_)
+        op = "all_reduce"
+        error = self._tensor_error(op, input_, reduce=True)
+        signature = self._signature(op, input_)
+        agreement = self.agreement
+        if error is not None or input_.numel() == 0:
+            agreement.check(signature, error)  # raises on every rank if anyone failed
+            return input_.clone()
+        assert isinstance(agreement, ShmAgreement)
+        wire, restore = for_reduction(input_, self.backend)
+        out = torch.empty_like(wire)
+        row = signature.encode(False).numpy().tobytes()
+        # With checks off the row still goes along: ranks out of step raise, never mix data.
+        judge = lambda rows: agreement.judge(signature, rows, None)  # noqa: E731
+        shm.all_reduce(wire.reshape(-1), out.view(-1), row, judge)
+        return restore(out).reshape(input_.shape)
+
+    def destroy(self) -> None:
+        """Release the all-to-all manager and unmap the shared memory; groups stay."""
+        super().destroy()
+        if self.shm is not None:
+            self.shm.close()
