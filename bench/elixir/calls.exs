@@ -71,7 +71,7 @@ defmodule Bench.Calls do
     {:ok, router} = Bench.EchoRouter.start_link(nil)
 
     rows =
-      latency(quick, counter, echo, frame, grpc) ++
+      latency(quick, counter, echo, router, frame, grpc) ++
         throughput(quick, counter, router, frame) ++ tensor(quick, echo)
 
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
@@ -79,7 +79,7 @@ defmodule Bench.Calls do
 
   ## 1. sequential latency --------------------------------------------------------
 
-  defp latency(quick, counter, echo, frame, grpc) do
+  defp latency(quick, counter, echo, router, frame, grpc) do
     {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
     {:ok, start} = Runtime.call_method(counter, "incr", [])
 
@@ -90,17 +90,19 @@ defmodule Bench.Calls do
     {:ok, start} = Runtime.call_method(counter, "incr", [])
 
     {acc, _} =
-      Enum.reduce(1..rounds, {%{ours: [], ping: [], echo: [], grpc: []}, start}, fn r, {acc, v} ->
-        steps = [
-          {:ours, fn -> ours_batch(counter, v, n) end},
-          {:ping, fn -> ping_batch(n) end},
-          {:echo, fn -> echo_batch(echo, frame, n) end},
-          {:grpc, fn -> grpc_batch(grpc, n) end}
-        ]
+      Enum.reduce(1..rounds, {%{ours: [], ping: [], echo: [], hop: [], grpc: []}, start}, fn
+        r, {acc, v} ->
+          steps = [
+            {:ours, fn -> ours_batch(counter, v, n) end},
+            {:ping, fn -> ping_batch(n) end},
+            {:echo, fn -> echo_batch(echo, frame, n) end},
+            {:hop, fn -> hop_batch(router, frame, n) end},
+            {:grpc, fn -> grpc_batch(grpc, n) end}
+          ]
 
-        steps = if rem(r, 2) == 0, do: steps, else: Enum.reverse(steps)
-        acc = Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
-        {acc, v + n}
+          steps = if rem(r, 2) == 0, do: steps, else: Enum.reverse(steps)
+          acc = Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
+          {acc, v + n}
       end)
 
     [p50, p99] = for p <- [50, 99], do: Map.new(acc, fn {k, v} -> {k, Bench.percentile(v, p)} end)
@@ -117,6 +119,13 @@ defmodule Bench.Calls do
         @bench,
         "Runtime.ping (inline op), sequential, p50",
         p50.ping,
+        p50.echo,
+        "raw port echo"
+      ),
+      Bench.time_row(
+        @bench,
+        "raw echo behind a GenServer (the Worker's process hop), p50",
+        p50.hop,
         p50.echo,
         "raw port echo"
       )
@@ -142,6 +151,14 @@ defmodule Bench.Calls do
   defp echo_batch(echo, frame, n) do
     for _ <- 1..n do
       {us, data} = Bench.tc(fn -> Bench.echo(echo, frame) end)
+      Bench.check!(data == frame, "the echo differs")
+      us
+    end
+  end
+
+  defp hop_batch(router, frame, n) do
+    for _ <- 1..n do
+      {us, data} = Bench.tc(fn -> Bench.EchoRouter.echo(router, frame) end)
       Bench.check!(data == frame, "the echo differs")
       us
     end
