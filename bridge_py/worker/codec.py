@@ -234,8 +234,10 @@ class Codec:
 
     def decode(self, data: bytes | memoryview) -> Any:
         """The value in msgpack bytes; raises :class:`CodecError` on malformed input."""
+        if not isinstance(data, (bytes, bytearray)):
+            data = bytes(data)
         try:
-            return msgpack.unpackb(
+            value = msgpack.unpackb(
                 data,
                 ext_hook=self._ext_hook,
                 raw=False,
@@ -247,6 +249,12 @@ class Codec:
             raise
         except (ValueError, TypeError, msgpack.UnpackException, struct.error) as exc:
             raise CodecError(f"malformed msgpack value: {exc}") from None
+        # msgpack-python decodes its own timestamp extension (-1) without asking the
+        # ext hook; it is not one of the protocol's types. Only bytes that contain a
+        # timestamp header can hold one, so the walk is rare.
+        if any(marker in data for marker in _TIMESTAMP_HEADERS):
+            _refuse_timestamps(value)
+        return value
 
     def _ext_hook(self, code: int, payload: bytes) -> Any:
         if code == EXT_TENSOR:
@@ -264,6 +272,23 @@ class Codec:
                 return ref
             return self._resolver.resolve(ref)
         raise CodecError(f"unknown msgpack extension type {code}")
+
+
+# fixext4, fixext8 and ext8 (12 bytes) with type -1: msgpack's timestamp encodings.
+_TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+
+
+def _refuse_timestamps(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, msgpack.Timestamp):
+            raise CodecError("msgpack extension type -1 (timestamp) is not part of the protocol")
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
 
 
 class RefValue:

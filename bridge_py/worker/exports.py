@@ -69,6 +69,8 @@ class ExportTable:
         """A table from its entries; checks that every listed member exists."""
         table = cls(module_docs=dict(module_docs or {}))
         for entry in classes:
+            if _is_dunder(entry.name):
+                raise ValueError(f"class {entry.name}: dunder names cannot be exported")
             for member in (*entry.methods, *entry.static_methods, *entry.attributes):
                 if _is_dunder(member):
                     raise ValueError(f"{entry.name}.{member}: dunder names cannot be exported")
@@ -77,6 +79,8 @@ class ExportTable:
                     raise ValueError(f"{entry.name}.{member} is not a method of {entry.cls}")
             table.classes[entry.name] = entry
         for fn in functions:
+            if any(_is_dunder(part) for part in fn.name.split(".")):
+                raise ValueError(f"function {fn.name}: dunder names cannot be exported")
             table.functions[fn.name] = fn
         return table
 

@@ -216,11 +216,6 @@ def test_only_the_four_extension_types_decode(shipped: PortClient, evil) -> None
     assert not target.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Codec.decode passes msgpack's own timestamp extension (-1) through as a "
-    "msgpack.Timestamp: not one of the protocol's four types (bridge_py/worker/codec.py)",
-)
 def test_timestamp_extension_is_refused(shipped: PortClient) -> None:
     err = _error(shipped, pb.Ping(b"\xd7\xff" + bytes(8)))  # fixext8, type -1
     assert err.category == "bad_args"
@@ -316,11 +311,6 @@ def test_export_table_refuses_to_list_dunder_members() -> None:
     assert table.method(_Thing(), "ok")() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ExportTable.build checks dunder names of class members only, not of functions "
-    "or classes (bridge_py/worker/exports.py, not owned here)",
-)
 def test_export_table_refuses_dunder_function_and_class_names() -> None:
     with pytest.raises(ValueError, match="dunder"):
         ExportTable.build([], [ExportedFunction("__import__", __import__, "M")])
