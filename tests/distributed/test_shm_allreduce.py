@@ -146,6 +146,7 @@ def _sizes(dtype: torch.dtype) -> list[int]:
 
 
 def _all_dtypes(rank: int, port: int, world_size: int) -> dict[str, int]:
+    torch.set_num_threads(1)
     _init(rank, port, world_size)
     g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="tp")
     comm = g.device_communicator
@@ -211,6 +212,7 @@ def test_every_dtype_and_size_matches_gloo(world_size: int) -> None:
 
 
 def _many(rank: int, port: int, world_size: int) -> int:
+    torch.set_num_threads(1)  # 4 ranks share 2 cores here: no intra-op threads on top
     _init(rank, port, world_size)
     comm = _communicator({BYTES_ENV: str(SMALL_BUFFER)})
     assert comm.shm is not None

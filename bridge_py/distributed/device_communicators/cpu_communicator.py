@@ -64,7 +64,7 @@ class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
         ``use_shm`` (not in vLLM) offers the shared-memory transport (True), declines it
         (False) or leaves it to the environment (None, ``VLLM_BRIDGE_CPU_SHM``); it is used
         only when every rank of the group offers it and can map the segment. Construction
-        is a collective on ``cpu_group`` (a broadcast and an all-reduce).
+        is a collective on ``cpu_group`` (a broadcast, an all-reduce, a barrier).
         """
         super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
         self.shm: ShmCollectives | None = None

@@ -120,7 +120,8 @@ MIN_SLOT_BYTES = 64 << 10
 DIRECT_BYTES = 256 << 10
 THREADS_ENV = "VLLM_BRIDGE_CPU_SHM_THREADS"
 _PIECE = 32768  # torch's grain size: smaller elementwise ops stay on the calling thread
-_SERIAL = os.environ.get(THREADS_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+_PARALLEL_BYTES = 1 << 20  # ops at least this long may use torch's intra-op threads
+_THREADS = os.environ.get(THREADS_ENV, "").strip()
 
 _MAGIC = b"VBAR"
 _VERSION = 1
@@ -198,33 +199,39 @@ def _own_mapping(shm: shared_memory.SharedMemory) -> mmap.mmap:
         shm.close()
 
 
-def _serial_pieces(n: int) -> range:
-    """Starts of the pieces an elementwise op over ``n`` elements is cut into.
+def _piece(tensor: torch.Tensor) -> int:
+    """How many elements of ``tensor`` one torch op may cover in the shared-memory ops.
 
     torch runs an op of more than 32768 elements on its intra-op (OpenMP) threads. Ranks
-    sharing a node already use its cores, and the woken threads of one rank then compete
-    with the other ranks that the group waits for: 500 all-reduces of 40-280 KB took 50 s
-    instead of 1 s on 2 ranks x 2 threads on 2 cores. Pieces below that size keep every
-    shared-memory op on the calling thread; ``VLLM_BRIDGE_CPU_SHM_THREADS=1`` lets torch
-    parallelise instead (when cores are plentiful).
+    sharing a node already use its cores, and for short ops the woken threads of one rank
+    mostly compete with the other ranks the group waits for: 500 all-reduces of 40-280 KB
+    took 50 s instead of 1 s on 2 ranks x 2 threads on 2 cores. So ops below
+    ``_PARALLEL_BYTES`` are cut into pieces that stay on the calling thread, and longer ones
+    (where threads pay off: 4 MiB sums ran faster with them) are left whole.
+    ``VLLM_BRIDGE_CPU_SHM_THREADS`` = ``0`` always cuts, ``1`` never does.
     """
-    return range(0, n, _PIECE if _SERIAL else max(n, 1))
+    n = tensor.numel()
+    if _THREADS == "1" or (_THREADS != "0" and n * tensor.element_size() >= _PARALLEL_BYTES):
+        return max(n, 1)
+    return _PIECE
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for 1-D tensors, on this thread (see :func:`_serial_pieces`)."""
-    for a in _serial_pieces(dst.numel()):
-        dst[a : a + _PIECE if _SERIAL else None].copy_(src[a : a + _PIECE if _SERIAL else None])
+    """``dst.copy_(src)`` for 1-D tensors (see :func:`_piece`)."""
+    step = _piece(dst)
+    for a in range(0, dst.numel(), step):
+        dst[a : a + step].copy_(src[a : a + step])
 
 
 def _ordered_sum(parts: list[torch.Tensor], out: torch.Tensor) -> None:
     """``out = ((parts[0] + parts[1]) + parts[2]) + ...``, each partial sum in out's dtype
-    (1-D tensors, on this thread)."""
+    (1-D tensors; see :func:`_piece`)."""
     if len(parts) == 1:
         _copy(out, parts[0])
         return
-    for a in _serial_pieces(out.numel()):
-        b = a + _PIECE if _SERIAL else None
+    step = _piece(out)
+    for a in range(0, out.numel(), step):
+        b = a + step
         piece = out[a:b]
         torch.add(parts[0][a:b], parts[1][a:b], out=piece)
         for part in parts[2:]:
@@ -296,7 +303,7 @@ class ShmCollectives:
     ) -> ShmCollectives | None:
         """Set up the transport on every rank of ``cpu_group``, or None on all of them.
 
-        A collective (one broadcast and one all-reduce on ``cpu_group``): rank 0 creates the
+        A collective (a broadcast, an all-reduce and a barrier on ``cpu_group``): rank 0 creates the
         segment, the others attach and check its token, and all learn whether every rank
         succeeded, so that they all take the same transport. The segment is unlinked before
         this returns. ``enabled``/``buffer_bytes``/``timeout`` default to the environment
@@ -335,6 +342,8 @@ class ShmCollectives:
         if rank == 0 and shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()  # every rank has it mapped (or gave up): remove the name now
+        if int(flag.item()) == 1:
+            dist.barrier(group=cpu_group)  # ... so that no rank returns before it is gone
         if int(flag.item()) == 0 or mapping is None:
             if mapping is not None:
                 mapping.close()
