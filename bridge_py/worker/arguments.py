@@ -3,7 +3,12 @@
 Python only notices a missing argument or a string where an int belongs deep inside
 the callee, if at all. The bridge checks arity against the signature and simple
 annotations (int, float, str, bool, bytes, their Optionals and unions) up front, so
-the caller learns which argument of which function was wrong.
+the caller learns which argument of which function was wrong; ``torch.dtype``
+parameters also accept the wire forms of a dtype (``{:f, 32}``, ``"float32"``).
+
+Everything that can be worked out from a signature is worked out once per function
+(:class:`_Plan`); a call with positional arguments only is then checked without
+``inspect.Signature.bind``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,22 +33,65 @@ class BadArguments(TypeError):
 _SIMPLE = (int, float, str, bool, bytes)
 
 
-@functools.lru_cache(maxsize=1024)
-def _signature(
-    fn: Callable[..., Any], drop_first: bool
-) -> tuple[inspect.Signature | None, dict[str, Any]]:
-    """The call signature of ``fn`` (without ``self`` when bound) and its type hints."""
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    allowed: tuple[type, ...] | None  # simple types to check, or None
+    dtype: bool  # annotated torch.dtype: convert from the wire form
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a call to one function needs checked, worked out once."""
+
+    sig: inspect.Signature
+    params: dict[str, _Param]
+    positional: tuple[_Param, ...]  # positional parameters, in order
+    required: int  # how many leading positional parameters have no default
+    var_positional: bool
+    keyword_only_required: bool
+    any_checks: bool
+
+
+@functools.lru_cache(maxsize=2048)
+def _plan(fn: Callable[..., Any], drop_first: bool) -> _Plan | None:
+    """The plan for ``fn`` (without ``self`` when bound); None when it has no signature."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return None, {}
+        return None
     if drop_first:
         sig = sig.replace(parameters=list(sig.parameters.values())[1:])
     try:
         hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
     except Exception:  # unresolvable forward references: check arity only
         hints = {}
-    return sig, hints
+    params: dict[str, _Param] = {}
+    positional: list[_Param] = []
+    required = 0
+    var_positional = False
+    keyword_only_required = False
+    for p in sig.parameters.values():
+        hint = hints.get(p.name)
+        param = _Param(p.name, _allowed(hint), _takes_dtype(hint))
+        params[p.name] = param
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional.append(param)
+            if p.default is p.empty and required == len(positional) - 1:
+                required += 1
+        elif p.kind is p.VAR_POSITIONAL:
+            var_positional = True
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            keyword_only_required = True
+    return _Plan(
+        sig=sig,
+        params=params,
+        positional=tuple(positional),
+        required=required,
+        var_positional=var_positional,
+        keyword_only_required=keyword_only_required,
+        any_checks=any(p.allowed is not None or p.dtype for p in params.values()),
+    )
 
 
 def _allowed(annotation: Any) -> tuple[type, ...] | None:
@@ -64,12 +113,6 @@ def _allowed(annotation: Any) -> tuple[type, ...] | None:
     return None
 
 
-def _fits(value: Any, allowed: tuple[type, ...]) -> bool:
-    if isinstance(value, int) and not isinstance(value, bool) and float in allowed:
-        return True  # an integer is a fine float
-    return isinstance(value, allowed)
-
-
 def _takes_dtype(annotation: Any) -> bool:
     if annotation is torch.dtype:
         return True
@@ -77,6 +120,28 @@ def _takes_dtype(annotation: Any) -> bool:
     if origin is typing.Union or origin is types.UnionType:
         return any(arg is torch.dtype for arg in typing.get_args(annotation))
     return False
+
+
+def _fits(value: Any, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool) and float in allowed:
+        return True  # an integer is a fine float
+    return isinstance(value, allowed)
+
+
+def _checked(param: _Param, value: Any, name: str) -> Any:
+    """``value`` for ``param``, converted if it is a dtype; raises BadArguments."""
+    if param.dtype and value is not None:
+        try:
+            return dtype_from_term(value)
+        except CodecError as exc:
+            raise BadArguments(f"{name}: argument {param.name!r}: {exc}") from None
+    if param.allowed is not None and not _fits(value, param.allowed):
+        wanted = " or ".join("None" if t is type(None) else t.__name__ for t in param.allowed)
+        raise BadArguments(
+            f"{name}: argument {param.name!r} must be {wanted}, got {type(value).__name__} "
+            f"{value!r:.80}"
+        )
+    return value
 
 
 def prepare_call(
@@ -89,30 +154,29 @@ def prepare_call(
     ``"float32"``); everything else passes through unchanged.
     """
     target = getattr(fn, "__func__", fn)
-    sig, hints = _signature(target, target is not fn)
-    if sig is None:
+    plan = _plan(target, target is not fn)
+    if plan is None:
+        return args, kwargs
+    if (
+        not kwargs
+        and not plan.keyword_only_required
+        and plan.required <= len(args)
+        and (len(args) <= len(plan.positional) or plan.var_positional)
+    ):
+        # Positional arguments only: no need to bind.
+        if plan.any_checks:
+            args = [_checked(p, v, name) for p, v in zip(plan.positional, args, strict=False)] + (
+                args[len(plan.positional) :]
+            )
         return args, kwargs
     try:
-        bound = sig.bind(*args, **kwargs)
+        bound = plan.sig.bind(*args, **kwargs)
     except TypeError as exc:
-        raise BadArguments(f"{name}{sig}: {exc}") from None
-    converted = False
-    for param, value in bound.arguments.items():
-        hint = hints.get(param)
-        if value is not None and _takes_dtype(hint):
-            try:
-                bound.arguments[param] = dtype_from_term(value)
-            except CodecError as exc:
-                raise BadArguments(f"{name}: argument {param!r}: {exc}") from None
-            converted = True
-            continue
-        allowed = _allowed(hint)
-        if allowed is not None and not _fits(value, allowed):
-            wanted = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise BadArguments(
-                f"{name}: argument {param!r} must be {wanted}, got {type(value).__name__} "
-                f"{value!r:.80}"
-            )
-    if not converted:
+        raise BadArguments(f"{name}{plan.sig}: {exc}") from None
+    if not plan.any_checks:
         return args, kwargs
+    for key, value in bound.arguments.items():
+        param = plan.params[key]
+        if param.allowed is not None or param.dtype:
+            bound.arguments[key] = _checked(param, value, name)
     return list(bound.args), dict(bound.kwargs)

@@ -17,11 +17,10 @@ from bridge_py.worker.arguments import BadArguments, prepare_call
 from bridge_py.worker.codec import Codec, CodecError, RefValue
 from bridge_py.worker.exports import ExportTable, NotExported
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
+from bridge_py.worker.sequencer import Turn
 
 DEFAULT_SESSION = "default"
-
-# Operations that never block and are cheap: a transport may run them inline.
-INLINE_OPS = (pb.Ping, pb.Describe, pb.ReleaseHandles, pb.ReleaseSession, pb.GetAttribute)
+_MAX_CACHED_CODECS = 1024
 
 
 class _Failure(Exception):
@@ -44,13 +43,45 @@ class Dispatcher:
     def __init__(self, exports: ExportTable, registry: HandleRegistry | None = None) -> None:
         self.exports = exports
         self.registry = registry if registry is not None else HandleRegistry()
+        # One codec per session (it holds no per-call state): built once, not per call.
+        self._codecs: dict[str, Codec] = {}
 
-    def dispatch(self, req: pb.Request) -> pb.Reply:
-        """Run one request; always returns a Reply (errors included)."""
-        session = req.session or DEFAULT_SESSION
-        codec = Codec(SessionResolver(self.registry, session, self.exports.class_name))
+    def _codec(self, session: str) -> Codec:
+        codec = self._codecs.get(session)
+        if codec is None:
+            if len(self._codecs) >= _MAX_CACHED_CODECS:
+                self._codecs.clear()  # sessions come and go: keep the cache bounded
+            codec = Codec(SessionResolver(self.registry, session, self.exports.class_name))
+            self._codecs[session] = codec
+        return codec
+
+    def reserve(self, req: pb.Request) -> Turn | None:
+        """Take the request's place in line when it is a method call on a live handle.
+
+        Transports call this as they read requests, so calls on one object run in the
+        order they arrived even when threads pick them up out of order. The turn must
+        then be passed to :meth:`dispatch`, which always uses it up.
+        """
+        op = req.op
+        if not isinstance(op, pb.CallMethod):
+            return None
         try:
-            value = self._run(req.op, session, codec)
+            return self.registry.turn(op.handle, req.session or DEFAULT_SESSION)
+        except HandleNotFound:
+            return None  # dispatch reports it
+
+    def dispatch(self, req: pb.Request, turn: Turn | None = None) -> pb.Reply:
+        """Run one request; always returns a Reply (errors included)."""
+        if turn is None:
+            turn = self.reserve(req)
+        session = req.session or DEFAULT_SESSION
+        codec = self._codec(session)
+        try:
+            if turn is not None:
+                with turn:
+                    value = self._run(req.op, session, codec)
+            else:
+                value = self._run(req.op, session, codec)
             try:
                 data = codec.encode(value)
             except CodecError as exc:
@@ -70,63 +101,58 @@ class Dispatcher:
     # -- operations -----------------------------------------------------------------
 
     def _run(self, op: pb.Operation | None, session: str, codec: Codec) -> Any:
+        try:
+            return self._operation(op, session, codec)
+        except HandleNotFound as exc:
+            raise _Failure("not_found", str(exc)) from None
+        except NotExported as exc:
+            raise _Failure("not_exported", str(exc)) from None
+
+    def _operation(self, op: pb.Operation | None, session: str, codec: Codec) -> Any:
+        exports = self.exports
         if isinstance(op, pb.CallMethod):
-            obj = self._get(op.handle, session)
-            method = self._lookup(lambda: self.exports.method(obj, op.method))
-            name = f"{self.exports.class_name(type(obj))}.{op.method}"
+            obj = self.registry.get(op.handle, session)
+            method = exports.method(obj, op.method)
             args, kwargs = self._arguments(codec, op.args, op.kwargs)
-            lock = self._lookup(lambda: self.registry.call_lock(op.handle, session))
-            with lock:
-                return self._call(method, name, args, kwargs)
+            return self._call(method, f"{exports.class_name(type(obj))}.{op.method}", args, kwargs)
         if isinstance(op, pb.CreateInstance):
-            cls = self._lookup(lambda: self.exports.constructor(op.class_name))
+            cls = exports.constructor(op.class_name)
             args, kwargs = self._arguments(codec, op.args, op.kwargs)
             obj = self._call(cls, op.class_name, args, kwargs)
-            class_name = self.exports.class_name(type(obj))
+            class_name = exports.class_name(type(obj))
             return RefValue(self.registry.register(obj, session, class_name), class_name)
         if isinstance(op, pb.CallFunction):
-            fn = self._lookup(lambda: self.exports.function(op.function))
+            fn = exports.function(op.function)
             args, kwargs = self._arguments(codec, op.args, op.kwargs)
             return self._call(fn, op.function, args, kwargs)
         if isinstance(op, pb.GetAttribute):
-            obj = self._get(op.handle, session)
-            return self._lookup(lambda: self.exports.attribute(obj, op.name))
+            return exports.attribute(self.registry.get(op.handle, session), op.name)
         if isinstance(op, pb.ReleaseHandles):
             return self.registry.release(list(op.handles), session)
         if isinstance(op, pb.ReleaseSession):
+            self._codecs.pop(session, None)
             return self.registry.release_session(session)
         if isinstance(op, pb.Describe):
-            return self.exports.describe()
+            return exports.describe()
         if isinstance(op, pb.Ping):
             if not op.payload:
                 return None
             return self._decode(codec, op.payload, "ping payload")
         raise _Failure("protocol", "request has no operation")
 
-    def _get(self, handle: int, session: str) -> Any:
-        return self._lookup(lambda: self.registry.get(handle, session))
-
-    @staticmethod
-    def _lookup(fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except HandleNotFound as exc:
-            raise _Failure("not_found", str(exc)) from None
-        except NotExported as exc:
-            raise _Failure("not_exported", str(exc)) from None
-
     def _arguments(
         self, codec: Codec, args: bytes, kwargs: bytes
     ) -> tuple[list[Any], dict[str, Any]]:
         pos = self._decode(codec, args, "args") if args else []
         kw = self._decode(codec, kwargs, "kwargs") if kwargs else {}
-        if not isinstance(pos, list):
+        if type(pos) is not list:
             raise _Failure("bad_args", f"args must be a msgpack array, got {type(pos).__name__}")
-        if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
+        if type(kw) is not dict or not all(isinstance(k, str) for k in kw):
             raise _Failure("bad_args", "kwargs must be a msgpack map with string keys")
-        return pos, {str(k): v for k, v in kw.items()}
+        return pos, kw
 
-    def _decode(self, codec: Codec, data: bytes, what: str) -> Any:
+    @staticmethod
+    def _decode(codec: Codec, data: bytes, what: str) -> Any:
         try:
             return codec.decode(data)
         except HandleNotFound as exc:

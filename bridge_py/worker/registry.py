@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from bridge_py.worker.sequencer import Sequencer, Turn
+
 
 class HandleNotFound(LookupError):
     """A handle that is unknown, released, or owned by another session."""
@@ -22,9 +24,8 @@ class _Entry:
     obj: Any
     session: str
     class_name: str
-    # Serialises method calls on this object: vLLM's objects are not thread-safe,
-    # and the calls of one object must run in the order they arrive.
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Method calls on this object run one at a time, in arrival order.
+    sequencer: Sequencer = field(default_factory=Sequencer)
 
 
 class HandleRegistry:
@@ -74,9 +75,9 @@ class HandleRegistry:
         """The object behind ``handle``, if ``session`` owns it."""
         return self._entry(handle, session).obj
 
-    def call_lock(self, handle: int, session: str) -> threading.Lock:
-        """The lock that serialises calls on ``handle``."""
-        return self._entry(handle, session).lock
+    def turn(self, handle: int, session: str) -> Turn:
+        """The next turn to call a method of ``handle`` (see :mod:`sequencer`)."""
+        return self._entry(handle, session).sequencer.turn()
 
     def release(self, handles: list[int], session: str) -> int:
         """Forget the given handles of ``session``; return how many were held."""
