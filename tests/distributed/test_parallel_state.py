@@ -133,6 +133,9 @@ def _in_the_same_node(rank: int, port: int) -> None:
     assert ps.in_the_same_node_as(world.cpu_group, source_rank=3) == [True] * 4
     spg = StatelessProcessGroup.create("127.0.0.1", port, rank, 4)
     assert ps.in_the_same_node_as(spg, source_rank=1) == [True] * 4
+    # Rank 0 serves the store: it must not drop the group (and stop serving) while the
+    # others still read their last broadcasts. Its barrier returns after every rank left.
+    spg.barrier(timeout=30)
 
 
 def _lifecycle(rank: int, ports: list[int]) -> str:
