@@ -1,5 +1,6 @@
 # vllm_bridge: every target does its own set-up, so a fresh clone needs only
 #   make test      (or make demo, make bench)
+# make test: lint, codegen check, pytest, ExUnit, and every benchmark once in quick mode.
 SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
@@ -23,6 +24,7 @@ test: setup lint
 	$(PY) -m bridge_py.codegen --check
 	$(MAKE) test-python
 	$(MAKE) test-elixir
+	$(MAKE) bench-quick
 
 test-python:
 	$(PY) -m pytest -q
