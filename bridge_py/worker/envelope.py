@@ -239,6 +239,8 @@ def _encode_fields_of(fields: tuple[tuple[int, Any, str], ...]) -> bytes:
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    if pos < len(buf) and buf[pos] < 0x80:  # most varints here are one byte
+        return buf[pos], pos + 1
     result = 0
     shift = 0
     while True:
@@ -286,8 +288,13 @@ def _fields(buf: memoryview):
             raise EnvelopeError(f"unsupported wire type {wire}")
 
 
+_SPECS: dict[type, dict[int, tuple[str, str]]] = {}
+
+
 def _decode_message(cls: type, buf: memoryview) -> Any:
-    specs = {number: (name, kind) for number, name, kind in cls.FIELDS}
+    specs = _SPECS.get(cls)
+    if specs is None:
+        specs = _SPECS[cls] = {number: (name, kind) for number, name, kind in cls.FIELDS}
     values: dict[str, Any] = {}
     for number, wire, value in _fields(buf):
         spec = specs.get(number)

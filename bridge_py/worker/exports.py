@@ -58,6 +58,9 @@ class ExportTable:
     functions: dict[str, ExportedFunction] = field(default_factory=dict)
     # Elixir module name -> moduledoc, for modules that hold functions only.
     module_docs: dict[str, str] = field(default_factory=dict)
+    # Lookups by type, filled as types are met (the table does not change once built).
+    _by_type: dict[type, ExportedClass | None] = field(default_factory=dict, repr=False)
+    _names: dict[type, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -105,11 +108,18 @@ class ExportTable:
         raise NotExported(f"function {name!r} is not exported")
 
     def _entry_of(self, obj: Any) -> ExportedClass | None:
-        for klass in type(obj).__mro__:
-            for entry in self.classes.values():
-                if entry.cls is klass:
-                    return entry
-        return None
+        klass = type(obj)
+        try:
+            return self._by_type[klass]
+        except KeyError:
+            pass
+        found = None
+        for base in klass.__mro__:
+            found = next((e for e in self.classes.values() if e.cls is base), None)
+            if found is not None:
+                break
+        self._by_type[klass] = found
+        return found
 
     def method(self, obj: Any, name: str) -> Callable[..., Any]:
         """The bound method ``obj.name``, if the class of ``obj`` exports it."""
@@ -127,10 +137,12 @@ class ExportTable:
 
     def class_name(self, klass: type) -> str:
         """The wire name of a class: its exported name, else ``module.QualName``."""
-        for entry in self.classes.values():
-            if entry.cls is klass:
-                return entry.name
-        return f"{klass.__module__}.{klass.__qualname__}"
+        name = self._names.get(klass)
+        if name is None:
+            exported = next((e.name for e in self.classes.values() if e.cls is klass), None)
+            name = exported or f"{klass.__module__}.{klass.__qualname__}"
+            self._names[klass] = name
+        return name
 
     def describe(self) -> dict[str, Any]:
         """What can be reached, with signatures and first docstring lines."""
