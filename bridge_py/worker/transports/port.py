@@ -101,7 +101,7 @@ class PortTransport:
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
         max_threads: int = 256,
-        takeover_after: float = 0.002,
+        takeover_after: float = 0.01,
     ) -> None:
         self._dispatcher = dispatcher
         self._in = infile
