@@ -135,8 +135,8 @@ def encode_tensor(tensor: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return header
     # A byte view of the storage; torch is little-endian on every platform it supports.
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return header + data
+    # One copy: the header and a view of the tensor's bytes, joined.
+    return b"".join((header, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
 
 
 def decode_tensor(payload: bytes) -> torch.Tensor:

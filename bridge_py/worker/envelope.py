@@ -215,12 +215,18 @@ def encode_request(req: Request) -> bytes:
 
 def encode_reply(reply: Reply) -> bytes:
     """The protobuf bytes of a Reply."""
+    return b"".join(encode_reply_chunks(reply))
+
+
+def encode_reply_chunks(reply: Reply) -> list[bytes]:
+    """A Reply's bytes as a list of pieces, so a large value is written without a copy."""
     head = _encode_fields_of(((1, reply.id, _UINT64),))
     if reply.error is not None:
-        return head + _len_field(3, _encode_fields(reply.error))
+        return [head + _len_field(3, _encode_fields(reply.error))]
     if reply.value is not None:
-        return head + _len_field(2, bytes(reply.value))
-    return head
+        value = reply.value
+        return [head + _tag(2, _WIRE_LEN) + _varint(len(value)), value]
+    return [head]
 
 
 def _encode_fields_of(fields: tuple[tuple[int, Any, str], ...]) -> bytes:
@@ -412,6 +418,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode_reply",
+    "encode_reply_chunks",
     "encode_request",
     "op_name",
     "peek_request_id",

@@ -29,9 +29,12 @@ class FrameWriter:
         self._fd = fd
         self._lock = threading.Lock()
 
-    def write(self, payload: bytes) -> None:
-        """Write one frame (length prefix and payload) without interleaving."""
-        chunks = [memoryview(_HEADER.pack(len(payload))), memoryview(payload)]
+    def write(self, payload: bytes | list[bytes]) -> None:
+        """Write one frame (length prefix and payload, whole or in pieces) without
+        interleaving with other threads' frames."""
+        pieces = payload if isinstance(payload, list) else [payload]
+        size = sum(len(p) for p in pieces)
+        chunks = [memoryview(_HEADER.pack(size)), *(memoryview(p) for p in pieces if p)]
         with self._lock:
             while chunks:
                 written = os.writev(self._fd, chunks)
@@ -188,4 +191,4 @@ class PortTransport:
         if isinstance(message, pb.Reply):  # an error found while reading
             self._out.write(pb.encode_reply(message))
         else:
-            self._out.write(pb.encode_reply(self._dispatcher.dispatch(message, turn)))
+            self._out.write(pb.encode_reply_chunks(self._dispatcher.dispatch(message, turn)))
