@@ -11,9 +11,11 @@ __all__ = [
     "barrier_all_departed",
     "barrier_arrivals",
     "barrier_departures",
+    "barrier_node",
     "barrier_outcome",
     "broadcast_acks",
     "broadcast_value",
+    "gather_node",
     "p2p_value",
 ]
 
@@ -24,13 +26,22 @@ def p2p_value(src: int, dst: int, seq: int) -> str:
 
 
 def broadcast_value(src: int, seq: int) -> str:
-    """The ``seq``-th object ``src`` broadcasts; deleted by the last receiver."""
+    """The ``seq``-th object ``src`` broadcasts (or gives to an all_gather).
+
+    A broadcast's is deleted by its last receiver; an all_gather's by ``src`` itself, once
+    every rank has read it (see ``StatelessProcessGroup.all_gather_obj``).
+    """
     return f"bcast/{src}/{seq}"
 
 
 def broadcast_acks(src: int, seq: int) -> str:
     """Counter of ranks that have read ``broadcast_value(src, seq)``."""
     return f"bcast/{src}/{seq}/acks"
+
+
+def gather_node(src: int, seq: int) -> str:
+    """``src``'s node identity, written with its value of the group's first all_gather."""
+    return f"bcast/{src}/{seq}/node"
 
 
 def barrier_arrivals(barrier_id: int) -> str:
@@ -51,3 +62,8 @@ def barrier_departures(barrier_id: int) -> str:
 def barrier_all_departed(barrier_id: int) -> str:
     """Set by the last rank to leave, for rank 0 to wait on (phase 3)."""
     return f"barrier/{barrier_id}/all_departed"
+
+
+def barrier_node(barrier_id: int, rank: int) -> str:
+    """``rank``'s node identity, written at the group's first barrier (deleted with it)."""
+    return f"barrier/{barrier_id}/node/{rank}"

@@ -29,20 +29,27 @@ import pickle
 import socket
 import time
 import traceback
+import weakref
 from collections import deque
 from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys
+from bridge_py.distributed import keys, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
-from bridge_py.distributed.barrier import run_barrier
+from bridge_py.distributed.barrier import BarrierHooks, run_barrier
+from bridge_py.distributed.spg_waiter import FetchingWaiter
 from bridge_py.distributed.store import format_address, join_group, open_store
-from bridge_py.distributed.waiting import BoundedWaiter
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
 Socket = socket.socket
+
+# compare_set's expected value for "read without waiting": no stored value is ever this (no
+# pickle, tag or descriptor starts with "\x00a"), so the value is returned unchanged.
+_ABSENT = b"\x00absent"
+# After a value was not there yet, wait this many times before asking without waiting again.
+_EAGER_BACKOFF = 4
 
 
 def validate_rank(rank: int, world_size: int, name: str = "rank") -> None:
@@ -90,8 +97,23 @@ class StatelessProcessGroup:
         self.broadcast_recv_src_counter = {i: 0 for i in range(self.world_size)}
         # Not dataclass fields: the documented field list stays vLLM's.
         self._barrier_count = 0
-        self._waiter = BoundedWaiter(self.store)
+        self._waiter = FetchingWaiter(self.store)
         self._auth_key: bytes | None = resolve_key(None)
+        # Keys this rank has read and may delete, deleted at its next store operation (after
+        # a write, or before a wait), so that deleting is not between a read and a reply.
+        self._trash: list[str] = []
+        # This rank's values (and segments) of its last all_gather, until all ranks read them.
+        self._own_gather: list[tuple[str, str | None]] = []
+        # Fetches left before trying to read a value without waiting first (per kind, src).
+        self._eager_skips: dict[tuple[str, int], int] = {}
+        # Node identities of all ranks (None: not probed yet; probed at the first all_gather
+        # or barrier), and whether each rank can take this rank's segments.
+        self._nodes: list[bytes] | None = None
+        self._probed = self.world_size == 1
+        self._local = [False] * self.world_size
+        self._all_local = False
+        self._segments = spg_shm.SegmentOwner()
+        weakref.finalize(self, self._segments.release)
 
     @property
     def auth_key(self) -> bytes | None:
@@ -108,15 +130,47 @@ class StatelessProcessGroup:
     def auth_key(self, key: AuthKey | None) -> None:
         self._auth_key = resolve_key(key)
 
-    def _dumps(self, key: str, obj: Any) -> bytes:
-        """``obj`` pickled, and tagged for store key ``key`` when there is an auth key."""
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return seal_payload(self._auth_key, _context(key), payload)
+    # --- values -------------------------------------------------------------------------
 
-    def _loads(self, key: str, data: bytes, src: int) -> Any:
-        """The object in ``data``, read from ``key`` written by ``src``; checked, then unpickled."""
+    def _dumps(self, key: str, obj: Any, local: bool = False) -> tuple[bytes, str | None]:
+        """The store value for ``obj`` under ``key`` (tagged when there is an auth key).
+
+        ``local``: every receiver shares this node, so a large pickle goes to a shared-memory
+        segment and the value names it (see ``spg_shm``); returns the segment's name too.
+        """
+        if local:
+            payload = spg_shm.dump(obj, self._segments, digest=self._auth_key is not None)
+            segment = spg_shm.segment_name(payload)
+        else:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            segment = None
+        return seal_payload(self._auth_key, _context(key), payload), segment
+
+    def _open(self, key: str, data: bytes, src: int) -> Any:
+        """The checked payload of ``data`` (``key``, from ``src``): bytes, or an open segment."""
         what = f"the value of key {key!r} from rank {src} (received by rank {self.rank})"
-        return pickle.loads(open_payload(self._auth_key, _context(key), data, what))
+        payload = open_payload(self._auth_key, _context(key), data, what)
+        if spg_shm.is_descriptor(payload):
+            return spg_shm.open_descriptor(payload, self._auth_key is not None, what)
+        return payload
+
+    @staticmethod
+    def _load(payload: Any) -> Any:
+        if isinstance(payload, spg_shm.SharedValue):
+            return payload.load()
+        return pickle.loads(payload)
+
+    def _loads(self, key: str, data: bytes, src: int, unlink: bool = True) -> Any:
+        """The object in ``data``, read from ``key`` written by ``src``; checked, then unpickled.
+
+        A value in shared memory is unlinked once open when ``unlink`` (its last reader).
+        """
+        payload = self._open(key, data, src)
+        if unlink and isinstance(payload, spg_shm.SharedValue):
+            payload.unlink()
+        return self._load(payload)
+
+    # --- store traffic ------------------------------------------------------------------
 
     def _default_timeout(self) -> float:
         timeout = getattr(self.store, "timeout", None)
@@ -124,31 +178,65 @@ class StatelessProcessGroup:
             return timeout.total_seconds()
         return 300.0
 
-    def _await(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
-        """The value of ``key`` (written by ``src``), waiting at most ``timeout`` seconds.
-
-        The wait runs on the bounded waiter's own connection; only then is the value read on
-        the main connection, which therefore never holds a wait that might be abandoned.
-        """
+    def _limit(self, timeout: float | None) -> float:
         limit = self._default_timeout() if timeout is None else timeout
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return limit
+
+    def _flush(self) -> None:
+        """Delete the keys waiting in the trash (read values nobody needs any more)."""
+        trash = self._trash
+        while trash:
+            self.store.delete_key(trash[-1])
+            trash.pop()
+
+    def _peek(self, key: str) -> bytes | None:
+        """The value of ``key`` if it exists, in one round trip (``get`` takes two)."""
+        value = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if value == _ABSENT else value
+
+    def _await(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
+        """The value of ``key`` (written by ``src``), waiting at most ``timeout`` seconds.
+
+        When the last few values of this kind from ``src`` were already there when asked for,
+        first ask without waiting (one round trip). Otherwise the wait runs on the bounded
+        waiter's own connection; only then is the value read on the main connection, which
+        therefore never holds a wait that might be abandoned.
+        """
+        limit = self._limit(timeout)
+        slot = (op, src)
+        skips = self._eager_skips.get(slot, 0)
+        if skips == 0:
+            value = self._peek(key)
+            if value is not None:
+                return value
+            self._eager_skips[slot] = _EAGER_BACKOFF
+        else:
+            self._eager_skips[slot] = skips - 1
+        self._flush()
         start = time.monotonic()
-        try:
-            arrived = self._waiter.wait([key], limit)
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"{op} on rank {self.rank} lost the store after "
-                f"{time.monotonic() - start:.1f} s while waiting for key {key!r} from rank "
-                f"{src} (did rank 0, which serves the store, exit?): {exc}"
-            ) from exc
-        if not arrived:
-            raise RuntimeError(
-                f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
-                f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank {src} "
-                "did not send it (did it exit, or call something else?)"
-            )
-        return self.store.get(key)
+        deadline = start + limit
+        while True:
+            try:
+                arrived = self._waiter.wait([key], max(deadline - time.monotonic(), 0.001))
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"{op} on rank {self.rank} lost the store after "
+                    f"{time.monotonic() - start:.1f} s while waiting for key {key!r} from rank "
+                    f"{src} (did rank 0, which serves the store, exit?): {exc}"
+                ) from exc
+            if not arrived:
+                raise RuntimeError(
+                    f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
+                    f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank {src} "
+                    "did not send it (did it exit, or call something else?)"
+                )
+            value = self._peek(key)
+            if value is not None:
+                return value
+            # Woken without the key: the server also wakes the waiters of a key when another
+            # rank asks for it with compare_set (our read without waiting). Wait again.
 
     def _peer(self, peer: int, name: str) -> int:
         validate_rank(peer, self.world_size, name)
@@ -158,23 +246,29 @@ class StatelessProcessGroup:
         self.store.set(key, value)
         self.entries.append((key, time.time()))
 
+    # --- point to point -----------------------------------------------------------------
+
     def send_obj(self, obj: Any, dst: int) -> None:
         """Send an object to a destination rank.
 
         The object is pickled under a key naming this rank, ``dst`` and a per-pair sequence
-        number; ``dst`` deletes it when it receives it.
+        number; ``dst`` deletes it when it receives it. On one node (once known, see
+        ``spg_shm``) a large pickle travels through shared memory and ``dst`` unlinks it.
         """
         self._peer(dst, "dst")
         self.expire_data()
         key = keys.p2p_value(self.rank, dst, self.send_dst_counter[dst])
-        self._write(key, self._dumps(key, obj))
+        value, _segment = self._dumps(key, obj, self._local[dst] and dst != self.rank)
+        self._write(key, value)
         self.send_dst_counter[dst] += 1
+        self._flush()
 
     def expire_data(self) -> None:
         """Expire data that is older than data_expiration_seconds seconds.
 
         Deletes the keys this rank wrote more than ``data_expiration_seconds`` ago (whether or
-        not they were received), so that values nobody reads do not stay in the store.
+        not they were received), so that values nobody reads do not stay in the store, and
+        unlinks the shared-memory segments it created that long ago.
         """
         now = time.time()
         while self.entries:
@@ -183,31 +277,38 @@ class StatelessProcessGroup:
                 break
             self.store.delete_key(key)
             self.entries.popleft()
+        self._segments.expire(self.data_expiration_seconds)
 
     def recv_obj(self, src: int, *, timeout: float | None = None) -> Any:
         """Receive an object from a source rank.
 
-        Blocks until ``src`` has sent its next object, then deletes it from the store and
-        returns it. Waits at most ``timeout`` seconds (None: the store's timeout), then
-        raises RuntimeError naming this rank, ``src``, the key and the time waited; the
-        object is then still expected, so a later call may receive it. With an auth key, a
-        value that fails its check raises AuthenticationError (a RuntimeError) naming the
-        key and ``src``, and is dropped without being unpickled.
+        Blocks until ``src`` has sent its next object, then returns it; its key is deleted
+        from the store by this rank's next store operation (so that deleting it does not
+        delay a reply), at the latest by its next barrier. Waits at most ``timeout`` seconds
+        (None: the store's timeout), then raises RuntimeError naming this rank, ``src``, the
+        key and the time waited; the object is then still expected, so a later call may
+        receive it. With an auth key, a value that fails its check raises
+        AuthenticationError (a RuntimeError) naming the key and ``src``, and is dropped
+        without being unpickled.
         """
         self._peer(src, "src")
         key = keys.p2p_value(src, self.rank, self.recv_src_counter[src])
         data = self._await(key, src, "recv_obj", timeout)
-        self.store.delete_key(key)
+        self._trash.append(key)
         self.recv_src_counter[src] += 1
         return self._loads(key, data, src)
+
+    # --- collectives --------------------------------------------------------------------
 
     def broadcast_obj(self, obj: Any | None, src: int, *, timeout: float | None = None) -> Any:
         """Broadcast an object from a source rank to all other ranks.
 
         Returns ``obj`` on ``src`` and the received object on the other ranks. Unlike vLLM's,
         which does not clean up after all ranks have received the object, the last receiver
-        deletes it from the store, so it can be used any number of times. Receivers wait at
-        most ``timeout`` seconds (None: the store's timeout) and raise as ``recv_obj`` does.
+        deletes it from the store (at its next store operation), so it can be used any number
+        of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
+        raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
+        travels through shared memory, unlinked by the last receiver.
         """
         self._peer(src, "src")
         if self.rank == src:
@@ -215,34 +316,173 @@ class StatelessProcessGroup:
             if self.world_size > 1:
                 seq = self.broadcast_send_counter
                 key = keys.broadcast_value(src, seq)
-                self._write(key, self._dumps(key, obj))
-                # The ack counter is the receivers' key, but if they never all read the value
-                # it is this rank's expire_data that must remove it.
+                value, _segment = self._dumps(key, obj, self._all_local)
+                self._write(key, value)
+                # The ack counter is the receivers' key (unused with a single receiver), but if
+                # they never all read the value it is this rank's expire_data that must
+                # remove it.
                 self.entries.append((keys.broadcast_acks(src, seq), time.time()))
+                self._flush()
             self.broadcast_send_counter += 1
             return obj
         seq = self.broadcast_recv_src_counter[src]
         key = keys.broadcast_value(src, seq)
         data = self._await(key, src, "broadcast_obj", timeout)
         self.broadcast_recv_src_counter[src] += 1
+        if self.world_size == 2:  # the only receiver is the last
+            self._trash.append(key)
+            return self._loads(key, data, src)
         acks = keys.broadcast_acks(src, seq)
-        if self.store.add(acks, 1) >= self.world_size - 1:
-            self.store.delete_key(key)
-            self.store.delete_key(acks)
-        return self._loads(key, data, src)
+        payload = None
+        try:
+            payload = self._open(key, data, src)  # a segment is open before acknowledging
+        finally:
+            last = self.store.add(acks, 1) >= self.world_size - 1
+            if last:
+                self._trash += (key, acks)
+                if isinstance(payload, spg_shm.SharedValue):
+                    payload.unlink()
+        return self._load(payload)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
         """All gather an object from all ranks.
 
-        Returns the objects of all ranks in rank order. It is one broadcast from each rank
-        (the counters advance as for vLLM's), this rank's first so that no rank waits for
-        another's turn.
+        Returns the objects of all ranks in rank order. Each rank writes its object once, then
+        reads all the others' in one request (``multi_get``, which waits for all of them), so
+        an all_gather costs every rank the same few round trips whatever the world size. The
+        counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
+        value once it knows every rank has read it (when its next all_gather completes, or at
+        the next barrier). Waits at most the store's timeout, then raises RuntimeError naming
+        the ranks whose values are missing.
         """
-        self.broadcast_obj(obj, src=self.rank)
-        return [
-            obj if src == self.rank else self.broadcast_obj(None, src=src)
-            for src in range(self.world_size)
-        ]
+        if self.world_size == 1:
+            self.broadcast_send_counter += 1
+            return [obj]
+        self.expire_data()
+        rank = self.rank
+        probing = not self._probed
+        self._probed = True
+        key = keys.broadcast_value(rank, self.broadcast_send_counter)
+        value, segment = self._dumps(key, obj, self._all_local)
+        names, values = [key], [value]
+        if probing:
+            names.append(keys.gather_node(rank, self.broadcast_send_counter))
+            values.append(spg_shm.node_identity())
+        self.store.multi_set(names, values)
+        now = time.time()
+        self.entries.extend((name, now) for name in names)
+        self.broadcast_send_counter += 1
+        self._flush()
+        others = [src for src in range(self.world_size) if src != rank]
+        wanted = [keys.broadcast_value(src, self.broadcast_recv_src_counter[src]) for src in others]
+        if probing:
+            wanted += [
+                keys.gather_node(src, self.broadcast_recv_src_counter[src]) for src in others
+            ]
+        got = self._gather(wanted, others)
+        for src in others:
+            self.broadcast_recv_src_counter[src] += 1
+        # Every rank has written this gather's value, so it has read this rank's earlier ones.
+        self._release_own_gather()
+        self._own_gather = [(key, segment)] + [(name, None) for name in names[1:]]
+        if probing:
+            nodes = dict(zip(others, got[len(others) :], strict=True))
+            nodes[rank] = values[1]
+            self._learn_nodes([nodes[r] for r in range(self.world_size)])
+        result: list[Any] = []
+        for src in range(self.world_size):
+            if src == rank:
+                result.append(obj)
+            else:
+                index = src if src < rank else src - 1
+                result.append(self._loads(wanted[index], got[index], src, unlink=False))
+        return result
+
+    def _gather(self, wanted: list[str], others: list[int]) -> list[bytes]:
+        """The values of ``wanted`` (the first ``len(others)`` are the others' values)."""
+        limit = self._default_timeout()
+        start = time.monotonic()
+        deadline = start + limit
+        got: list[bytes] = [b""] * len(wanted)
+        missing = list(range(len(wanted)))
+        while missing:
+            try:
+                fetched = self._waiter.multi_get(
+                    [wanted[i] for i in missing], max(deadline - time.monotonic(), 0.001)
+                )
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"all_gather_obj on rank {self.rank} lost the store after "
+                    f"{time.monotonic() - start:.1f} s while waiting for the values of ranks "
+                    f"{others} (did rank 0, which serves the store, exit?): {exc}"
+                ) from exc
+            if fetched is None:
+                late = [src for src, key in zip(others, wanted, strict=False) if not self._has(key)]
+                raise RuntimeError(
+                    f"all_gather_obj on rank {self.rank} timed out after "
+                    f"{time.monotonic() - start:.1f} s (timeout {limit:g} s) waiting for the "
+                    f"values of ranks {late} (keys {[wanted[others.index(r)] for r in late]}): "
+                    "they did not call all_gather_obj (did they exit, or call something else?)"
+                )
+            for i, value in zip(missing, fetched, strict=True):
+                got[i] = value
+            # No value is empty: an empty one is a key that was not there, read after a
+            # spurious wake-up (see _await). Fetch those again.
+            missing = [i for i in missing if not got[i]]
+        return got
+
+    def _has(self, key: str) -> bool:
+        with contextlib.suppress(RuntimeError):
+            return self._peek(key) is not None
+        return False
+
+    def _release_own_gather(self) -> None:
+        """Every rank has read this rank's last all_gather value: drop it (and its segment)."""
+        for name, segment in self._own_gather:
+            self._trash.append(name)
+            if segment is not None:
+                self._segments.discard(segment)
+        self._own_gather = []
+
+    def _learn_nodes(self, nodes: list[bytes]) -> None:
+        """Record the node identities of all ranks: who can take this rank's segments."""
+        self._nodes = nodes
+        mine = nodes[self.rank]
+        self._local = [mine != spg_shm.NOT_LOCAL and node == mine for node in nodes]
+        self._all_local = self.world_size > 1 and all(self._local)
+        if any(self._local[r] for r in range(self.world_size) if r != self.rank):
+            spg_shm.remove_orphans()
+
+    def _barrier_hooks(self, barrier_id: int) -> BarrierHooks:
+        """Deferred deletes while waiting, own values once all arrived, the node probe."""
+
+        def all_arrived() -> None:
+            self._release_own_gather()
+            self._flush()
+
+        if self._probed:
+            return BarrierHooks(while_waiting=self._flush, all_arrived=all_arrived)
+        self._probed = True
+        node_keys = [keys.barrier_node(barrier_id, r) for r in range(self.world_size)]
+        identity = spg_shm.node_identity()
+
+        def probe() -> None:
+            all_arrived()
+            # Every rank wrote its identity before arriving: none is waited for (a rank that
+            # did not, killed while arriving, makes this group use the store only).
+            others = [key for r, key in enumerate(node_keys) if r != self.rank]
+            if self.store.check(others):
+                got = iter(self.store.multi_get(others))
+                self._learn_nodes(
+                    [identity if r == self.rank else next(got) for r in range(self.world_size)]
+                )
+
+        return BarrierHooks(
+            before_arrival=lambda: self.store.set(node_keys[self.rank], identity),
+            while_waiting=self._flush,
+            all_arrived=probe,
+            delete_when_all_departed=node_keys,
+        )
 
     def barrier(self, timeout: float = 30.0) -> None:
         """A robust barrier to synchronize all ranks.
@@ -274,7 +514,15 @@ class StatelessProcessGroup:
             raise ValueError(f"timeout must be positive, got {timeout}")
         barrier_id = self._barrier_count
         self._barrier_count += 1
-        run_barrier(self.store, self._waiter, self.rank, self.world_size, barrier_id, timeout)
+        run_barrier(
+            self.store,
+            self._waiter,
+            self.rank,
+            self.world_size,
+            barrier_id,
+            timeout,
+            self._barrier_hooks(barrier_id),
+        )
 
     @staticmethod
     def create(
