@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from torch.distributed import Store
+from torch.distributed import DistStoreError, Store, TCPStore
 
 from bridge_py.distributed import keys, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
@@ -216,6 +216,8 @@ class StatelessProcessGroup:
             self._eager_skips[slot] = skips - 1
         self._flush()
         start = time.monotonic()
+        if op == "recv_obj" and isinstance(self.store, TCPStore):
+            return self._get_on_main(key, src, op, limit, start)
         deadline = start + limit
         while True:
             try:
@@ -237,6 +239,39 @@ class StatelessProcessGroup:
                 return value
             # Woken without the key: the server also wakes the waiters of a key when another
             # rank asks for it with compare_set (our read without waiting). Wait again.
+
+    def _get_on_main(self, key: str, src: int, op: str, limit: float, start: float) -> bytes:
+        """``store.get(key)`` on the main connection, bounded by ``limit`` seconds.
+
+        Only for keys no other rank reads (point-to-point): a rank that asks for a missing key
+        with compare_set wakes its waiters, and ``get`` would then fail. A TCPStore client
+        that gives up a wait cancels it with the server (torch >= 2.5), so the connection
+        stays in step after a timeout; this saves the round trip of a separate wait.
+        """
+        store = self.store
+        original = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=limit))
+        try:
+            return store.get(key)
+        except DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise self._lost(op, key, src, start, exc) from exc
+            raise RuntimeError(
+                f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
+                f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank {src} "
+                "did not send it (did it exit, or call something else?)"
+            ) from None
+        except RuntimeError as exc:
+            raise self._lost(op, key, src, start, exc) from exc
+        finally:
+            store.set_timeout(original)
+
+    def _lost(self, op: str, key: str, src: int, start: float, exc: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"{op} on rank {self.rank} lost the store after {time.monotonic() - start:.1f} s "
+            f"while waiting for key {key!r} from rank {src} (did rank 0, which serves the "
+            f"store, exit?): {exc}"
+        )
 
     def _peer(self, peer: int, name: str) -> int:
         validate_rank(peer, self.world_size, name)
