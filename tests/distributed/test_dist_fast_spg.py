@@ -1,0 +1,286 @@
+"""StatelessProcessGroup's fast paths: all_gather in one multi_get, shared memory on one node.
+
+Real processes (``run_ranks``, bounded) check that large values take shared memory once the
+group knows its ranks share a node, that ``VLLM_BRIDGE_SPG_SHM=0`` falls back to the store,
+that gathers of mixed sizes come back right for 2-4 ranks, and that no segment is left in
+/dev/shm, even when a receiver or a creator is killed. One in-process test checks that with an
+auth key a tampered segment is refused before it is unpickled.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_shm
+from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.device_communicators.shm_wait import process_alive
+from tests.distributed.harness import free_port, run_ranks
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not spg_shm.enabled(), reason="needs Linux /dev/shm"),
+]
+
+BIG = bytes(range(256)) * 4096  # 1 MiB, above the 256 KiB threshold
+KEY = b"k" * 32
+JOIN_KEYS = ["join/count", "join/done"]
+
+
+def _segments_of(*pids: int) -> list[str]:
+    """Names in /dev/shm of segments created by any of ``pids``."""
+    prefixes = [f"{spg_shm.NAME_PREFIX}{_pidns()}_{pid}_" for pid in pids]
+    return sorted(n for n in os.listdir(spg_shm.SHM_DIR) if n.startswith(tuple(prefixes)))
+
+
+def _pidns() -> int:
+    link = os.readlink("/proc/self/ns/pid")
+    return int(link[link.index("[") + 1 : -1])
+
+
+def _create(rank: int, port: int, world_size: int, **kwargs: object) -> StatelessProcessGroup:
+    return StatelessProcessGroup.create(
+        "127.0.0.1", port, rank, world_size, store_timeout=30, **kwargs
+    )
+
+
+def _big(rank: int) -> bytes:
+    return bytes([rank + 1]) * (300 * 1024)
+
+
+# --- the shared-memory path and its fallback -------------------------------------------------
+
+
+def _large_values(rank: int, port: int, disabled_rank: int | None) -> dict:
+    if rank == disabled_rank:
+        os.environ[spg_shm.ENV_VAR] = "0"
+    group = _create(rank, port, 3)
+    result: dict = {"pid": os.getpid()}
+    # The first all_gather also tells every rank where the others run (its values go
+    # through the store: nobody knows yet).
+    group.all_gather_obj(os.getpid())
+    result["gather"] = group.all_gather_obj(_big(rank)) == [_big(r) for r in range(3)]
+    result["segments_after_gather"] = group._segments._count
+    result["bcast"] = group.broadcast_obj(BIG if rank == 0 else None, src=0) == BIG
+    result["segments_after_bcast"] = group._segments._count
+    if rank == 0:
+        group.send_obj(BIG, dst=2)
+    if rank == 2:
+        result["p2p"] = group.recv_obj(0, timeout=10) == BIG
+    result["segments_after_p2p"] = group._segments._count
+    tensor = torch.arange(100_000, dtype=torch.float32)
+    got = group.broadcast_obj(tensor if rank == 1 else None, src=1)
+    result["tensor"] = torch.equal(got, tensor)
+    group.barrier(timeout=10)
+    # Another rank may already be in the next barrier: leave its keys out.
+    listed = group.store.list_keys() if rank == 0 else []
+    result["keys"] = sorted(k for k in listed if not k.startswith("barrier/"))
+    group.barrier(timeout=10)
+    return result
+
+
+def test_large_values_go_through_shared_memory_on_one_node() -> None:
+    results = run_ranks(_large_values, 3, free_port(), None, timeout=60)
+    for result in results:
+        assert result["gather"] and result["bcast"] and result["tensor"], result
+        assert result["segments_after_gather"] == 1  # its own gather value
+    assert results[0]["segments_after_bcast"] == 2  # the broadcast
+    assert results[0]["segments_after_p2p"] == 3  # and the message to rank 2
+    assert results[1]["segments_after_bcast"] == 1  # receivers create none
+    assert results[2]["p2p"]
+    assert results[0]["keys"] == JOIN_KEYS  # values and probe keys deleted
+    assert _segments_of(*(r["pid"] for r in results)) == []
+
+
+def test_shared_memory_can_be_switched_off() -> None:
+    # Rank 1 refuses shared memory: collectives go through the store, point-to-point between
+    # ranks 0 and 2 (both willing, one node) still through shared memory.
+    results = run_ranks(_large_values, 3, free_port(), 1, timeout=60)
+    for result in results:
+        assert result["gather"] and result["bcast"] and result["tensor"], result
+        assert result["segments_after_gather"] == 0
+    assert results[0]["segments_after_bcast"] == 0
+    assert results[0]["segments_after_p2p"] == 1
+    assert results[2]["p2p"]
+    assert results[0]["keys"] == JOIN_KEYS
+    assert _segments_of(*(r["pid"] for r in results)) == []
+
+
+# --- all_gather correctness -----------------------------------------------------------------
+
+
+def _mixed_gathers(rank: int, port: int, world_size: int) -> dict:
+    group = _create(rank, port, world_size)
+    sizes = [0, 10, 300 * 1024, 1000]  # small and shared-memory values side by side
+
+    def mine(i: int) -> object:
+        size = sizes[(rank + i) % len(sizes)]
+        return {"rank": rank, "i": i, "data": bytes([rank]) * size}
+
+    gathered = []
+    for i in range(6):
+        gathered.append(group.all_gather_obj(mine(i)) == [
+            {"rank": r, "i": i, "data": bytes([r]) * sizes[(r + i) % len(sizes)]}
+            for r in range(world_size)
+        ])  # fmt: skip
+        if i == 2:  # a broadcast between gathers shifts one sender's sequence numbers
+            group.broadcast_obj("between" if rank == 1 else None, src=1)
+    group.barrier(timeout=10)
+    return {
+        "gathered": gathered,
+        "send": group.broadcast_send_counter,
+        "recv": group.broadcast_recv_src_counter,
+        "keys": group.store.num_keys() if rank == 0 else None,
+        "pid": os.getpid(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_gather_of_mixed_sizes(world_size: int) -> None:
+    results = run_ranks(_mixed_gathers, world_size, free_port(), world_size, timeout=60)
+    for rank, result in enumerate(results):
+        assert all(result["gathered"]), result["gathered"]
+        assert result["send"] == 6 + (rank == 1)
+        assert result["recv"] == {
+            src: 0 if src == rank else 6 + (src == 1) for src in range(world_size)
+        }
+    assert results[0]["keys"] == 2
+    assert _segments_of(*(r["pid"] for r in results)) == []
+
+
+# --- nothing left in /dev/shm when a rank dies ---------------------------------------------
+
+
+def _start(target: object, *args: object) -> multiprocessing.Process:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "bridge_py.distributed"])
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+@pytest.fixture
+def reap() -> Iterator[list[multiprocessing.Process]]:
+    procs: list[multiprocessing.Process] = []
+    yield procs
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+
+
+def _receiver_then_killed(rank: int, port: int, world_size: int) -> None:
+    group = _create(rank, port, world_size)
+    group.all_gather_obj(os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _creator_keeps_unread(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2)
+    pids = group.all_gather_obj(os.getpid())
+    group.broadcast_obj(BIG, src=0)  # rank 1 dies without reading it
+    created = _segments_of(os.getpid())
+    del group
+    gc.collect()
+    return {"created": created, "left": _segments_of(os.getpid()), "pids": pids}
+
+
+def test_no_segment_left_when_the_receiver_is_killed(reap: list) -> None:
+    port = free_port()
+    reap.append(_start(_receiver_then_killed, 1, port, 2))
+    (result,) = run_ranks(_creator_keeps_unread, 2, port, ranks=[0], timeout=60)
+    assert len(result["created"]) >= 1  # the broadcast went to shared memory (and gather)
+    assert result["left"] == []  # released with the group
+    assert _segments_of(*result["pids"]) == []
+
+
+def _creator_then_killed(rank: int, port: int) -> None:
+    group = _create(rank, port, 3)
+    group.all_gather_obj(os.getpid())
+    group.broadcast_obj(BIG, src=rank)
+    group.send_obj(BIG, dst=0)
+    time.sleep(0.5)  # the others have seen the segments
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _survivor(rank: int, port: int) -> dict:
+    group = _create(rank, port, 3)
+    pids = group.all_gather_obj(os.getpid())
+    creator = pids[2]
+    deadline = time.monotonic() + 20
+    while process_alive(creator) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # A killed creator leaves its segments behind (rank 1 looks: rank 0 cleans up only once
+    # rank 1 is done).
+    seen = _segments_of(creator)
+    result = {"seen": seen, "creator_alive": process_alive(creator), "pids": pids}
+    if rank == 1:
+        # Read the dead creator's broadcast: its segment is still there (rank 0 never reads).
+        result["read"] = group.broadcast_obj(None, src=2, timeout=10) == BIG
+        group.send_obj("done", dst=0)
+    else:  # rank 0 serves the store: it stays until rank 1 is done
+        group.recv_obj(1, timeout=20)
+    del group
+    gc.collect()
+    result["left"] = _segments_of(creator)
+    return result
+
+
+def test_no_segment_left_when_the_creator_is_killed(reap: list) -> None:
+    port = free_port()
+    reap.append(_start(_creator_then_killed, 2, port))
+    results = run_ranks(_survivor, 3, port, ranks=[0, 1], timeout=60)
+    creator = results[0]["pids"][2]
+    assert len(results[1]["seen"]) >= 2  # its broadcast and its message to rank 0
+    assert not results[0]["creator_alive"]
+    assert results[1]["read"]
+    assert results[0]["left"] == [] and results[1]["left"] == []
+    assert _segments_of(creator) == []
+
+
+# --- authentication of shared-memory values -------------------------------------------------
+
+
+@pytest.fixture
+def keyed_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple]:
+    """Ranks 0 and 1 of a keyed 2-rank group in this process, both told they share a node."""
+    monkeypatch.delenv(auth.ENV_VAR, raising=False)
+    served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=10)
+    pair = tuple(
+        StatelessProcessGroup(rank=r, world_size=2, store=served.store, socket=None)
+        for r in range(2)
+    )
+    node = spg_shm.node_identity()
+    for group in pair:
+        group.auth_key = KEY
+        group._learn_nodes([node, node])
+    yield pair
+    for group in pair:
+        group._segments.release()
+    served.socket.close()
+
+
+def test_keyed_shared_memory_values_are_checked(keyed_pair) -> None:
+    rank0, rank1 = keyed_pair
+    rank1.broadcast_obj(BIG, src=1)
+    stored = rank0.store.get(keys.broadcast_value(1, 0))
+    assert len(stored) < 200 and stored.startswith(auth.MAGIC)  # a tagged descriptor
+    assert rank0.broadcast_obj(None, src=1, timeout=5) == BIG
+
+    rank1.broadcast_obj(BIG, src=1)
+    (name,) = _segments_of(os.getpid())
+    path = Path(spg_shm.SHM_DIR) / name
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1  # someone who can write /dev/shm but lacks the key
+    path.write_bytes(bytes(data))
+    with pytest.raises(AuthenticationError, match="do not match its authenticated digest"):
+        rank0.broadcast_obj(None, src=1, timeout=5)
+    assert _segments_of(os.getpid()) == []  # the refused value was consumed and unlinked
