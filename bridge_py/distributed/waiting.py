@@ -4,7 +4,9 @@
 still holds the wait and may answer it later on the same connection, where that late answer
 would be read as the reply to some other request. The waits are therefore made on a second
 connection, which is thrown away after a timeout and reopened when next needed; the group's
-own connection never sees an abandoned wait.
+own connection never sees an abandoned wait. (torch 2.13's TCPStore client cancels an
+abandoned ``get`` itself, which ``recv_obj`` relies on to wait on the main connection; the
+barrier and gathers keep the separate connection, which holds on older torch too.)
 
 Opening that connection is bounded by the same deadline: for a ``TCPStore`` it is a new client
 whose connect timeout is what is left of the wait (``Store.clone()`` would retry for the

@@ -17,9 +17,13 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   All gather an object from all ranks.
 
-  Returns the objects of all ranks in rank order. It is one broadcast from each rank
-  (the counters advance as for vLLM's), this rank's first so that no rank waits for
-  another's turn.
+  Returns the objects of all ranks in rank order. Each rank writes its object once, then
+  reads all the others' in one request (``multi_get``, which waits for all of them), so
+  an all_gather costs every rank the same few round trips whatever the world size. The
+  counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
+  value once it knows every rank has read it (when its next all_gather completes, or at
+  the next barrier). Waits at most the store's timeout, then raises RuntimeError naming
+  the ranks whose values are missing.
 
   ## Parameters
 
@@ -82,8 +86,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Returns ``obj`` on ``src`` and the received object on the other ranks. Unlike vLLM's,
   which does not clean up after all ranks have received the object, the last receiver
-  deletes it from the store, so it can be used any number of times. Receivers wait at
-  most ``timeout`` seconds (None: the store's timeout) and raise as ``recv_obj`` does.
+  deletes it from the store (at its next store operation), so it can be used any number
+  of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
+  raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
+  travels through shared memory, unlinked by the last receiver.
 
   ## Parameters
 
@@ -199,7 +205,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Expire data that is older than data_expiration_seconds seconds.
 
   Deletes the keys this rank wrote more than ``data_expiration_seconds`` ago (whether or
-  not they were received), so that values nobody reads do not stay in the store.
+  not they were received), so that values nobody reads do not stay in the store, and
+  unlinks the shared-memory segments it created that long ago.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -263,12 +270,14 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Receive an object from a source rank.
 
-  Blocks until ``src`` has sent its next object, then deletes it from the store and
-  returns it. Waits at most ``timeout`` seconds (None: the store's timeout), then
-  raises RuntimeError naming this rank, ``src``, the key and the time waited; the
-  object is then still expected, so a later call may receive it. With an auth key, a
-  value that fails its check raises AuthenticationError (a RuntimeError) naming the
-  key and ``src``, and is dropped without being unpickled.
+  Blocks until ``src`` has sent its next object, then returns it; its key is deleted
+  from the store by this rank's next store operation (so that deleting it does not
+  delay a reply), at the latest by its next barrier. Waits at most ``timeout`` seconds
+  (None: the store's timeout), then raises RuntimeError naming this rank, ``src``, the
+  key and the time waited; the object is then still expected, so a later call may
+  receive it. With an auth key, a value that fails its check raises
+  AuthenticationError (a RuntimeError) naming the key and ``src``, and is dropped
+  without being unpickled.
 
   ## Parameters
 
@@ -316,7 +325,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Send an object to a destination rank.
 
   The object is pickled under a key naming this rank, ``dst`` and a per-pair sequence
-  number; ``dst`` deletes it when it receives it.
+  number; ``dst`` deletes it when it receives it. On one node (once known, see
+  ``spg_shm``) a large pickle travels through shared memory and ``dst`` unlinks it.
 
   ## Parameters
 
