@@ -18,6 +18,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.worker.processes import start_worker, stop_worker, wait_for_port_file  # noqa: E402
+
 _HEADER = struct.Struct(">I")
 
 
@@ -37,23 +41,18 @@ def main() -> int:
     out = os.dup(1)
     os.dup2(2, 1)  # keep the frames clean of anything printed
     stream = os.fdopen(os.dup(0), "rb")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "bridge_py.worker", "--grpc", "127.0.0.1:0",
-             "--port-file", str(port_file), "--exports", "tests.worker.sample_exports:table"],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=2,
+        server = start_worker(
+            "--grpc", "127.0.0.1:0", "--port-file", str(port_file),
+            exports="tests.worker.sample_exports:table",
+            stdin=subprocess.DEVNULL, stdout=2,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 120
-            while not port_file.exists():
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the gRPC worker did not start")
-                time.sleep(0.02)
+            port = wait_for_port_file(server, port_file, timeout=120)
             from bridge_py.client import connect
 
-            with connect(f"127.0.0.1:{port_file.read_text()}") as client:
+            with connect(f"127.0.0.1:{port}") as client:
                 counter = client.create("Counter")
                 expected = 0
                 _write_frame(out, b"ready")
@@ -68,8 +67,7 @@ def main() -> int:
                             raise SystemExit(f"Counter.incr returned {value}, not {expected}")
                     _write_frame(out, struct.pack(f"<{len(lat)}q", *lat))
         finally:
-            server.terminate()
-            server.wait(10)
+            stop_worker(server)
     return 0
 
 

@@ -187,27 +187,32 @@ def _len_field(number: int, payload: bytes) -> bytes:
     return _tag(number, _WIRE_LEN) + _varint(len(payload)) + payload
 
 
-def _encode_fields(msg: Any) -> bytes:
+def _encode_fields(msg: Any, fields: tuple[tuple[int, str, str], ...] | None = None) -> bytes:
+    """The fields of ``msg`` (its ``FIELDS`` unless given), in number order, defaults left out."""
     parts: list[bytes] = []
-    for number, name, kind in msg.FIELDS:
+    for number, name, kind in msg.FIELDS if fields is None else fields:
         value = getattr(msg, name)
+        if not value:
+            continue
         if kind == _UINT64:
-            if value:
-                parts.append(_tag(number, _WIRE_VARINT) + _varint(value))
+            parts.append(_tag(number, _WIRE_VARINT) + _varint(value))
         elif kind == _STRING:
-            if value:
-                parts.append(_len_field(number, value.encode("utf-8")))
+            parts.append(_len_field(number, value.encode("utf-8")))
         elif kind == _BYTES:
-            if value:
-                parts.append(_len_field(number, bytes(value)))
-        elif kind == _PACKED_UINT64 and value:
+            parts.append(_len_field(number, bytes(value)))
+        elif kind == _PACKED_UINT64:
             parts.append(_len_field(number, b"".join(_varint(v) for v in value)))
     return b"".join(parts)
 
 
+# The non-oneof fields of Request and Reply (their oneof members are written apart).
+_REQUEST_HEAD = ((1, "id", _UINT64), (2, "session", _STRING))
+_REPLY_HEAD = ((1, "id", _UINT64),)
+
+
 def encode_request(req: Request) -> bytes:
     """The protobuf bytes of a Request."""
-    head = _encode_fields_of(((1, req.id, _UINT64), (2, req.session, _STRING)))
+    head = _encode_fields(req, _REQUEST_HEAD)
     if req.op is None:
         return head
     return head + _len_field(_OP_NUMBERS[type(req.op)], _encode_fields(req.op))
@@ -220,25 +225,13 @@ def encode_reply(reply: Reply) -> bytes:
 
 def encode_reply_chunks(reply: Reply) -> list[bytes]:
     """A Reply's bytes as a list of pieces, so a large value is written without a copy."""
-    head = _encode_fields_of(((1, reply.id, _UINT64),))
+    head = _encode_fields(reply, _REPLY_HEAD)
     if reply.error is not None:
         return [head + _len_field(3, _encode_fields(reply.error))]
     if reply.value is not None:
         value = reply.value
         return [head + _tag(2, _WIRE_LEN) + _varint(len(value)), value]
     return [head]
-
-
-def _encode_fields_of(fields: tuple[tuple[int, Any, str], ...]) -> bytes:
-    parts = []
-    for number, value, kind in fields:
-        if not value:
-            continue
-        if kind == _UINT64:
-            parts.append(_tag(number, _WIRE_VARINT) + _varint(value))
-        else:
-            parts.append(_len_field(number, value.encode("utf-8")))
-    return b"".join(parts)
 
 
 # -- decoding -------------------------------------------------------------------------

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.worker.processes import ROOT, start_worker, stop_worker, wait_for_port_file
+
+__all__ = ["ROOT", "SAMPLE", "GrpcWorker"]
 SAMPLE = "tests.worker.sample_exports:table"
 
 
@@ -22,29 +20,18 @@ class GrpcWorker:
     def __init__(self, *args: str, exports: str | None = SAMPLE, env: dict | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory()
         port_file = Path(self._dir.name, "port")
-        cmd = [sys.executable, "-m", "bridge_py.worker", "--port-file", str(port_file), *args]
         if "--grpc" not in args:
-            cmd += ["--grpc", "127.0.0.1:0"]
-        if exports:
-            cmd += ["--exports", exports]
+            args = (*args, "--grpc", "127.0.0.1:0")
         self.stderr = open(Path(self._dir.name, "stderr"), "w+b")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-            cwd=ROOT,
+        self.proc = start_worker(
+            *args, "--port-file", str(port_file), exports=exports, stderr=self.stderr, env=env
         )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}: {self.log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError("worker did not start serving gRPC within 60 s")
-            time.sleep(0.05)
-        self.port = int(port_file.read_text())
+        try:
+            self.port = wait_for_port_file(self.proc, port_file)
+        except (RuntimeError, TimeoutError) as exc:
+            log = self.log()
+            self.stop()
+            raise RuntimeError(f"{exc}: {log}") from None
         self.target = f"127.0.0.1:{self.port}"
 
     def log(self) -> str:
@@ -53,17 +40,8 @@ class GrpcWorker:
         return self.stderr.read().decode(errors="replace")
 
     def stop(self) -> None:
-        """Terminate the worker (kill it if it does not go)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream:
-                stream.close()
+        """Stop the worker and remove its files."""
+        stop_worker(self.proc)
         self.stderr.close()
         self._dir.cleanup()
 

@@ -170,8 +170,7 @@ def test_the_token_may_come_from_the_environment() -> None:
     worker = GrpcWorker(env={"VLLM_BRIDGE_TOKEN": "from-env"})
     try:
         with pytest.raises(BridgeError) as info:
-            Client_no_token = connect(worker.target, token="nope")
-            Client_no_token.ping(1, timeout=10)
+            connect(worker.target, token="nope").ping(1, timeout=10)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         with connect(worker.target, token="from-env") as client:
             assert client.ping(2) == 2

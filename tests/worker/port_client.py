@@ -11,16 +11,13 @@ import os
 import select
 import struct
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import PLAIN, RefValue
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.worker.processes import start_worker
 
 
 class WorkerError(Exception):
@@ -47,20 +44,9 @@ class PortClient:
             self.proc = proc
             self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
             return
-        args = [sys.executable, "-m", "bridge_py.worker", *extra_args]
-        if exports:
-            args += ["--exports", exports]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
         # stderr to a file: a pipe nobody reads would fill up and block the worker.
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env=env,
-            cwd=ROOT,
-        )
+        self.proc = start_worker(*extra_args, exports=exports, stderr=self.stderr)
 
     # -- frames ---------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""Starting and stopping real worker subprocesses, for tests and benchmarks.
+
+One place knows how to launch ``python -m bridge_py.worker`` from this checkout
+(``PYTHONPATH`` and working directory), how to wait until a gRPC worker serves, and
+how to stop a worker for sure; ``PortClient``, the gRPC fixtures and the gRPC
+benchmark peer all use it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_worker(
+    *args: str,
+    exports: str | None = None,
+    stdin: Any = subprocess.PIPE,
+    stdout: Any = subprocess.PIPE,
+    stderr: IO[bytes] | int | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """``python -m bridge_py.worker *args [--exports exports]`` from this checkout.
+
+    Give ``stderr`` a file, not a pipe nobody reads: a full pipe would block the worker.
+    """
+    cmd = [sys.executable, "-m", "bridge_py.worker", *args]
+    if exports:
+        cmd += ["--exports", exports]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(
+        cmd,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        cwd=ROOT,
+    )
+
+
+def wait_for_port_file(proc: subprocess.Popen, port_file: Path, timeout: float = 60.0) -> int:
+    """The port a ``--grpc ... --port-file`` worker serves on, once it serves."""
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with status {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the worker did not start serving gRPC within {timeout} s")
+        time.sleep(0.02)
+    return int(port_file.read_text())
+
+
+def stop_worker(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Terminate a worker, kill it if it does not go, and close our ends of its pipes."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        if stream:
+            stream.close()
