@@ -16,13 +16,22 @@ __all__ = [
     "broadcast_acks",
     "broadcast_value",
     "gather_node",
+    "p2p_queue",
     "p2p_value",
 ]
 
 
 def p2p_value(src: int, dst: int, seq: int) -> str:
-    """The ``seq``-th object ``src`` sends to ``dst``; deleted by ``dst`` once read."""
+    """The name of the ``seq``-th object ``src`` sends to ``dst`` (what its auth tag binds).
+
+    Not a key: the object travels on :func:`p2p_queue` (see ``spg_p2p``).
+    """
     return f"p2p/{src}/{dst}/{seq}"
+
+
+def p2p_queue(src: int, dst: int) -> str:
+    """The store queue of the objects ``src`` sends to ``dst``, popped (removed) by ``dst``."""
+    return f"p2p/{src}/{dst}"
 
 
 def broadcast_value(src: int, seq: int) -> str:

@@ -283,6 +283,10 @@ class SegmentOwner:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         return name, os.open(os.path.join(SHM_DIR, name), flags, 0o600)
 
+    def __bool__(self) -> bool:
+        """Whether any segment this owner created may still exist (``expire`` has work)."""
+        return bool(self._created)
+
     def discard(self, name: str) -> None:
         """Unlink ``name`` now (readers are done with it)."""
         unlink(name)

@@ -13,7 +13,7 @@ import datetime
 import time
 from collections.abc import Sequence
 
-from torch.distributed import DistStoreError
+from torch.distributed import DistStoreError, Store
 
 from bridge_py.distributed.waiting import BoundedWaiter
 
@@ -27,6 +27,11 @@ def _seconds(value: float) -> datetime.timedelta:
 class FetchingWaiter(BoundedWaiter):
     """A BoundedWaiter that can fetch several keys once they exist, within a deadline."""
 
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        # The ``timeout`` of the last fetch, whose bound the connection still has.
+        self._bound: float | None = None
+
     def multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
         """The values of ``keys`` once all exist, or None if they did not within ``timeout`` s.
 
@@ -35,9 +40,14 @@ class FetchingWaiter(BoundedWaiter):
         deadline = time.monotonic() + max(timeout, 0.001)
         with self._lock:
             try:
+                opened = self._connection
                 connection = self._open(deadline)
                 if connection is not self._store:
-                    connection.set_timeout(_seconds(deadline - time.monotonic()))
+                    # The same timeout as last time on the same connection (a gather asks
+                    # for the store's timeout each time) is already set: no call needed.
+                    if connection is not opened or timeout != self._bound:
+                        connection.set_timeout(_seconds(deadline - time.monotonic()))
+                        self._bound = timeout
                     return connection.multi_get(list(keys))
             except DistStoreError as exc:
                 self._connection = None  # may still receive the abandoned wait's answer

@@ -3,8 +3,9 @@
 Compatible with ``vllm.distributed.utils.StatelessProcessGroup`` (fields, their order,
 counters, method signatures, pickled objects between ranks), and better in these ways:
 
-* point-to-point keys name the sender, so two ranks sending to one rank never collide;
-* values are deleted from the store once every receiver has read them (p2p, broadcast,
+* point-to-point objects travel on a store queue per (sender, receiver) pair, so two ranks
+  sending to one rank never collide, and receiving removes them (``spg_p2p``);
+* values are deleted from the store once every receiver has read them (broadcast,
   all_gather, barrier), so the store stays small however many operations run;
 * ``barrier(timeout)`` fails within ``timeout`` with a message naming the rank, the phase and
   how many ranks arrived, whatever the store's timeout is (see ``barrier.py``);
@@ -33,9 +34,9 @@ import weakref
 from collections import deque
 from typing import Any
 
-from torch.distributed import DistStoreError, Store, TCPStore
+from torch.distributed import Store
 
-from bridge_py.distributed import keys, spg_shm
+from bridge_py.distributed import keys, spg_p2p, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, run_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
@@ -98,6 +99,9 @@ class StatelessProcessGroup:
         # Not dataclass fields: the documented field list stays vLLM's.
         self._barrier_count = 0
         self._waiter = FetchingWaiter(self.store)
+        self._inbox = spg_p2p.Inbox(self.store, self.rank, self.world_size)
+        self._outbox = [keys.p2p_queue(self.rank, dst) for dst in range(self.world_size)]
+        self._others = [r for r in range(self.world_size) if r != self.rank]
         self._auth_key: bytes | None = resolve_key(None)
         # Keys this rank has read and may delete, deleted at its next store operation (after
         # a write, or before a wait), so that deleting is not between a read and a reply.
@@ -138,6 +142,8 @@ class StatelessProcessGroup:
         ``local``: every receiver shares this node, so a large pickle goes to a shared-memory
         segment and the value names it (see ``spg_shm``); returns the segment's name too.
         """
+        if not local and self._auth_key is None:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
         if local:
             payload = spg_shm.dump(obj, self._segments, digest=self._auth_key is not None)
             segment = spg_shm.segment_name(payload)
@@ -146,9 +152,12 @@ class StatelessProcessGroup:
             segment = None
         return seal_payload(self._auth_key, _context(key), payload), segment
 
-    def _open(self, key: str, data: bytes, src: int) -> Any:
-        """The checked payload of ``data`` (``key``, from ``src``): bytes, or an open segment."""
-        what = f"the value of key {key!r} from rank {src} (received by rank {self.rank})"
+    def _open(self, key: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
+        """The checked payload of ``data`` (``key``, from ``src``): bytes, or an open segment.
+
+        ``label`` says what ``key`` names in error messages (a store key, or a message).
+        """
+        what = f"the value of {label} {key!r} from rank {src} (received by rank {self.rank})"
         payload = open_payload(self._auth_key, _context(key), data, what)
         if spg_shm.is_descriptor(payload):
             return spg_shm.open_descriptor(payload, self._auth_key is not None, what)
@@ -160,12 +169,18 @@ class StatelessProcessGroup:
             return payload.load()
         return pickle.loads(payload)
 
-    def _loads(self, key: str, data: bytes, src: int, unlink: bool = True) -> Any:
+    def _loads(
+        self, key: str, data: bytes | memoryview, src: int, unlink: bool = True, label: str = "key"
+    ) -> Any:
         """The object in ``data``, read from ``key`` written by ``src``; checked, then unpickled.
 
         A value in shared memory is unlinked once open when ``unlink`` (its last reader).
+        Without an auth key, a plain pickle (protocol 2 or later: it starts with the PROTO
+        opcode, which neither a tag nor a descriptor does) is unpickled at once.
         """
-        payload = self._open(key, data, src)
+        if self._auth_key is None and data and data[0] == 0x80:
+            return pickle.loads(data)
+        payload = self._open(key, data, src, label)
         if unlink and isinstance(payload, spg_shm.SharedValue):
             payload.unlink()
         return self._load(payload)
@@ -216,8 +231,6 @@ class StatelessProcessGroup:
             self._eager_skips[slot] = skips - 1
         self._flush()
         start = time.monotonic()
-        if op == "recv_obj" and isinstance(self.store, TCPStore):
-            return self._get_on_main(key, src, op, limit, start)
         deadline = start + limit
         while True:
             try:
@@ -240,36 +253,10 @@ class StatelessProcessGroup:
             # Woken without the key: the server also wakes the waiters of a key when another
             # rank asks for it with compare_set (our read without waiting). Wait again.
 
-    def _get_on_main(self, key: str, src: int, op: str, limit: float, start: float) -> bytes:
-        """``store.get(key)`` on the main connection, bounded by ``limit`` seconds.
-
-        Only for keys no other rank reads (point-to-point): a rank that asks for a missing key
-        with compare_set wakes its waiters, and ``get`` would then fail. A TCPStore client
-        that gives up a wait cancels it with the server (torch >= 2.5), so the connection
-        stays in step after a timeout; this saves the round trip of a separate wait.
-        """
-        store = self.store
-        original = store.timeout
-        store.set_timeout(datetime.timedelta(seconds=limit))
-        try:
-            return store.get(key)
-        except DistStoreError as exc:
-            if "timeout" not in str(exc).lower():
-                raise self._lost(op, key, src, start, exc) from exc
-            raise RuntimeError(
-                f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
-                f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank {src} "
-                "did not send it (did it exit, or call something else?)"
-            ) from None
-        except RuntimeError as exc:
-            raise self._lost(op, key, src, start, exc) from exc
-        finally:
-            store.set_timeout(original)
-
     def _lost(self, op: str, key: str, src: int, start: float, exc: Exception) -> RuntimeError:
         return RuntimeError(
             f"{op} on rank {self.rank} lost the store after {time.monotonic() - start:.1f} s "
-            f"while waiting for key {key!r} from rank {src} (did rank 0, which serves the "
+            f"while waiting for {key!r} from rank {src} (did rank 0, which serves the "
             f"store, exit?): {exc}"
         )
 
@@ -286,52 +273,86 @@ class StatelessProcessGroup:
     def send_obj(self, obj: Any, dst: int) -> None:
         """Send an object to a destination rank.
 
-        The object is pickled under a key naming this rank, ``dst`` and a per-pair sequence
-        number; ``dst`` deletes it when it receives it. On one node (once known, see
-        ``spg_shm``) a large pickle travels through shared memory and ``dst`` unlinks it.
+        The object is pickled and pushed, numbered per pair, onto the store queue from this
+        rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
+        receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
+        through shared memory and ``dst`` unlinks it.
         """
-        self._peer(dst, "dst")
-        self.expire_data()
-        key = keys.p2p_value(self.rank, dst, self.send_dst_counter[dst])
-        value, _segment = self._dumps(key, obj, self._local[dst] and dst != self.rank)
-        self._write(key, value)
-        self.send_dst_counter[dst] += 1
-        self._flush()
+        if type(dst) is not int or not 0 <= dst < self.world_size:
+            validate_rank(dst, self.world_size, "dst")
+        entries = self.entries
+        now = time.time()
+        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
+            self.expire_data()
+        seq = self.send_dst_counter[dst]
+        name = f"p2p/{self.rank}/{dst}/{seq}"  # keys.p2p_value, spelled out on this hot path
+        if self._auth_key is None and not self._local[dst]:
+            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            value = self._dumps(name, obj, self._local[dst] and dst != self.rank)[0]
+        self.store.queue_push(self._outbox[dst], spg_p2p.frame(seq, value))
+        entries.append((name, now))
+        self.send_dst_counter[dst] = seq + 1
+        if self._trash:
+            self._flush()
 
     def expire_data(self) -> None:
         """Expire data that is older than data_expiration_seconds seconds.
 
         Deletes the keys this rank wrote more than ``data_expiration_seconds`` ago (whether or
-        not they were received), so that values nobody reads do not stay in the store, and
-        unlinks the shared-memory segments it created that long ago.
+        not they were received), and removes from their queues the objects it sent that long
+        ago that are still unreceived, so that values nobody reads do not stay in the store,
+        and unlinks the shared-memory segments it created that long ago.
         """
         now = time.time()
-        while self.entries:
-            key, written = self.entries[0]
+        entries = self.entries
+        while entries:
+            key, written = entries[0]
             if now - written <= self.data_expiration_seconds:
                 break
-            self.store.delete_key(key)
-            self.entries.popleft()
+            if key.startswith("p2p/"):
+                src, dst, seq = (int(part) for part in key.split("/")[1:])
+                spg_p2p.drop(self.store, src, dst, seq, self.send_dst_counter[dst])
+            else:
+                self.store.delete_key(key)
+            entries.popleft()
         self._segments.expire(self.data_expiration_seconds)
 
     def recv_obj(self, src: int, *, timeout: float | None = None) -> Any:
         """Receive an object from a source rank.
 
-        Blocks until ``src`` has sent its next object, then returns it; its key is deleted
-        from the store by this rank's next store operation (so that deleting it does not
-        delay a reply), at the latest by its next barrier. Waits at most ``timeout`` seconds
-        (None: the store's timeout), then raises RuntimeError naming this rank, ``src``, the
-        key and the time waited; the object is then still expected, so a later call may
-        receive it. With an auth key, a value that fails its check raises
-        AuthenticationError (a RuntimeError) naming the key and ``src``, and is dropped
-        without being unpickled.
+        Blocks until ``src`` has sent its next object, then returns it; receiving removes it
+        from the store (it is popped from the queue ``src`` pushed it on). Waits at most
+        ``timeout`` seconds (None: the store's timeout), then raises RuntimeError naming this
+        rank, ``src``, the object (``p2p/<src>/<dst>/<number>``) and the time waited; the
+        object is then still expected, so a later call may receive it. With an auth key, a
+        value that fails its check raises AuthenticationError (a RuntimeError) naming the
+        object and ``src``, and is dropped without being unpickled.
         """
-        self._peer(src, "src")
-        key = keys.p2p_value(src, self.rank, self.recv_src_counter[src])
-        data = self._await(key, src, "recv_obj", timeout)
-        self._trash.append(key)
-        self.recv_src_counter[src] += 1
-        return self._loads(key, data, src)
+        if type(src) is not int or not 0 <= src < self.world_size:
+            validate_rank(src, self.world_size, "src")
+        seq = self.recv_src_counter[src]
+        if timeout is not None:
+            self._limit(timeout)  # checked before anything else
+        if self._trash:
+            self._flush()
+        start = time.monotonic()
+        try:
+            data = self._inbox.receive(src, seq, timeout)
+        except RuntimeError as exc:
+            name = keys.p2p_value(src, self.rank, seq)
+            raise self._lost("recv_obj", name, src, start, exc) from exc
+        if data is None:
+            raise RuntimeError(
+                f"recv_obj on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
+                f"(timeout {self._limit(timeout):g} s) waiting for "
+                f"{keys.p2p_value(src, self.rank, seq)!r} from rank {src}: rank {src} "
+                "did not send it (did it exit, or call something else?)"
+            )
+        self.recv_src_counter[src] = seq + 1
+        if self._auth_key is None and data and data[0] == 0x80:  # a plain pickle (see _loads)
+            return pickle.loads(data)
+        return self._loads(keys.p2p_value(src, self.rank, seq), data, src, label="message")
 
     # --- collectives --------------------------------------------------------------------
 
@@ -403,13 +424,18 @@ class StatelessProcessGroup:
         if probing:
             names.append(keys.gather_node(rank, self.broadcast_send_counter))
             values.append(spg_shm.node_identity())
-        self.store.multi_set(names, values)
+        if probing:
+            self.store.multi_set(names, values)
+        else:
+            self.store.set(key, value)
         now = time.time()
         self.entries.extend((name, now) for name in names)
         self.broadcast_send_counter += 1
-        self._flush()
-        others = [src for src in range(self.world_size) if src != rank]
-        wanted = [keys.broadcast_value(src, self.broadcast_recv_src_counter[src]) for src in others]
+        if self._trash:
+            self._flush()
+        others = self._others
+        counters = self.broadcast_recv_src_counter
+        wanted = [keys.broadcast_value(src, counters[src]) for src in others]
         if probing:
             wanted += [
                 keys.gather_node(src, self.broadcast_recv_src_counter[src]) for src in others
@@ -440,11 +466,12 @@ class StatelessProcessGroup:
         deadline = start + limit
         got: list[bytes] = [b""] * len(wanted)
         missing = list(range(len(wanted)))
+        # The first fetch asks for the whole limit (the same each time, so the waiting
+        # connection keeps its bound); a fetch again after a spurious wake-up, what is left.
+        left = limit
         while missing:
             try:
-                fetched = self._waiter.multi_get(
-                    [wanted[i] for i in missing], max(deadline - time.monotonic(), 0.001)
-                )
+                fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"all_gather_obj on rank {self.rank} lost the store after "
@@ -464,6 +491,7 @@ class StatelessProcessGroup:
             # No value is empty: an empty one is a key that was not there, read after a
             # spurious wake-up (see _await). Fetch those again.
             missing = [i for i in missing if not got[i]]
+            left = max(deadline - time.monotonic(), 0.001)
         return got
 
     def _has(self, key: str) -> bool:

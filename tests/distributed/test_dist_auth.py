@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge_py.distributed import StatelessProcessGroup, auth, keys
+from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_p2p
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators import shm_serialization
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -123,11 +123,23 @@ def test_keys_from_argument_and_environment(monkeypatch: pytest.MonkeyPatch) -> 
 # --- StatelessProcessGroup ------------------------------------------------------------------
 
 
+def _take(store, src: int, dst: int) -> bytes:
+    """The stored value of the next object queued from ``src`` to ``dst``, taken off the queue."""
+    return spg_p2p.unframe(store.queue_pop(keys.p2p_queue(src, dst), False))[1].tobytes()
+
+
+def _put(store, src: int, dst: int, seq: int, value: bytes) -> None:
+    """Queue ``value`` as object number ``seq`` from ``src`` to ``dst``, as send_obj does."""
+    store.queue_push(keys.p2p_queue(src, dst), spg_p2p.frame(seq, value))
+
+
 def test_without_a_key_values_are_plain_pickles(pair) -> None:
     rank0, rank1 = pair
     assert rank0.auth_key is None
     rank1.send_obj({"a": 1}, dst=0)
-    assert pickle.loads(rank0.store.get(keys.p2p_value(1, 0, 0))) == {"a": 1}
+    stored = _take(rank0.store, 1, 0)
+    assert pickle.loads(stored) == {"a": 1}
+    _put(rank0.store, 1, 0, 0, stored)
     assert rank0.recv_obj(1) == {"a": 1}
 
 
@@ -135,8 +147,9 @@ def test_keyed_values_round_trip_and_are_tagged(pair) -> None:
     rank0, rank1 = pair
     rank0.auth_key = rank1.auth_key = KEY
     rank1.send_obj([1, "two"], dst=0)
-    stored = rank0.store.get(keys.p2p_value(1, 0, 0))
+    stored = _take(rank0.store, 1, 0)
     assert stored.startswith(auth.MAGIC)
+    _put(rank0.store, 1, 0, 0, stored)
     assert rank0.recv_obj(1, timeout=5) == [1, "two"]
     assert rank1.broadcast_obj("b", src=1) == "b"
     assert rank0.broadcast_obj(None, src=1, timeout=5) == "b"
@@ -155,11 +168,11 @@ def test_forged_values_are_refused_before_unpickling(pair, evil) -> None:
     }
     for seq, (label, data) in enumerate(attempts.items()):
         key = keys.p2p_value(1, 0, seq)
-        store.set(key, data)
+        _put(store, 1, 0, seq, data)
         with pytest.raises(AuthenticationError) as info:
             rank0.recv_obj(1, timeout=5)
         message = str(info.value)
-        assert f"key {key!r} from rank 1" in message, label
+        assert f"message {key!r} from rank 1" in message, label
         assert "refused" in message, label
         assert not target.exists(), label
     # The refused values were consumed: the next genuine one still arrives.
@@ -177,10 +190,12 @@ def test_a_genuine_value_replayed_under_another_key_is_refused(pair) -> None:
     rank0, rank1 = pair
     rank0.auth_key = rank1.auth_key = KEY
     rank1.send_obj("pay 1 coin", dst=0)
-    genuine = rank0.store.get(keys.p2p_value(1, 0, 0))
+    genuine = _take(rank0.store, 1, 0)
+    _put(rank0.store, 1, 0, 0, genuine)
     assert rank0.recv_obj(1, timeout=5) == "pay 1 coin"
-    for key in (keys.p2p_value(1, 0, 1), keys.p2p_value(0, 0, 0), keys.broadcast_value(1, 0)):
-        rank0.store.set(key, genuine)
+    _put(rank0.store, 1, 0, 1, genuine)  # the next position of the same pair
+    _put(rank0.store, 0, 0, 0, genuine)  # another pair
+    rank0.store.set(keys.broadcast_value(1, 0), genuine)
     with pytest.raises(AuthenticationError, match="p2p/1/0/1"):
         rank0.recv_obj(1, timeout=5)  # next sequence number
     with pytest.raises(AuthenticationError, match="from rank 0"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed import HashStore
 
-from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed import StatelessProcessGroup, keys
 from tests.distributed.harness import free_port, run_ranks
 
 BIG = bytes(range(256)) * (4 * 1024 * 1024 // 256)  # 4 MiB
@@ -166,8 +166,14 @@ def test_barrier_waits_for_the_last_rank() -> None:
 
 
 def _data_keys(group: StatelessProcessGroup) -> list[str]:
-    """The store's keys, but those of a barrier another rank may already have entered."""
-    return sorted(k for k in group.store.list_keys() if not k.startswith("barrier/"))
+    """The store's keys, but those of a barrier another rank may already have entered.
+
+    Point-to-point objects are not keys but queue items: each one still queued from rank 0 to
+    rank 1 is listed as ``p2p/0/1/<n>`` (n counting from the front of the queue).
+    """
+    found = [k for k in group.store.list_keys() if not k.startswith("barrier/")]
+    queued = group.store.queue_len(keys.p2p_queue(0, 1))
+    return sorted(found + [keys.p2p_value(0, 1, n) for n in range(queued)])
 
 
 def _expire(rank: int, port: int) -> dict:

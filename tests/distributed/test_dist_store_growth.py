@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed import StatelessProcessGroup, keys
 from tests.distributed.harness import free_port, run_ranks
 
 OPERATIONS = 10_000
@@ -39,6 +39,10 @@ def _mixed_operations(rank: int, port: int) -> dict:
         "most_keys": most_keys,
         # Only rank 0 (the store's server) reads it after the last barrier.
         "final_keys": group.store.num_keys() if rank == 0 else None,
+        # Point-to-point objects are queue items, not keys: every queue must be empty too.
+        "queued": sum(
+            group.store.queue_len(keys.p2p_queue(src, rank)) for src in range(WORLD_SIZE)
+        ),
         "entries": len(group.entries),
     }
 
@@ -51,3 +55,4 @@ def test_store_holds_a_constant_number_of_keys_after_many_operations() -> None:
     )
     assert results[0]["most_keys"] <= MAX_KEYS, results[0]
     assert results[0]["final_keys"] == 2  # the two join keys
+    assert [result["queued"] for result in results] == [0] * WORLD_SIZE

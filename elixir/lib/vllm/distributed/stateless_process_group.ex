@@ -205,8 +205,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Expire data that is older than data_expiration_seconds seconds.
 
   Deletes the keys this rank wrote more than ``data_expiration_seconds`` ago (whether or
-  not they were received), so that values nobody reads do not stay in the store, and
-  unlinks the shared-memory segments it created that long ago.
+  not they were received), and removes from their queues the objects it sent that long
+  ago that are still unreceived, so that values nobody reads do not stay in the store,
+  and unlinks the shared-memory segments it created that long ago.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -270,14 +271,13 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Receive an object from a source rank.
 
-  Blocks until ``src`` has sent its next object, then returns it; its key is deleted
-  from the store by this rank's next store operation (so that deleting it does not
-  delay a reply), at the latest by its next barrier. Waits at most ``timeout`` seconds
-  (None: the store's timeout), then raises RuntimeError naming this rank, ``src``, the
-  key and the time waited; the object is then still expected, so a later call may
-  receive it. With an auth key, a value that fails its check raises
-  AuthenticationError (a RuntimeError) naming the key and ``src``, and is dropped
-  without being unpickled.
+  Blocks until ``src`` has sent its next object, then returns it; receiving removes it
+  from the store (it is popped from the queue ``src`` pushed it on). Waits at most
+  ``timeout`` seconds (None: the store's timeout), then raises RuntimeError naming this
+  rank, ``src``, the object (``p2p/<src>/<dst>/<number>``) and the time waited; the
+  object is then still expected, so a later call may receive it. With an auth key, a
+  value that fails its check raises AuthenticationError (a RuntimeError) naming the
+  object and ``src``, and is dropped without being unpickled.
 
   ## Parameters
 
@@ -324,9 +324,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Send an object to a destination rank.
 
-  The object is pickled under a key naming this rank, ``dst`` and a per-pair sequence
-  number; ``dst`` deletes it when it receives it. On one node (once known, see
-  ``spg_shm``) a large pickle travels through shared memory and ``dst`` unlinks it.
+  The object is pickled and pushed, numbered per pair, onto the store queue from this
+  rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
+  receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
+  through shared memory and ``dst`` unlinks it.
 
   ## Parameters
 

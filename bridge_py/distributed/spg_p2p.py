@@ -1,0 +1,145 @@
+"""Point-to-point messages of a StatelessProcessGroup: one store queue per (src, dst) pair.
+
+``send_obj`` pushes onto the queue ``p2p/<src>/<dst>`` (``queue_push``: the client does not
+wait for a reply) and ``recv_obj`` pops from it (``queue_pop``: the pop removes the message,
+so no ``delete_key`` follows). A leg costs the sender nothing to wait for and the receiver one
+round trip when the message is already there, two (a wait, then the pop) when it is not,
+against a ``set``, a ``get`` (two) and a ``delete_key`` with one key per message.
+
+Each item is ``u64be(seq) || value``: ``seq`` is the message's number on its pair and the value
+is sealed (``auth.seal_payload``) for its name ``p2p/<src>/<dst>/<seq>`` (:func:`keys.p2p_value`),
+so with an auth key a message moved to another position or pair fails its check.
+
+Messages are received in order. An item numbered below the expected one is stale (its sender
+expired it while it was being popped, see :meth:`Inbox.drop`) and is skipped; one above it is
+kept aside until its turn. Queues are not keys: they do not show in ``num_keys``/``list_keys``
+and an empty one is just a name in the server.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+import time
+
+from torch.distributed import QueueEmptyError, Store
+
+from bridge_py.distributed import keys
+
+__all__ = ["HEADER", "Inbox", "drop", "frame", "unframe"]
+
+HEADER = struct.Struct(">Q")
+# After a message was not there yet, pop with a wait 1, 2, 4, ... (at most this many) times
+# before trying without again: a failed try costs a round trip and an exception, and a rank
+# that always waits for its peer (request and reply) would pay it often.
+_MAX_BACKOFF = 64
+
+
+def frame(seq: int, value: bytes) -> bytes:
+    """The queue item for message ``seq`` holding ``value`` (already sealed)."""
+    return HEADER.pack(seq) + value
+
+
+def unframe(item: bytes) -> tuple[int, memoryview]:
+    """``(seq, value)`` of a queue item, the value not copied (a short item: never due)."""
+    if len(item) < HEADER.size:
+        return (1 << 64) - 1, memoryview(item)
+    return HEADER.unpack_from(item)[0], memoryview(item)[HEADER.size :]
+
+
+class Inbox:
+    """The receiving side of one rank: pops its pairs' queues in order, with a deadline."""
+
+    def __init__(self, store: Store, rank: int, world_size: int) -> None:
+        self._store = store
+        # src -> {seq: value} of messages popped before their turn.
+        self._early: dict[int, dict[int, memoryview]] = {}
+        # src -> [pops with a wait left before trying one without, the next such count].
+        self._skips: dict[int, list[int]] = {}
+        self._queues = [keys.p2p_queue(src, rank) for src in range(world_size)]
+
+    def receive(self, src: int, seq: int, limit: float | None) -> memoryview | None:
+        """The value of message ``seq`` from ``src``, or None after ``limit`` seconds.
+
+        ``limit`` None: the store's timeout. When the last few messages from ``src`` were
+        already there when asked for, first pop without waiting (one round trip); otherwise
+        pop with the store's wait, bounded by ``limit`` (a TCPStore client that gives up a
+        wait cancels it with the server, so the connection stays usable). Store failures (the
+        server is gone) propagate.
+        """
+        early = self._early.get(src)
+        if early:
+            value = early.pop(seq, None)
+            if value is not None:
+                return value
+        queue = self._queues[src]
+        store = self._store
+        skips = self._skips.get(src)
+        if skips is None:
+            skips = self._skips[src] = [0, 1]
+        if skips[0] == 0:
+            try:
+                got, value = unframe(store.queue_pop(queue, False))
+            except QueueEmptyError:
+                skips[0] = skips[1]
+                skips[1] = min(2 * skips[1], _MAX_BACKOFF)
+            else:
+                skips[1] = 1
+                if got == seq:
+                    return value
+                self._set_aside(src, seq, got, value)
+        else:
+            skips[0] -= 1
+        original = store.timeout
+        # A pop waits for at most the store's own timeout. For the default limit (the store's)
+        # the first pop uses it as it is, which spares two calls; otherwise it is set to the
+        # time left before each pop and put back afterwards.
+        first = limit is None
+        deadline = time.monotonic() + (original.total_seconds() if limit is None else limit)
+        bound = original
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if not first:
+                    bound = datetime.timedelta(seconds=left)
+                    store.set_timeout(bound)
+                first = False
+                try:
+                    got, value = unframe(store.queue_pop(queue))
+                except QueueEmptyError:
+                    continue  # woken, but the sender expired the message first
+                except RuntimeError as exc:
+                    if "timeout" in str(exc).lower():
+                        return None
+                    raise
+                if got == seq:
+                    return value
+                self._set_aside(src, seq, got, value)
+        finally:
+            if bound is not original:
+                store.set_timeout(original)
+
+    def _set_aside(self, src: int, seq: int, got: int, value: memoryview) -> None:
+        """Keep a message that came before its turn; forget one whose turn has passed."""
+        if got > seq:
+            self._early.setdefault(src, {})[got] = value
+
+
+def drop(store: Store, src: int, dst: int, seq: int, sent: int) -> None:
+    """Remove message ``seq`` (of ``sent`` so far) from ``src`` to ``dst`` if still queued.
+
+    For ``expire_data``: messages are expired oldest first, so an unreceived ``seq`` is at the
+    front of the queue. If ``dst`` pops it meanwhile, the pop here takes a later message,
+    which goes back on the queue (``dst`` sets aside what arrives before its turn).
+    """
+    queue = keys.p2p_queue(src, dst)
+    if seq < sent - store.queue_len(queue):
+        return  # received already
+    try:
+        item = store.queue_pop(queue, False)
+    except QueueEmptyError:
+        return
+    if unframe(item)[0] > seq:
+        store.queue_push(queue, item)

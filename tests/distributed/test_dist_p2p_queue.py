@@ -1,0 +1,90 @@
+"""Point-to-point objects travel on store queues: received in order, removed by receiving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch.distributed import HashStore
+
+from bridge_py.distributed import StatelessProcessGroup, keys, spg_p2p
+from tests.distributed.harness import free_port, run_ranks
+
+
+def _group(rank: int, store: HashStore, world_size: int = 2) -> StatelessProcessGroup:
+    return StatelessProcessGroup(rank=rank, world_size=world_size, store=store, socket=None)
+
+
+def test_sends_are_queued_per_pair_and_receiving_removes_them() -> None:
+    store = HashStore()
+    rank0, rank1 = _group(0, store), _group(1, store)
+    for i in range(3):
+        rank1.send_obj({"i": i}, dst=0)
+    assert store.queue_len(keys.p2p_queue(1, 0)) == 3
+    assert store.num_keys() == 0  # no key per object
+    assert [rank0.recv_obj(1, timeout=5) for _ in range(3)] == [{"i": i} for i in range(3)]
+    assert store.queue_len(keys.p2p_queue(1, 0)) == 0
+    assert store.num_keys() == 0
+    assert [key for key, _ in rank1.entries] == [keys.p2p_value(1, 0, i) for i in range(3)]
+
+
+def test_items_out_of_turn_are_set_aside_and_stale_ones_skipped() -> None:
+    store = HashStore()
+    inbox = spg_p2p.Inbox(store, 0, 2)
+    queue = keys.p2p_queue(1, 0)
+    for seq in (2, 0, 1):  # 2 before its turn; 0 then 1 in turn
+        store.queue_push(queue, spg_p2p.frame(seq, b"v%d" % seq))
+    assert bytes(inbox.receive(1, 1, 5.0)) == b"v1"  # 2 set aside, 0 (stale) skipped
+    assert bytes(inbox.receive(1, 2, 5.0)) == b"v2"  # from the set-aside items
+    started = time.monotonic()
+    assert inbox.receive(1, 3, 0.3) is None  # nothing queued: None once the limit is up
+    assert time.monotonic() - started < 5
+
+
+def test_drop_removes_an_unreceived_message_and_keeps_a_later_one() -> None:
+    store = HashStore()
+    queue = keys.p2p_queue(0, 1)
+    for seq in range(2):
+        store.queue_push(queue, spg_p2p.frame(seq, b"v%d" % seq))
+    spg_p2p.drop(store, 0, 1, 0, sent=2)  # message 0 is at the front: removed
+    assert store.queue_len(queue) == 1
+    spg_p2p.drop(store, 0, 1, 0, sent=2)  # already gone: message 1 is not touched
+    assert store.queue_len(queue) == 1
+    # The receiver takes message 1 between the length check and the pop: the later message
+    # popped instead goes back on the queue.
+    store.queue_push(queue, spg_p2p.frame(2, b"v2"))
+
+    class Racing:
+        def queue_len(self, name: str) -> int:
+            length = store.queue_len(name)
+            store.queue_pop(name, False)  # the receiver's pop
+            return length
+
+        def queue_pop(self, name: str, block: bool) -> bytes:
+            return store.queue_pop(name, block)
+
+        def queue_push(self, name: str, item: bytes) -> None:
+            store.queue_push(name, item)
+
+    spg_p2p.drop(Racing(), 0, 1, 1, sent=3)  # type: ignore[arg-type]
+    assert store.queue_len(queue) == 1
+    inbox = spg_p2p.Inbox(store, 1, 2)
+    assert bytes(inbox.receive(0, 2, 5.0)) == b"v2"
+
+
+def _timeout_on_main(rank: int, port: int) -> str:
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=30)
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"timed out .* waiting for 'p2p/0/1/0'"):
+            group.recv_obj(0, timeout=0.5)
+    group.barrier(timeout=10)  # the connection that timed out still works
+    if rank == 0:
+        group.send_obj("late", dst=1)
+    else:
+        assert group.recv_obj(0, timeout=10) == "late"
+    group.barrier(timeout=10)
+    return "ok"
+
+
+def test_a_timed_out_receive_leaves_the_group_usable() -> None:
+    assert run_ranks(_timeout_on_main, 2, free_port(), timeout=60) == ["ok", "ok"]
