@@ -90,22 +90,35 @@ class Inbox:
                 self._set_aside(src, seq, got, value)
         else:
             skips[0] -= 1
+        if limit is None:
+            # The default limit is the store's own timeout: the first pop waits with it as it
+            # is (which spares getting and setting it); a pop again needs what is left.
+            start = time.monotonic()
+            try:
+                got, value = unframe(store.queue_pop(queue))
+            except QueueEmptyError:
+                pass  # woken, but the sender expired the message first
+            except RuntimeError as exc:
+                if "timeout" in str(exc).lower():
+                    return None
+                raise
+            else:
+                if got == seq:
+                    return value
+                self._set_aside(src, seq, got, value)
+            limit = store.timeout.total_seconds() - (time.monotonic() - start)
+        return self._pop_until(queue, src, seq, time.monotonic() + limit)
+
+    def _pop_until(self, queue: str, src: int, seq: int, deadline: float) -> memoryview | None:
+        """Pop ``queue`` until message ``seq`` comes, each wait bounded by what is left."""
+        store = self._store
         original = store.timeout
-        # A pop waits for at most the store's own timeout. For the default limit (the store's)
-        # the first pop uses it as it is, which spares two calls; otherwise it is set to the
-        # time left before each pop and put back afterwards.
-        first = limit is None
-        deadline = time.monotonic() + (original.total_seconds() if limit is None else limit)
-        bound = original
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                if not first:
-                    bound = datetime.timedelta(seconds=left)
-                    store.set_timeout(bound)
-                first = False
+                store.set_timeout(datetime.timedelta(seconds=left))
                 try:
                     got, value = unframe(store.queue_pop(queue))
                 except QueueEmptyError:
@@ -118,8 +131,7 @@ class Inbox:
                     return value
                 self._set_aside(src, seq, got, value)
         finally:
-            if bound is not original:
-                store.set_timeout(original)
+            store.set_timeout(original)
 
     def _set_aside(self, src: int, seq: int, got: int, value: memoryview) -> None:
         """Keep a message that came before its turn; forget one whose turn has passed."""

@@ -61,6 +61,7 @@ __all__ = [
     "SegmentOwner",
     "SharedValue",
     "dump",
+    "dump_pickled",
     "enabled",
     "is_descriptor",
     "node_identity",
@@ -197,6 +198,28 @@ def dump(obj: Any, owner: SegmentOwner, digest: bool) -> bytes:
         return spill.in_memory()
     tag = spill.hash.digest() if spill.hash is not None else _NO_DIGEST
     return DESCRIPTOR_MAGIC + _DESCRIPTOR.pack(spill.size, tag) + spill.name.encode()
+
+
+def dump_pickled(payload: bytes, owner: SegmentOwner, digest: bool) -> bytes:
+    """Like :func:`dump`, for an object already pickled into ``payload`` (over the threshold).
+
+    For a sender whose values are usually small: ``pickle.dumps`` is much cheaper than
+    pickling into a spill file, so a sender pickles plainly and copies only a payload that
+    turned out large into a new segment; the descriptor is returned. On any error writing
+    shared memory the segment is removed and the payload itself is returned.
+    """
+    name, fd = owner.create()
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view[:_CHUNK] if len(view) > _CHUNK else view) :]
+    except OSError:
+        owner.discard(name)
+        return payload
+    finally:
+        os.close(fd)
+    tag = hashlib.sha256(payload).digest() if digest else _NO_DIGEST
+    return DESCRIPTOR_MAGIC + _DESCRIPTOR.pack(len(payload), tag) + name.encode()
 
 
 class SharedValue:

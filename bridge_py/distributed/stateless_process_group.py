@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import pickle
 import socket
+import sys
 import time
 import traceback
 import weakref
@@ -117,6 +118,9 @@ class StatelessProcessGroup:
         self._local = [False] * self.world_size
         self._all_local = False
         self._segments = spg_shm.SegmentOwner()
+        # Whether the last value for shared memory was large: pickle the next into a segment.
+        self._spilled = False
+        self._shm_threshold = spg_shm.threshold()  # read once: the environment lookup costs
         weakref.finalize(self, self._segments.release)
 
     @property
@@ -142,14 +146,19 @@ class StatelessProcessGroup:
         ``local``: every receiver shares this node, so a large pickle goes to a shared-memory
         segment and the value names it (see ``spg_shm``); returns the segment's name too.
         """
-        if not local and self._auth_key is None:
-            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
-        if local:
+        limit = self._shm_threshold
+        if local and (self._spilled or sys.getsizeof(obj) > limit):
+            # Looks large (or the last value was): pickle straight into a segment.
             payload = spg_shm.dump(obj, self._segments, digest=self._auth_key is not None)
-            segment = spg_shm.segment_name(payload)
         else:
+            # Pickling into a spill file costs several times a plain pickle, so small objects
+            # (most) are pickled plainly, and copied to a segment only if that was wrong.
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            segment = None
+            if not local or len(payload) <= limit:
+                return seal_payload(self._auth_key, _context(key), payload), None
+            payload = spg_shm.dump_pickled(payload, self._segments, self._auth_key is not None)
+        segment = spg_shm.segment_name(payload)
+        self._spilled = segment is not None
         return seal_payload(self._auth_key, _context(key), payload), segment
 
     def _open(self, key: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
@@ -414,6 +423,8 @@ class StatelessProcessGroup:
         if self.world_size == 1:
             self.broadcast_send_counter += 1
             return [obj]
+        if self._probed and self._auth_key is None:
+            return self._all_gather_plain(obj)
         self.expire_data()
         rank = self.rank
         probing = not self._probed
@@ -457,6 +468,48 @@ class StatelessProcessGroup:
             else:
                 index = src if src < rank else src - 1
                 result.append(self._loads(wanted[index], got[index], src, unlink=False))
+        return result
+
+    def _all_gather_plain(self, obj: Any) -> list[Any]:
+        """``all_gather_obj`` with plain pickles through the store: the same steps, less work.
+
+        The common case (no auth key, no shared memory, nodes probed) costs every rank a
+        ``set`` (no reply), the ``delete_key`` of its previous value and one ``multi_get``;
+        on a busy machine with more ranks than cores the Python work around them counts too.
+        """
+        entries = self.entries
+        now = time.time()
+        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
+            self.expire_data()
+        rank = self.rank
+        seq = self.broadcast_send_counter
+        key = f"bcast/{rank}/{seq}"  # keys.broadcast_value, spelled out on this hot path
+        if self._all_local:
+            value, segment = self._dumps(key, obj, True)
+        else:
+            value, segment = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+        self.store.set(key, value)
+        entries.append((key, now))
+        self.broadcast_send_counter = seq + 1
+        if self._trash:
+            self._flush()
+        others = self._others
+        counters = self.broadcast_recv_src_counter
+        wanted = [f"bcast/{src}/{counters[src]}" for src in others]
+        got = self._waiter.multi_get(wanted, self._default_timeout())
+        if got is None or not all(got):
+            got = self._gather(wanted, others)
+        for src in others:
+            counters[src] += 1
+        # Every rank has written this gather's value, so it has read this rank's earlier ones.
+        if self._own_gather:
+            self._release_own_gather()
+        self._own_gather = [(key, segment)]
+        result = [
+            pickle.loads(value) if value[:1] == b"\x80" else self._loads(name, value, src, False)
+            for name, value, src in zip(wanted, got, others, strict=True)
+        ]
+        result.insert(rank, obj)
         return result
 
     def _gather(self, wanted: list[str], others: list[int]) -> list[bytes]:
