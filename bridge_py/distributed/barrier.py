@@ -1,41 +1,56 @@
 """The three-phase store barrier of StatelessProcessGroup, bounded by its own timeout.
 
-Barrier ``n`` (every rank counts its barriers, and all ranks call them in the same order)
-uses four keys, all deleted once every rank has left:
+Barrier ``n`` (every rank counts its barriers, and all ranks call them in the same order) uses
+one key, the counter ``arrivals`` (:func:`keys.barrier_arrivals`), and the ranks' barrier
+queues (:func:`keys.barrier_queue`, one per rank) for messages tagged with ``n``:
 
 1. arrive: each rank ``add``s 1 to ``arrivals``. The rank that brings it to ``world_size``
-   writes ``ok`` to ``outcome``; the others wait for ``outcome`` with ``store.wait`` (no
-   polling), on a separate connection and for at most ``timeout`` seconds. A rank that times
-   out writes its verdict ("rank r timed out ... k of N ranks arrived") to ``outcome``
-   instead. ``outcome`` is written with ``compare_set`` so the first writer wins: every rank,
-   even one that arrives after the timeout, reads the same outcome, and all pass or all fail.
-2. confirm: each rank, having seen ``ok``, ``add``s 1 to ``departures``; the last one deletes
-   ``arrivals`` and ``outcome`` (nobody reads them any more) and sets ``all_departed``.
-   Ranks other than 0 return here.
-3. rank 0, which serves the store, waits (again at most ``timeout``) for ``all_departed``,
-   so it cannot leave, and perhaps shut the store down, while another rank is still inside;
-   then it deletes ``departures`` and ``all_departed``.
+   knows that all ranks arrived and tells every other rank so (``queue_push``: no reply to
+   wait for); the others pop their queue, waiting at most ``timeout`` seconds. A rank that
+   times out adds :data:`POISON` to ``arrivals`` and pushes its verdict ("rank r timed out
+   ... k of N ranks arrived") to every other rank: a rank that arrives later sees the poison
+   in its own ``add`` and fails with that verdict, so all ranks pass or all fail. (A rank
+   whose poison finds that all ranks had arrived, the last one just in time, passes.)
+2. depart: every rank other than 0, once it knows that all arrived, pushes "left" to rank 0
+   and returns (the last arrival's message to rank 0 says both).
+3. rank 0, which serves the store, pops its queue until every other rank has left (again at
+   most ``timeout`` seconds), so it cannot leave, and perhaps shut the store down, while
+   another rank is still inside; then it deletes ``arrivals``.
+
+On two ranks that is, on the slowest rank, an ``add``, a pop (a wait, then the pop) and a
+``delete_key``; the pops remove the messages, so only ``arrivals`` is left to delete.
+Messages of an earlier barrier (left over when it failed) are dropped; those of a later one
+(a rank that gave up on the next barrier while rank 0 still waits in this one) are kept.
 
 A group can hook its own work into a barrier (:class:`BarrierHooks`): something to do before
 arriving, while waiting for the others (deferred deletes, off the critical path), once all
 ranks have arrived (every rank has finished everything it did before the barrier, so values
-they read can go) and keys for the last rank to leave to delete with ``arrivals``.
+they read can go) and keys for rank 0 to delete with ``arrivals``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import struct
+import time
 from collections.abc import Callable, Sequence
 
-from torch.distributed import Store
+from torch.distributed import QueueEmptyError, Store
 
 from bridge_py.distributed import keys
-from bridge_py.distributed.waiting import BoundedWaiter
 
-__all__ = ["BarrierHooks", "run_barrier"]
+__all__ = ["POISON", "BarrierFailure", "BarrierHooks", "Mailbox", "run_barrier"]
 
-_OK = b"ok"
-_ABSENT = b"\x00absent"
+# Added to ``arrivals`` by a rank that gave up: far above any world size.
+POISON = 1 << 32
+# A message: barrier number, kind, sender; then the verdict's text for _FAILED.
+_ITEM = struct.Struct(">QBI")
+_ALL_ARRIVED, _LEFT, _ARRIVED_AND_LEFT, _FAILED = 1, 2, 3, 4
+
+
+class BarrierFailure(RuntimeError):
+    """A barrier that failed (a rank timed out): the message names the rank and the phase."""
 
 
 def _store_failure(barrier_id: int, rank: int, phase: str, exc: Exception) -> RuntimeError:
@@ -52,18 +67,71 @@ class BarrierHooks:
     before_arrival: Callable[[], None] | None = None
     # After arriving, when other ranks are still to come (the rank would only wait).
     while_waiting: Callable[[], None] | None = None
-    # Once all ranks have arrived (and before this rank confirms it in phase 2).
+    # Once all ranks have arrived (and before this rank departs in phase 2).
     all_arrived: Callable[[], None] | None = None
-    # Keys the last rank to leave deletes, with ``arrivals`` and ``outcome``.
+    # Keys rank 0 deletes with ``arrivals`` once all ranks have left.
     delete_when_all_departed: Sequence[str] = ()
 
 
 _NO_HOOKS = BarrierHooks()
 
 
+class Mailbox:
+    """One rank's barrier queue: messages to it, popped in barrier order, with a deadline."""
+
+    def __init__(self, store: Store, rank: int) -> None:
+        self._store = store
+        self._rank = rank
+        self._queue = keys.barrier_queue(rank)
+        # (barrier, kind, sender, text) of messages for later barriers, popped early.
+        self._later: list[tuple[int, int, int, bytes]] = []
+
+    def send(self, dst: int, barrier_id: int, kind: int, text: bytes = b"") -> None:
+        """Push a message of barrier ``barrier_id`` to rank ``dst`` (no reply awaited)."""
+        item = _ITEM.pack(barrier_id, kind, self._rank) + text
+        self._store.queue_push(keys.barrier_queue(dst), item)
+
+    def receive(self, barrier_id: int, deadline: float) -> tuple[int, int, bytes] | None:
+        """``(kind, sender, text)`` of the next message of ``barrier_id``; None at ``deadline``.
+
+        ``deadline`` is a ``time.monotonic()`` value. Each pop's wait is bounded by what is
+        left (a TCPStore client that gives up a wait cancels it, so the connection stays in
+        step). Store failures propagate.
+        """
+        for index, (bid, kind, sender, text) in enumerate(self._later):
+            if bid == barrier_id:
+                del self._later[index]
+                return kind, sender, text
+        store = self._store
+        original = store.timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                store.set_timeout(datetime.timedelta(seconds=left))
+                try:
+                    item = store.queue_pop(self._queue)
+                except QueueEmptyError:
+                    continue
+                except RuntimeError as exc:
+                    if "timeout" in str(exc).lower():
+                        continue  # the loop ends it when no time is left
+                    raise
+                if len(item) < _ITEM.size:
+                    continue  # not a barrier message
+                bid, kind, sender = _ITEM.unpack_from(item)
+                if bid == barrier_id:
+                    return kind, sender, item[_ITEM.size :]
+                if bid > barrier_id:
+                    self._later.append((bid, kind, sender, item[_ITEM.size :]))
+        finally:
+            store.set_timeout(original)
+
+
 def run_barrier(
     store: Store,
-    waiter: BoundedWaiter,
+    mailbox: Mailbox,
     rank: int,
     world_size: int,
     barrier_id: int,
@@ -72,68 +140,111 @@ def run_barrier(
 ) -> None:
     """Run barrier ``barrier_id`` for ``rank``; raise RuntimeError on timeout or store failure."""
     arrivals = keys.barrier_arrivals(barrier_id)
-    outcome_key = keys.barrier_outcome(barrier_id)
-    departures = keys.barrier_departures(barrier_id)
-    all_departed = keys.barrier_all_departed(barrier_id)
     hooks = _NO_HOOKS if hooks is None else hooks
+    left = 0  # ranks known to have left (rank 0 may hear of some while it waits in phase 1)
 
     # Phase 1: arrive, and learn (with every other rank) whether all ranks arrived in time.
     try:
         if hooks.before_arrival is not None:
             hooks.before_arrival()
         arrived = store.add(arrivals, 1)
-        if arrived >= world_size:
-            outcome = store.compare_set(outcome_key, "", _OK)
+        if arrived == world_size:  # the last to arrive, none gave up before
+            for dst in range(world_size):
+                if dst != rank:
+                    kind = _ARRIVED_AND_LEFT if dst == 0 else _ALL_ARRIVED
+                    mailbox.send(dst, barrier_id, kind)
+        elif arrived > world_size:  # a rank gave up before this one arrived
+            raise BarrierFailure(_verdict_of_others(mailbox, barrier_id, rank, timeout))
         else:
             if hooks.while_waiting is not None:
                 hooks.while_waiting()
-            if waiter.wait([outcome_key], timeout):
-                # One round trip (``get`` is two: a wait, then the read): the key exists, so
-                # compare_set with an impossible expected value returns it unchanged.
-                outcome = store.compare_set(outcome_key, _ABSENT, _ABSENT)
-            else:
-                seen = store.add(arrivals, 0)
-                verdict = (
-                    f"rank {rank} timed out after {timeout:g} s in phase 1 (arrival): "
-                    f"{seen} of {world_size} ranks arrived"
-                )
-                outcome = store.compare_set(outcome_key, "", verdict.encode())
-        if outcome == _OK and hooks.all_arrived is not None:
+            left = _wait_for_all(store, mailbox, rank, world_size, barrier_id, timeout)
+        if hooks.all_arrived is not None:
             hooks.all_arrived()
+    except BarrierFailure:
+        raise
     except RuntimeError as exc:
         raise _store_failure(barrier_id, rank, "1 (arrival)", exc) from exc
-    if outcome != _OK:
-        raise RuntimeError(f"barrier {barrier_id} failed on rank {rank}: {outcome.decode()}")
 
-    # Phase 2: confirm the arrival of all ranks by departing.
-    try:
-        departed = store.add(departures, 1)
-        if departed == world_size:
-            store.delete_key(arrivals)
-            store.delete_key(outcome_key)
-            for key in hooks.delete_when_all_departed:
-                store.delete_key(key)
-            if rank == 0:
-                store.delete_key(departures)
-                return
-            store.set(all_departed, _OK)
-    except RuntimeError as exc:
-        raise _store_failure(barrier_id, rank, "2 (confirm)", exc) from exc
+    # Phase 2: depart (the last to arrive already said so to rank 0).
     if rank != 0:
+        if arrived != world_size:
+            try:
+                mailbox.send(0, barrier_id, _LEFT)
+            except RuntimeError as exc:
+                raise _store_failure(barrier_id, rank, "2 (confirm)", exc) from exc
         return
 
     # Phase 3: rank 0 leaves last.
+    gone = 1 + left
     try:
-        everyone_left = waiter.wait([all_departed], timeout)
-        if everyone_left:
-            store.delete_key(departures)
-            store.delete_key(all_departed)
-        else:
-            gone = store.add(departures, 0)
+        deadline = time.monotonic() + timeout
+        while gone < world_size:
+            message = mailbox.receive(barrier_id, deadline)
+            if message is None:
+                break
+            if message[0] in (_LEFT, _ARRIVED_AND_LEFT):
+                gone += 1
+        if gone == world_size:
+            store.delete_key(arrivals)
+            for key in hooks.delete_when_all_departed:
+                store.delete_key(key)
     except RuntimeError as exc:
         raise _store_failure(barrier_id, rank, "3 (departure)", exc) from exc
-    if not everyone_left:
-        raise RuntimeError(
+    if gone < world_size:
+        raise BarrierFailure(
             f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
             f"phase 3 (departure): {gone} of {world_size} ranks departed"
         )
+
+
+def _wait_for_all(
+    store: Store, mailbox: Mailbox, rank: int, world_size: int, barrier_id: int, timeout: float
+) -> int:
+    """Phase 1 for a rank that is not the last to arrive: return once all have, or raise.
+
+    Returns how many ranks this rank heard leave meanwhile (only rank 0 hears of that).
+    """
+    deadline = time.monotonic() + timeout
+    left = 0
+    while True:
+        message = mailbox.receive(barrier_id, deadline)
+        if message is None:
+            break
+        kind, _sender, text = message
+        if kind == _FAILED:
+            raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {text.decode()}")
+        if kind in (_LEFT, _ARRIVED_AND_LEFT):
+            left += 1
+        if kind in (_ALL_ARRIVED, _ARRIVED_AND_LEFT):
+            return left
+    # Timed out: give up, unless the last rank arrived just now.
+    seen = store.add(keys.barrier_arrivals(barrier_id), POISON)
+    count = seen % POISON
+    if seen // POISON == 1 and count >= world_size:
+        return left  # all had arrived: passed (the message saying so is dropped later)
+    if seen // POISON > 1:  # another rank gave up first: its verdict is everyone's
+        raise BarrierFailure(_verdict_of_others(mailbox, barrier_id, rank, timeout))
+    verdict = (
+        f"rank {rank} timed out after {timeout:g} s in phase 1 (arrival): "
+        f"{count} of {world_size} ranks arrived"
+    )
+    for dst in range(world_size):
+        if dst != rank:
+            mailbox.send(dst, barrier_id, _FAILED, verdict.encode())
+    raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
+
+
+def _verdict_of_others(mailbox: Mailbox, barrier_id: int, rank: int, timeout: float) -> str:
+    """The message for a rank that finds the barrier already failed: the first verdict."""
+    deadline = time.monotonic() + timeout
+    while True:
+        message = mailbox.receive(barrier_id, deadline)
+        if message is None:
+            return (
+                f"barrier {barrier_id} failed on rank {rank}: another rank gave up before "
+                "all ranks arrived"
+            )
+        kind, _sender, text = message
+        if kind == _FAILED:
+            return f"barrier {barrier_id} failed on rank {rank}: {text.decode()}"

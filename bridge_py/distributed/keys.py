@@ -8,11 +8,9 @@ share a key (vLLM's ``send_to/{dst}/{n}`` collides when two ranks send to the sa
 from __future__ import annotations
 
 __all__ = [
-    "barrier_all_departed",
     "barrier_arrivals",
-    "barrier_departures",
     "barrier_node",
-    "barrier_outcome",
+    "barrier_queue",
     "broadcast_acks",
     "broadcast_value",
     "gather_node",
@@ -54,23 +52,13 @@ def gather_node(src: int, seq: int) -> str:
 
 
 def barrier_arrivals(barrier_id: int) -> str:
-    """Counter of ranks that reached barrier ``barrier_id`` (phase 1)."""
+    """Counter of ranks that reached barrier ``barrier_id`` (phase 1); deleted by rank 0."""
     return f"barrier/{barrier_id}/arrivals"
 
 
-def barrier_outcome(barrier_id: int) -> str:
-    """``ok`` once all ranks arrived, or why the barrier failed; written once (compare_set)."""
-    return f"barrier/{barrier_id}/outcome"
-
-
-def barrier_departures(barrier_id: int) -> str:
-    """Counter of ranks that confirmed all arrivals and left (phase 2)."""
-    return f"barrier/{barrier_id}/departures"
-
-
-def barrier_all_departed(barrier_id: int) -> str:
-    """Set by the last rank to leave, for rank 0 to wait on (phase 3)."""
-    return f"barrier/{barrier_id}/all_departed"
+def barrier_queue(rank: int) -> str:
+    """The store queue of barrier messages to ``rank`` (popped, so removed, by ``rank``)."""
+    return f"barrier/queue/{rank}"
 
 
 def barrier_node(barrier_id: int, rank: int) -> str:

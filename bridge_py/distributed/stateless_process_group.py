@@ -39,7 +39,7 @@ from torch.distributed import Store
 
 from bridge_py.distributed import keys, spg_p2p, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
-from bridge_py.distributed.barrier import BarrierHooks, run_barrier
+from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
 from bridge_py.distributed.store import format_address, join_group, open_store
 
@@ -101,6 +101,7 @@ class StatelessProcessGroup:
         self._barrier_count = 0
         self._waiter = FetchingWaiter(self.store)
         self._inbox = spg_p2p.Inbox(self.store, self.rank, self.world_size)
+        self._mailbox = Mailbox(self.store, self.rank)
         self._outbox = [keys.p2p_queue(self.rank, dst) for dst in range(self.world_size)]
         self._others = [r for r in range(self.world_size) if r != self.rank]
         self._auth_key: bytes | None = resolve_key(None)
@@ -632,7 +633,7 @@ class StatelessProcessGroup:
         self._barrier_count += 1
         run_barrier(
             self.store,
-            self._waiter,
+            self._mailbox,
             self.rank,
             self.world_size,
             barrier_id,
