@@ -180,3 +180,14 @@ def prepare_call(
         if param.allowed is not None or param.dtype:
             bound.arguments[key] = _checked(param, value, name)
     return list(bound.args), dict(bound.kwargs)
+
+
+def accepts_no_arguments(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn()`` fits its signature (then a call without arguments needs no checks).
+
+    False when that cannot be told (no signature): such calls go through
+    :func:`prepare_call`, which lets them through.
+    """
+    target = getattr(fn, "__func__", fn)
+    plan = _plan(target, target is not fn)
+    return plan is not None and plan.required == 0 and not plan.keyword_only_required

@@ -9,6 +9,7 @@ plain values, tensors, tuples, :class:`Atom` s and objects the worker already ho
 from __future__ import annotations
 
 import struct
+import threading
 import warnings
 from typing import Any, Protocol
 
@@ -124,8 +125,13 @@ def dtype_from_term(value: Any) -> torch.dtype:
     )
 
 
-def encode_tensor(tensor: torch.Tensor) -> bytes:
-    """The ext-1 payload of a tensor: header, then its elements little-endian, row-major."""
+def tensor_pieces(tensor: torch.Tensor) -> tuple[bytes, memoryview | None]:
+    """The ext-1 payload of a tensor in two pieces, without copying its elements.
+
+    The header (type and shape), and a byte view of the elements, little-endian and
+    row-major (None when there are none). The view keeps the tensor alive; a tensor
+    not on the CPU or not contiguous is copied first.
+    """
     kind, bits = dtype_to_wire(tensor.dtype)
     t = tensor.detach()
     if t.device.type != "cpu":
@@ -133,10 +139,15 @@ def encode_tensor(tensor: torch.Tensor) -> bytes:
     t = t.contiguous()
     header = struct.pack(f">cBB{t.dim()}Q", kind.encode(), bits, t.dim(), *t.shape)
     if t.numel() == 0:
-        return header
-    # A byte view of the storage; torch is little-endian on every platform it supports.
-    # One copy: the header and a view of the tensor's bytes, joined.
-    return b"".join((header, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+        return header, None
+    # torch is little-endian on every platform it supports.
+    return header, memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def encode_tensor(tensor: torch.Tensor) -> bytes:
+    """The ext-1 payload of a tensor: header, then its elements little-endian, row-major."""
+    header, data = tensor_pieces(tensor)
+    return header if data is None else b"".join((header, data))
 
 
 def decode_tensor(payload: bytes) -> torch.Tensor:
@@ -181,15 +192,50 @@ class Codec:
 
     def __init__(self, resolver: RefResolver | None = None) -> None:
         self._resolver = resolver
+        # One msgpack Packer per thread (a Packer is not thread-safe, and making one
+        # per call costs more than packing a small value).
+        self._local = threading.local()
 
     # -- encoding -------------------------------------------------------------------
 
     def encode(self, value: Any) -> bytes:
         """Msgpack bytes of ``value``; unencodable objects become refs (given a resolver)."""
+        if value is None:
+            return _NIL
+        packer = getattr(self._local, "packer", None)
+        if packer is None:
+            packer = self._local.packer = self._packer()
         try:
-            return msgpack.packb(
-                value, default=self._default, use_bin_type=True, strict_types=True, datetime=False
-            )
+            data = packer.pack(value)
+        except OverflowError as exc:
+            raise CodecError(f"integer out of the 64-bit range: {exc}") from None
+        if len(data) > _KEEP_PACKER_BELOW:
+            self._local.packer = None  # do not hold a buffer that large for good
+        return data
+
+    def encode_pieces(self, value: Any) -> bytes | list[bytes | memoryview]:
+        """Like :meth:`encode`, but a large tensor comes back as pieces, not copied.
+
+        The pieces, written one after the other, are exactly :meth:`encode`'s bytes:
+        the msgpack ext header, the tensor header and a view of the elements.
+        """
+        if type(value) is not torch.Tensor and not isinstance(value, torch.Tensor):
+            return self.encode(value)
+        header, data = tensor_pieces(value)
+        size = len(header) + (0 if data is None else len(data))
+        if data is None or size < _PIECES_FROM:
+            return self.encode(value)
+        return [struct.pack(">BIb", 0xC9, size, EXT_TENSOR) + header, data]
+
+    def _packer(self) -> msgpack.Packer:
+        return msgpack.Packer(
+            default=self._default, use_bin_type=True, strict_types=True, datetime=False
+        )
+
+    def _nested(self, value: Any) -> bytes:
+        """Encode from inside the Packer's ``default`` hook: with a Packer of its own."""
+        try:
+            return self._packer().pack(value)
         except OverflowError as exc:
             raise CodecError(f"integer out of the 64-bit range: {exc}") from None
 
@@ -197,7 +243,7 @@ class Codec:
         if isinstance(obj, Atom):
             return msgpack.ExtType(EXT_ATOM, str(obj).encode())
         if isinstance(obj, tuple):
-            return msgpack.ExtType(EXT_TUPLE, self.encode(list(obj)))
+            return msgpack.ExtType(EXT_TUPLE, self._nested(list(obj)))
         if isinstance(obj, torch.Tensor):
             return msgpack.ExtType(EXT_TENSOR, encode_tensor(obj))
         if isinstance(obj, torch.dtype):
@@ -233,9 +279,10 @@ class Codec:
     # -- decoding -------------------------------------------------------------------
 
     def decode(self, data: bytes | memoryview) -> Any:
-        """The value in msgpack bytes; raises :class:`CodecError` on malformed input."""
-        if not isinstance(data, (bytes, bytearray)):
-            data = bytes(data)
+        """The value in msgpack bytes; raises :class:`CodecError` on malformed input.
+
+        A memoryview (a long argument, as the envelope hands it over) is read in place.
+        """
         try:
             value = msgpack.unpackb(
                 data,
@@ -251,8 +298,11 @@ class Codec:
             raise CodecError(f"malformed msgpack value: {exc}") from None
         # msgpack-python decodes its own timestamp extension (-1) without asking the
         # ext hook; it is not one of the protocol's types. Only bytes that contain a
-        # timestamp header can hold one, so the walk is rare.
-        if any(marker in data for marker in _TIMESTAMP_HEADERS):
+        # timestamp header can hold one, so for short input the walk is rare; long
+        # input (a view, mostly tensor data) is not scanned: its containers are walked.
+        if not isinstance(data, (bytes, bytearray)) or any(
+            marker in data for marker in _TIMESTAMP_HEADERS
+        ):
             _refuse_timestamps(value)
         return value
 
@@ -273,6 +323,10 @@ class Codec:
             return self._resolver.resolve(ref)
         raise CodecError(f"unknown msgpack extension type {code}")
 
+
+_NIL = b"\xc0"
+_KEEP_PACKER_BELOW = 1 << 20  # a thread's Packer that grew past this is dropped after use
+_PIECES_FROM = 1 << 16  # tensors this large are sent as pieces by encode_pieces
 
 # fixext4, fixext8 and ext8 (12 bytes) with type -1: msgpack's timestamp encodings.
 _TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.arguments import BadArguments, prepare_call
+from bridge_py.worker.arguments import BadArguments, accepts_no_arguments, prepare_call
 from bridge_py.worker.codec import Codec, CodecError, RefValue
 from bridge_py.worker.exports import ExportTable, NotExported
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
@@ -37,6 +38,14 @@ class _Failure(Exception):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Method:
+    """What the dispatcher needs to call one exported method, worked out once per class."""
+
+    name: str  # "Class.method", for error messages
+    bare: bool  # may be called with no arguments, so a call without any needs no checks
+
+
 class Dispatcher:
     """Runs requests against an export table and a handle registry."""
 
@@ -45,6 +54,18 @@ class Dispatcher:
         self.registry = registry if registry is not None else HandleRegistry()
         # One codec per session (it holds no per-call state): built once, not per call.
         self._codecs: dict[str, Codec] = {}
+        # (class, method name) -> _Method, for exported methods met so far.
+        self._methods: dict[tuple[type, str], _Method] = {}
+        self._ops: dict[type, Callable[[Any, str, Codec], Any]] = {
+            pb.CallMethod: self._call_method,
+            pb.CreateInstance: self._create,
+            pb.CallFunction: self._call_function,
+            pb.GetAttribute: self._get_attribute,
+            pb.ReleaseHandles: self._release,
+            pb.ReleaseSession: self._release_session,
+            pb.Describe: self._describe,
+            pb.Ping: self._ping,
+        }
 
     def _codec(self, session: str) -> Codec:
         codec = self._codecs.get(session)
@@ -63,7 +84,7 @@ class Dispatcher:
         then be passed to :meth:`dispatch`, which always uses it up.
         """
         op = req.op
-        if not isinstance(op, pb.CallMethod):
+        if type(op) is not pb.CallMethod:
             return None
         try:
             return self.registry.turn(op.handle, req.session or DEFAULT_SESSION)
@@ -71,74 +92,90 @@ class Dispatcher:
             return None  # dispatch reports it
 
     def dispatch(self, req: pb.Request, turn: Turn | None = None) -> pb.Reply:
-        """Run one request; always returns a Reply (errors included)."""
-        if turn is None:
-            turn = self.reserve(req)
+        """Run one request; always returns a Reply (errors included).
+
+        A large tensor result is left in pieces (see ``Codec.encode_pieces``); use
+        ``envelope.encode_reply`` or ``encode_reply_chunks`` to write the reply.
+        """
+        op = req.op
         session = req.session or DEFAULT_SESSION
-        codec = self._codec(session)
+        codec = self._codecs.get(session) or self._codec(session)
         try:
+            run = self._ops.get(type(op))
+            if run is None:
+                raise _Failure("protocol", "request has no operation")
+            if turn is None and type(op) is pb.CallMethod:
+                turn = self.reserve(req)
             if turn is not None:
                 with turn:
-                    value = self._run(req.op, session, codec)
+                    value = run(op, session, codec)
             else:
-                value = self._run(req.op, session, codec)
+                value = run(op, session, codec)
             try:
-                data = codec.encode(value)
+                data = codec.encode_pieces(value)
             except CodecError as exc:
                 raise _Failure("encode", f"the result cannot cross the bridge: {exc}") from None
-            return pb.Reply(id=req.id, value=data)
+            return pb.Reply(req.id, data)
         except _Failure as failure:
-            return pb.Reply(
-                id=req.id,
-                error=pb.Error(
-                    category=failure.category,
-                    message=str(failure),
-                    python_type=failure.python_type,
-                    traceback=failure.tb,
-                ),
-            )
+            return _error_reply(req.id, failure)
+        except HandleNotFound as exc:
+            return _error_reply(req.id, _Failure("not_found", str(exc)))
+        except NotExported as exc:
+            return _error_reply(req.id, _Failure("not_exported", str(exc)))
 
     # -- operations -----------------------------------------------------------------
 
-    def _run(self, op: pb.Operation | None, session: str, codec: Codec) -> Any:
+    def _call_method(self, op: pb.CallMethod, session: str, codec: Codec) -> Any:
+        obj = self.registry.get(op.handle, session)
+        target = self._methods.get((type(obj), op.method)) or self._method(obj, op.method)
+        method = getattr(obj, op.method)
+        if op.args or op.kwargs or not target.bare:
+            args, kwargs = self._arguments(codec, op.args, op.kwargs)
+            return self._call(method, target.name, args, kwargs)
         try:
-            return self._operation(op, session, codec)
-        except HandleNotFound as exc:
-            raise _Failure("not_found", str(exc)) from None
-        except NotExported as exc:
-            raise _Failure("not_exported", str(exc)) from None
+            return method()
+        except Exception as exc:
+            raise _Failure("python", f"{type(exc).__name__}: {exc}", exc) from exc
 
-    def _operation(self, op: pb.Operation | None, session: str, codec: Codec) -> Any:
-        exports = self.exports
-        if isinstance(op, pb.CallMethod):
-            obj = self.registry.get(op.handle, session)
-            method = exports.method(obj, op.method)
-            args, kwargs = self._arguments(codec, op.args, op.kwargs)
-            return self._call(method, f"{exports.class_name(type(obj))}.{op.method}", args, kwargs)
-        if isinstance(op, pb.CreateInstance):
-            cls = exports.constructor(op.class_name)
-            args, kwargs = self._arguments(codec, op.args, op.kwargs)
-            obj = self._call(cls, op.class_name, args, kwargs)
-            class_name = exports.class_name(type(obj))
-            return RefValue(self.registry.register(obj, session, class_name), class_name)
-        if isinstance(op, pb.CallFunction):
-            fn = exports.function(op.function)
-            args, kwargs = self._arguments(codec, op.args, op.kwargs)
-            return self._call(fn, op.function, args, kwargs)
-        if isinstance(op, pb.GetAttribute):
-            return exports.attribute(self.registry.get(op.handle, session), op.name)
-        if isinstance(op, pb.ReleaseHandles):
-            return self.registry.release(list(op.handles), session)
-        if isinstance(op, pb.ReleaseSession):
-            self._codecs.pop(session, None)
-            return self.registry.release_session(session)
-        if isinstance(op, pb.Describe):
-            return exports.describe()
-        if isinstance(op, pb.Ping):
-            if not op.payload:
-                return None
-            return self._decode(codec, op.payload, "ping payload")
-        raise _Failure("protocol", "request has no operation")
+    def _method(self, obj: Any, name: str) -> _Method:
+        """Look up an exported method (raises NotExported) and remember what it needs."""
+        method = self.exports.method(obj, name)
+        target = _Method(
+            name=f"{self.exports.class_name(type(obj))}.{name}",
+            bare=accepts_no_arguments(method),
+        )
+        self._methods[(type(obj), name)] = target
+        return target
+
+    def _create(self, op: pb.CreateInstance, session: str, codec: Codec) -> RefValue:
+        cls = self.exports.constructor(op.class_name)
+        args, kwargs = self._arguments(codec, op.args, op.kwargs)
+        obj = self._call(cls, op.class_name, args, kwargs)
+        class_name = self.exports.class_name(type(obj))
+        return RefValue(self.registry.register(obj, session, class_name), class_name)
+
+    def _call_function(self, op: pb.CallFunction, session: str, codec: Codec) -> Any:
+        fn = self.exports.function(op.function)
+        args, kwargs = self._arguments(codec, op.args, op.kwargs)
+        return self._call(fn, op.function, args, kwargs)
+
+    def _get_attribute(self, op: pb.GetAttribute, session: str, codec: Codec) -> Any:
+        return self.exports.attribute(self.registry.get(op.handle, session), op.name)
+
+    def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
+        return self.registry.release(list(op.handles), session)
+
+    def _release_session(self, op: pb.ReleaseSession, session: str, codec: Codec) -> int:
+        self._codecs.pop(session, None)
+        return self.registry.release_session(session)
+
+    def _describe(self, op: pb.Describe, session: str, codec: Codec) -> dict[str, Any]:
+        return self.exports.describe()
+
+    def _ping(self, op: pb.Ping, session: str, codec: Codec) -> Any:
+        return self._decode(codec, op.payload, "ping payload") if op.payload else None
+
+    # -- arguments and calls --------------------------------------------------------
 
     def _arguments(
         self, codec: Codec, args: bytes, kwargs: bytes
@@ -170,6 +207,18 @@ class Dispatcher:
             return fn(*args, **kwargs)
         except Exception as exc:
             raise _Failure("python", f"{type(exc).__name__}: {exc}", exc) from exc
+
+
+def _error_reply(request_id: int, failure: _Failure) -> pb.Reply:
+    return pb.Reply(
+        id=request_id,
+        error=pb.Error(
+            category=failure.category,
+            message=str(failure),
+            python_type=failure.python_type,
+            traceback=failure.tb,
+        ),
+    )
 
 
 def protocol_error(request_id: int, message: str) -> pb.Reply:

@@ -29,7 +29,7 @@ class EnvelopeError(ValueError):
     """Bytes that are not a valid Request or Reply."""
 
 
-@dataclass
+@dataclass(slots=True)
 class CreateInstance:
     """Construct an exported class."""
 
@@ -39,7 +39,7 @@ class CreateInstance:
     FIELDS: ClassVar = ((1, "class_name", _STRING), (2, "args", _BYTES), (3, "kwargs", _BYTES))
 
 
-@dataclass
+@dataclass(slots=True)
 class CallMethod:
     """Call an exported method of a live object."""
 
@@ -55,7 +55,7 @@ class CallMethod:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class CallFunction:
     """Call an exported module function or static method."""
 
@@ -65,7 +65,7 @@ class CallFunction:
     FIELDS: ClassVar = ((1, "function", _STRING), (2, "args", _BYTES), (3, "kwargs", _BYTES))
 
 
-@dataclass
+@dataclass(slots=True)
 class GetAttribute:
     """Read an exported attribute of a live object."""
 
@@ -74,7 +74,7 @@ class GetAttribute:
     FIELDS: ClassVar = ((1, "handle", _UINT64), (2, "name", _STRING))
 
 
-@dataclass
+@dataclass(slots=True)
 class ReleaseHandles:
     """Forget objects."""
 
@@ -82,21 +82,21 @@ class ReleaseHandles:
     FIELDS: ClassVar = ((1, "handles", _PACKED_UINT64),)
 
 
-@dataclass
+@dataclass(slots=True)
 class ReleaseSession:
     """Forget every object of the request's session."""
 
     FIELDS: ClassVar = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class Describe:
     """Ask for the export table."""
 
     FIELDS: ClassVar = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class Ping:
     """Echo a payload."""
 
@@ -129,7 +129,7 @@ _OPS: dict[int, type] = {
 _OP_NUMBERS: dict[type, int] = {cls: number for number, cls in _OPS.items()}
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One operation for one worker; ``id`` pairs it with its Reply."""
 
@@ -138,7 +138,7 @@ class Request:
     op: Operation | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Error:
     """Why a request failed (see the categories in docs/protocol.md)."""
 
@@ -156,19 +156,28 @@ class Error:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class Reply:
-    """The answer to one Request: a msgpack ``value`` or an ``error``, never both."""
+    """The answer to one Request: a msgpack ``value`` or an ``error``, never both.
+
+    ``value`` may also be a list of byte buffers, the value's bytes in pieces (see
+    :func:`encode_reply_chunks`); decoded replies always hold one buffer.
+    """
 
     id: int = 0
-    value: bytes | None = None
+    value: bytes | memoryview | list[bytes | memoryview] | None = None
     error: Error | None = None
 
 
 # -- encoding -------------------------------------------------------------------------
 
+_SMALL_VARINTS = tuple(bytes((i,)) for i in range(0x80))
+_SMALL_JOIN = 1 << 12  # pieces shorter than this are joined into one bytes object
+
 
 def _varint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _SMALL_VARINTS[n]
     if n < 0:
         raise EnvelopeError(f"negative value {n} for an unsigned field")
     out = bytearray()
@@ -205,9 +214,8 @@ def _encode_fields(msg: Any, fields: tuple[tuple[int, str, str], ...] | None = N
     return b"".join(parts)
 
 
-# The non-oneof fields of Request and Reply (their oneof members are written apart).
+# The non-oneof fields of Request (its op is written apart).
 _REQUEST_HEAD = ((1, "id", _UINT64), (2, "session", _STRING))
-_REPLY_HEAD = ((1, "id", _UINT64),)
 
 
 def encode_request(req: Request) -> bytes:
@@ -223,27 +231,43 @@ def encode_reply(reply: Reply) -> bytes:
     return b"".join(encode_reply_chunks(reply))
 
 
-def encode_reply_chunks(reply: Reply) -> list[bytes]:
-    """A Reply's bytes as a list of pieces, so a large value is written without a copy."""
-    head = _encode_fields(reply, _REPLY_HEAD)
+def encode_reply_chunks(reply: Reply) -> list[bytes | memoryview]:
+    """A Reply's bytes as a list of pieces, so a large value is written without a copy.
+
+    A small reply is one piece. A value given as a list of pieces (a tensor's header
+    and a view of its storage) stays in pieces; each must be a byte-format buffer.
+    """
+    head = b"\x08" + _varint(reply.id) if reply.id else b""
+    value = reply.value
     if reply.error is not None:
         return [head + _len_field(3, _encode_fields(reply.error))]
-    if reply.value is not None:
-        value = reply.value
-        return [head + _tag(2, _WIRE_LEN) + _varint(len(value)), value]
-    return [head]
+    if value is None:
+        return [head]
+    if type(value) is list:
+        size = sum(map(len, value))
+        return [head + b"\x12" + _varint(size), *value]
+    if len(value) < _SMALL_JOIN:
+        return [head + b"\x12" + _varint(len(value)) + value]
+    return [head + b"\x12" + _varint(len(value)), value]
 
 
 # -- decoding -------------------------------------------------------------------------
+#
+# The decoder walks a memoryview of the frame with integer positions: no generator,
+# no per-field tuples, and a ``bytes`` field longer than VIEW_THRESHOLD comes back as
+# a memoryview slice of the frame instead of a copy (a tensor argument is then copied
+# only where it has to be: into the tensor).
+
+Buffer = bytes | memoryview  # what the decoder walks: the frame itself, or a view of it
+VIEW_THRESHOLD = 1 << 16
+"""``bytes`` fields at least this long decode to memoryviews of the frame, not copies."""
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    if pos < len(buf) and buf[pos] < 0x80:  # most varints here are one byte
-        return buf[pos], pos + 1
+def _read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
     result = 0
     shift = 0
     while True:
-        if pos >= len(buf):
+        if pos >= end:
             raise EnvelopeError("truncated varint")
         b = buf[pos]
         pos += 1
@@ -257,123 +281,160 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise EnvelopeError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview):
-    """Yield (number, wire type, value) for each field; value is int or memoryview."""
-    pos = 0
-    end = len(buf)
-    while pos < end:
-        key, pos = _read_varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise EnvelopeError("field number 0")
-        if wire == _WIRE_VARINT:
-            value, pos = _read_varint(buf, pos)
-            yield number, wire, value
-        elif wire == _WIRE_LEN:
-            size, pos = _read_varint(buf, pos)
-            if pos + size > end:
-                raise EnvelopeError("length-delimited field runs past the end")
-            yield number, wire, buf[pos : pos + size]
-            pos += size
-        elif wire == _WIRE_I64:
-            if pos + 8 > end:
-                raise EnvelopeError("truncated fixed64 field")
-            pos += 8
-        elif wire == _WIRE_I32:
-            if pos + 4 > end:
-                raise EnvelopeError("truncated fixed32 field")
-            pos += 4
-        else:
-            raise EnvelopeError(f"unsupported wire type {wire}")
+def _bytes(buf: Buffer, pos: int, end: int) -> bytes | memoryview:
+    if type(buf) is bytes or end - pos >= VIEW_THRESHOLD:
+        return buf[pos:end]
+    return bytes(buf[pos:end])
 
 
-_SPECS: dict[type, dict[int, tuple[str, str]]] = {}
+def _utf8(buf: Buffer, pos: int, end: int, where: str) -> str:
+    try:
+        return (buf[pos:end] if type(buf) is bytes else bytes(buf[pos:end])).decode("utf-8")
+    except UnicodeDecodeError:
+        raise EnvelopeError(f"{where} is not valid UTF-8") from None
 
 
-def _decode_message(cls: type, buf: memoryview) -> Any:
-    specs = _SPECS.get(cls)
-    if specs is None:
-        specs = _SPECS[cls] = {number: (name, kind) for number, name, kind in cls.FIELDS}
+def _wire_error(where: str, wire: int, expected: int) -> EnvelopeError:
+    return EnvelopeError(f"{where} has wire type {wire}, expected {expected}")
+
+
+def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
+    """One message of class ``cls`` from ``buf[pos:end]``.
+
+    Fields are looked up by their key (number and wire type together); a key that is
+    not one of ``cls``'s (an unknown field, a wrong wire type) goes to :func:`_skip`.
+    """
+    by_key = _BY_KEY[cls]
     values: dict[str, Any] = {}
-    for number, wire, value in _fields(buf):
-        spec = specs.get(number)
+    while pos < end:
+        key = buf[pos]
+        if key & 0x80:
+            key, pos = _read_varint(buf, pos, end)
+        else:
+            pos += 1
+        spec = by_key.get(key)
         if spec is None:
-            continue  # unknown field: skip, as proto3 does
+            pos = _skip(cls, key, buf, pos, end)
+            continue
         name, kind = spec
-        if kind == _UINT64:
-            _expect(wire, _WIRE_VARINT, cls, name)
-            values[name] = value
-        elif kind == _STRING:
-            _expect(wire, _WIRE_LEN, cls, name)
-            try:
-                values[name] = bytes(value).decode("utf-8")
-            except UnicodeDecodeError:
-                raise EnvelopeError(f"{cls.__name__}.{name} is not valid UTF-8") from None
-        elif kind == _BYTES:
-            _expect(wire, _WIRE_LEN, cls, name)
-            values[name] = bytes(value)
-        elif kind == _PACKED_UINT64:
+        if pos >= end:
+            raise EnvelopeError(f"{cls.__name__}.{name} is truncated")
+        size = buf[pos]
+        if size & 0x80:
+            size, pos = _read_varint(buf, pos, end)
+        else:
+            pos += 1
+        if kind is _UINT64:
+            values[name] = size
+            continue
+        if kind is _PACKED_ONE:
+            values.setdefault(name, []).append(size)
+            continue
+        stop = pos + size
+        if stop > end:
+            raise EnvelopeError("length-delimited field runs past the end")
+        if kind is _BYTES:
+            values[name] = _bytes(buf, pos, stop)
+        elif kind is _STRING:
+            values[name] = _utf8(buf, pos, stop, f"{cls.__name__}.{name}")
+        elif kind is _PACKED_UINT64:
             items = values.setdefault(name, [])
-            if wire == _WIRE_VARINT:
-                items.append(value)
-            else:
-                _expect(wire, _WIRE_LEN, cls, name)
-                pos = 0
-                while pos < len(value):
-                    item, pos = _read_varint(value, pos)
-                    items.append(item)
+            while pos < stop:
+                item, pos = _read_varint(buf, pos, stop)
+                items.append(item)
+        else:  # a nested message
+            values[name] = _decode_message(kind, buf, pos, stop)
+        if cls is Reply:  # its oneof members are separate attributes: the last one wins
+            values.pop("error" if name == "value" else "value", None)
+        pos = stop
     return cls(**values)
 
 
-def _expect(wire: int, expected: int, cls: type, name: str) -> None:
-    if wire != expected:
-        raise EnvelopeError(f"{cls.__name__}.{name} has wire type {wire}, expected {expected}")
+def _skip(cls: type, key: int, buf: Buffer, pos: int, end: int) -> int:
+    """The position after a field whose key ``cls`` does not know.
+
+    An unknown field is skipped, as proto3 does; a known field with the wrong wire
+    type is an error.
+    """
+    number, wire = key >> 3, key & 7
+    if number == 0:
+        raise EnvelopeError("field number 0")
+    spec = _SPECS[cls].get(number)
+    if spec is not None:
+        name, kind = spec
+        expected = _WIRE_VARINT if kind is _UINT64 else _WIRE_LEN
+        raise _wire_error(f"{cls.__name__}.{name}", wire, expected)
+    if wire == _WIRE_VARINT:
+        return _read_varint(buf, pos, end)[1]
+    if wire == _WIRE_LEN:
+        size, pos = _read_varint(buf, pos, end)
+        pos += size
+    elif wire == _WIRE_I64:
+        pos += 8
+    elif wire == _WIRE_I32:
+        pos += 4
+    else:
+        raise EnvelopeError(f"unsupported wire type {wire}")
+    if pos > end:
+        raise EnvelopeError(f"field {number} of {cls.__name__} runs past the end")
+    return pos
 
 
-def decode_request(data: bytes | memoryview) -> Request:
-    """Parse a Request; raises :class:`EnvelopeError` when the bytes are not one."""
-    buf = memoryview(data)
-    req = Request()
-    for number, wire, value in _fields(buf):
-        if number == 1:
-            _expect(wire, _WIRE_VARINT, Request, "id")
-            req.id = value
-        elif number == 2:
-            _expect(wire, _WIRE_LEN, Request, "session")
-            try:
-                req.session = bytes(value).decode("utf-8")
-            except UnicodeDecodeError:
-                raise EnvelopeError("Request.session is not valid UTF-8") from None
-        elif number in _OPS:
-            _expect(wire, _WIRE_LEN, Request, "op")
-            req.op = _decode_message(_OPS[number], value)
-    return req
+# Field number -> (attribute, kind) for every message; the oneof members of Request
+# and Reply are listed here too (Request's ops all land in ``op``).
+_SPECS: dict[type, dict[int, tuple[str, Any]]] = {
+    cls: {number: (name, kind) for number, name, kind in cls.FIELDS}
+    for cls in (*_OPS.values(), Error)
+}
+_SPECS[Request] = {
+    1: ("id", _UINT64),
+    2: ("session", _STRING),
+    **{number: ("op", cls) for number, cls in _OPS.items()},
+}
+_SPECS[Reply] = {1: ("id", _UINT64), 2: ("value", _BYTES), 3: ("error", Error)}
+# Members of a oneof kept in separate attributes: setting one clears the other.
+
+# Key (field number << 3 | wire type) -> (attribute, kind): what _decode_message reads.
+_PACKED_ONE = "packed_uint64_one"  # one element of a repeated uint64 written unpacked
 
 
-def decode_reply(data: bytes | memoryview) -> Reply:
+def _keyed(specs: dict[int, tuple[str, Any]]) -> dict[int, tuple[str, Any]]:
+    by_key: dict[int, tuple[str, Any]] = {}
+    for number, (name, kind) in specs.items():
+        if kind is _UINT64:
+            by_key[number << 3 | _WIRE_VARINT] = (name, kind)
+        else:
+            by_key[number << 3 | _WIRE_LEN] = (name, kind)
+        if kind is _PACKED_UINT64:
+            by_key[number << 3 | _WIRE_VARINT] = (name, _PACKED_ONE)
+    return by_key
+
+
+_BY_KEY = {cls: _keyed(specs) for cls, specs in _SPECS.items()}
+
+
+def decode_request(data: bytes | bytearray | memoryview) -> Request:
+    """Parse a Request; raises :class:`EnvelopeError` when the bytes are not one.
+
+    Small ``bytes`` fields are copies; long ones (tensors) are views of ``data``.
+    """
+    buf = data if type(data) is bytes else memoryview(data).cast("B")
+    return _decode_message(Request, buf, 0, len(buf))
+
+
+def decode_reply(data: bytes | bytearray | memoryview) -> Reply:
     """Parse a Reply; raises :class:`EnvelopeError` when the bytes are not one."""
-    buf = memoryview(data)
-    reply = Reply()
-    for number, wire, value in _fields(buf):
-        if number == 1:
-            _expect(wire, _WIRE_VARINT, Reply, "id")
-            reply.id = value
-        elif number == 2:
-            _expect(wire, _WIRE_LEN, Reply, "value")
-            reply.value, reply.error = bytes(value), None
-        elif number == 3:
-            _expect(wire, _WIRE_LEN, Reply, "error")
-            reply.error, reply.value = _decode_message(Error, value), None
-    return reply
+    buf = data if type(data) is bytes else memoryview(data).cast("B")
+    return _decode_message(Reply, buf, 0, len(buf))
 
 
 def peek_request_id(data: bytes | memoryview) -> int:
     """The id of a Request that failed to decode, if its first field is readable, else 0."""
-    buf = memoryview(data)
+    buf = memoryview(data).cast("B")
     try:
-        key, pos = _read_varint(buf, 0)
+        key, pos = _read_varint(buf, 0, len(buf))
         if key == (1 << 3) | _WIRE_VARINT:
-            return _read_varint(buf, pos)[0]
+            return _read_varint(buf, pos, len(buf))[0]
     except EnvelopeError:
         pass
     return 0

@@ -19,7 +19,7 @@ class HandleNotFound(LookupError):
     """A handle that is unknown, released, or owned by another session."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     obj: Any
     session: str
@@ -61,8 +61,8 @@ class HandleRegistry:
         self._by_object.pop((entry.session, id(entry.obj)), None)
 
     def _entry(self, handle: int, session: str) -> _Entry:
-        with self._lock:
-            entry = self._entries.get(handle)
+        # No lock: one dict lookup is atomic, and an entry never changes once stored.
+        entry = self._entries.get(handle)
         if entry is None:
             raise HandleNotFound(f"no object with handle {handle} (never created, or released)")
         if entry.session != session:
