@@ -11,8 +11,9 @@ queues (:func:`keys.barrier_queue`, one per rank) for messages tagged with ``n``
    ... k of N ranks arrived") to every other rank: a rank that arrives later sees the poison
    in its own ``add`` and fails with that verdict, so all ranks pass or all fail. (A rank
    whose poison finds that all ranks had arrived, the last one just in time, passes.)
-2. depart: every rank other than 0, once it knows that all arrived, pushes "left" to rank 0
-   and returns (the last arrival's message to rank 0 says both).
+2. depart: every rank other than 0, once it knows that all arrived (and has run the
+   ``all_arrived`` hook), pushes "left" to rank 0 and returns (without such a hook, the last
+   arrival's message to rank 0 says both).
 3. rank 0, which serves the store, pops its queue until every other rank has left (again at
    most ``timeout`` seconds), so it cannot leave, and perhaps shut the store down, while
    another rank is still inside; then it deletes ``arrivals``.
@@ -148,10 +149,12 @@ def run_barrier(
         if hooks.before_arrival is not None:
             hooks.before_arrival()
         arrived = store.add(arrivals, 1)
+        # With nothing to do once all arrived, the last to arrive also leaves at once.
+        merged = hooks.all_arrived is None
         if arrived == world_size:  # the last to arrive, none gave up before
             for dst in range(world_size):
                 if dst != rank:
-                    kind = _ARRIVED_AND_LEFT if dst == 0 else _ALL_ARRIVED
+                    kind = _ARRIVED_AND_LEFT if dst == 0 and merged else _ALL_ARRIVED
                     mailbox.send(dst, barrier_id, kind)
         elif arrived > world_size:  # a rank gave up before this one arrived
             raise BarrierFailure(_verdict_of_others(mailbox, barrier_id, rank, timeout))
@@ -166,9 +169,9 @@ def run_barrier(
     except RuntimeError as exc:
         raise _store_failure(barrier_id, rank, "1 (arrival)", exc) from exc
 
-    # Phase 2: depart (the last to arrive already said so to rank 0).
+    # Phase 2: depart (the last to arrive may have said so to rank 0 already).
     if rank != 0:
-        if arrived != world_size:
+        if arrived != world_size or not merged:
             try:
                 mailbox.send(0, barrier_id, _LEFT)
             except RuntimeError as exc:

@@ -497,9 +497,7 @@ class StatelessProcessGroup:
         others = self._others
         counters = self.broadcast_recv_src_counter
         wanted = [f"bcast/{src}/{counters[src]}" for src in others]
-        got = self._waiter.multi_get(wanted, self._default_timeout())
-        if got is None or not all(got):
-            got = self._gather(wanted, others)
+        got = self._gather(wanted, others)
         for src in others:
             counters[src] += 1
         # Every rank has written this gather's value, so it has read this rank's earlier ones.
@@ -578,7 +576,11 @@ class StatelessProcessGroup:
             self._flush()
 
         if self._probed:
-            return BarrierHooks(while_waiting=self._flush, all_arrived=all_arrived)
+            # No hook once all arrived when there is nothing to do then: the barrier is
+            # shorter (see barrier.py, phase 2).
+            busy = self._own_gather or self._trash
+            hook = all_arrived if busy else None
+            return BarrierHooks(while_waiting=self._flush, all_arrived=hook)
         self._probed = True
         node_keys = [keys.barrier_node(barrier_id, r) for r in range(self.world_size)]
         identity = spg_shm.node_identity()

@@ -1,22 +1,31 @@
-"""Point-to-point objects travel on store queues: received in order, removed by receiving."""
+"""Point-to-point objects and barrier messages travel on store queues, in order, popped once."""
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
-from torch.distributed import HashStore
+from torch.distributed import TCPStore
 
 from bridge_py.distributed import StatelessProcessGroup, keys, spg_p2p
+from bridge_py.distributed.barrier import Mailbox
 from tests.distributed.harness import free_port, run_ranks
 
 
-def _group(rank: int, store: HashStore, world_size: int = 2) -> StatelessProcessGroup:
+def _store() -> TCPStore:
+    """A store served in this process (HashStore's blocking pops misbehave after a timeout)."""
+    return TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+
+
+def _group(rank: int, store: TCPStore, world_size: int = 2) -> StatelessProcessGroup:
     return StatelessProcessGroup(rank=rank, world_size=world_size, store=store, socket=None)
 
 
 def test_sends_are_queued_per_pair_and_receiving_removes_them() -> None:
-    store = HashStore()
+    store = _store()
     rank0, rank1 = _group(0, store), _group(1, store)
     for i in range(3):
         rank1.send_obj({"i": i}, dst=0)
@@ -29,7 +38,7 @@ def test_sends_are_queued_per_pair_and_receiving_removes_them() -> None:
 
 
 def test_items_out_of_turn_are_set_aside_and_stale_ones_skipped() -> None:
-    store = HashStore()
+    store = _store()
     inbox = spg_p2p.Inbox(store, 0, 2)
     queue = keys.p2p_queue(1, 0)
     for seq in (2, 0, 1):  # 2 before its turn; 0 then 1 in turn
@@ -42,7 +51,7 @@ def test_items_out_of_turn_are_set_aside_and_stale_ones_skipped() -> None:
 
 
 def test_drop_removes_an_unreceived_message_and_keeps_a_later_one() -> None:
-    store = HashStore()
+    store = _store()
     queue = keys.p2p_queue(0, 1)
     for seq in range(2):
         store.queue_push(queue, spg_p2p.frame(seq, b"v%d" % seq))
@@ -88,3 +97,15 @@ def _timeout_on_main(rank: int, port: int) -> str:
 
 def test_a_timed_out_receive_leaves_the_group_usable() -> None:
     assert run_ranks(_timeout_on_main, 2, free_port(), timeout=60) == ["ok", "ok"]
+
+
+def test_barrier_messages_of_later_barriers_are_kept_and_earlier_ones_dropped() -> None:
+    store = _store()
+    rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
+    rank1.send(0, 3, 2)  # barrier 3, left over from a barrier that failed
+    rank1.send(0, 5, 4, b"verdict of 5")  # barrier 5, sent before rank 0 got there
+    rank1.send(0, 4, 2)
+    assert rank0.receive(4, time.monotonic() + 5) == (2, 1, b"")
+    assert rank0.receive(5, time.monotonic() + 5) == (4, 1, b"verdict of 5")
+    assert rank0.receive(5, time.monotonic() + 0.2) is None
+    assert store.queue_len(keys.barrier_queue(0)) == 0
