@@ -472,11 +472,12 @@ class StatelessProcessGroup:
         return result
 
     def _all_gather_plain(self, obj: Any) -> list[Any]:
-        """``all_gather_obj`` with plain pickles through the store: the same steps, less work.
+        """``all_gather_obj`` without an auth key: the same steps, with less work around them.
 
-        The common case (no auth key, no shared memory, nodes probed) costs every rank a
-        ``set`` (no reply), the ``delete_key`` of its previous value and one ``multi_get``;
-        on a busy machine with more ranks than cores the Python work around them counts too.
+        Costs every rank a ``set`` (no reply), the ``delete_key`` of its previous value and
+        one ``multi_get`` on the main connection (a wait for all values, bounded by the store's
+        timeout, then one read); with more ranks than cores the Python work around these
+        requests counts as much as they do, hence this path.
         """
         entries = self.entries
         now = time.time()
@@ -485,11 +486,15 @@ class StatelessProcessGroup:
         rank = self.rank
         seq = self.broadcast_send_counter
         key = f"bcast/{rank}/{seq}"  # keys.broadcast_value, spelled out on this hot path
-        if self._all_local:
+        segment = None
+        if self._all_local and (self._spilled or sys.getsizeof(obj) > self._shm_threshold):
             value, segment = self._dumps(key, obj, True)
         else:
-            value, segment = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
-        self.store.set(key, value)
+            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            if self._all_local and len(value) > self._shm_threshold:
+                value, segment = self._dumps(key, obj, True)
+        store = self.store
+        store.set(key, value)
         entries.append((key, now))
         self.broadcast_send_counter = seq + 1
         if self._trash:
@@ -497,7 +502,15 @@ class StatelessProcessGroup:
         others = self._others
         counters = self.broadcast_recv_src_counter
         wanted = [f"bcast/{src}/{counters[src]}" for src in others]
-        got = self._gather(wanted, others)
+        start = time.monotonic()
+        try:
+            got = store.multi_get(wanted)
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower():
+                raise self._gather_lost(others, start, exc) from exc
+            raise self._gather_late(wanted, others, start, self._default_timeout()) from None
+        if not all(got):  # woken early (see _gather): fetch what is missing
+            got = self._gather(wanted, others)
         for src in others:
             counters[src] += 1
         # Every rank has written this gather's value, so it has read this rank's earlier ones.
@@ -525,19 +538,9 @@ class StatelessProcessGroup:
             try:
                 fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
             except RuntimeError as exc:
-                raise RuntimeError(
-                    f"all_gather_obj on rank {self.rank} lost the store after "
-                    f"{time.monotonic() - start:.1f} s while waiting for the values of ranks "
-                    f"{others} (did rank 0, which serves the store, exit?): {exc}"
-                ) from exc
+                raise self._gather_lost(others, start, exc) from exc
             if fetched is None:
-                late = [src for src, key in zip(others, wanted, strict=False) if not self._has(key)]
-                raise RuntimeError(
-                    f"all_gather_obj on rank {self.rank} timed out after "
-                    f"{time.monotonic() - start:.1f} s (timeout {limit:g} s) waiting for the "
-                    f"values of ranks {late} (keys {[wanted[others.index(r)] for r in late]}): "
-                    "they did not call all_gather_obj (did they exit, or call something else?)"
-                )
+                raise self._gather_late(wanted, others, start, limit)
             for i, value in zip(missing, fetched, strict=True):
                 got[i] = value
             # No value is empty: an empty one is a key that was not there, read after a
@@ -545,6 +548,25 @@ class StatelessProcessGroup:
             missing = [i for i in missing if not got[i]]
             left = max(deadline - time.monotonic(), 0.001)
         return got
+
+    def _gather_lost(self, others: list[int], start: float, exc: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"all_gather_obj on rank {self.rank} lost the store after "
+            f"{time.monotonic() - start:.1f} s while waiting for the values of ranks "
+            f"{others} (did rank 0, which serves the store, exit?): {exc}"
+        )
+
+    def _gather_late(
+        self, wanted: list[str], others: list[int], start: float, limit: float
+    ) -> RuntimeError:
+        """The error for a gather that timed out, naming the ranks whose values are missing."""
+        late = [src for src, key in zip(others, wanted, strict=False) if not self._has(key)]
+        return RuntimeError(
+            f"all_gather_obj on rank {self.rank} timed out after "
+            f"{time.monotonic() - start:.1f} s (timeout {limit:g} s) waiting for the "
+            f"values of ranks {late} (keys {[wanted[others.index(r)] for r in late]}): "
+            "they did not call all_gather_obj (did they exit, or call something else?)"
+        )
 
     def _has(self, key: str) -> bool:
         with contextlib.suppress(RuntimeError):

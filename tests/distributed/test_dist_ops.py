@@ -269,3 +269,31 @@ def test_single_rank_group_in_process() -> None:
     assert group.recv_obj(src=0) == "self"
     group.barrier(timeout=1)
     assert group.store.num_keys() == 2
+
+
+def _gather_alone(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2, store_timeout=2)
+    result: dict = {}
+    group.barrier(timeout=10)  # the first barrier learns where the ranks run
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            group.all_gather_obj("alone")
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+        result["elapsed"] = time.monotonic() - start
+    group.barrier(timeout=10)  # the main connection that timed out still works
+    if rank == 0:
+        group.send_obj("after", dst=1)
+    else:
+        result["after"] = group.recv_obj(0, timeout=10)
+    group.barrier(timeout=10)
+    return result
+
+
+def test_all_gather_times_out_within_the_store_timeout_naming_the_missing_rank() -> None:
+    results = run_ranks(_gather_alone, 2, free_port(), timeout=60)
+    error = results[0]["error"]
+    assert "all_gather_obj on rank 0 timed out" in error and "ranks [1]" in error, error
+    assert results[0]["elapsed"] < 2 * 2, results[0]  # one wait of the store timeout, not two
+    assert results[1]["after"] == "after"
