@@ -14,6 +14,7 @@ __all__ = [
     "broadcast_acks",
     "broadcast_value",
     "gather_node",
+    "gather_queue",
     "p2p_queue",
     "p2p_value",
 ]
@@ -49,6 +50,11 @@ def broadcast_acks(src: int, seq: int) -> str:
 def gather_node(src: int, seq: int) -> str:
     """``src``'s node identity, written with its value of the group's first all_gather."""
     return f"bcast/{src}/{seq}/node"
+
+
+def gather_queue(src: int, dst: int) -> str:
+    """The store queue of ``src``'s all_gather values for ``dst`` (two ranks; see spg_p2p)."""
+    return f"gx/{src}/{dst}"
 
 
 def barrier_arrivals(barrier_id: int) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import struct
 import time
+from collections.abc import Callable
 
 from torch.distributed import QueueEmptyError, Store
 
@@ -50,13 +51,20 @@ def unframe(item: bytes) -> tuple[int, memoryview]:
 class Inbox:
     """The receiving side of one rank: pops its pairs' queues in order, with a deadline."""
 
-    def __init__(self, store: Store, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        queue: Callable[[int, int], str] = keys.p2p_queue,
+    ) -> None:
+        """``queue(src, dst)`` names the queue of each pair (point-to-point by default)."""
         self._store = store
         # src -> {seq: value} of messages popped before their turn.
         self._early: dict[int, dict[int, memoryview]] = {}
         # src -> [pops with a wait left before trying one without, the next such count].
         self._skips: dict[int, list[int]] = {}
-        self._queues = [keys.p2p_queue(src, rank) for src in range(world_size)]
+        self._queues = [queue(src, rank) for src in range(world_size)]
 
     def receive(self, src: int, seq: int, limit: float | None) -> memoryview | None:
         """The value of message ``seq`` from ``src``, or None after ``limit`` seconds.
@@ -139,14 +147,13 @@ class Inbox:
             self._early.setdefault(src, {})[got] = value
 
 
-def drop(store: Store, src: int, dst: int, seq: int, sent: int) -> None:
-    """Remove message ``seq`` (of ``sent`` so far) from ``src`` to ``dst`` if still queued.
+def drop(store: Store, queue: str, seq: int, sent: int) -> None:
+    """Remove message ``seq`` (of ``sent`` so far) from ``queue`` if it is still there.
 
     For ``expire_data``: messages are expired oldest first, so an unreceived ``seq`` is at the
     front of the queue. If ``dst`` pops it meanwhile, the pop here takes a later message,
-    which goes back on the queue (``dst`` sets aside what arrives before its turn).
+    which goes back on the queue (the receiver sets aside what arrives before its turn).
     """
-    queue = keys.p2p_queue(src, dst)
     if seq < sent - store.queue_len(queue):
         return  # received already
     try:

@@ -102,6 +102,11 @@ class StatelessProcessGroup:
         self._waiter = FetchingWaiter(self.store)
         self._inbox = spg_p2p.Inbox(self.store, self.rank, self.world_size)
         self._mailbox = Mailbox(self.store, self.rank)
+        # Two ranks gather through a queue each way: its inbox, values sent and received.
+        self._gather_inbox = spg_p2p.Inbox(
+            self.store, self.rank, self.world_size, keys.gather_queue
+        )
+        self._exchanged = [0, 0]
         self._outbox = [keys.p2p_queue(self.rank, dst) for dst in range(self.world_size)]
         self._others = [r for r in range(self.world_size) if r != self.rank]
         self._auth_key: bytes | None = resolve_key(None)
@@ -322,7 +327,11 @@ class StatelessProcessGroup:
                 break
             if key.startswith("p2p/"):
                 src, dst, seq = (int(part) for part in key.split("/")[1:])
-                spg_p2p.drop(self.store, src, dst, seq, self.send_dst_counter[dst])
+                queue = keys.p2p_queue(src, dst)
+                spg_p2p.drop(self.store, queue, seq, self.send_dst_counter[dst])
+            elif key.startswith("gx/"):
+                src, dst, seq = (int(part) for part in key.split("/")[1:])
+                spg_p2p.drop(self.store, keys.gather_queue(src, dst), seq, self._exchanged[0])
             else:
                 self.store.delete_key(key)
             entries.popleft()
@@ -425,6 +434,8 @@ class StatelessProcessGroup:
             self.broadcast_send_counter += 1
             return [obj]
         if self._probed and self._auth_key is None:
+            if self.world_size == 2:
+                return self._exchange(obj)
             return self._all_gather_plain(obj)
         self.expire_data()
         rank = self.rank
@@ -524,6 +535,58 @@ class StatelessProcessGroup:
         result.insert(rank, obj)
         return result
 
+    def _exchange(self, obj: Any) -> list[Any]:
+        """``all_gather_obj`` of two ranks without an auth key: one queue each way.
+
+        Each rank pushes its value onto the queue to the other (no reply to wait for) and
+        pops the other's (a wait, then the pop): nothing is left to delete afterwards, which
+        saves the ``delete_key`` of the general path. Waits at most the store's timeout.
+        """
+        entries = self.entries
+        now = time.time()
+        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
+            self.expire_data()
+        rank = self.rank
+        peer = 1 - rank
+        sent, received = self._exchanged
+        name = f"gx/{rank}/{peer}/{sent}"
+        segment = None
+        if self._all_local and (self._spilled or sys.getsizeof(obj) > self._shm_threshold):
+            value, segment = self._dumps(name, obj, True)
+        else:
+            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            if self._all_local and len(value) > self._shm_threshold:
+                value, segment = self._dumps(name, obj, True)
+        self.store.queue_push(keys.gather_queue(rank, peer), spg_p2p.frame(sent, value))
+        entries.append((name, now))
+        self._exchanged[0] = sent + 1
+        self.broadcast_send_counter += 1
+        if self._trash:
+            self._flush()
+        start = time.monotonic()
+        try:
+            data = self._gather_inbox.receive(peer, received, None)
+        except RuntimeError as exc:
+            raise self._gather_lost([peer], start, exc) from exc
+        if data is None:
+            raise RuntimeError(
+                f"all_gather_obj on rank {rank} timed out after "
+                f"{time.monotonic() - start:.1f} s (timeout {self._default_timeout():g} s) "
+                f"waiting for the values of ranks [{peer}] ('gx/{peer}/{rank}/{received}'): "
+                "they did not call all_gather_obj (did they exit, or call something else?)"
+            )
+        self._exchanged[1] = received + 1
+        self.broadcast_recv_src_counter[peer] += 1
+        # The other rank has sent this gather's value, so it has read this rank's earlier one.
+        if self._own_gather:
+            self._release_own_gather()
+        self._own_gather = [("", segment)] if segment is not None else []
+        if data and data[0] == 0x80:
+            got = pickle.loads(data)
+        else:
+            got = self._loads(f"gx/{peer}/{rank}/{received}", data, peer, False)
+        return [obj, got] if rank == 0 else [got, obj]
+
     def _gather(self, wanted: list[str], others: list[int]) -> list[bytes]:
         """The values of ``wanted`` (the first ``len(others)`` are the others' values)."""
         limit = self._default_timeout()
@@ -576,7 +639,8 @@ class StatelessProcessGroup:
     def _release_own_gather(self) -> None:
         """Every rank has read this rank's last all_gather value: drop it (and its segment)."""
         for name, segment in self._own_gather:
-            self._trash.append(name)
+            if name:  # not a value that went through a queue
+                self._trash.append(name)
             if segment is not None:
                 self._segments.discard(segment)
         self._own_gather = []

@@ -55,9 +55,9 @@ def test_drop_removes_an_unreceived_message_and_keeps_a_later_one() -> None:
     queue = keys.p2p_queue(0, 1)
     for seq in range(2):
         store.queue_push(queue, spg_p2p.frame(seq, b"v%d" % seq))
-    spg_p2p.drop(store, 0, 1, 0, sent=2)  # message 0 is at the front: removed
+    spg_p2p.drop(store, queue, 0, sent=2)  # message 0 is at the front: removed
     assert store.queue_len(queue) == 1
-    spg_p2p.drop(store, 0, 1, 0, sent=2)  # already gone: message 1 is not touched
+    spg_p2p.drop(store, queue, 0, sent=2)  # already gone: message 1 is not touched
     assert store.queue_len(queue) == 1
     # The receiver takes message 1 between the length check and the pop: the later message
     # popped instead goes back on the queue.
@@ -75,7 +75,7 @@ def test_drop_removes_an_unreceived_message_and_keeps_a_later_one() -> None:
         def queue_push(self, name: str, item: bytes) -> None:
             store.queue_push(name, item)
 
-    spg_p2p.drop(Racing(), 0, 1, 1, sent=3)  # type: ignore[arg-type]
+    spg_p2p.drop(Racing(), queue, 1, sent=3)  # type: ignore[arg-type]
     assert store.queue_len(queue) == 1
     inbox = spg_p2p.Inbox(store, 1, 2)
     assert bytes(inbox.receive(0, 2, 5.0)) == b"v2"
@@ -109,3 +109,26 @@ def test_barrier_messages_of_later_barriers_are_kept_and_earlier_ones_dropped() 
     assert rank0.receive(5, time.monotonic() + 5) == (4, 1, b"verdict of 5")
     assert rank0.receive(5, time.monotonic() + 0.2) is None
     assert store.queue_len(keys.barrier_queue(0)) == 0
+
+
+def _two_rank_gathers(rank: int, port: int) -> dict:
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=30)
+    group.barrier(timeout=10)  # learns that both ranks share a node
+    big = bytes([rank + 1]) * (300 * 1024)  # over the shared-memory threshold
+    gathered = [group.all_gather_obj((rank, i)) for i in range(3)] + [group.all_gather_obj(big)]
+    gathered.append(group.all_gather_obj("last"))
+    group.barrier(timeout=10)
+    return {
+        "gathered": gathered,
+        "keys": sorted(group.store.list_keys()) if rank == 0 else None,
+        "queued": group.store.queue_len(keys.gather_queue(1 - rank, rank)),
+    }
+
+
+def test_two_ranks_gather_through_a_queue_each_way() -> None:
+    results = run_ranks(_two_rank_gathers, 2, free_port(), timeout=60)
+    big = [bytes([r + 1]) * (300 * 1024) for r in range(2)]
+    expected = [[(0, i), (1, i)] for i in range(3)] + [big, ["last", "last"]]
+    assert all(result["gathered"] == expected for result in results)
+    assert results[0]["keys"] == ["join/count", "join/done"]  # no value key, ever
+    assert [result["queued"] for result in results] == [0, 0]
