@@ -418,8 +418,59 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
 
     Small ``bytes`` fields are copies; long ones (tensors) are views of ``data``.
     """
-    buf = data if type(data) is bytes else memoryview(data).cast("B")
+    if type(data) is bytes:
+        call = _canonical_call(data)
+        if call is not None:
+            return call
+        return _decode_message(Request, data, 0, len(data))
+    buf = memoryview(data).cast("B")
     return _decode_message(Request, buf, 0, len(buf))
+
+
+def _canonical_call(buf: bytes) -> Request | None:
+    """A method call laid out the way every encoder writes one, or None.
+
+    The common request, read without the general loop: ``id``, maybe ``session``,
+    then ``call`` (``handle``, ``method``, maybe ``args``, maybe ``kwargs``) to the
+    end, each once and in field order. Anything else, valid or not, returns None and
+    is left to :func:`_decode_message`, which decodes it the same way or says what
+    is wrong with it.
+    """
+    n = len(buf)
+    try:
+        if n < 8 or buf[0] != 0x08:
+            return None
+        rid, pos = _read_varint(buf, 1, n)
+        session = ""
+        if buf[pos] == 0x12:
+            size, pos = _read_varint(buf, pos + 1, n)
+            session = buf[pos : pos + size].decode("utf-8")
+            pos += size
+        if pos + 2 > n or buf[pos] != 0x5A:
+            return None
+        size, pos = _read_varint(buf, pos + 1, n)
+        if pos + size != n or buf[pos] != 0x08:
+            return None
+        handle, pos = _read_varint(buf, pos + 1, n)
+        if pos >= n or buf[pos] != 0x12:
+            return None
+        size, pos = _read_varint(buf, pos + 1, n)
+        method = buf[pos : pos + size].decode("utf-8")
+        pos += size
+        args = kwargs = b""
+        if pos < n and buf[pos] == 0x1A:
+            size, pos = _read_varint(buf, pos + 1, n)
+            args = buf[pos : pos + size]
+            pos += size
+        if pos < n and buf[pos] == 0x22:
+            size, pos = _read_varint(buf, pos + 1, n)
+            kwargs = buf[pos : pos + size]
+            pos += size
+    except (EnvelopeError, IndexError, UnicodeDecodeError):
+        return None
+    if pos != n or not handle or not method:
+        return None
+    return Request(rid, session, CallMethod(handle, method, args, kwargs))
 
 
 def decode_reply(data: bytes | bytearray | memoryview) -> Reply:

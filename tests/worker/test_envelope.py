@@ -8,6 +8,7 @@ the same message with protobuf's parser.
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -99,3 +100,48 @@ def test_peek_request_id() -> None:
     assert pb.peek_request_id(b"\x08\x2a\xff") == 42
     assert pb.peek_request_id(b"\x12\x00") == 0
     assert pb.peek_request_id(b"") == 0
+
+
+def _mutations(data: bytes, rng: random.Random) -> list[bytes]:
+    """``data`` truncated, extended, and with bytes flipped: valid and invalid neighbours."""
+    out = [data[:cut] for cut in range(len(data))] + [data + b"\x00", data + b"\x08\x01"]
+    for _ in range(40):
+        b = bytearray(data)
+        b[rng.randrange(len(b))] = rng.randrange(256)
+        out.append(bytes(b))
+    return out
+
+
+def test_the_method_call_fast_path_decodes_exactly_like_the_general_decoder(
+    official: ModuleType,
+) -> None:
+    # decode_request reads canonical method calls without the general field loop;
+    # on every input, valid or not, it must agree with the general decoder (and with
+    # protobuf's parser where the bytes are valid).
+    rng = random.Random(7)
+    for _ in range(300):
+        call = pb.CallMethod(
+            handle=rng.choice([0, 1, 127, 128, 2**40]),
+            method=rng.choice(["", "incr", "é" * rng.randrange(1, 80)]),
+            args=rng.randbytes(rng.choice([0, 1, 130, 300])),
+            kwargs=rng.randbytes(rng.choice([0, 2, 200])),
+        )
+        req = pb.Request(
+            id=rng.choice([0, 1, 300]), session=rng.choice(["", "s", "x" * 200]), op=call
+        )
+        data = pb.encode_request(req)
+        for candidate in [data, *_mutations(data, rng)]:
+            try:
+                general: pb.Request | str = pb._decode_message(
+                    pb.Request, candidate, 0, len(candidate)
+                )
+            except pb.EnvelopeError as exc:
+                general = f"error: {exc}"
+            try:
+                ours: pb.Request | str = pb.decode_request(candidate)
+            except pb.EnvelopeError as exc:
+                ours = f"error: {exc}"
+            assert ours == general, candidate
+            if candidate is data:
+                assert ours == req
+                assert official.Request.FromString(data).call.method == call.method

@@ -20,6 +20,9 @@ from bridge_py.worker.sequencer import Turn
 
 DEFAULT_MAX_FRAME = 1 << 31  # 2 GiB
 _HEADER = struct.Struct(">I")
+_READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
+_SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
+_JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
 
 
 class FrameWriter:
@@ -29,32 +32,104 @@ class FrameWriter:
         self._fd = fd
         self._lock = threading.Lock()
 
-    def write(self, payload: bytes | list[bytes]) -> None:
+    def write(self, payload: bytes | list[bytes | memoryview]) -> None:
         """Write one frame (length prefix and payload, whole or in pieces) without
         interleaving with other threads' frames."""
         pieces = payload if isinstance(payload, list) else [payload]
+        if len(pieces) == 1 and len(pieces[0]) < _JOIN_BELOW:
+            # A small frame: one buffer, one write.
+            data = _HEADER.pack(len(pieces[0])) + pieces[0]
+            with self._lock:
+                written = os.write(self._fd, data)
+                if written < len(data):
+                    self._write_all([memoryview(data)[written:]])
+            return
         size = sum(len(p) for p in pieces)
         chunks = [memoryview(_HEADER.pack(size)), *(memoryview(p) for p in pieces if p)]
         with self._lock:
-            while chunks:
-                written = os.writev(self._fd, chunks)
-                while chunks and written >= len(chunks[0]):
-                    written -= len(chunks[0])
-                    chunks.pop(0)
-                if chunks and written:
-                    chunks[0] = chunks[0][written:]
+            self._write_all(chunks)
+
+    def _write_all(self, chunks: list[memoryview]) -> None:
+        while chunks:
+            written = os.writev(self._fd, chunks)
+            while chunks and written >= len(chunks[0]):
+                written -= len(chunks[0])
+                chunks.pop(0)
+            if chunks and written:
+                chunks[0] = chunks[0][written:]
 
 
-def read_frame(stream: BinaryIO, max_frame: int) -> bytearray | None:
-    """The next frame's payload; None at end of input. Oversized frames are skipped."""
-    header = _read_exact(stream, 4)
-    if header is None:
-        return None
-    (size,) = _HEADER.unpack(header)
-    if size > max_frame:
-        _skip(stream, size)
-        raise FrameTooLarge(size, max_frame)
-    return _read_exact(stream, size)
+class FrameReader:
+    """Reads frames from a byte stream, taking several from one read when they are there.
+
+    Small frames are sliced out of what one ``read1`` returned (one system call for
+    all the requests that arrived together); a large frame is read straight into a
+    buffer of its own size, with no copy in between.
+    """
+
+    def __init__(self, stream: BinaryIO, max_frame: int) -> None:
+        self._stream = stream
+        self._max_frame = max_frame
+        self._buf = b""  # bytes read and not yet handed out, from self._pos on
+        self._pos = 0
+
+    def read(self) -> bytes | bytearray | None:
+        """The next frame's payload; None at end of input.
+
+        Raises :class:`FrameTooLarge` for a frame over the limit, after skipping it.
+        """
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos >= 4:
+            end = pos + 4 + int.from_bytes(buf[pos : pos + 4], "big")
+            if end <= len(buf):
+                self._pos = end
+                return buf[pos + 4 : end]
+        return self._read_more()
+
+    def _read_more(self) -> bytes | bytearray | None:
+        header = self._take(4)
+        if header is None:
+            return None
+        (size,) = _HEADER.unpack(header)
+        if size > self._max_frame:
+            self._skip(size)
+            raise FrameTooLarge(size, self._max_frame)
+        if size <= _SMALL_FRAME:
+            return self._take(size)
+        # A large frame: what is buffered, then the rest read in place.
+        frame = bytearray(size)
+        view = memoryview(frame)
+        got = len(self._buf) - self._pos
+        view[:got] = self._buf[self._pos :]
+        self._buf, self._pos = b"", 0
+        while got < size:
+            k = self._stream.readinto(view[got:])
+            if not k:
+                return None
+            got += k
+        return frame
+
+    def _take(self, n: int) -> bytes | None:
+        """``n`` bytes, reading as needed; None if the input ends first."""
+        while len(self._buf) - self._pos < n:
+            chunk = self._stream.read1(_READ_SIZE)
+            if not chunk:
+                return None
+            self._buf = self._buf[self._pos :] + chunk
+            self._pos = 0
+        data = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return data
+
+    def _skip(self, n: int) -> None:
+        buffered = min(n, len(self._buf) - self._pos)
+        self._pos += buffered
+        n -= buffered
+        while n > 0:
+            chunk = self._stream.read(min(n, 1 << 20))
+            if not chunk:
+                return
+            n -= len(chunk)
 
 
 class FrameTooLarge(Exception):
@@ -62,26 +137,6 @@ class FrameTooLarge(Exception):
 
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
-
-
-def _read_exact(stream: BinaryIO, n: int) -> bytearray | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = stream.readinto(view[got:])
-        if not k:
-            return None
-        got += k
-    return buf
-
-
-def _skip(stream: BinaryIO, n: int) -> None:
-    while n > 0:
-        chunk = stream.read(min(n, 1 << 20))
-        if not chunk:
-            return
-        n -= len(chunk)
 
 
 class PortTransport:
@@ -94,6 +149,10 @@ class PortTransport:
     on, a new standby takes its place, and the old leader ends when its call returns.
     Method calls on one object still run in arrival order: each takes its turn
     (``Dispatcher.reserve``) when the leader reads it.
+
+    The leader marks the start of a request without a lock (it alone writes those
+    fields); the end of a request, where the leader learns whether it was replaced,
+    and a takeover both hold ``_lock``, so exactly one thread reads at a time.
     """
 
     def __init__(
@@ -107,12 +166,11 @@ class PortTransport:
         takeover_after: float = 0.01,
     ) -> None:
         self._dispatcher = dispatcher
-        self._in = infile
+        self._reader = FrameReader(infile, max_frame)
         self._out = FrameWriter(out_fd)
-        self._max_frame = max_frame
         self._max_threads = max_threads
         self._takeover_after = takeover_after
-        self._state = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._leader: int | None = None  # thread ident
         self._running = False  # the leader is inside a request
         self._job = 0  # requests started by leaders so far
@@ -121,28 +179,25 @@ class PortTransport:
 
     def serve(self) -> None:
         """Serve until end of input; each request gets exactly one reply."""
-        with self._state:
+        with self._lock:
             self._threads += 2
         threading.Thread(target=self._lead, name="bridge-leader", daemon=True).start()
         threading.Thread(target=self._stand_by, name="bridge-standby", daemon=True).start()
         self._done.wait()
-        with self._state:
-            self._state.notify_all()
 
     def _lead(self) -> None:
         me = threading.get_ident()
-        with self._state:
+        with self._lock:
             self._leader = me
         while True:
             job = self._next_job()
             if job is None:
                 self._done.set()
                 return
-            with self._state:
-                self._running = True
-                self._job += 1
+            self._job += 1  # only the leader writes these two
+            self._running = True
             self._run(job)
-            with self._state:
+            with self._lock:
                 if self._leader != me:  # a standby took over while this call blocked
                     self._threads -= 1
                     return
@@ -150,9 +205,8 @@ class PortTransport:
 
     def _stand_by(self) -> None:
         seen = -1
-        with self._state:
-            while not self._done.is_set():
-                self._state.wait(self._takeover_after)
+        while not self._done.wait(self._takeover_after):
+            with self._lock:
                 if not self._running:
                     seen = -1
                     continue
@@ -165,17 +219,15 @@ class PortTransport:
                 hire = self._threads < self._max_threads
                 if hire:
                     self._threads += 1
-                break
-            else:
-                return
-        if hire:
-            threading.Thread(target=self._stand_by, name="bridge-standby", daemon=True).start()
-        self._lead()
+            if hire:
+                threading.Thread(target=self._stand_by, name="bridge-standby", daemon=True).start()
+            self._lead()
+            return
 
     def _next_job(self) -> tuple[pb.Request | pb.Reply, Turn | None] | None:
         """Read and decode the next frame (None at end of input); runs as the leader."""
         try:
-            frame = read_frame(self._in, self._max_frame)
+            frame = self._reader.read()
         except FrameTooLarge as exc:
             return protocol_error(0, str(exc)), None
         if frame is None:
@@ -188,7 +240,7 @@ class PortTransport:
 
     def _run(self, job: tuple[pb.Request | pb.Reply, Turn | None]) -> None:
         message, turn = job
-        if isinstance(message, pb.Reply):  # an error found while reading
+        if type(message) is pb.Reply:  # an error found while reading
             self._out.write(pb.encode_reply(message))
         else:
             self._out.write(pb.encode_reply_chunks(self._dispatcher.dispatch(message, turn)))
