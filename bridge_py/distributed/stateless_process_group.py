@@ -427,8 +427,9 @@ class StatelessProcessGroup:
         an all_gather costs every rank the same few round trips whatever the world size. The
         counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
         value once it knows every rank has read it (when its next all_gather completes, or at
-        the next barrier). Waits at most the store's timeout, then raises RuntimeError naming
-        the ranks whose values are missing.
+        the next barrier). Two ranks without an auth key instead push their objects to each
+        other on store queues, which receiving empties. Waits at most the store's timeout,
+        then raises RuntimeError naming the ranks whose values are missing.
         """
         if self.world_size == 1:
             self.broadcast_send_counter += 1
