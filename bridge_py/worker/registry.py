@@ -73,11 +73,17 @@ class HandleRegistry:
 
     def get(self, handle: int, session: str) -> Any:
         """The object behind ``handle``, if ``session`` owns it."""
-        return self._entry(handle, session).obj
+        entry = self._entries.get(handle)
+        if entry is None or entry.session != session:
+            entry = self._entry(handle, session)  # raises, saying which
+        return entry.obj
 
     def turn(self, handle: int, session: str) -> Turn:
         """The next turn to call a method of ``handle`` (see :mod:`sequencer`)."""
-        return self._entry(handle, session).sequencer.turn()
+        entry = self._entries.get(handle)
+        if entry is None or entry.session != session:
+            entry = self._entry(handle, session)  # raises, saying which
+        return entry.sequencer.turn()
 
     def release(self, handles: list[int], session: str) -> int:
         """Forget the given handles of ``session``; return how many were held."""

@@ -63,7 +63,9 @@ class Turn:
         self._number = number
 
     def __enter__(self) -> Turn:
-        self._sequencer._wait_for(self._number)
+        sequencer = self._sequencer
+        if sequencer._serving != self._number:
+            sequencer._wait_for(self._number)
         return self
 
     def __exit__(
