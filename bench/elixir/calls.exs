@@ -67,11 +67,12 @@ defmodule Bench.Calls do
 
     frame = IO.iodata_to_binary(frame)
     echo = Bench.open_echo()
+    bare = open_bare_worker(root)
     grpc = open_grpc(root)
     {:ok, router} = Bench.EchoRouter.start_link(nil)
 
     rows =
-      latency(quick, counter, echo, router, frame, grpc) ++
+      latency(quick, counter, echo, router, frame, grpc, bare) ++
         throughput(quick, counter, router, frame) ++ tensor(quick, echo)
 
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
@@ -79,7 +80,7 @@ defmodule Bench.Calls do
 
   ## 1. sequential latency --------------------------------------------------------
 
-  defp latency(quick, counter, echo, router, frame, grpc) do
+  defp latency(quick, counter, echo, router, frame, grpc, bare) do
     {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
     {:ok, start} = Runtime.call_method(counter, "incr", [])
 
@@ -87,23 +88,32 @@ defmodule Bench.Calls do
     _ = ours_batch(counter, start, 20)
     _ = echo_batch(echo, frame, 20)
     _ = grpc_batch(grpc, 20)
+    _ = bare_batch(bare, 20)
     {:ok, start} = Runtime.call_method(counter, "incr", [])
 
     {acc, _} =
-      Enum.reduce(1..rounds, {%{ours: [], ping: [], echo: [], hop: [], grpc: []}, start}, fn
-        r, {acc, v} ->
-          steps = [
-            {:ours, fn -> ours_batch(counter, v, n) end},
-            {:ping, fn -> ping_batch(n) end},
-            {:echo, fn -> echo_batch(echo, frame, n) end},
-            {:hop, fn -> hop_batch(router, frame, n) end},
-            {:grpc, fn -> grpc_batch(grpc, n) end}
-          ]
+      Enum.reduce(
+        1..rounds,
+        {%{ours: [], ping: [], echo: [], hop: [], grpc: [], bare: []}, start},
+        fn
+          r, {acc, v} ->
+            steps = [
+              {:ours, fn -> ours_batch(counter, v, n) end},
+              {:ping, fn -> ping_batch(n) end},
+              {:echo, fn -> echo_batch(echo, frame, n) end},
+              {:hop, fn -> hop_batch(router, frame, n) end},
+              {:bare, fn -> bare_batch(bare, n) end},
+              {:grpc, fn -> grpc_batch(grpc, n) end}
+            ]
 
-          steps = if rem(r, 2) == 0, do: steps, else: Enum.reverse(steps)
-          acc = Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
-          {acc, v + n}
-      end)
+            steps = if rem(r, 2) == 0, do: steps, else: Enum.reverse(steps)
+
+            acc =
+              Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
+
+            {acc, v + n}
+        end
+      )
 
     [p50, p99] = for p <- [50, 99], do: Map.new(acc, fn {k, v} -> {k, Bench.percentile(v, p)} end)
     what = "Counter.incr (no-op method), sequential"
@@ -119,6 +129,13 @@ defmodule Bench.Calls do
         @bench,
         "Runtime.ping (inline op), sequential, p50",
         p50.ping,
+        p50.echo,
+        "raw port echo"
+      ),
+      Bench.time_row(
+        @bench,
+        "Ping frame to a worker through a caller-owned port (no runtime), p50",
+        p50.bare,
         p50.echo,
         "raw port echo"
       ),
@@ -160,6 +177,34 @@ defmodule Bench.Calls do
     for _ <- 1..n do
       {us, data} = Bench.tc(fn -> Bench.EchoRouter.echo(router, frame) end)
       Bench.check!(data == frame, "the echo differs")
+      us
+    end
+  end
+
+  # A worker process behind a port this process owns: the Python side of a call
+  # with no runtime, no Worker GenServer and no argument encoding in between.
+  defp open_bare_worker(root) do
+    port =
+      Port.open({:spawn_executable, Worker.find_python()}, [
+        :binary,
+        {:packet, 4},
+        :exit_status,
+        :use_stdio,
+        cd: root,
+        env: [{~c"PYTHONPATH", String.to_charlist(root)}],
+        args: ["-m", "bridge_py.worker"]
+      ])
+
+    {:ok, ping} = Proto.encode_request(%{id: 1, session: "", op: {:ping, %{payload: ""}}})
+    ping = IO.iodata_to_binary(ping)
+    Bench.check!(Bench.echo(port, ping, 120_000) != "", "the bare worker did not answer")
+    {port, ping}
+  end
+
+  defp bare_batch({port, ping}, n) do
+    for _ <- 1..n do
+      {us, reply} = Bench.tc(fn -> Bench.echo(port, ping) end)
+      Bench.check!(Proto.decode_reply(reply) |> elem(0) == :ok, "the bare worker's reply")
       us
     end
   end
