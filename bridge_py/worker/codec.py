@@ -229,7 +229,11 @@ class Codec:
 
     def _packer(self) -> msgpack.Packer:
         return msgpack.Packer(
-            default=self._default, use_bin_type=True, strict_types=True, datetime=False
+            default=self._default,
+            use_bin_type=True,
+            strict_types=True,
+            datetime=False,
+            buf_size=_PACKER_START,
         )
 
     def _nested(self, value: Any) -> bytes:
@@ -325,7 +329,11 @@ class Codec:
 
 
 _NIL = b"\xc0"
-_KEEP_PACKER_BELOW = 1 << 20  # a thread's Packer that grew past this is dropped after use
+# A thread's Packer starts small (msgpack's default is 256 KiB, for every thread)
+# and is dropped after packing anything past _KEEP_PACKER_BELOW, so an idle thread
+# holds little memory.
+_PACKER_START = 1 << 12
+_KEEP_PACKER_BELOW = 1 << 16
 _PIECES_FROM = 1 << 16  # tensors this large are sent as pieces by encode_pieces
 
 # fixext4, fixext8 and ext8 (12 bytes) with type -1: msgpack's timestamp encodings.

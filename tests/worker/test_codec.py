@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import msgpack
 import pytest
 import torch
@@ -97,3 +99,34 @@ def test_unencodable_results_become_refs_and_resolve_back() -> None:
     ref = PLAIN.decode(data)["x"]
     assert ref == RefValue(1, "object")
     assert codec.decode(PLAIN.encode(ref)) is thing
+
+
+def test_one_codec_encodes_from_many_threads_at_once() -> None:
+    # Each thread packs with a Packer of its own; a shared one would interleave
+    # values. Large values make each thread drop and rebuild its Packer too.
+    codec = Codec()
+    errors: list[str] = []
+
+    def run(k: int) -> None:
+        for i in range(300):
+            value = [k, i, (Atom("t"), "x" * (i * 997 if i % 50 == 0 else i)), {"k": (k, i)}]
+            if codec.decode(codec.encode(value)) != value:
+                errors.append(f"thread {k}, value {i}")
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+
+
+@pytest.mark.parametrize("shape", [(0,), (5,), (300, 300), (2, 70_000)], ids=str)
+def test_encode_pieces_are_the_encoded_bytes_in_pieces(shape: tuple[int, ...]) -> None:
+    t = torch.rand(shape)
+    pieces = PLAIN.encode_pieces(t)
+    joined = b"".join(pieces) if isinstance(pieces, list) else pieces
+    assert joined == PLAIN.encode(t)
+    if t.numel() * 4 >= 1 << 16:  # a large tensor is not copied: its memory is a piece
+        assert isinstance(pieces, list)
+        assert pieces[-1].obj is not None and len(pieces[-1]) == t.numel() * 4
