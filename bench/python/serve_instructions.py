@@ -1,0 +1,88 @@
+"""Instructions the worker spends per request, counted by valgrind: a figure that holds still.
+
+Wall-clock time on a shared virtual machine moves by up to 10x between runs (see
+bench/README.md), so changes to the worker's call path are measured here instead: a
+script serves N copies of one request through ``PortTransport.serve`` (frames read
+from memory, replies written to /dev/null, no other process involved) under
+``valgrind --tool=callgrind``, and the same script with N = 0 is subtracted, which
+leaves the instructions of the read, decode, dispatch, encode and write of one request.
+
+    python bench/python/serve_instructions.py [--op incr|ping] [--requests 2000]
+
+Needs ``valgrind`` on PATH (``apt-get install valgrind``); not part of ``make bench``.
+It takes a minute or two (the interpreter and torch start twice under valgrind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SERVE = """
+import io, os, struct, sys
+sys.path.insert(0, {root!r})
+from bridge_py.worker import envelope as pb
+from bridge_py.worker.codec import PLAIN
+from bridge_py.worker.dispatcher import Dispatcher
+from bridge_py.worker.transports.port import PortTransport
+from tests.worker.sample_exports import table
+
+dispatcher = Dispatcher(table())
+created = dispatcher.dispatch(pb.Request(id=1, op=pb.CreateInstance("Counter")))
+counter = PLAIN.decode(created.value)
+if {op!r} == "incr":
+    op = pb.CallMethod(counter.handle, "incr")
+else:
+    op = pb.Ping()
+frame = pb.encode_request(pb.Request(id=7, op=op))
+data = (struct.pack(">I", len(frame)) + frame) * {requests}
+out = os.open(os.devnull, os.O_WRONLY)
+PortTransport(dispatcher, io.BufferedReader(io.BytesIO(data)), out).serve()
+"""
+
+
+def instructions(op: str, requests: int) -> int:
+    """Instructions callgrind counts for the whole script serving ``requests`` requests."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(SERVE.format(root=str(ROOT), op=op, requests=requests))
+    try:
+        run = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+             script.name],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": "0"},  # the same dict layouts every run
+            timeout=900,
+        )  # fmt: skip
+    finally:
+        Path(script.name).unlink()
+    found = re.search(r"Collected : (\d+)", run.stderr)
+    if run.returncode != 0 or found is None:
+        raise SystemExit(f"the script failed under valgrind:\n{run.stderr[-3000:]}")
+    return int(found.group(1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--op", choices=["incr", "ping"], default="incr")
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not on PATH (apt-get install valgrind)")
+    per_request = (instructions(args.op, args.requests) - instructions(args.op, 0)) / args.requests
+    what = "Counter.incr" if args.op == "incr" else "Ping"
+    print(f"{what}: {per_request:,.0f} instructions per request through PortTransport.serve")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
