@@ -1,0 +1,98 @@
+"""The port transport's framing over a real pipe, whatever sizes the reads return."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import threading
+
+import pytest
+
+from bridge_py.worker.transports.port import FrameReader, FrameTooLarge, FrameWriter
+
+
+def _frames(rng: random.Random) -> list[bytes]:
+    sizes = [0, 1, 3, 4, 5, 100, (1 << 16) - 1, 1 << 16, (1 << 16) + 1, 300_000]
+    sizes += [rng.randrange(0, 2000) for _ in range(200)]
+    rng.shuffle(sizes)
+    return [rng.randbytes(n) for n in sizes]
+
+
+def _write_in_random_pieces(fd: int, data: bytes, rng: random.Random) -> None:
+    view = memoryview(data)
+    while view:
+        piece = rng.choice([1, 2, 3, 7, 4096, 70_000])
+        view = view[os.write(fd, view[:piece]) :]
+    os.close(fd)
+
+
+def test_frames_come_out_whole_however_the_bytes_arrive() -> None:
+    # Frames split anywhere (inside the length prefix too) or packed many to a read,
+    # small ones sliced from a buffer and large ones read in place.
+    rng = random.Random(3)
+    frames = _frames(rng)
+    data = b"".join(struct.pack(">I", len(f)) + f for f in frames)
+    r, w = os.pipe()
+    writer = threading.Thread(target=_write_in_random_pieces, args=(w, data, rng))
+    writer.start()
+    with os.fdopen(r, "rb", buffering=1 << 16) as stream:
+        reader = FrameReader(stream, max_frame=1 << 20)
+        got = []
+        while (frame := reader.read()) is not None:
+            got.append(bytes(frame))
+    writer.join(30)
+    assert got == frames
+
+
+def test_an_oversized_frame_is_skipped_and_the_next_one_read() -> None:
+    r, w = os.pipe()
+    big, after = b"x" * 5000, b"next"
+    data = struct.pack(">I", len(big)) + big + struct.pack(">I", len(after)) + after
+    writer = threading.Thread(target=_write_in_random_pieces, args=(w, data, random.Random(1)))
+    writer.start()
+    with os.fdopen(r, "rb", buffering=1 << 16) as stream:
+        reader = FrameReader(stream, max_frame=1000)
+        with pytest.raises(FrameTooLarge, match="5000 bytes"):
+            reader.read()
+        assert reader.read() == after
+        assert reader.read() is None
+    writer.join(30)
+
+
+def test_a_frame_cut_short_by_the_end_of_input_is_not_returned() -> None:
+    r, w = os.pipe()
+    os.write(w, struct.pack(">I", 10) + b"abc")
+    os.close(w)
+    with os.fdopen(r, "rb") as stream:
+        assert FrameReader(stream, max_frame=100).read() is None
+
+
+def test_frames_written_from_many_threads_never_interleave() -> None:
+    r, w = os.pipe()
+    out = FrameWriter(w)
+    payloads = {k: [bytes([k]) * (1 + (i * 7919) % 90_000) for i in range(40)] for k in range(6)}
+
+    def send(k: int) -> None:
+        for p in payloads[k]:
+            out.write([p[:10], p[10:]] if len(p) > 10 else [p])
+
+    def drain(into: list[bytes]) -> None:
+        with os.fdopen(r, "rb") as stream:
+            reader = FrameReader(stream, max_frame=1 << 20)
+            while (frame := reader.read()) is not None:
+                into.append(bytes(frame))
+
+    got: list[bytes] = []
+    reading = threading.Thread(target=drain, args=(got,))
+    reading.start()
+    senders = [threading.Thread(target=send, args=(k,)) for k in payloads]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(30)
+    os.close(w)
+    reading.join(30)
+    for k, sent in payloads.items():
+        assert [f for f in got if f[:1] == bytes([k])] == sent
+    assert len(got) == sum(len(v) for v in payloads.values())
