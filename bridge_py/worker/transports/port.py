@@ -99,9 +99,11 @@ class FrameReader:
         # A large frame: what is buffered, then the rest read in place.
         frame = bytearray(size)
         view = memoryview(frame)
-        got = len(self._buf) - self._pos
-        view[:got] = self._buf[self._pos :]
-        self._buf, self._pos = b"", 0
+        got = min(len(self._buf) - self._pos, size)
+        view[:got] = self._buf[self._pos : self._pos + got]
+        self._pos += got
+        if self._pos == len(self._buf):
+            self._buf, self._pos = b"", 0
         while got < size:
             k = self._stream.readinto(view[got:])
             if not k:
