@@ -45,7 +45,6 @@ defmodule Bench.Calls do
 
   def run do
     quick = Bench.quick?()
-    root = Worker.project_root()
 
     {:ok, _sup} =
       Supervisor.start_link(
@@ -67,8 +66,8 @@ defmodule Bench.Calls do
 
     frame = IO.iodata_to_binary(frame)
     echo = Bench.open_echo()
-    bare = open_bare_worker(root)
-    grpc = open_grpc(root)
+    bare = open_bare_worker()
+    grpc = open_grpc()
     {:ok, router} = Bench.EchoRouter.start_link(nil)
 
     rows =
@@ -183,41 +182,31 @@ defmodule Bench.Calls do
 
   # A worker process behind a port this process owns: the Python side of a call
   # with no runtime, no Worker GenServer and no argument encoding in between.
-  defp open_bare_worker(root) do
-    port =
-      Port.open({:spawn_executable, Worker.find_python()}, [
-        :binary,
-        {:packet, 4},
-        :exit_status,
-        :use_stdio,
-        cd: root,
-        env: [{~c"PYTHONPATH", String.to_charlist(root)}],
-        args: ["-m", "bridge_py.worker"]
-      ])
+  defp open_bare_worker do
+    port = Bench.open_python(["-m", "bridge_py.worker"])
 
     {:ok, ping} = Proto.encode_request(%{id: 1, session: "", op: {:ping, %{payload: ""}}})
     ping = IO.iodata_to_binary(ping)
-    Bench.check!(Bench.echo(port, ping, 120_000) != "", "the bare worker did not answer")
+    # it answers (its first reply waits for the start-up)
+    _ = bare_batch({port, ping}, 1)
     {port, ping}
   end
 
   defp bare_batch({port, ping}, n) do
     for _ <- 1..n do
       {us, reply} = Bench.tc(fn -> Bench.echo(port, ping) end)
-      Bench.check!(Proto.decode_reply(reply) |> elem(0) == :ok, "the bare worker's reply")
+
+      Bench.check!(
+        match?({:ok, %{id: 1, result: {:value, _}}}, Proto.decode_reply(reply)),
+        "the bare worker answered #{inspect(Proto.decode_reply(reply))}"
+      )
+
       us
     end
   end
 
-  defp open_grpc(root) do
-    port =
-      Port.open({:spawn_executable, Worker.find_python()}, [
-        :binary,
-        {:packet, 4},
-        :exit_status,
-        :use_stdio,
-        args: [Path.join(root, "bench/python/grpc_peer.py")]
-      ])
+  defp open_grpc do
+    port = Bench.open_python(["bench/python/grpc_peer.py"])
 
     receive do
       {^port, {:data, "ready"}} -> port

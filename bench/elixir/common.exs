@@ -153,19 +153,26 @@ defmodule Bench do
     {(System.monotonic_time(:nanosecond) - t0) / 1000, result}
   end
 
-  @doc "The raw peer: a Port to bench/python/echo_port.py, owned by the caller."
-  def open_echo do
-    python = VllmBridge.Worker.find_python()
-    script = Path.join(VllmBridge.Worker.project_root(), "bench/python/echo_port.py")
+  @doc """
+  A `{:packet, 4}` Port to `python ARGS` (the worker's Python), owned by the
+  caller, run in the project root with the root on `PYTHONPATH`.
+  """
+  def open_python(args) do
+    root = VllmBridge.Worker.project_root()
 
-    Port.open({:spawn_executable, python}, [
+    Port.open({:spawn_executable, VllmBridge.Worker.find_python()}, [
       :binary,
       {:packet, 4},
       :exit_status,
       :use_stdio,
-      args: [script]
+      cd: root,
+      env: [{~c"PYTHONPATH", String.to_charlist(root)}],
+      args: args
     ])
   end
+
+  @doc "The raw peer: a Port to bench/python/echo_port.py, owned by the caller."
+  def open_echo, do: open_python(["bench/python/echo_port.py"])
 
   def echo(port, frame, timeout \\ 60_000) do
     Port.command(port, frame)

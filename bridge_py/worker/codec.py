@@ -219,7 +219,7 @@ class Codec:
         The pieces, written one after the other, are exactly :meth:`encode`'s bytes:
         the msgpack ext header, the tensor header and a view of the elements.
         """
-        if type(value) is not torch.Tensor and not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
             return self.encode(value)
         header, data = tensor_pieces(value)
         size = len(header) + (0 if data is None else len(data))

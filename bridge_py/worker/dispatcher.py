@@ -99,7 +99,7 @@ class Dispatcher:
         """
         op = req.op
         session = req.session or DEFAULT_SESSION
-        codec = self._codecs.get(session) or self._codec(session)
+        codec = self._codec(session)
         try:
             run = self._ops.get(type(op))
             if run is None:

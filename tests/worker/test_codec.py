@@ -129,4 +129,6 @@ def test_encode_pieces_are_the_encoded_bytes_in_pieces(shape: tuple[int, ...]) -
     assert joined == PLAIN.encode(t)
     if t.numel() * 4 >= 1 << 16:  # a large tensor is not copied: its memory is a piece
         assert isinstance(pieces, list)
-        assert pieces[-1].obj is not None and len(pieces[-1]) == t.numel() * 4
+        data = pieces[-1]
+        assert len(data) == t.numel() * 4
+        assert data.obj.__array_interface__["data"][0] == t.data_ptr()
