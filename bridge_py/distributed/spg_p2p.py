@@ -48,6 +48,10 @@ def unframe(item: bytes) -> tuple[int, memoryview]:
     return HEADER.unpack_from(item)[0], memoryview(item)[HEADER.size :]
 
 
+class _WaitTimedOut(Exception):
+    """A waiting pop that the store ended at its timeout."""
+
+
 class Inbox:
     """The receiving side of one rank: pops its pairs' queues in order, with a deadline."""
 
@@ -103,17 +107,11 @@ class Inbox:
             # is (which spares getting and setting it); a pop again needs what is left.
             start = time.monotonic()
             try:
-                got, value = unframe(store.queue_pop(queue))
-            except QueueEmptyError:
-                pass  # woken, but the sender expired the message first
-            except RuntimeError as exc:
-                if "timeout" in str(exc).lower():
-                    return None
-                raise
-            else:
-                if got == seq:
-                    return value
-                self._set_aside(src, seq, got, value)
+                value = self._pop_waiting(queue, src, seq)
+            except _WaitTimedOut:
+                return None
+            if value is not None:
+                return value
             limit = store.timeout.total_seconds() - (time.monotonic() - start)
         return self._pop_until(queue, src, seq, time.monotonic() + limit)
 
@@ -128,18 +126,33 @@ class Inbox:
                     return None
                 store.set_timeout(datetime.timedelta(seconds=left))
                 try:
-                    got, value = unframe(store.queue_pop(queue))
-                except QueueEmptyError:
-                    continue  # woken, but the sender expired the message first
-                except RuntimeError as exc:
-                    if "timeout" in str(exc).lower():
-                        return None
-                    raise
-                if got == seq:
+                    value = self._pop_waiting(queue, src, seq)
+                except _WaitTimedOut:
+                    return None
+                if value is not None:
                     return value
-                self._set_aside(src, seq, got, value)
         finally:
             store.set_timeout(original)
+
+    def _pop_waiting(self, queue: str, src: int, seq: int) -> memoryview | None:
+        """One pop with the store's current wait: the value of message ``seq``, or None.
+
+        None when another message came (set aside, or skipped as stale) or the queue was
+        emptied under the wait (the sender expired the message). Raises
+        :class:`_WaitTimedOut` when the wait ran out; other store failures propagate.
+        """
+        try:
+            got, value = unframe(self._store.queue_pop(queue))
+        except QueueEmptyError:
+            return None  # woken, but the sender expired the message first
+        except RuntimeError as exc:
+            if "timeout" in str(exc).lower():
+                raise _WaitTimedOut from None
+            raise
+        if got == seq:
+            return value
+        self._set_aside(src, seq, got, value)
+        return None
 
     def _set_aside(self, src: int, seq: int, got: int, value: memoryview) -> None:
         """Keep a message that came before its turn; forget one whose turn has passed."""
