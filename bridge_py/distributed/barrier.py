@@ -32,14 +32,14 @@ they read can go) and keys for rank 0 to delete with ``arrivals``.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import struct
 import time
 from collections.abc import Callable, Sequence
 
-from torch.distributed import QueueEmptyError, Store
+from torch.distributed import Store
 
 from bridge_py.distributed import keys
+from bridge_py.distributed.waiting import pop_before
 
 __all__ = ["POISON", "BarrierFailure", "BarrierHooks", "Mailbox", "run_barrier"]
 
@@ -103,31 +103,15 @@ class Mailbox:
             if bid == barrier_id:
                 del self._later[index]
                 return kind, sender, text
-        store = self._store
-        original = store.timeout
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                store.set_timeout(datetime.timedelta(seconds=left))
-                try:
-                    item = store.queue_pop(self._queue)
-                except QueueEmptyError:
-                    continue
-                except RuntimeError as exc:
-                    if "timeout" in str(exc).lower():
-                        continue  # the loop ends it when no time is left
-                    raise
-                if len(item) < _ITEM.size:
-                    continue  # not a barrier message
-                bid, kind, sender = _ITEM.unpack_from(item)
-                if bid == barrier_id:
-                    return kind, sender, item[_ITEM.size :]
-                if bid > barrier_id:
-                    self._later.append((bid, kind, sender, item[_ITEM.size :]))
-        finally:
-            store.set_timeout(original)
+        while (item := pop_before(self._store, self._queue, deadline)) is not None:
+            if len(item) < _ITEM.size:
+                continue  # not a barrier message
+            bid, kind, sender = _ITEM.unpack_from(item)
+            if bid == barrier_id:
+                return kind, sender, item[_ITEM.size :]
+            if bid > barrier_id:
+                self._later.append((bid, kind, sender, item[_ITEM.size :]))
+        return None
 
 
 def run_barrier(

@@ -18,7 +18,6 @@ and an empty one is just a name in the server.
 
 from __future__ import annotations
 
-import datetime
 import struct
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from torch.distributed import QueueEmptyError, Store
 
 from bridge_py.distributed import keys
+from bridge_py.distributed.waiting import pop_before
 
 __all__ = ["HEADER", "Inbox", "drop", "frame", "unframe"]
 
@@ -117,22 +117,12 @@ class Inbox:
 
     def _pop_until(self, queue: str, src: int, seq: int, deadline: float) -> memoryview | None:
         """Pop ``queue`` until message ``seq`` comes, each wait bounded by what is left."""
-        store = self._store
-        original = store.timeout
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                store.set_timeout(datetime.timedelta(seconds=left))
-                try:
-                    value = self._pop_waiting(queue, src, seq)
-                except _WaitTimedOut:
-                    return None
-                if value is not None:
-                    return value
-        finally:
-            store.set_timeout(original)
+        while (item := pop_before(self._store, queue, deadline)) is not None:
+            got, value = unframe(item)
+            if got == seq:
+                return value
+            self._set_aside(src, seq, got, value)
+        return None
 
     def _pop_waiting(self, queue: str, src: int, seq: int) -> memoryview | None:
         """One pop with the store's current wait: the value of message ``seq``, or None.

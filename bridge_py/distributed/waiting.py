@@ -21,9 +21,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from torch.distributed import DistStoreError, Store, TCPStore
+from torch.distributed import DistStoreError, QueueEmptyError, Store, TCPStore
 
-__all__ = ["BoundedWaiter"]
+__all__ = ["BoundedWaiter", "pop_before"]
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -79,3 +79,30 @@ class BoundedWaiter:
                 self._connection = None
                 raise
             return True
+
+
+def pop_before(store: Store, queue: str, deadline: float) -> bytes | None:
+    """The next item of the store queue ``queue``, or None if none comes by ``deadline``.
+
+    ``deadline`` is a ``time.monotonic()`` value. Each pop waits at most what is left (a
+    torch 2.13 TCPStore client that gives up a queue wait cancels it with the server, so the
+    main connection stays in step); a wait woken for an item someone else took waits again.
+    The store's timeout is restored afterwards. Store failures other than the timeout
+    propagate.
+    """
+    original = store.timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            store.set_timeout(datetime.timedelta(seconds=left))
+            try:
+                return store.queue_pop(queue)
+            except QueueEmptyError:
+                continue
+            except RuntimeError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+    finally:
+        store.set_timeout(original)
