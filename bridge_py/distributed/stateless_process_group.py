@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys, spg_p2p, spg_shm
+from bridge_py.distributed import keys, spg_p2p, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
@@ -123,7 +123,7 @@ class StatelessProcessGroup:
         self._probed = self.world_size == 1
         self._local = [False] * self.world_size
         self._all_local = False
-        self._segments = spg_shm.SegmentOwner()
+        self._segments = spg_segments.SegmentOwner(self.world_size)
         # Whether the last value for shared memory was large: pickle the next into a segment.
         self._spilled = False
         self._shm_threshold = spg_shm.threshold()  # read once: the environment lookup costs
@@ -146,23 +146,28 @@ class StatelessProcessGroup:
 
     # --- values -------------------------------------------------------------------------
 
-    def _dumps(self, key: str, obj: Any, local: bool = False) -> tuple[bytes, str | None]:
+    def _dumps(
+        self, key: str, obj: Any, local: bool = False, readers: list[int] | None = None
+    ) -> tuple[bytes, str | None]:
         """The store value for ``obj`` under ``key`` (tagged when there is an auth key).
 
-        ``local``: every receiver shares this node, so a large pickle goes to a shared-memory
-        segment and the value names it (see ``spg_shm``); returns the segment's name too.
+        ``local``: every receiver (``readers``, default all other ranks) shares this node, so
+        a large pickle goes to a shared-memory segment and the value names it (see
+        ``spg_shm``); returns the segment's name too.
         """
         limit = self._shm_threshold
+        keyed = self._auth_key is not None
+        readers = self._others if readers is None else readers
         if local and (self._spilled or sys.getsizeof(obj) > limit):
             # Looks large (or the last value was): pickle straight into a segment.
-            payload = spg_shm.dump(obj, self._segments, digest=self._auth_key is not None)
+            payload = spg_shm.dump(obj, self._segments, keyed, readers)
         else:
             # Pickling into a spill file costs several times a plain pickle, so small objects
             # (most) are pickled plainly, and copied to a segment only if that was wrong.
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             if not local or len(payload) <= limit:
                 return seal_payload(self._auth_key, _context(key), payload), None
-            payload = spg_shm.dump_pickled(payload, self._segments, self._auth_key is not None)
+            payload = spg_shm.dump_pickled(payload, self._segments, keyed, readers)
         segment = spg_shm.segment_name(payload)
         self._spilled = segment is not None
         return seal_payload(self._auth_key, _context(key), payload), segment
@@ -175,7 +180,7 @@ class StatelessProcessGroup:
         what = f"the value of {label} {key!r} from rank {src} (received by rank {self.rank})"
         payload = open_payload(self._auth_key, _context(key), data, what)
         if spg_shm.is_descriptor(payload):
-            return spg_shm.open_descriptor(payload, self._auth_key is not None, what)
+            return spg_shm.open_descriptor(payload, self._auth_key is not None, what, self.rank)
         return payload
 
     @staticmethod
@@ -185,19 +190,20 @@ class StatelessProcessGroup:
         return pickle.loads(payload)
 
     def _loads(
-        self, key: str, data: bytes | memoryview, src: int, unlink: bool = True, label: str = "key"
+        self, key: str, data: bytes | memoryview, src: int, last: bool = True, label: str = "key"
     ) -> Any:
         """The object in ``data``, read from ``key`` written by ``src``; checked, then unpickled.
 
-        A value in shared memory is unlinked once open when ``unlink`` (its last reader).
+        ``last``: this rank is the value's last reader (a one-shot segment is unlinked once
+        open; see ``spg_shm``).
         Without an auth key, a plain pickle (protocol 2 or later: it starts with the PROTO
         opcode, which neither a tag nor a descriptor does) is unpickled at once.
         """
         if self._auth_key is None and data and data[0] == 0x80:
             return pickle.loads(data)
         payload = self._open(key, data, src, label)
-        if unlink and isinstance(payload, spg_shm.SharedValue):
-            payload.unlink()
+        if last and isinstance(payload, spg_shm.SharedValue):
+            payload.retire()
         return self._load(payload)
 
     # --- store traffic ------------------------------------------------------------------
@@ -291,7 +297,7 @@ class StatelessProcessGroup:
         The object is pickled and pushed, numbered per pair, onto the store queue from this
         rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
         receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
-        through shared memory and ``dst`` unlinks it.
+        through shared memory (a segment this rank reuses once ``dst`` has read it).
         """
         if type(dst) is not int or not 0 <= dst < self.world_size:
             validate_rank(dst, self.world_size, "dst")
@@ -304,7 +310,7 @@ class StatelessProcessGroup:
         if self._auth_key is None and not self._local[dst]:
             value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         else:
-            value = self._dumps(name, obj, self._local[dst] and dst != self.rank)[0]
+            value = self._dumps(name, obj, self._local[dst] and dst != self.rank, [dst])[0]
         self.store.queue_push(self._outbox[dst], spg_p2p.frame(seq, value))
         entries.append((name, now))
         self.send_dst_counter[dst] = seq + 1
@@ -383,7 +389,8 @@ class StatelessProcessGroup:
         deletes it from the store (at its next store operation), so it can be used any number
         of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
         raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
-        travels through shared memory, unlinked by the last receiver.
+        travels through shared memory (a segment ``src`` reuses once every receiver has read
+        it).
         """
         self._peer(src, "src")
         if self.rank == src:
@@ -416,7 +423,7 @@ class StatelessProcessGroup:
             if last:
                 self._trash += (key, acks)
                 if isinstance(payload, spg_shm.SharedValue):
-                    payload.unlink()
+                    payload.retire()
         return self._load(payload)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
@@ -480,7 +487,7 @@ class StatelessProcessGroup:
                 result.append(obj)
             else:
                 index = src if src < rank else src - 1
-                result.append(self._loads(wanted[index], got[index], src, unlink=False))
+                result.append(self._loads(wanted[index], got[index], src, last=False))
         return result
 
     def _all_gather_plain(self, obj: Any) -> list[Any]:
@@ -653,7 +660,7 @@ class StatelessProcessGroup:
         self._local = [mine != spg_shm.NOT_LOCAL and node == mine for node in nodes]
         self._all_local = self.world_size > 1 and all(self._local)
         if any(self._local[r] for r in range(self.world_size) if r != self.rank):
-            spg_shm.remove_orphans()
+            spg_segments.remove_orphans()
 
     def _barrier_hooks(self, barrier_id: int) -> BarrierHooks:
         """Deferred deletes while waiting, own values once all arrived, the node probe."""

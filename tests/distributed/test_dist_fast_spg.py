@@ -2,9 +2,12 @@
 
 Real processes (``run_ranks``, bounded) check that large values take shared memory once the
 group knows its ranks share a node, that ``VLLM_BRIDGE_SPG_SHM=0`` falls back to the store,
-that gathers of mixed sizes come back right for 2-4 ranks, and that no segment is left in
-/dev/shm, even when a receiver or a creator is killed. One in-process test checks that with an
-auth key a tampered segment is refused before it is unpickled.
+that gathers of mixed sizes come back right for 2-4 ranks, that a sender writes its next
+value over a segment every reader is done with (and into one-shot segments, unlinked by their
+reader, when too many are in flight), and that no segment is left in /dev/shm, even when a
+receiver or a creator is killed. In-process tests check that with an auth key a tampered
+segment is refused before it is unpickled, and that a segment holding another value than its
+descriptor names is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_shm
+from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators.shm_wait import process_alive
 from tests.distributed.harness import free_port, run_ranks
@@ -37,8 +40,8 @@ JOIN_KEYS = ["join/count", "join/done"]
 
 def _segments_of(*pids: int) -> list[str]:
     """Names in /dev/shm of segments created by any of ``pids``."""
-    prefixes = [f"{spg_shm.NAME_PREFIX}{_pidns()}_{pid}_" for pid in pids]
-    return sorted(n for n in os.listdir(spg_shm.SHM_DIR) if n.startswith(tuple(prefixes)))
+    prefixes = [f"{spg_segments.NAME_PREFIX}{_pidns()}_{pid}_" for pid in pids]
+    return sorted(n for n in os.listdir(spg_segments.SHM_DIR) if n.startswith(tuple(prefixes)))
 
 
 def _pidns() -> int:
@@ -68,14 +71,14 @@ def _large_values(rank: int, port: int, disabled_rank: int | None) -> dict:
     # through the store: nobody knows yet).
     group.all_gather_obj(os.getpid())
     result["gather"] = group.all_gather_obj(_big(rank)) == [_big(r) for r in range(3)]
-    result["segments_after_gather"] = group._segments._count
+    result["segments_after_gather"] = group._segments._generation
     result["bcast"] = group.broadcast_obj(BIG if rank == 0 else None, src=0) == BIG
-    result["segments_after_bcast"] = group._segments._count
+    result["segments_after_bcast"] = group._segments._generation
     if rank == 0:
         group.send_obj(BIG, dst=2)
     if rank == 2:
         result["p2p"] = group.recv_obj(0, timeout=10) == BIG
-    result["segments_after_p2p"] = group._segments._count
+    result["segments_after_p2p"] = group._segments._generation
     tensor = torch.arange(100_000, dtype=torch.float32)
     got = group.broadcast_obj(tensor if rank == 1 else None, src=1)
     result["tensor"] = torch.equal(got, tensor)
@@ -94,7 +97,7 @@ def test_large_values_go_through_shared_memory_on_one_node() -> None:
         assert result["segments_after_gather"] == 1  # its own gather value
     assert results[0]["segments_after_bcast"] == 2  # the broadcast
     assert results[0]["segments_after_p2p"] == 3  # and the message to rank 2
-    assert results[1]["segments_after_bcast"] == 1  # receivers create none
+    assert results[1]["segments_after_bcast"] == 1  # receivers write none
     assert results[2]["p2p"]
     assert results[0]["keys"] == JOIN_KEYS  # values and probe keys deleted
     assert _segments_of(*(r["pid"] for r in results)) == []
@@ -275,12 +278,105 @@ def test_keyed_shared_memory_values_are_checked(keyed_pair) -> None:
     assert len(stored) < 200 and stored.startswith(auth.MAGIC)  # a tagged descriptor
     assert rank0.broadcast_obj(None, src=1, timeout=5) == BIG
 
-    rank1.broadcast_obj(BIG, src=1)
+    rank1.broadcast_obj(BIG, src=1)  # written over the same segment: it was read
     (name,) = _segments_of(os.getpid())
-    path = Path(spg_shm.SHM_DIR) / name
+    path = Path(spg_segments.SHM_DIR) / name
     data = bytearray(path.read_bytes())
     data[-100] ^= 1  # someone who can write /dev/shm but lacks the key
     path.write_bytes(bytes(data))
     with pytest.raises(AuthenticationError, match="do not match its authenticated digest"):
         rank0.broadcast_obj(None, src=1, timeout=5)
-    assert _segments_of(os.getpid()) == []  # the refused value was consumed and unlinked
+    # The refused value was consumed (marked read): the next one reuses the segment.
+    rank1.broadcast_obj(BIG[::-1], src=1)
+    assert rank0.broadcast_obj(None, src=1, timeout=5) == BIG[::-1]
+    assert _segments_of(os.getpid()) == [name]
+    assert rank1._segments._count == 1
+
+
+def test_a_segment_holding_another_value_is_refused(keyed_pair) -> None:
+    rank0, rank1 = keyed_pair
+    rank1.auth_key = rank0.auth_key = None  # checked without a key too
+    rank1.broadcast_obj(BIG, src=1)
+    (name,) = _segments_of(os.getpid())
+    fd = os.open(Path(spg_segments.SHM_DIR) / name, os.O_RDWR)
+    try:
+        (generation,) = spg_segments._MARK.unpack(os.pread(fd, 8, 8))
+        os.pwrite(fd, spg_segments._MARK.pack(generation + 7), 8)  # not the value it names
+    finally:
+        os.close(fd)
+    with pytest.raises(RuntimeError, match=f"segment {name!r} does not hold that value"):
+        rank0.broadcast_obj(None, src=1, timeout=5)
+
+
+# --- reuse of segments ------------------------------------------------------------------------
+
+
+def _value(round_: int) -> bytes:
+    return bytes([round_ % 251]) * (300 * 1024 + round_)  # each round differs in size too
+
+
+def _reuse(rank: int, port: int, world_size: int) -> dict:
+    """Rank 0 broadcasts, then sends, a large value a round; it learns each was read first."""
+    group = _create(rank, port, world_size)
+    group.all_gather_obj(os.getpid())
+    ok = []
+    for i in range(5):
+        got = group.broadcast_obj(_value(i) if rank == 0 else None, src=0)
+        if rank:
+            ok.append(got == _value(i))
+            group.send_obj("read", dst=0)
+        else:
+            ok.extend(group.recv_obj(r, timeout=10) == "read" for r in range(1, world_size))
+    for i in range(5):
+        if rank == 0:
+            group.send_obj(_value(100 + i), dst=1)
+            ok.append(group.recv_obj(1, timeout=10) == "read")
+        elif rank == 1:
+            ok.append(group.recv_obj(0, timeout=10) == _value(100 + i))
+            group.send_obj("read", dst=0)
+    created = group._segments._count
+    files = _segments_of(os.getpid())
+    group.barrier(timeout=10)
+    return {"ok": ok, "created": created, "files": files, "pid": os.getpid()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_read_segment_is_written_over(world_size: int) -> None:
+    results = run_ranks(_reuse, world_size, free_port(), world_size, timeout=60)
+    for result in results:
+        assert result["ok"] and all(result["ok"]), result
+    # Ten large values from rank 0, one segment: each round found the last one read.
+    assert results[0]["created"] == 1
+    assert len(results[0]["files"]) == 1
+    assert all(r["created"] == 0 for r in results[1:])
+    assert _segments_of(*(r["pid"] for r in results)) == []
+
+
+def _flood(rank: int, port: int) -> dict:
+    """Rank 0 sends more large values than its pool holds before rank 1 reads any."""
+    group = _create(rank, port, 2)
+    pids = group.all_gather_obj(os.getpid())
+    count = spg_segments.POOL_SIZE + 2
+    result: dict = {"pids": pids}
+    if rank == 0:
+        for i in range(count):
+            group.send_obj(_value(i), dst=1)
+        result["created"] = group._segments._count
+    group.barrier(timeout=10)  # all sent before any is read
+    if rank == 1:
+        result["ok"] = [group.recv_obj(0, timeout=20) == _value(i) for i in range(count)]
+    group.barrier(timeout=10)  # all read
+    if rank == 0:
+        result["after_read"] = _segments_of(os.getpid())
+    group.barrier(timeout=10)
+    return result
+
+
+def test_one_shot_segments_when_the_pool_is_full() -> None:
+    results = run_ranks(_flood, 2, free_port(), timeout=60)
+    sender, receiver = results
+    assert receiver["ok"] and all(receiver["ok"])
+    assert sender["created"] == spg_segments.POOL_SIZE + 2
+    # The one-shot segments were unlinked by their reader; the pooled ones wait for reuse.
+    assert len(sender["after_read"]) == spg_segments.POOL_SIZE
+    assert _segments_of(*sender["pids"]) == []
