@@ -72,6 +72,7 @@ defmodule Bench.Calls do
 
     rows =
       latency(quick, counter, echo, router, frame, grpc, bare) ++
+        reductions(quick, counter, echo, frame) ++
         throughput(quick, counter, router, frame) ++ tensor(quick, echo)
 
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
@@ -225,6 +226,48 @@ defmodule Bench.Calls do
     after
       120_000 -> raise "no answer from grpc_peer.py"
     end
+  end
+
+  # BEAM work per call, counted in reductions (function calls and BIFs): unlike
+  # time, the count does not move with the VM's scheduling, so it shows changes
+  # to the Elixir side of a call that latency cannot resolve here.
+  defp reductions(quick, counter, echo, frame) do
+    n = if quick, do: 50, else: 5000
+    {:ok, worker} = Pool.worker(@pool, 0)
+    {:ok, start} = Runtime.call_method(counter, "incr", [])
+
+    # (results are checked without building a message each time: that would count)
+    {caller, worker_work} =
+      counted(n, worker, fn i ->
+        Runtime.call_method(counter, "incr", []) == {:ok, start + i} or
+          raise "wrong result: Counter.incr"
+      end)
+
+    {echo_caller, _} =
+      counted(n, worker, fn _ ->
+        Bench.echo(echo, frame) == frame or raise "wrong result: the echo differs"
+      end)
+
+    [
+      Bench.count_row(
+        @bench,
+        "BEAM work per Counter.incr call (caller + Worker process)",
+        caller + worker_work,
+        echo_caller,
+        "raw port echo (caller)",
+        "reductions"
+      )
+    ]
+  end
+
+  # Reductions per call of fun.(i) for i in n+1..2n (the first n warm up).
+  defp counted(n, worker, fun) do
+    for i <- 1..n, do: fun.(i)
+    reductions = fn pid -> pid |> Process.info(:reductions) |> elem(1) end
+    caller0 = reductions.(self())
+    worker0 = reductions.(worker)
+    for i <- (n + 1)..(2 * n), do: fun.(i)
+    {(reductions.(self()) - caller0) / n, (reductions.(worker) - worker0) / n}
   end
 
   ## 2. throughput, 8 concurrent callers -------------------------------------------

@@ -59,6 +59,21 @@ defmodule Bench do
     }
   end
 
+  @doc "A row comparing two counts of work (lower is better; never a target); ratio is ours/peer."
+  def count_row(bench, what, ours, peer, peer_name, unit) do
+    fmt = fn x -> "#{:erlang.float_to_binary(x / 1.0, decimals: 1)} #{unit}" end
+
+    %{
+      bench: bench,
+      what: what,
+      ours: fmt.(ours),
+      peer: "#{peer_name}: " <> fmt.(peer),
+      ratio: fmt_ratio(ours / peer),
+      target: "(info)",
+      met: nil
+    }
+  end
+
   @doc "A row comparing two rates (higher is better); ratio is ours/peer."
   def speed_row(bench, what, ours, peer, peer_name, unit, opts \\ []) do
     ratio = ours / peer

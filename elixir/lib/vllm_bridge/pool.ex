@@ -134,6 +134,10 @@ defmodule VllmBridge.Pool do
     }
 
     meta = [size: size, timeout: Keyword.fetch!(opts, :timeout), counter: counter]
+    # Every call looks the registry up by the pool's name: remember the name's
+    # registry once (the same atom each time the pool starts, so a restart
+    # stores nothing new).
+    :persistent_term.put({__MODULE__, name}, registry)
 
     Supervisor.init(
       [{Registry, keys: :unique, name: registry, meta: meta}, workers_sup],
@@ -264,5 +268,10 @@ defmodule VllmBridge.Pool do
     Error.new(:worker, "no pool named #{inspect(pool)} is running", details: %{pool: pool})
   end
 
-  defp registry(pool), do: Module.concat(pool, Registry)
+  defp registry(pool) do
+    case :persistent_term.get({__MODULE__, pool}, nil) do
+      nil -> Module.concat(pool, Registry)
+      registry -> registry
+    end
+  end
 end

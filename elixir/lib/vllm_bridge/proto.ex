@@ -122,21 +122,7 @@ defmodule VllmBridge.Proto do
   @spec encode_request(request()) :: {:ok, iodata()} | {:error, Error.t()}
   def encode_request(%{id: id, op: {op, fields}} = request) when is_map(fields) do
     session = Map.get(request, :session, "")
-
-    case Keyword.fetch(@op_fields, op) do
-      {:ok, {number, layout}} ->
-        body = encode_fields(layout, fields)
-
-        {:ok,
-         [
-           uint64_field(1, id),
-           string_field(2, session),
-           len_field(number, body)
-         ]}
-
-      :error ->
-        bad!("unknown request op #{inspect(op)}")
-    end
+    {:ok, [uint64_field(1, id), string_field(2, session) | encode_op(op, fields)]}
   catch
     {__MODULE__, error} -> {:error, error}
   end
@@ -212,7 +198,20 @@ defmodule VllmBridge.Proto do
       {:ok, %{id: 5, result: {:value, <<0xC0>>}}}
   """
   @spec decode_reply(binary()) :: {:ok, reply()} | {:error, Error.t()}
-  def decode_reply(binary) when is_binary(binary) do
+  def decode_reply(<<0x08, rest::binary>> = binary) do
+    # The canonical value reply (id, then the value, nothing else), read
+    # without the general field loop; anything else takes that loop.
+    with {id, <<0x12, rest::binary>>} <- varint(rest),
+         {size, value} when byte_size(value) == size <- varint(rest) do
+      {:ok, %{id: id, result: {:value, value}}}
+    else
+      _ -> decode_any_reply(binary)
+    end
+  end
+
+  def decode_reply(binary) when is_binary(binary), do: decode_any_reply(binary)
+
+  defp decode_any_reply(binary) do
     acc =
       fold_fields(binary, %{id: 0, result: nil}, fn
         1, @varint, value, acc -> %{acc | id: value}
@@ -260,6 +259,37 @@ defmodule VllmBridge.Proto do
   end
 
   ## Field encoding -----------------------------------------------------------
+
+  # One clause per op, unrolled at compile time: the op's fields in number
+  # order (a field left out of the map holds its default, which is not
+  # written), then the op's own tag, a constant.
+  for {op, {number, layout}} <- @op_fields do
+    fields = Macro.var(:fields, __MODULE__)
+    key = number <<< 3 ||| @len
+    op_tag = if key < 0x80, do: <<key>>, else: <<(key &&& 0x7F) ||| 0x80, key >>> 7>>
+
+    parts =
+      for {n, name, kind} <- layout do
+        default =
+          Macro.escape(Map.fetch!(%{uint64: 0, string: "", bytes: "", packed_uint64: []}, kind))
+
+        quote do
+          encode_field(
+            unquote(kind),
+            unquote(n),
+            Map.get(unquote(fields), unquote(name), unquote(default)),
+            unquote(name)
+          )
+        end
+      end
+
+    defp encode_op(unquote(op), unquote(fields)) do
+      body = unquote(parts)
+      [unquote(op_tag), encode_varint(IO.iodata_length(body)) | body]
+    end
+  end
+
+  defp encode_op(op, _fields), do: bad!("unknown request op #{inspect(op)}")
 
   defp encode_fields(layout, fields) do
     for {number, key, kind} <- layout do

@@ -324,6 +324,22 @@ defmodule VllmBridge.Runtime do
 
   ## Options -------------------------------------------------------------------
 
+  # No options (the common case): the defaults, without walking keyword lists.
+  defp context(args, []) when is_list(args) do
+    {:ok,
+     %{
+       args: args,
+       kwargs: [],
+       kwargs?: false,
+       refs: for(value <- args, is_struct(value, Ref), do: value),
+       pool: Pool.default_name(),
+       node: nil,
+       worker: nil,
+       timeout: nil,
+       session: nil
+     }}
+  end
+
   defp context(args, opts) when is_list(args) and is_list(opts) do
     with true <- Keyword.keyword?(opts) || bad("options must be a keyword list", opts),
          {runtime, opts} = Keyword.pop(opts, :__runtime__, []),
@@ -515,6 +531,8 @@ defmodule VllmBridge.Runtime do
   # the worker that made it: every ref among the arguments (nested in lists,
   # maps and tuples too) must live in the worker the call runs on, or the call
   # would reach another object there.
+  defp check_refs([], _target), do: :ok
+
   defp check_refs(values, target) when is_list(values) do
     Enum.reduce_while(values, :ok, fn value, :ok ->
       case check_ref(value, target) do

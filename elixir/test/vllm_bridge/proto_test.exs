@@ -126,6 +126,31 @@ defmodule VllmBridge.ProtoTest do
     end
   end
 
+  test "value replies: the short path for the canonical layout, the field loop for the rest" do
+    for id <- [1, 127, 128, 300, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF],
+        value <- ["", <<0xC0>>, :binary.copy(<<7>>, 200), :binary.copy(<<9>>, 70_000)] do
+      {:ok, iodata} = Proto.encode_reply(%{id: id, result: {:value, value}})
+      canonical = bin(iodata)
+      assert Proto.decode_reply(canonical) == {:ok, %{id: id, result: {:value, value}}}
+
+      # an unknown field after the value, the value given twice (the last wins)
+      assert Proto.decode_reply(canonical <> <<0x98, 0x06, 1>>) ==
+               {:ok, %{id: id, result: {:value, value}}}
+
+      assert Proto.decode_reply(canonical <> <<0x12, 1, 0xC3>>) ==
+               {:ok, %{id: id, result: {:value, <<0xC3>>}}}
+
+      # truncated, or a stray byte after the value: errors, not a shorter value
+      truncated = binary_part(canonical, 0, byte_size(canonical) - 1)
+
+      if value != "" do
+        assert {:error, %Error{category: :protocol}} = Proto.decode_reply(truncated)
+      end
+
+      assert {:error, %Error{category: :protocol}} = Proto.decode_reply(canonical <> <<0x80>>)
+    end
+  end
+
   test "reply_id reads the first field only, and falls back for other orders" do
     assert Proto.reply_id(<<8, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x01>>) ==
              {:ok, 0xFFFFFFFFFFFFFFFF}
