@@ -117,6 +117,10 @@ def segment_name(payload: bytes) -> str | None:
     return payload[len(DESCRIPTOR_MAGIC) + _DESCRIPTOR.size :].decode("ascii")
 
 
+class _NoSharedMemory(Exception):
+    """Creating or writing a segment failed (``/dev/shm`` full): the value goes in the store."""
+
+
 class _Spill:
     """A file for ``pickle.Pickler``: bytes stay in memory up to a limit, then go to a segment."""
 
@@ -135,13 +139,16 @@ class _Spill:
         if self.segment is None and self.size + size <= self._limit:
             self._chunks.append(data if isinstance(data, bytes) else view.tobytes())
         else:
-            if self.segment is None:
-                self.segment = self._owner.take()
-                self._at = self._owner.offset
-                for chunk in self._chunks:
-                    self._put(memoryview(chunk))
-                self._chunks = []
-            self._put(view)
+            try:
+                if self.segment is None:
+                    self.segment = self._owner.take()
+                    self._at = self._owner.offset
+                    for chunk in self._chunks:
+                        self._put(memoryview(chunk))
+                    self._chunks = []
+                self._put(view)
+            except OSError as exc:
+                raise _NoSharedMemory from exc
         self.size += size
         return size
 
@@ -172,20 +179,21 @@ def dump(obj: Any, owner: SegmentOwner, digest: bool, readers: list[int]) -> byt
     """``obj`` pickled: the pickle itself, or (if larger than the threshold) a descriptor.
 
     ``readers`` are the ranks that will read the value. The descriptor is returned unsealed.
-    On any error writing shared memory (``/dev/shm`` full) the segment is dropped and the
-    pickle is returned instead.
+    On any error creating or writing a segment (``/dev/shm`` full) the segment is dropped
+    and the pickle is returned instead.
     """
     spill = _Spill(threshold(), owner, digest)
     try:
         pickle.Pickler(spill, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    except OSError:
         if spill.segment is None:
-            raise
-        owner.drop(spill.segment)
+            return spill.in_memory()
+        generation = owner.publish(spill.segment, spill.size, readers)
+    except (_NoSharedMemory, OSError) as exc:
+        if spill.segment is None and not isinstance(exc, _NoSharedMemory):
+            raise  # from the object's own pickling, not from shared memory
+        if spill.segment is not None:
+            owner.drop(spill.segment)
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    if spill.segment is None:
-        return spill.in_memory()
-    generation = owner.publish(spill.segment, spill.size, readers)
     tag = spill.hash.digest() if spill.hash is not None else _NO_DIGEST
     return _descriptor(spill.segment, spill.size, generation, tag)
 
@@ -198,13 +206,16 @@ def dump_pickled(payload: bytes, owner: SegmentOwner, digest: bool, readers: lis
     turned out large into a segment; the descriptor is returned. On any error writing
     shared memory the segment is dropped and the payload itself is returned.
     """
-    segment = owner.take()
+    try:
+        segment = owner.take()
+    except OSError:
+        return payload
     try:
         _write_at(segment.fd, memoryview(payload), owner.offset)
+        generation = owner.publish(segment, len(payload), readers)
     except OSError:
         owner.drop(segment)
         return payload
-    generation = owner.publish(segment, len(payload), readers)
     tag = hashlib.sha256(payload).digest() if digest else _NO_DIGEST
     return _descriptor(segment, len(payload), generation, tag)
 

@@ -380,3 +380,39 @@ def test_one_shot_segments_when_the_pool_is_full() -> None:
     # The one-shot segments were unlinked by their reader; the pooled ones wait for reuse.
     assert len(sender["after_read"]) == spg_segments.POOL_SIZE
     assert _segments_of(*sender["pids"]) == []
+
+
+def _with_a_limit(rank: int, limit: str) -> dict:
+    """Write a large value where no segment can be written (``files``: none may grow past
+    128 KiB, as with /dev/shm full) or created (``descriptors``: no file can be opened)."""
+    import pickle
+    import resource
+
+    payload = pickle.dumps(BIG, protocol=5)
+    owner = spg_segments.SegmentOwner(2)
+    which = resource.RLIMIT_FSIZE if limit == "files" else resource.RLIMIT_NOFILE
+    soft, hard = resource.getrlimit(which)
+    if limit == "files":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead
+        resource.setrlimit(which, (128 * 1024, hard))
+    else:
+        lowest_free = os.open(os.devnull, os.O_RDONLY)  # open takes the lowest free number
+        os.close(lowest_free)
+        resource.setrlimit(which, (lowest_free, hard))
+    try:
+        spilled = spg_shm.dump(BIG, owner, False, [1])
+        copied = spg_shm.dump_pickled(payload, owner, False, [1])
+    finally:
+        resource.setrlimit(which, (soft, hard))
+    return {
+        "spilled": pickle.loads(spilled) == BIG,
+        "copied": pickle.loads(copied) == BIG,
+        "left": _segments_of(os.getpid()),
+    }
+
+
+@pytest.mark.parametrize("limit", ["files", "descriptors"])
+def test_a_value_that_cannot_go_to_shared_memory_goes_in_the_store(limit: str) -> None:
+    (result,) = run_ranks(_with_a_limit, 1, limit, timeout=60)
+    assert result["spilled"] and result["copied"], result
+    assert result["left"] == []  # what was created is gone
