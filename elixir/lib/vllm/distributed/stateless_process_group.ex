@@ -90,7 +90,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   deletes it from the store (at its next store operation), so it can be used any number
   of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
   raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
-  travels through shared memory, unlinked by the last receiver.
+  travels through shared memory (a segment ``src`` reuses once every receiver has read
+  it).
 
   ## Parameters
 
@@ -328,7 +329,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   The object is pickled and pushed, numbered per pair, onto the store queue from this
   rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
   receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
-  through shared memory and ``dst`` unlinks it.
+  through shared memory (a segment this rank reuses once ``dst`` has read it).
 
   ## Parameters
 
