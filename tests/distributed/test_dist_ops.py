@@ -192,12 +192,9 @@ def _expire(rank: int, port: int) -> dict:
         time.sleep(1.5)
         group.expire_data()
     group.barrier()
-    return {
-        "written": written,
-        "before": before,
-        "after": _data_keys(group),
-        "entries": len(group.entries),
-    }
+    after = _data_keys(group)
+    group.barrier()  # rank 0 serves the store: it stays until rank 1 has read it
+    return {"written": written, "before": before, "after": after, "entries": len(group.entries)}
 
 
 def test_expire_data_deletes_old_keys() -> None:
