@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys, spg_p2p, spg_segments, spg_shm
+from bridge_py.distributed import keys, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
@@ -113,6 +113,7 @@ class StatelessProcessGroup:
         # Keys this rank has read and may delete, deleted at its next store operation (after
         # a write, or before a wait), so that deleting is not between a read and a reply.
         self._trash: list[str] = []
+        self._reaper = spg_reaper.KeyReaper(self.store)
         # This rank's values (and segments) of its last all_gather, until all ranks read them.
         self._own_gather: list[tuple[str, str | None]] = []
         # Fetches left before trying to read a value without waiting first (per kind, src).
@@ -221,11 +222,16 @@ class StatelessProcessGroup:
         return limit
 
     def _flush(self) -> None:
-        """Delete the keys waiting in the trash (read values nobody needs any more)."""
-        trash = self._trash
-        while trash:
-            self.store.delete_key(trash[-1])
-            trash.pop()
+        """Delete the keys waiting in the trash (read values nobody needs any more), on the
+        reaper's thread: nothing waits for them (see ``spg_reaper``)."""
+        self._reaper.delete(self._trash)
+        self._trash.clear()
+
+    def _flush_now(self) -> None:
+        """Delete the trash and wait until every key handed to the reaper is gone (bounded
+        by the store's timeout): for a barrier, after which the store holds no read value."""
+        self._flush()
+        self._reaper.drain(self._default_timeout())
 
     def _peek(self, key: str) -> bytes | None:
         """The value of ``key`` if it exists, in one round trip (``get`` takes two)."""
@@ -667,12 +673,12 @@ class StatelessProcessGroup:
 
         def all_arrived() -> None:
             self._release_own_gather()
-            self._flush()
+            self._flush_now()
 
         if self._probed:
             # No hook once all arrived when there is nothing to do then: the barrier is
             # shorter (see barrier.py, phase 2).
-            busy = self._own_gather or self._trash
+            busy = self._own_gather or self._trash or self._reaper.pending
             hook = all_arrived if busy else None
             return BarrierHooks(while_waiting=self._flush, all_arrived=hook)
         self._probed = True
