@@ -110,8 +110,8 @@ class StatelessProcessGroup:
         self._outbox = [keys.p2p_queue(self.rank, dst) for dst in range(self.world_size)]
         self._others = [r for r in range(self.world_size) if r != self.rank]
         self._auth_key: bytes | None = resolve_key(None)
-        # Keys this rank has read and may delete, deleted at its next store operation (after
-        # a write, or before a wait), so that deleting is not between a read and a reply.
+        # Keys this rank has read and may delete, handed at its next store operation (after
+        # a write, or before a wait) to the reaper, which deletes them on its own thread.
         self._trash: list[str] = []
         self._reaper = spg_reaper.KeyReaper(self.store)
         # This rank's values (and segments) of its last all_gather, until all ranks read them.
