@@ -228,14 +228,27 @@ class SharedValue:
     """
 
     def __init__(
-        self, name: str, fd: int, size: int, digest: bytes | None, what: str, at: tuple[int, ...]
+        self,
+        name: str,
+        fd: int,
+        size: int,
+        digest: bytes | None,
+        what: str,
+        *,
+        offset: int,
+        generation: int,
+        rank: int,
     ) -> None:
+        """The value of ``size`` bytes at ``offset`` of segment ``name`` (open as ``fd``),
+        holding ``generation``, read by ``rank``; ``digest`` to check, if keyed."""
         self.name = name
         self._fd = fd
         self._size = size
         self._digest = digest
         self._what = what
-        self._offset, self._generation, self._rank = at
+        self._offset = offset
+        self._generation = generation
+        self._rank = rank
 
     def retire(self) -> None:
         """The last reader holds the value open: remove a one-shot segment's name."""
@@ -323,4 +336,13 @@ def open_descriptor(
     except BaseException:
         os.close(fd)
         raise
-    return SharedValue(name, fd, size, digest if keyed else None, what, (offset, generation, rank))
+    return SharedValue(
+        name,
+        fd,
+        size,
+        digest if keyed else None,
+        what,
+        offset=offset,
+        generation=generation,
+        rank=rank,
+    )

@@ -173,6 +173,17 @@ class StatelessProcessGroup:
         self._spilled = segment is not None
         return seal_payload(self._auth_key, _context(key), payload), segment
 
+    def _plain_value(self, key: str, obj: Any) -> tuple[bytes, str | None]:
+        """``_dumps`` for the paths without an auth key, with less work around it: a plain
+        pickle, or (all ranks on one node, a large value) a segment's descriptor; and the
+        segment's name."""
+        if self._all_local and (self._spilled or sys.getsizeof(obj) > self._shm_threshold):
+            return self._dumps(key, obj, True)
+        value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if self._all_local and len(value) > self._shm_threshold:
+            return self._dumps(key, obj, True)
+        return value, None
+
     def _open(self, key: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
         """The checked payload of ``data`` (``key``, from ``src``): bytes, or an open segment.
 
@@ -309,8 +320,7 @@ class StatelessProcessGroup:
             validate_rank(dst, self.world_size, "dst")
         entries = self.entries
         now = time.time()
-        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
-            self.expire_data()
+        self._expire_if_due(now)
         seq = self.send_dst_counter[dst]
         name = f"p2p/{self.rank}/{dst}/{seq}"  # keys.p2p_value, spelled out on this hot path
         if self._auth_key is None and not self._local[dst]:
@@ -322,6 +332,12 @@ class StatelessProcessGroup:
         self.send_dst_counter[dst] = seq + 1
         if self._trash:
             self._flush()
+
+    def _expire_if_due(self, now: float) -> None:
+        """``expire_data``, when this rank's oldest entry is due or it has segments out."""
+        entries = self.entries
+        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
+            self.expire_data()
 
     def expire_data(self) -> None:
         """Expire data that is older than data_expiration_seconds seconds.
@@ -506,18 +522,11 @@ class StatelessProcessGroup:
         """
         entries = self.entries
         now = time.time()
-        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
-            self.expire_data()
+        self._expire_if_due(now)
         rank = self.rank
         seq = self.broadcast_send_counter
         key = f"bcast/{rank}/{seq}"  # keys.broadcast_value, spelled out on this hot path
-        segment = None
-        if self._all_local and (self._spilled or sys.getsizeof(obj) > self._shm_threshold):
-            value, segment = self._dumps(key, obj, True)
-        else:
-            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            if self._all_local and len(value) > self._shm_threshold:
-                value, segment = self._dumps(key, obj, True)
+        value, segment = self._plain_value(key, obj)
         store = self.store
         store.set(key, value)
         entries.append((key, now))
@@ -558,19 +567,12 @@ class StatelessProcessGroup:
         """
         entries = self.entries
         now = time.time()
-        if (entries and now - entries[0][1] > self.data_expiration_seconds) or self._segments:
-            self.expire_data()
+        self._expire_if_due(now)
         rank = self.rank
         peer = 1 - rank
         sent, received = self._exchanged
         name = f"gx/{rank}/{peer}/{sent}"
-        segment = None
-        if self._all_local and (self._spilled or sys.getsizeof(obj) > self._shm_threshold):
-            value, segment = self._dumps(name, obj, True)
-        else:
-            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            if self._all_local and len(value) > self._shm_threshold:
-                value, segment = self._dumps(name, obj, True)
+        value, segment = self._plain_value(name, obj)
         self.store.queue_push(keys.gather_queue(rank, peer), spg_p2p.frame(sent, value))
         entries.append((name, now))
         self._exchanged[0] = sent + 1

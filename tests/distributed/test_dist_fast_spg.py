@@ -300,8 +300,8 @@ def test_a_segment_holding_another_value_is_refused(keyed_pair) -> None:
     (name,) = _segments_of(os.getpid())
     fd = os.open(Path(spg_segments.SHM_DIR) / name, os.O_RDWR)
     try:
-        (generation,) = spg_segments._MARK.unpack(os.pread(fd, 8, 8))
-        os.pwrite(fd, spg_segments._MARK.pack(generation + 7), 8)  # not the value it names
+        generation = spg_segments.read_generation(fd)
+        os.pwrite(fd, (generation + 7).to_bytes(8, "big"), 8)  # not the value it names
     finally:
         os.close(fd)
     with pytest.raises(RuntimeError, match=f"segment {name!r} does not hold that value"):
