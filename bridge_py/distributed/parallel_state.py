@@ -268,18 +268,23 @@ class GroupCoordinator:
         """A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
 
         ``writer_rank`` is the group rank that writes, every other rank reads; with
-        ``blocking`` every rank waits until the queue is connected. ``external_writer_handle``
-        (a writer outside the group, in vLLM) is not supported by this MessageQueue.
+        ``blocking`` every rank waits until the queue is connected. With
+        ``external_writer_handle`` (the handle of a queue written by a process outside the
+        group, such as vLLM's executor, with one reader per group rank) group rank
+        ``writer_rank`` passes that handle to the others and every rank reads that queue as
+        reader number ``rank_in_group``; the outside writer joins ``wait_until_ready``, so
+        such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
         """
         from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
-        if external_writer_handle is not None:
-            raise NotImplementedError(
-                "create_mq_broadcaster: external_writer_handle is not supported"
-            )
         self._check_peer("create_mq_broadcaster", "writer", writer_rank)
         return MessageQueue.create_from_process_group(
-            self.cpu_group, _MQ_CHUNK_BYTES, _MQ_CHUNKS, writer_rank=writer_rank, blocking=blocking
+            self.cpu_group,
+            _MQ_CHUNK_BYTES,
+            _MQ_CHUNKS,
+            writer_rank=writer_rank,
+            external_writer_handle=external_writer_handle,
+            blocking=blocking,
         )
 
     def create_single_reader_mq_broadcasters(

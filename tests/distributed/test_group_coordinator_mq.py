@@ -40,8 +40,6 @@ def _queues(rank: int, port: int) -> str:
         queue.enqueue([1, 2, 3])
     else:
         assert queue.dequeue() == [1, 2, 3]
-    with pytest.raises(NotImplementedError):
-        g.create_mq_broadcaster(external_writer_handle=object())
 
     # Every rank writes its own queue; rank 2 reads them all.
     # With blocking, ranks 0 and 1 return once rank 2 has opened their queues.
@@ -66,3 +64,47 @@ def _queues(rank: int, port: int) -> str:
 
 def test_message_queue_broadcasters() -> None:
     assert run_ranks(_queues, 3, free_port(), timeout=90) == ["ok"] * 3
+
+
+def _external_writer(rank: int, port: int) -> list:
+    """Rank 0 writes a queue from outside the group of ranks 1 and 2, which read it."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=3,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    g = GroupCoordinator([[0], [1, 2]], rank, "gloo", True)
+    # A handle that is not a queue's fails on every rank of the group, none waits.
+    if rank != 0:
+        with pytest.raises(TypeError, match="not the Handle of a MessageQueue"):
+            g.create_mq_broadcaster(external_writer_handle="not a handle", blocking=False)
+
+    writer = MessageQueue(n_reader=2, n_local_reader=2) if rank == 0 else None
+    sent = [writer.export_handle() if writer is not None else None]
+    dist.broadcast_object_list(sent, src=0)
+    got: list = []
+    if writer is not None:
+        writer.wait_until_ready(timeout=60)
+        for item in ["a", {"b": 2}, list(range(5))]:
+            writer.enqueue(item)
+        dist.barrier()
+        writer.close()
+    else:
+        # As vLLM's workers: only the group's writer_rank needs the handle (rank 2 has none).
+        handle = sent[0] if rank == 1 else None
+        queue = g.create_mq_broadcaster(external_writer_handle=handle, blocking=False)
+        assert not queue._is_writer
+        queue.wait_until_ready(timeout=60)
+        got = [queue.dequeue(timeout=30) for _ in range(3)]
+        dist.barrier()
+        queue.close()
+    g.destroy()
+    dist.destroy_process_group()
+    return got
+
+
+def test_create_mq_broadcaster_with_an_external_writer() -> None:
+    got = run_ranks(_external_writer, 3, free_port(), timeout=90)
+    assert got == [[], ["a", {"b": 2}, [0, 1, 2, 3, 4]], ["a", {"b": 2}, [0, 1, 2, 3, 4]]]

@@ -569,6 +569,7 @@ class MessageQueue:
         max_chunk_bytes: int,
         max_chunks: int,
         writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
         blocking: bool = True,
         *,
         connect_ip: str | None = None,
@@ -584,26 +585,42 @@ class MessageQueue:
         ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
         ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
         every message; all ranks must give the same key.
+
+        With ``external_writer_handle`` (the :meth:`export_handle` of a queue written by a
+        process outside the group, made for ``pg.world_size`` readers) no rank writes:
+        group rank ``writer_rank`` is given that handle, passes it on over ``pg``, and every
+        rank joins that queue as reader number ``group rank``. The outside writer takes part
+        in :meth:`wait_until_ready`, so it is usually called with ``blocking=False`` and
+        ``wait_until_ready`` later, once the writer is waiting too.
         """
         key = _explicit_key(auth_key)
         group = object_group(pg)
         if not 0 <= writer_rank < group.world_size:
             raise ValueError(f"writer_rank must be in [0, {group.world_size}), got {writer_rank}")
+        context = _handle_context(writer_rank)
+        # Only rank writer_rank knows whether there is an outside writer: every rank probes.
         local = same_node_as(group, writer_rank)
+        external = external_writer_handle is not None
         if group.rank == writer_rank:
-            readers = [rank for rank in range(group.world_size) if rank != writer_rank]
-            queue = MessageQueue(
-                n_reader=len(readers),
-                n_local_reader=sum(local[rank] for rank in readers),
-                local_reader_ranks=[rank for rank in readers if local[rank]],
-                max_chunk_bytes=max_chunk_bytes,
-                max_chunks=max_chunks,
-                connect_ip=connect_ip,
-                remote_reader_ranks=[rank for rank in readers if not local[rank]],
-                auth_key=key,
-            )
-            context = _handle_context(writer_rank)
-            group.broadcast_obj(dumps(queue.export_handle(), key, context=context), writer_rank)
+            if not external:
+                readers = [rank for rank in range(group.world_size) if rank != writer_rank]
+                queue = MessageQueue(
+                    n_reader=len(readers),
+                    n_local_reader=sum(local[rank] for rank in readers),
+                    local_reader_ranks=[rank for rank in readers if local[rank]],
+                    max_chunk_bytes=max_chunk_bytes,
+                    max_chunks=max_chunks,
+                    connect_ip=connect_ip,
+                    remote_reader_ranks=[rank for rank in readers if not local[rank]],
+                    auth_key=key,
+                )
+                handle: Handle | None = queue.export_handle()
+            else:
+                # A handle that is not one still goes out (as None), so that every rank
+                # fails with the reason instead of waiting for a handle that never comes.
+                is_handle = isinstance(external_writer_handle, Handle)
+                handle = external_writer_handle if is_handle else None
+            group.broadcast_obj(dumps((external, handle), key, context=context), writer_rank)
         else:
             data = group.broadcast_obj(None, writer_rank)
             if not isinstance(data, bytes):
@@ -611,12 +628,19 @@ class MessageQueue:
                     f"expected the serialized queue handle from rank {writer_rank}, got "
                     f"{type(data).__name__}: is the writer running another version?"
                 )
-            handle = loads(
-                data,
-                key,
-                context=_handle_context(writer_rank),
-                what=f"the queue handle from writer rank {writer_rank}",
+            external, handle = loads(
+                data, key, context=context, what=f"the queue handle from writer rank {writer_rank}"
             )
+        if external:
+            if handle is None:
+                raise TypeError(
+                    f"create_from_process_group on rank {group.rank}: the "
+                    f"external_writer_handle given to rank {writer_rank} is not the Handle of a "
+                    "MessageQueue (its export_handle())"
+                )
+            # Every rank, writer_rank too, reads the outside writer's queue.
+            queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
+        elif group.rank != writer_rank:
             queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
         if blocking:
             queue.wait_until_ready()

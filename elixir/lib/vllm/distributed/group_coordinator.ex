@@ -304,8 +304,12 @@ defmodule Vllm.Distributed.GroupCoordinator do
   A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
 
   ``writer_rank`` is the group rank that writes, every other rank reads; with
-  ``blocking`` every rank waits until the queue is connected. ``external_writer_handle``
-  (a writer outside the group, in vLLM) is not supported by this MessageQueue.
+  ``blocking`` every rank waits until the queue is connected. With
+  ``external_writer_handle`` (the handle of a queue written by a process outside the
+  group, such as vLLM's executor, with one reader per group rank) group rank
+  ``writer_rank`` passes that handle to the others and every rank reads that queue as
+  reader number ``rank_in_group``; the outside writer joins ``wait_until_ready``, so
+  such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
 
   ## Parameters
 

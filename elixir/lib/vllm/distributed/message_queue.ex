@@ -88,13 +88,21 @@ defmodule Vllm.Distributed.MessageQueue do
   ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
   every message; all ranks must give the same key.
 
+  With ``external_writer_handle`` (the :meth:`export_handle` of a queue written by a
+  process outside the group, made for ``pg.world_size`` readers) no rank writes:
+  group rank ``writer_rank`` is given that handle, passes it on over ``pg``, and every
+  rank joins that queue as reader number ``group rank``. The outside writer takes part
+  in :meth:`wait_until_ready`, so it is usually called with ``blocking=False`` and
+  ``wait_until_ready`` later, once the writer is waiting too.
+
   ## Parameters
 
     * `pg` (`term()`)
     * `max_chunk_bytes` (`integer()`)
     * `max_chunks` (`integer()`)
     * `writer_rank` (`integer()`, default: `0`) (in `args`, position 0)
-    * `blocking` (`boolean()`, default: `True`) (in `args`, position 1)
+    * `external_writer_handle` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
+    * `blocking` (`boolean()`, default: `True`) (in `args`, position 2)
     * `connect_ip` (`String.t() | nil`, default: `None`) (keyword option `connect_ip:`)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
 
