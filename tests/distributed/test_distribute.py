@@ -258,9 +258,10 @@ def test_killed_rank_leaves_no_segment(dies: str, tmp_path: Path) -> None:
     for message, elapsed in results:
         assert "get_tensors_parallel" in message and "barrier" in message, message
         assert elapsed < 15, elapsed
-    # Rank 0 times out; rank 1 too, or it sees rank 0's store go away when rank 0 exits.
+    # Rank 0 times out; rank 1 too, or it sees rank 0's store go away when rank 0 exits
+    # (whatever the socket says then: closed, reset, a short read; the barrier names it).
     assert "timed out" in results[0][0], results[0][0]
-    assert "timed out" in results[1][0] or "closed" in results[1][0], results[1][0]
+    assert "timed out" in results[1][0] or "store error" in results[1][0], results[1][0]
     token = int(token_file.read_text())
     assert not [r for r in range(world_size) if (SHM / segment_name(token, r)).exists()]
 
