@@ -41,7 +41,7 @@ from bridge_py.distributed import keys, spg_p2p, spg_reaper, spg_segments, spg_s
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
-from bridge_py.distributed.store import format_address, join_group, open_store
+from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -94,6 +94,8 @@ class StatelessProcessGroup:
 
     def __post_init__(self) -> None:
         validate_rank(self.rank, self.world_size)
+        if self.world_size > 1:
+            require_queues(self.store)
         self.send_dst_counter = {i: 0 for i in range(self.world_size)}
         self.recv_src_counter = {i: 0 for i in range(self.world_size)}
         self.broadcast_recv_src_counter = {i: 0 for i in range(self.world_size)}

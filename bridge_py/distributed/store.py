@@ -16,7 +16,7 @@ import os
 import socket
 import time
 
-from torch.distributed import TCPStore
+from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.waiting import BoundedWaiter
 
@@ -27,11 +27,34 @@ __all__ = [
     "join_group",
     "open_store",
     "remaining",
+    "require_queues",
 ]
 
 
 class StoreError(RuntimeError):
     """The store of a group could not be served, reached or joined."""
+
+
+def require_queues(store: Store) -> None:
+    """Raise TypeError unless ``store`` has queues (``queue_push`` and ``queue_pop``).
+
+    A group's messages and barriers travel on store queues. TCPStore and HashStore have them
+    (also under a PrefixStore); FileStore does not, and would otherwise fail at the first
+    send or barrier with torch's bare "queue support is not implemented". Other stores are
+    asked once (``queue_len`` of a key nobody uses).
+    """
+    inner = store
+    while isinstance(inner, PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, (TCPStore, HashStore)):
+        return
+    try:
+        store.queue_len("vllm_bridge/queue_probe")
+    except NotImplementedError as exc:
+        raise TypeError(
+            f"StatelessProcessGroup needs a store with queues (TCPStore or HashStore, also "
+            f"under a PrefixStore); {type(inner).__name__} has none: {exc}"
+        ) from exc
 
 
 def format_address(host: str, port: int) -> str:

@@ -158,3 +158,17 @@ def test_listen_socket_port_mismatch() -> None:
         port = sock.getsockname()[1]
         with pytest.raises(ValueError, match=f"bound to port {port}"):
             StatelessProcessGroup.create("127.0.0.1", port + 1, 0, 1, listen_socket=sock)
+
+
+def test_a_store_without_queues_is_refused_when_the_group_is_made(tmp_path) -> None:
+    # FileStore has no queues: the group says so when made, not at its first send or barrier.
+    from torch.distributed import FileStore, HashStore, PrefixStore
+
+    files = FileStore(str(tmp_path / "store"), 2)
+    for store in (files, PrefixStore("job", files)):
+        with pytest.raises(TypeError, match="needs a store with queues.*FileStore has none"):
+            StatelessProcessGroup(rank=0, world_size=2, store=store, socket=None)
+    # One rank sends nothing, so it needs no queues; HashStore has them.
+    assert StatelessProcessGroup(rank=0, world_size=1, store=files, socket=None).world_size == 1
+    group = StatelessProcessGroup(rank=1, world_size=2, store=HashStore(), socket=None)
+    group.send_obj("x", 0)
