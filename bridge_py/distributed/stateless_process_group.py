@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys, spg_p2p, spg_reaper, spg_segments, spg_shm
+from bridge_py.distributed import keys, spg_board, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
@@ -131,6 +131,10 @@ class StatelessProcessGroup:
         self._spilled = False
         self._shm_threshold = spg_shm.threshold()  # read once: the environment lookup costs
         weakref.finalize(self, self._segments.release)
+        # This rank's board for all_gather on one node (see spg_board): made when this rank
+        # tells the others its node, used once every rank has one and all share the node.
+        self._board: spg_board.Board | None = None
+        self._board_names: list[str] | None = None
 
     @property
     def auth_key(self) -> bytes | None:
@@ -466,6 +470,8 @@ class StatelessProcessGroup:
             self.broadcast_send_counter += 1
             return [obj]
         if self._probed and self._auth_key is None:
+            if self._board_names is not None:
+                return self._all_gather_board(obj)
             if self.world_size == 2:
                 return self._exchange(obj)
             return self._all_gather_plain(obj)
@@ -478,7 +484,7 @@ class StatelessProcessGroup:
         names, values = [key], [value]
         if probing:
             names.append(keys.gather_node(rank, self.broadcast_send_counter))
-            values.append(spg_shm.node_identity())
+            values.append(self._node_card())
         if probing:
             self.store.multi_set(names, values)
         else:
@@ -559,6 +565,79 @@ class StatelessProcessGroup:
         ]
         result.insert(rank, obj)
         return result
+
+    def _all_gather_board(self, obj: Any) -> list[Any]:
+        """``all_gather_obj`` of ranks on one node without an auth key: over the boards.
+
+        Each rank posts its value on its board and rings the others' doorbells, then reads
+        theirs, sleeping on its own doorbell until all are there (see ``spg_board``): no
+        store request at all. A large value goes to a segment as on the other paths (its
+        descriptor goes on the board); one too large for the board otherwise, to the store.
+        Waits at most the store's timeout, and reports a rank that exited when it does.
+        """
+        board = self._board
+        assert board is not None and self._board_names is not None
+        now = time.time()
+        self._expire_if_due(now)
+        rank = self.rank
+        if not board.connected:
+            try:
+                board.connect(self._board_names)
+            except spg_board.BoardError as exc:
+                raise RuntimeError(f"all_gather_obj on rank {rank}: {exc}") from exc
+        seq = board.seq + 1
+        value, segment = self._plain_value(f"board/{rank}/{seq}", obj)
+        if len(value) > spg_board.CAPACITY:
+            self.store.set(spg_board.overflow_key(rank, seq), value)
+            board.post(b"", in_store=True)
+            written = spg_board.overflow_key(rank, seq)
+        else:
+            board.post(value)
+            written = ""
+        self.broadcast_send_counter += 1
+        if self._trash:
+            self._flush()
+        others = self._others
+        start = time.monotonic()
+        limit = self._default_timeout()
+        got, missing = spg_board.wait_for_values(board, seq, others, limit)
+        if missing:
+            raise self._board_failure(seq, missing, start, limit)
+        counters = self.broadcast_recv_src_counter
+        for src in others:
+            counters[src] += 1
+        if seq == 1:
+            board.unname()  # every rank has opened this rank's board: the names can go
+        # Every rank has posted this gather's value, so it has read this rank's earlier one.
+        if self._own_gather:
+            self._release_own_gather()
+        self._own_gather = [(written, segment)] if written or segment is not None else []
+        result = []
+        for src, data in zip(others, got, strict=True):
+            if not data:  # too large for the board: in the store
+                data = self.store.get(spg_board.overflow_key(src, seq))
+            if data[:1] == b"\x80":
+                result.append(pickle.loads(data))
+            else:
+                result.append(self._loads(f"board/{src}/{seq}", data, src, False))
+        result.insert(rank, obj)
+        return result
+
+    def _board_failure(
+        self, seq: int, missing: list[int], start: float, limit: float
+    ) -> RuntimeError:
+        """The error of a board gather that some ranks did not join: exited, or late."""
+        waited = time.monotonic() - start
+        if waited < limit:
+            return RuntimeError(
+                f"all_gather_obj on rank {self.rank}: ranks {missing} exited after "
+                f"{waited:.1f} s without posting their values (board gather {seq})"
+            )
+        return RuntimeError(
+            f"all_gather_obj on rank {self.rank} timed out after {waited:.1f} s (timeout "
+            f"{limit:g} s) waiting for the values of ranks {missing} (board gather {seq}): "
+            "they did not call all_gather_obj (did they exit, or call something else?)"
+        )
 
     def _exchange(self, obj: Any) -> list[Any]:
         """``all_gather_obj`` of two ranks without an auth key: one queue each way.
@@ -663,12 +742,34 @@ class StatelessProcessGroup:
                 self._segments.discard(segment)
         self._own_gather = []
 
-    def _learn_nodes(self, nodes: list[bytes]) -> None:
-        """Record the node identities of all ranks: who can take this rank's segments."""
+    def _node_card(self) -> bytes:
+        """What this rank tells the others of its node: its identity (``spg_shm``) and, if
+        it could make one, the name of its board (``spg_board``), after a newline."""
+        identity = spg_shm.node_identity()
+        if identity == spg_shm.NOT_LOCAL or self.world_size == 1:
+            return identity
+        if self._board is None:
+            try:
+                self._board = spg_board.Board(self.rank, self.world_size)
+            except OSError:
+                return identity  # no board: all_gather keeps to the store
+            weakref.finalize(self, self._board.close)
+        return identity + b"\n" + self._board.name.encode()
+
+    def _learn_nodes(self, cards: list[bytes]) -> None:
+        """Record the node identities of all ranks (from their ``_node_card``): who can take
+        this rank's segments, and whether all_gather goes over boards."""
+        nodes = [card.split(b"\n", 1)[0] for card in cards]
         self._nodes = nodes
         mine = nodes[self.rank]
         self._local = [mine != spg_shm.NOT_LOCAL and node == mine for node in nodes]
         self._all_local = self.world_size > 1 and all(self._local)
+        boards = [card.split(b"\n", 1)[1].decode() for card in cards if b"\n" in card]
+        if self._all_local and len(boards) == self.world_size:
+            self._board_names = boards
+        elif self._board is not None:
+            self._board.close()  # some rank has none, or is elsewhere: the store it is
+            self._board = None
         if any(self._local[r] for r in range(self.world_size) if r != self.rank):
             spg_segments.remove_orphans()
 
@@ -687,7 +788,7 @@ class StatelessProcessGroup:
             return BarrierHooks(while_waiting=self._flush, all_arrived=hook)
         self._probed = True
         node_keys = [keys.barrier_node(barrier_id, r) for r in range(self.world_size)]
-        identity = spg_shm.node_identity()
+        identity = self._node_card()
 
         def probe() -> None:
             all_arrived()

@@ -166,7 +166,7 @@ def test_a_store_without_queues_is_refused_when_the_group_is_made(tmp_path) -> N
 
     files = FileStore(str(tmp_path / "store"), 2)
     for store in (files, PrefixStore("job", files)):
-        with pytest.raises(TypeError, match="needs a store with queues.*FileStore has none"):
+        with pytest.raises(TypeError, match=r"needs a store with queues.*FileStore has none"):
             StatelessProcessGroup(rank=0, world_size=2, store=store, socket=None)
     # One rank sends nothing, so it needs no queues; HashStore has them.
     assert StatelessProcessGroup(rank=0, world_size=1, store=files, socket=None).world_size == 1

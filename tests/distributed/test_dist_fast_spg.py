@@ -38,10 +38,15 @@ KEY = b"k" * 32
 JOIN_KEYS = ["join/count", "join/done"]
 
 
-def _segments_of(*pids: int) -> list[str]:
-    """Names in /dev/shm of segments created by any of ``pids``."""
+def _files_of(*pids: int) -> list[str]:
+    """Names in /dev/shm of the files (segments, boards, doorbells) of any of ``pids``."""
     prefixes = [f"{spg_segments.NAME_PREFIX}{_pidns()}_{pid}_" for pid in pids]
     return sorted(n for n in os.listdir(spg_segments.SHM_DIR) if n.startswith(tuple(prefixes)))
+
+
+def _segments_of(*pids: int) -> list[str]:
+    """Names in /dev/shm of segments created by any of ``pids``."""
+    return [n for n in _files_of(*pids) if spg_segments.NAME_PATTERN.match(n)]
 
 
 def _pidns() -> int:
@@ -100,7 +105,7 @@ def test_large_values_go_through_shared_memory_on_one_node() -> None:
     assert results[1]["segments_after_bcast"] == 1  # receivers write none
     assert results[2]["p2p"]
     assert results[0]["keys"] == JOIN_KEYS  # values and probe keys deleted
-    assert _segments_of(*(r["pid"] for r in results)) == []
+    assert _files_of(*(r["pid"] for r in results)) == []
 
 
 def test_shared_memory_can_be_switched_off() -> None:
@@ -114,7 +119,7 @@ def test_shared_memory_can_be_switched_off() -> None:
     assert results[0]["segments_after_p2p"] == 1
     assert results[2]["p2p"]
     assert results[0]["keys"] == JOIN_KEYS
-    assert _segments_of(*(r["pid"] for r in results)) == []
+    assert _files_of(*(r["pid"] for r in results)) == []
 
 
 # --- all_gather correctness -----------------------------------------------------------------
@@ -156,7 +161,7 @@ def test_all_gather_of_mixed_sizes(world_size: int) -> None:
             src: 0 if src == rank else 6 + (src == 1) for src in range(world_size)
         }
     assert results[0]["keys"] == 2
-    assert _segments_of(*(r["pid"] for r in results)) == []
+    assert _files_of(*(r["pid"] for r in results)) == []
 
 
 # --- nothing left in /dev/shm when a rank dies ---------------------------------------------
@@ -191,9 +196,14 @@ def _creator_keeps_unread(rank: int, port: int) -> dict:
     pids = group.all_gather_obj(os.getpid())
     group.broadcast_obj(BIG, src=0)  # rank 1 dies without reading it
     created = _segments_of(os.getpid())
+    # Rank 1's board (made when it told its node) is an orphan once rank 1 is gone: the
+    # release below removes it then.
+    deadline = time.monotonic() + 20
+    while process_alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.02)
     del group
     gc.collect()
-    return {"created": created, "left": _segments_of(os.getpid()), "pids": pids}
+    return {"created": created, "left": _files_of(os.getpid()), "pids": pids}
 
 
 def test_no_segment_left_when_the_receiver_is_killed(reap: list) -> None:
@@ -202,7 +212,7 @@ def test_no_segment_left_when_the_receiver_is_killed(reap: list) -> None:
     (result,) = run_ranks(_creator_keeps_unread, 2, port, ranks=[0], timeout=60)
     assert len(result["created"]) >= 1  # the broadcast went to shared memory (and gather)
     assert result["left"] == []  # released with the group
-    assert _segments_of(*result["pids"]) == []
+    assert _files_of(*result["pids"]) == []
 
 
 def _creator_then_killed(rank: int, port: int) -> None:
@@ -233,7 +243,7 @@ def _survivor(rank: int, port: int) -> dict:
         group.recv_obj(1, timeout=20)
     del group
     gc.collect()
-    result["left"] = _segments_of(creator)
+    result["left"] = _files_of(creator)
     return result
 
 
@@ -246,7 +256,7 @@ def test_no_segment_left_when_the_creator_is_killed(reap: list) -> None:
     assert not results[0]["creator_alive"]
     assert results[1]["read"]
     assert results[0]["left"] == [] and results[1]["left"] == []
-    assert _segments_of(creator) == []
+    assert _files_of(creator) == []
 
 
 # --- authentication of shared-memory values -------------------------------------------------
@@ -349,7 +359,7 @@ def test_a_read_segment_is_written_over(world_size: int) -> None:
     assert results[0]["created"] == 1
     assert len(results[0]["files"]) == 1
     assert all(r["created"] == 0 for r in results[1:])
-    assert _segments_of(*(r["pid"] for r in results)) == []
+    assert _files_of(*(r["pid"] for r in results)) == []
 
 
 def _flood(rank: int, port: int) -> dict:
@@ -379,7 +389,7 @@ def test_one_shot_segments_when_the_pool_is_full() -> None:
     assert sender["created"] == spg_segments.POOL_SIZE + 2
     # The one-shot segments were unlinked by their reader; the pooled ones wait for reuse.
     assert len(sender["after_read"]) == spg_segments.POOL_SIZE
-    assert _segments_of(*sender["pids"]) == []
+    assert _files_of(*sender["pids"]) == []
 
 
 def _with_a_limit(rank: int, limit: str) -> dict:
@@ -407,7 +417,7 @@ def _with_a_limit(rank: int, limit: str) -> dict:
     return {
         "spilled": pickle.loads(spilled) == BIG,
         "copied": pickle.loads(copied) == BIG,
-        "left": _segments_of(os.getpid()),
+        "left": _files_of(os.getpid()),
     }
 
 

@@ -1,0 +1,267 @@
+"""A shared-memory board and doorbells: all_gather_obj among the ranks of one node.
+
+Through the store, an all_gather of small objects costs every rank a write and a wait that
+the store's server answers once the last value is in: two hops through a third process (the
+server thread of rank 0) for every rank, which with more ranks than cores is most of the
+time. When every rank of a group runs on one node and there is no auth key, each rank
+instead posts its value on a *board* of its own, a small file under ``/dev/shm`` mapped by
+every rank, and rings each other rank's *doorbell*, a FIFO next to it; a rank waiting for
+the others sleeps in ``poll`` on its own doorbell. Nothing goes through the store.
+
+A board has two slots, used in turn (the slot of gather ``seq`` is ``seq % 2``)::
+
+    offset 0            b"VBBD", u32 0, u64 creator pid
+    SLOT_AT[i] + 0      u64 seq        (the gather whose value the slot holds; 0: none yet)
+    SLOT_AT[i] + 8      u64 length     (bit 63: the value is in the store, see below)
+    SLOT_AT[i] + 16     the value      (at most CAPACITY bytes)
+
+Two slots are enough and no reader has to say it is done: a rank writes the slot of gather
+``seq + 2`` only after completing gather ``seq + 1``, that is after every other rank posted
+its ``seq + 1`` value, which each did only after reading every ``seq`` value. The writer
+writes the value and its length, then (after a memory fence) ``seq``; a reader reads ``seq``,
+then (after a fence) the rest. A value larger than :data:`CAPACITY` (a pickle that could not
+go to a segment) is written to the store under :func:`overflow_key` first; its slot then
+holds only the flag, and the writer deletes the key at its next gather.
+
+Boards and doorbells are named like the group's segments
+(``vbspg_<pid namespace>_<pid>_<token>_board``/``_bell``), so that
+``spg_segments.remove_orphans`` removes those of a rank that was killed. A rank creates its
+own when it tells the others its node (the group's first all_gather or barrier) and unlinks
+the names once every other rank has opened them (after the first gather on the board); the
+mappings live on until the group is closed. A rank that waits checks every
+:data:`LIVENESS_PERIOD` seconds whether the ranks it waits for still run, so a killed peer
+is reported at once instead of after the store's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import select
+import struct
+import time
+from collections.abc import Sequence
+
+from bridge_py.distributed.device_communicators.shm_wait import (
+    fence,
+    pid_namespace,
+    process_alive,
+)
+from bridge_py.distributed.spg_segments import NAME_PREFIX, SHM_DIR, unlink
+
+__all__ = [
+    "BOARD_PATTERN",
+    "CAPACITY",
+    "LIVENESS_PERIOD",
+    "Board",
+    "BoardError",
+    "overflow_key",
+]
+
+CAPACITY = (256 << 10) + 4096  # a pickle up to spg_shm's threshold, or a descriptor, fits
+LIVENESS_PERIOD = 1.0
+BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
+MAGIC = b"VBBD"
+_HEAD = struct.Struct("<4sIQ")  # magic, 0, creator pid
+_U64 = struct.Struct("<Q")
+_SLOT_HEAD = 16
+_PAGE = 4096
+SLOT_AT = (_PAGE, _PAGE + ((_SLOT_HEAD + CAPACITY + _PAGE - 1) // _PAGE) * _PAGE)
+BOARD_BYTES = SLOT_AT[1] + (SLOT_AT[1] - SLOT_AT[0])
+IN_STORE = 1 << 63
+
+
+class BoardError(RuntimeError):
+    """A board could not be made or opened, or a peer's board is not what it should be."""
+
+
+def overflow_key(rank: int, seq: int) -> str:
+    """The store key of rank ``rank``'s gather ``seq`` value that did not fit on its board."""
+    return f"board/{rank}/{seq}"
+
+
+def _bell_name(board_name: str) -> str:
+    return board_name[: -len("board")] + "bell"
+
+
+class Board:
+    """This rank's board and doorbell, and (once :meth:`connect` ed) every other rank's."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        """Create this rank's board and doorbell under ``/dev/shm`` (raises OSError)."""
+        self.rank = rank
+        self.world_size = world_size
+        self.name = f"{NAME_PREFIX}{pid_namespace()}_{os.getpid()}_{secrets.token_hex(6)}_board"
+        self.seq = 0  # the last gather posted
+        self._maps: list[mmap.mmap | None] = [None] * world_size
+        self._bells: list[int] = [-1] * world_size
+        self._pids = [0] * world_size
+        self._own_bell = -1
+        self._named = True
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, BOARD_BYTES)
+            board = mmap.mmap(fd, BOARD_BYTES)
+        except BaseException:
+            os.close(fd)
+            unlink(self.name)
+            raise
+        os.close(fd)
+        _HEAD.pack_into(board, 0, MAGIC, 0, os.getpid())
+        self._maps[rank] = board
+        self._pids[rank] = os.getpid()
+        bell = os.path.join(SHM_DIR, _bell_name(self.name))
+        try:
+            os.mkfifo(bell, 0o600)
+            # Read and write: the doorbell never reports end of file and opening never blocks.
+            self._own_bell = os.open(bell, os.O_RDWR | os.O_NONBLOCK)
+        except BaseException:
+            self.close()
+            raise
+        self._poll = select.poll()
+        self._poll.register(self._own_bell, select.POLLIN)
+
+    @property
+    def connected(self) -> bool:
+        """Whether every other rank's board and doorbell are open."""
+        return all(m is not None for m in self._maps)
+
+    def connect(self, names: Sequence[str]) -> None:
+        """Open the boards (and doorbells) ``names`` of all ranks, this rank's included.
+
+        Raises BoardError naming the rank whose board is missing or malformed.
+        """
+        for src, name in enumerate(names):
+            if src == self.rank:
+                continue
+            if not BOARD_PATTERN.match(name):
+                raise BoardError(f"rank {src} named a board {name!r} that is not one")
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                try:
+                    board = mmap.mmap(fd, BOARD_BYTES)
+                finally:
+                    os.close(fd)
+                bell = os.open(os.path.join(SHM_DIR, _bell_name(name)), os.O_WRONLY | os.O_NONBLOCK)
+            except (OSError, ValueError) as exc:
+                raise BoardError(
+                    f"rank {self.rank} cannot open the board {name!r} of rank {src} "
+                    f"(did it exit?): {exc}"
+                ) from exc
+            magic, _, pid = _HEAD.unpack_from(board)
+            if magic != MAGIC:
+                board.close()
+                os.close(bell)
+                raise BoardError(f"the board {name!r} of rank {src} is not a board")
+            self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
+
+    def post(self, value: bytes, in_store: bool = False) -> int:
+        """Post this rank's value of the next gather and ring every doorbell; its seq.
+
+        ``in_store``: ``value`` is empty and the value is under :func:`overflow_key`.
+        """
+        seq = self.seq + 1
+        board = self._maps[self.rank]
+        assert board is not None
+        at = SLOT_AT[seq & 1]
+        size = len(value)
+        if size > CAPACITY:
+            raise ValueError(f"a board value holds at most {CAPACITY} bytes, got {size}")
+        board[at + _SLOT_HEAD : at + _SLOT_HEAD + size] = value
+        _U64.pack_into(board, at + 8, IN_STORE if in_store else size)
+        fence()  # the value is visible before its seq
+        _U64.pack_into(board, at, seq)
+        self.seq = seq
+        for bell in self._bells:
+            if bell >= 0:
+                # A full doorbell already rings; one whose rank is gone is found while waiting.
+                with contextlib.suppress(BlockingIOError, BrokenPipeError):
+                    os.write(bell, b"\x01")
+        return seq
+
+    def read(self, src: int, seq: int) -> bytes | None:
+        """Rank ``src``'s value of gather ``seq``: its bytes, b"" if it is in the store, or
+        None if ``src`` has not posted it yet."""
+        board = self._maps[src]
+        at = SLOT_AT[seq & 1]
+        if _U64.unpack_from(board, at)[0] != seq:
+            return None
+        fence()  # what src wrote before its seq is visible
+        size = _U64.unpack_from(board, at + 8)[0]
+        if size & IN_STORE:
+            return b""
+        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a doorbell rings or ``timeout`` seconds pass; empty the doorbell."""
+        if self._poll.poll(max(timeout, 0.0) * 1000.0):
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._own_bell, 4096)
+
+    def gone(self, ranks: Sequence[int]) -> list[int]:
+        """Those of ``ranks`` whose process has exited."""
+        return [r for r in ranks if not process_alive(self._pids[r])]
+
+    def unname(self) -> None:
+        """Remove this rank's board and doorbell names (everyone has opened them)."""
+        if self._named:
+            self._named = False
+            unlink(self.name)
+            unlink(_bell_name(self.name))
+
+    def close(self) -> None:
+        """Unmap every board, close every doorbell and remove this rank's names."""
+        self.unname()
+        for i, board in enumerate(self._maps):
+            if board is not None:
+                with contextlib.suppress(BufferError):
+                    board.close()
+                self._maps[i] = None
+        for i, bell in enumerate(self._bells):
+            if bell >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(bell)
+                self._bells[i] = -1
+        if self._own_bell >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._own_bell)
+            self._own_bell = -1
+
+
+def wait_for_values(
+    board: Board, seq: int, ranks: Sequence[int], timeout: float
+) -> tuple[list[bytes], list[int]]:
+    """The values of gather ``seq`` from ``ranks`` (in that order), waiting on the doorbell.
+
+    Returns ``(values, missing)``: ``missing`` lists the ranks that did not post within
+    ``timeout`` seconds, or that exited (then the rest may be unread: ``values`` has b""
+    for them). A value in the store is b"" too; :meth:`Board.read` tells which.
+    """
+    values: list[bytes] = [b""] * len(ranks)
+    waiting = list(range(len(ranks)))
+    start = time.monotonic()
+    deadline = start + timeout
+    check_at = start + LIVENESS_PERIOD
+    while True:
+        still = []
+        for i in waiting:
+            got = board.read(ranks[i], seq)
+            if got is None:
+                still.append(i)
+            else:
+                values[i] = got
+        waiting = still
+        if not waiting:
+            return values, []
+        now = time.monotonic()
+        if now >= deadline:
+            return values, [ranks[i] for i in waiting]
+        if now >= check_at:
+            check_at = now + LIVENESS_PERIOD
+            gone = board.gone([ranks[i] for i in waiting])
+            if gone:
+                return values, gone
+        board.wait(min(deadline, check_at) - now)

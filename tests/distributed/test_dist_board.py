@@ -1,0 +1,164 @@
+"""all_gather_obj over shared-memory boards and doorbells (spg_board), real processes.
+
+Ranks on one node without an auth key gather through boards once they know where the others
+run (after the first all_gather or barrier): these tests check that the store is not used
+then, that values of every size arrive (inline, in a segment, in the store), that a rank that
+exits or never comes is reported, and that nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+from torch.distributed import HashStore
+
+from bridge_py.distributed import StatelessProcessGroup, spg_board, spg_segments, spg_shm
+from tests.distributed.harness import free_port, run_ranks
+
+
+def _create(rank: int, port: int, world_size: int, timeout: int = 30) -> StatelessProcessGroup:
+    return StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=timeout)
+
+
+def _files_of(*pids: int) -> list[str]:
+    names = os.listdir(spg_segments.SHM_DIR)
+    return sorted(n for n in names for p in pids if f"_{p}_" in n and n.startswith("vbspg_"))
+
+
+def _gathers(rank: int, port: int, world_size: int) -> dict:
+    group = _create(rank, port, world_size)
+    pids = group.all_gather_obj(os.getpid())  # the probe: through the store
+    assert group._board_names is not None, "all ranks are on this node: boards expected"
+    # The gathers below do not touch the store: give the group an empty one, where a value
+    # written would show and a value waited for would never come.
+    store, empty = group.store, HashStore()
+    empty.set_timeout(datetime.timedelta(seconds=5))
+    group.store = empty
+    ok = []
+    for step in range(50):
+        value = {"rank": rank, "step": step, "pad": "x" * (step * 997)}
+        got = group.all_gather_obj(value)
+        expected = [{"rank": r, "step": step, "pad": "x" * (step * 997)} for r in range(world_size)]
+        ok.append(got == expected)
+    group.store = store
+    names_left = [n for n in _files_of(os.getpid()) if n.endswith(("_board", "_bell"))]
+    group.barrier(timeout=10)
+    return {
+        "ok": ok,
+        "keys": empty.num_keys(),
+        "names_left": names_left,
+        "send": group.broadcast_send_counter,
+        "recv": dict(group.broadcast_recv_src_counter),
+        "pids": pids,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gathers_on_one_node_go_over_boards(world_size: int) -> None:
+    results = run_ranks(_gathers, world_size, free_port(), world_size, timeout=90)
+    for rank, result in enumerate(results):
+        assert all(result["ok"])
+        assert result["keys"] == 0  # not one key written by a gather
+        assert result["names_left"] == []  # unlinked once every rank had opened them
+        # The counters advance as vLLM's: one broadcast from every rank per gather.
+        assert result["send"] == 51
+        assert result["recv"] == {src: 0 if src == rank else 51 for src in range(world_size)}
+    assert _files_of(*results[0]["pids"]) == []
+
+
+def _sizes(rank: int, port: int) -> dict:
+    # Pickles up to 4 MiB stay out of segments, so those over the board's capacity go to
+    # the store; the second group spills them into segments as usual.
+    os.environ[spg_shm.THRESHOLD_ENV_VAR] = str(4 << 20)
+    group = _create(rank, port, 3)
+    group.all_gather_obj(None)
+    big = bytes([rank]) * (spg_board.CAPACITY + 1000)
+    got = group.all_gather_obj(big)
+    ok = [got == [bytes([r]) * (spg_board.CAPACITY + 1000) for r in range(3)]]
+    overflow = group.store.check([spg_board.overflow_key(rank, 1)])
+    got = group.all_gather_obj(rank)  # the overflow key of the last gather goes now
+    ok.append(got == [0, 1, 2])
+    group.barrier(timeout=10)
+    gone = not group.store.check([spg_board.overflow_key(rank, 1)])
+    group.barrier(timeout=10)
+    return {"ok": ok, "overflow": overflow, "gone": gone}
+
+
+def test_a_value_too_large_for_the_board_goes_through_the_store() -> None:
+    results = run_ranks(_sizes, 3, free_port(), timeout=90)
+    for result in results:
+        assert all(result["ok"]), result
+        assert result["overflow"] and result["gone"], result
+
+
+def _exits(rank: int, port: int) -> dict:
+    group = _create(rank, port, 3, timeout=60)
+    group.all_gather_obj(os.getpid())
+    group.all_gather_obj(rank)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.all_gather_obj(rank)
+    except RuntimeError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_rank_that_exits_is_reported_before_the_timeout() -> None:
+    port = free_port()
+    ctx = multiprocessing.get_context("forkserver")
+    victim = ctx.Process(target=_exits, args=(2, port), daemon=True)
+    victim.start()
+    try:
+        results = run_ranks(_exits, 3, port, ranks=[0, 1], timeout=60)
+    finally:
+        victim.join(10)
+        if victim.is_alive():
+            victim.kill()
+    assert victim.exitcode == -signal.SIGKILL
+    for rank, result in enumerate(results):
+        assert result["error"] is not None
+        assert f"all_gather_obj on rank {rank}: ranks [2] exited" in result["error"]
+        assert result["elapsed"] < 10  # the store's timeout is 60 s
+
+
+def _late(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2, timeout=2)
+    group.all_gather_obj(None)
+    if rank == 1:
+        time.sleep(6)  # does not gather; rank 0 gives up after 2 s
+        return {"error": None}
+    start = time.monotonic()
+    try:
+        group.all_gather_obj(rank)
+    except RuntimeError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_the_store_timeout_bounds_a_board_gather() -> None:
+    result = run_ranks(_late, 2, free_port(), timeout=60)[0]
+    assert "all_gather_obj on rank 0 timed out after" in result["error"], result
+    assert "values of ranks [1]" in result["error"]
+    assert 1.5 < result["elapsed"] < 5
+
+
+def _no_shm(rank: int, port: int, off_rank: int) -> dict:
+    if rank == off_rank:
+        os.environ[spg_shm.ENV_VAR] = "0"
+    group = _create(rank, port, 2)
+    group.barrier(timeout=10)  # the probe, this time in a barrier
+    got = [group.all_gather_obj((rank, i)) for i in range(5)]
+    return {"boards": group._board_names, "ok": got == [[(0, i), (1, i)] for i in range(5)]}
+
+
+def test_boards_need_every_rank() -> None:
+    # One rank may not use shared memory: nobody gathers over boards, nobody keeps one.
+    for result in run_ranks(_no_shm, 2, free_port(), 1, timeout=60):
+        assert result == {"boards": None, "ok": True}
