@@ -8,12 +8,14 @@ instead posts its value on a *board* of its own, a small file under ``/dev/shm``
 every rank, and rings each other rank's *doorbell*, a FIFO next to it; a rank waiting for
 the others sleeps in ``poll`` on its own doorbell. Nothing goes through the store.
 
-A board has two slots, used in turn (the slot of gather ``seq`` is ``seq % 2``)::
+A board has a head, two gather slots used in turn (the slot of gather ``seq`` is
+``seq % 2``) and, for every destination rank, a ring of :data:`RING` message slots::
 
-    offset 0            b"VBBD", u32 0, u64 creator pid
-    SLOT_AT[i] + 0      u64 seq        (the gather whose value the slot holds; 0: none yet)
-    SLOT_AT[i] + 8      u64 length     (bit 63: the value is in the store, see below)
-    SLOT_AT[i] + 16     the value      (at most CAPACITY bytes)
+    0                   b"VBBD", u32 world size, u64 creator pid
+    64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
+    64 + 8 * (n + dst)  u64 spills[dst]: messages to ``dst`` sent through the store
+    gather slot i       u64 seq (0: none yet), u64 length (bit 63: in the store), the value
+    ring[dst][j]        u64 number + 1 (0: never used), u64 length, the message
 
 Two slots are enough and no reader has to say it is done: a rank writes the slot of gather
 ``seq + 2`` only after completing gather ``seq + 1``, that is after every other rank posted
@@ -22,6 +24,13 @@ writes the value and its length, then (after a memory fence) ``seq``; a reader r
 then (after a fence) the rest. A value larger than :data:`CAPACITY` (a pickle that could not
 go to a segment) is written to the store under :func:`overflow_key` first; its slot then
 holds only the flag, and the writer deletes the key at its next gather.
+
+Point-to-point messages (``send_obj``/``recv_obj``) take the rings: message ``n`` to ``dst``
+goes into slot ``n % RING`` of the sender's ring for ``dst`` once ``dst`` has received what
+that slot held before (``dst``'s ``acks[sender]`` says so), and the sender rings ``dst``'s
+doorbell. Sending never waits: a message that finds its slot taken, or is larger than
+:data:`MESSAGE_CAPACITY`, goes on the pair's store queue as before, and ``spills[dst]`` counts
+it, so the receiver knows to pop the queue too; it takes messages from both in number order.
 
 Boards and doorbells are named like the group's segments
 (``vbspg_<pid namespace>_<pid>_<token>_board``/``_bell``), so that
@@ -36,6 +45,7 @@ is reported at once instead of after the store's timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import re
@@ -43,7 +53,7 @@ import secrets
 import select
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bridge_py.distributed.device_communicators.shm_wait import (
     fence,
@@ -56,22 +66,60 @@ __all__ = [
     "BOARD_PATTERN",
     "CAPACITY",
     "LIVENESS_PERIOD",
+    "MESSAGE_CAPACITY",
+    "RING",
     "Board",
     "BoardError",
+    "Layout",
     "overflow_key",
+    "wait_for_values",
 ]
 
 CAPACITY = (256 << 10) + 4096  # a pickle up to spg_shm's threshold, or a descriptor, fits
+RING = 8  # message slots per destination
+MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one message slot's value
 LIVENESS_PERIOD = 1.0
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
 MAGIC = b"VBBD"
-_HEAD = struct.Struct("<4sIQ")  # magic, 0, creator pid
+_HEAD = struct.Struct("<4sIQ")  # magic, world size, creator pid
 _U64 = struct.Struct("<Q")
 _SLOT_HEAD = 16
 _PAGE = 4096
-SLOT_AT = (_PAGE, _PAGE + ((_SLOT_HEAD + CAPACITY + _PAGE - 1) // _PAGE) * _PAGE)
-BOARD_BYTES = SLOT_AT[1] + (SLOT_AT[1] - SLOT_AT[0])
+_COUNTERS_AT = 64
 IN_STORE = 1 << 63
+
+
+def _pages(size: int) -> int:
+    return (size + _PAGE - 1) // _PAGE * _PAGE
+
+
+_GATHER_SLOT = _pages(_SLOT_HEAD + CAPACITY)
+_MESSAGE_SLOT = _SLOT_HEAD + MESSAGE_CAPACITY
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where things are on the board of a group of ``world_size`` ranks."""
+
+    world_size: int
+
+    @property
+    def gather_at(self) -> tuple[int, int]:
+        first = _pages(_COUNTERS_AT + 16 * self.world_size)
+        return first, first + _GATHER_SLOT
+
+    def ack_at(self, src: int) -> int:
+        return _COUNTERS_AT + 8 * src
+
+    def spill_at(self, dst: int) -> int:
+        return _COUNTERS_AT + 8 * (self.world_size + dst)
+
+    def message_at(self, dst: int, number: int) -> int:
+        return self.gather_at[1] + _GATHER_SLOT + _MESSAGE_SLOT * (RING * dst + number % RING)
+
+    @property
+    def size(self) -> int:
+        return self.message_at(self.world_size - 1, RING - 1) + _MESSAGE_SLOT
 
 
 class BoardError(RuntimeError):
@@ -96,6 +144,8 @@ class Board:
         self.world_size = world_size
         self.name = f"{NAME_PREFIX}{pid_namespace()}_{os.getpid()}_{secrets.token_hex(6)}_board"
         self.seq = 0  # the last gather posted
+        self.layout = Layout(world_size)
+        self._gather_at = self.layout.gather_at
         self._maps: list[mmap.mmap | None] = [None] * world_size
         self._bells: list[int] = [-1] * world_size
         self._pids = [0] * world_size
@@ -103,14 +153,14 @@ class Board:
         self._named = True
         fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, BOARD_BYTES)
-            board = mmap.mmap(fd, BOARD_BYTES)
+            os.ftruncate(fd, self.layout.size)
+            board = mmap.mmap(fd, self.layout.size)
         except BaseException:
             os.close(fd)
             unlink(self.name)
             raise
         os.close(fd)
-        _HEAD.pack_into(board, 0, MAGIC, 0, os.getpid())
+        _HEAD.pack_into(board, 0, MAGIC, world_size, os.getpid())
         self._maps[rank] = board
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
@@ -129,34 +179,50 @@ class Board:
         """Whether every other rank's board and doorbell are open."""
         return all(m is not None for m in self._maps)
 
-    def connect(self, names: Sequence[str]) -> None:
-        """Open the boards (and doorbells) ``names`` of all ranks, this rank's included.
+    def is_open(self, src: int) -> bool:
+        """Whether rank ``src``'s board is open here."""
+        return self._maps[src] is not None
+
+    def connect(self, names: Sequence[str], missing_ok: bool = False) -> list[int]:
+        """Open the boards (and doorbells) ``names`` of all ranks not open yet; return the
+        ranks whose board was gone (only with ``missing_ok``: the rank has closed its group).
 
         Raises BoardError naming the rank whose board is missing or malformed.
         """
+        gone = []
         for src, name in enumerate(names):
-            if src == self.rank:
+            if self._maps[src] is not None:
                 continue
             if not BOARD_PATTERN.match(name):
                 raise BoardError(f"rank {src} named a board {name!r} that is not one")
             try:
                 fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
                 try:
-                    board = mmap.mmap(fd, BOARD_BYTES)
+                    if os.fstat(fd).st_size != self.layout.size:
+                        raise ValueError("its size is not that of a board of this group")
+                    board = mmap.mmap(fd, self.layout.size)
                 finally:
                     os.close(fd)
                 bell = os.open(os.path.join(SHM_DIR, _bell_name(name)), os.O_WRONLY | os.O_NONBLOCK)
-            except (OSError, ValueError) as exc:
+            except FileNotFoundError as exc:
+                if missing_ok:
+                    gone.append(src)
+                    continue
                 raise BoardError(
                     f"rank {self.rank} cannot open the board {name!r} of rank {src} "
                     f"(did it exit?): {exc}"
                 ) from exc
-            magic, _, pid = _HEAD.unpack_from(board)
-            if magic != MAGIC:
+            except (OSError, ValueError) as exc:
+                raise BoardError(
+                    f"rank {self.rank} cannot open the board {name!r} of rank {src}: {exc}"
+                ) from exc
+            magic, size, pid = _HEAD.unpack_from(board)
+            if magic != MAGIC or size != self.world_size:
                 board.close()
                 os.close(bell)
                 raise BoardError(f"the board {name!r} of rank {src} is not a board")
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
+        return gone
 
     def post(self, value: bytes, in_store: bool = False) -> int:
         """Post this rank's value of the next gather and ring every doorbell; its seq.
@@ -166,7 +232,7 @@ class Board:
         seq = self.seq + 1
         board = self._maps[self.rank]
         assert board is not None
-        at = SLOT_AT[seq & 1]
+        at = self._gather_at[seq & 1]
         size = len(value)
         if size > CAPACITY:
             raise ValueError(f"a board value holds at most {CAPACITY} bytes, got {size}")
@@ -177,16 +243,68 @@ class Board:
         self.seq = seq
         for bell in self._bells:
             if bell >= 0:
-                # A full doorbell already rings; one whose rank is gone is found while waiting.
-                with contextlib.suppress(BlockingIOError, BrokenPipeError):
-                    os.write(bell, b"\x01")
+                _ring(bell)
         return seq
+
+    # --- messages ---
+
+    def send(self, dst: int, number: int, value: bytes) -> bool:
+        """Put message ``number`` to ``dst`` in its ring slot and ring ``dst``; False (nothing
+        written) if the value is too large or ``dst`` has not received the slot's last one."""
+        size = len(value)
+        if size > MESSAGE_CAPACITY or self._maps[dst] is None:
+            return False
+        board = self._maps[self.rank]
+        at = self.layout.message_at(dst, number)
+        held = _U64.unpack_from(board, at)[0]  # the number + 1 of the message there
+        if held and _U64.unpack_from(self._maps[dst], self.layout.ack_at(self.rank))[0] < held:
+            return False
+        fence()  # dst's receipt is seen before the slot is written over
+        board[at + _SLOT_HEAD : at + _SLOT_HEAD + size] = value
+        _U64.pack_into(board, at + 8, size)
+        fence()
+        _U64.pack_into(board, at, number + 1)
+        self.ring(dst)
+        return True
+
+    def spilled(self, dst: int, count: int) -> None:
+        """Record that ``count`` messages to ``dst`` went through the store; ring ``dst``."""
+        fence()  # the store has the message before its count moves
+        _U64.pack_into(self._maps[self.rank], self.layout.spill_at(dst), count)
+        self.ring(dst)
+
+    def spills(self, src: int) -> int:
+        """How many messages from ``src`` to this rank went through the store so far."""
+        count = _U64.unpack_from(self._maps[src], self.layout.spill_at(self.rank))[0]
+        fence()
+        return count
+
+    def take(self, src: int, number: int) -> bytes | None:
+        """Message ``number`` from ``src`` if it is in its ring slot (a copy), else None."""
+        board = self._maps[src]
+        at = self.layout.message_at(self.rank, number)
+        if _U64.unpack_from(board, at)[0] != number + 1:
+            return None
+        fence()
+        size = _U64.unpack_from(board, at + 8)[0]
+        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+
+    def received(self, src: int, count: int) -> None:
+        """Record that ``count`` messages from ``src`` have been received (its slots free)."""
+        fence()  # the copy of the message is done before the slot is given back
+        _U64.pack_into(self._maps[self.rank], self.layout.ack_at(src), count)
+
+    def ring(self, dst: int) -> None:
+        """Ring ``dst``'s doorbell (not this rank's own)."""
+        bell = self._bells[dst]
+        if bell >= 0:
+            _ring(bell)
 
     def read(self, src: int, seq: int) -> bytes | None:
         """Rank ``src``'s value of gather ``seq``: its bytes, b"" if it is in the store, or
         None if ``src`` has not posted it yet."""
         board = self._maps[src]
-        at = SLOT_AT[seq & 1]
+        at = self._gather_at[seq & 1]
         if _U64.unpack_from(board, at)[0] != seq:
             return None
         fence()  # what src wrote before its seq is visible
@@ -212,8 +330,34 @@ class Board:
             unlink(self.name)
             unlink(_bell_name(self.name))
 
-    def close(self) -> None:
-        """Unmap every board, close every doorbell and remove this rank's names."""
+    def unreceived(self, dst: int) -> list[tuple[int, bytes]]:
+        """``(number, value)`` of the messages to ``dst`` still in its ring, unreceived."""
+        board, peer = self._maps[self.rank], self._maps[dst]
+        if board is None or peer is None:
+            return []
+        acked = _U64.unpack_from(peer, self.layout.ack_at(self.rank))[0]
+        fence()
+        found = []
+        for slot in range(RING):
+            at = self.layout.message_at(dst, slot)
+            held = _U64.unpack_from(board, at)[0]
+            if held > acked:
+                size = _U64.unpack_from(board, at + 8)[0]
+                found.append((held - 1, board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]))
+        return sorted(found)
+
+    def close(self, flush: Callable[[int, int, bytes], None] | None = None) -> None:
+        """Unmap every board, close every doorbell and remove this rank's names.
+
+        ``flush(dst, number, value)`` is first given every message still unreceived in a
+        ring, to send another way (a receiver that has not opened this board cannot get
+        it once it is gone); errors it raises are ignored.
+        """
+        if flush is not None:
+            for dst in range(self.world_size):
+                with contextlib.suppress(Exception):
+                    for number, value in self.unreceived(dst):
+                        flush(dst, number, value)
         self.unname()
         for i, board in enumerate(self._maps):
             if board is not None:
@@ -229,6 +373,12 @@ class Board:
             with contextlib.suppress(OSError):
                 os.close(self._own_bell)
             self._own_bell = -1
+
+
+def _ring(bell: int) -> None:
+    # A full doorbell already rings; one whose rank is gone is found while waiting.
+    with contextlib.suppress(BlockingIOError, BrokenPipeError):
+        os.write(bell, b"\x01")
 
 
 def wait_for_values(

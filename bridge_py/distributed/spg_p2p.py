@@ -115,6 +115,10 @@ class Inbox:
             limit = store.timeout.total_seconds() - (time.monotonic() - start)
         return self._pop_until(queue, src, seq, time.monotonic() + limit)
 
+    def take_early(self, src: int) -> dict[int, memoryview]:
+        """Hand over (and forget) the messages from ``src`` popped before their turn."""
+        return self._early.pop(src, {})
+
     def _pop_until(self, queue: str, src: int, seq: int, deadline: float) -> memoryview | None:
         """Pop ``queue`` until message ``seq`` comes, each wait bounded by what is left."""
         while (item := pop_before(self._store, queue, deadline)) is not None:

@@ -35,7 +35,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from torch.distributed import Store
+from torch.distributed import QueueEmptyError, Store
 
 from bridge_py.distributed import keys, spg_board, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
@@ -135,6 +135,11 @@ class StatelessProcessGroup:
         # tells the others its node, used once every rank has one and all share the node.
         self._board: spg_board.Board | None = None
         self._board_names: list[str] | None = None
+        # Point to point over the boards: per peer, messages that went through the store
+        # queue (sent to it, received from it), and those received before their turn.
+        self._queue_sent = [0] * self.world_size
+        self._queue_taken = [0] * self.world_size
+        self._board_early: dict[int, dict[int, bytes | memoryview]] = {}
 
     @property
     def auth_key(self) -> bytes | None:
@@ -329,6 +334,9 @@ class StatelessProcessGroup:
         self._expire_if_due(now)
         seq = self.send_dst_counter[dst]
         name = f"p2p/{self.rank}/{dst}/{seq}"  # keys.p2p_value, spelled out on this hot path
+        if self._board_names is not None and self._auth_key is None:
+            self._send_board(obj, dst, seq, name, now)
+            return
         if self._auth_key is None and not self._local[dst]:
             value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         else:
@@ -338,6 +346,87 @@ class StatelessProcessGroup:
         self.send_dst_counter[dst] = seq + 1
         if self._trash:
             self._flush()
+
+    def _send_board(self, obj: Any, dst: int, seq: int, name: str, now: float) -> None:
+        """``send_obj`` on one node without an auth key: into ``dst``'s ring slot on this
+        rank's board (see ``spg_board``), or, if that slot is still unread or the value too
+        large for it, onto the pair's store queue as on the other path."""
+        board = self._board
+        assert board is not None
+        if dst == self.rank:
+            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            value = self._dumps(name, obj, True, [dst])[0]
+        if not board.send(dst, seq, value):
+            self.store.queue_push(self._outbox[dst], spg_p2p.frame(seq, value))
+            self.entries.append((name, now))
+            self._queue_sent[dst] += 1
+            board.spilled(dst, self._queue_sent[dst])
+        self.send_dst_counter[dst] = seq + 1
+        if self._trash:
+            self._flush()
+
+    def _recv_board(self, src: int, seq: int, timeout: float | None) -> bytes | memoryview:
+        """``recv_obj`` on one node without an auth key: message ``seq`` from ``src``'s ring
+        slot, or from the pair's store queue when ``src`` sent it there; raises RuntimeError
+        when ``src`` exits or ``timeout`` (None: the store's) passes first."""
+        board = self._board
+        assert board is not None
+        data = board.take(src, seq)
+        if data is None:
+            data = self._await_message(board, src, seq, timeout)
+        board.received(src, seq + 1)
+        return data
+
+    def _await_message(
+        self, board: spg_board.Board, src: int, seq: int, timeout: float | None
+    ) -> bytes | memoryview:
+        limit = self._limit(timeout)
+        start = time.monotonic()
+        deadline = start + limit
+        check_at = start + spg_board.LIVENESS_PERIOD
+        early = self._board_early.setdefault(src, {})
+        queue = keys.p2p_queue(src, self.rank)
+        while True:
+            data = early.pop(seq, None)
+            if data is None:
+                data = board.take(src, seq)
+            if data is not None:
+                return data
+            spilled = board.spills(src)
+            if spilled > self._queue_taken[src]:
+                try:
+                    item = self.store.queue_pop(queue, False)
+                except QueueEmptyError:  # the sender expired what was left there
+                    self._queue_taken[src] = spilled
+                except RuntimeError as exc:
+                    raise self._lost(
+                        "recv_obj", keys.p2p_value(src, self.rank, seq), src, start, exc
+                    ) from exc
+                else:
+                    self._queue_taken[src] += 1
+                    got, value = spg_p2p.unframe(item)
+                    if got == seq:
+                        return value
+                    if got > seq:
+                        early[got] = value
+                continue
+            now = time.monotonic()
+            name = keys.p2p_value(src, self.rank, seq)
+            if now >= deadline:
+                raise RuntimeError(
+                    f"recv_obj on rank {self.rank} timed out after {now - start:.1f} s "
+                    f"(timeout {limit:g} s) waiting for {name!r} from rank {src}: rank {src} "
+                    "did not send it (did it exit, or call something else?)"
+                )
+            if now >= check_at:
+                check_at = now + spg_board.LIVENESS_PERIOD
+                if board.gone([src]):
+                    raise RuntimeError(
+                        f"recv_obj on rank {self.rank}: rank {src} exited after "
+                        f"{now - start:.1f} s without sending {name!r}"
+                    )
+            board.wait(min(deadline, check_at) - now)
 
     def _expire_if_due(self, now: float) -> None:
         """``expire_data``, when this rank's oldest entry is due or it has segments out."""
@@ -362,7 +451,9 @@ class StatelessProcessGroup:
             if key.startswith("p2p/"):
                 src, dst, seq = (int(part) for part in key.split("/")[1:])
                 queue = keys.p2p_queue(src, dst)
-                spg_p2p.drop(self.store, queue, seq, self.send_dst_counter[dst])
+                # Over the boards, only some messages took the queue: look at its head.
+                sent = seq + 1 if self._board_names is not None else self.send_dst_counter[dst]
+                spg_p2p.drop(self.store, queue, seq, sent)
             elif key.startswith("gx/"):
                 src, dst, seq = (int(part) for part in key.split("/")[1:])
                 spg_p2p.drop(self.store, keys.gather_queue(src, dst), seq, self._exchanged[0])
@@ -389,6 +480,13 @@ class StatelessProcessGroup:
             self._limit(timeout)  # checked before anything else
         if self._trash:
             self._flush()
+        board = self._board
+        if self._board_names is not None and self._auth_key is None and board.is_open(src):
+            data = self._recv_board(src, seq, timeout)
+            self.recv_src_counter[src] = seq + 1
+            if data[:1] == b"\x80":
+                return pickle.loads(data)
+            return self._loads(keys.p2p_value(src, self.rank, seq), data, src, label="message")
         start = time.monotonic()
         try:
             data = self._inbox.receive(src, seq, timeout)
@@ -753,8 +851,35 @@ class StatelessProcessGroup:
                 self._board = spg_board.Board(self.rank, self.world_size)
             except OSError:
                 return identity  # no board: all_gather keeps to the store
-            weakref.finalize(self, self._board.close)
+            # Messages still unreceived in its rings go to the store queues when the group
+            # closes: a receiver that has not opened the board finds them there.
+            weakref.finalize(self, self._board.close, _queue_flusher(self.store, self._outbox))
         return identity + b"\n" + self._board.name.encode()
+
+    def _start_boards(self, names: list[str]) -> None:
+        """Open every rank's board; from now on gathers and messages go over them.
+
+        Every message sent so far went through the store: each receiver is told so (the
+        spill counts), and takes those still unreceived from the queues first.
+        """
+        board = self._board
+        assert board is not None
+        try:
+            # A rank may have closed its group already (sent what it had to, and left): its
+            # messages are in the store queues, received from there as before.
+            board.connect(names, missing_ok=True)
+        except spg_board.BoardError as exc:
+            raise RuntimeError(f"rank {self.rank} could not join the boards: {exc}") from exc
+        for src in range(self.world_size):
+            if not board.is_open(src):
+                continue
+            early = self._inbox.take_early(src)
+            self._board_early[src] = early
+            self._queue_taken[src] = self.recv_src_counter[src] + len(early)
+        for dst in range(self.world_size):
+            self._queue_sent[dst] = self.send_dst_counter[dst]
+            board.spilled(dst, self._queue_sent[dst])
+        self._board_names = names
 
     def _learn_nodes(self, cards: list[bytes]) -> None:
         """Record the node identities of all ranks (from their ``_node_card``): who can take
@@ -766,7 +891,7 @@ class StatelessProcessGroup:
         self._all_local = self.world_size > 1 and all(self._local)
         boards = [card.split(b"\n", 1)[1].decode() for card in cards if b"\n" in card]
         if self._all_local and len(boards) == self.world_size:
-            self._board_names = boards
+            self._start_boards(boards)
         elif self._board is not None:
             self._board.close()  # some rank has none, or is elsewhere: the store it is
             self._board = None
@@ -910,6 +1035,15 @@ class StatelessProcessGroup:
         )
         group._auth_key = key
         return group
+
+
+def _queue_flusher(store: Store, outbox: list[str]) -> Any:
+    """What a closing board gives its unreceived messages to: the pairs' store queues."""
+
+    def flush(dst: int, number: int, value: bytes) -> None:
+        store.queue_push(outbox[dst], spg_p2p.frame(number, value))
+
+    return flush
 
 
 def _context(key: str) -> str:
