@@ -10,6 +10,9 @@ Each item is ``u64be(seq) || value``: ``seq`` is the message's number on its pai
 is sealed (``auth.seal_payload``) for its name ``p2p/<src>/<dst>/<seq>`` (:func:`keys.p2p_value`),
 so with an auth key a message moved to another position or pair fails its check.
 
+Between ranks of one node without an auth key, messages go through the shared-memory boards of
+``spg_board`` instead, and take these queues only when a ring slot is busy or too small.
+
 Messages are received in order. An item numbered below the expected one is stale (its sender
 expired it while it was being popped, see :meth:`Inbox.drop`) and is skipped; one above it is
 kept aside until its turn. Queues are not keys: they do not show in ``num_keys``/``list_keys``

@@ -7,6 +7,9 @@ counters, method signatures, pickled objects between ranks), and better in these
   sending to one rank never collide, and receiving removes them (``spg_p2p``);
 * values are deleted from the store once every receiver has read them (broadcast,
   all_gather, barrier), so the store stays small however many operations run;
+* on one node, large values travel through shared-memory segments (``spg_shm``,
+  ``spg_segments``), and without an auth key all_gather_obj and point-to-point objects skip
+  the store altogether: shared-memory boards and FIFO doorbells (``spg_board``);
 * ``barrier(timeout)`` fails within ``timeout`` with a message naming the rank, the phase and
   how many ranks arrived, whatever the store's timeout is (see ``barrier.py``);
 * ``recv_obj`` and ``broadcast_obj`` take a keyword-only ``timeout`` (default: the store's
@@ -325,7 +328,11 @@ class StatelessProcessGroup:
         The object is pickled and pushed, numbered per pair, onto the store queue from this
         rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
         receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
-        through shared memory (a segment this rank reuses once ``dst`` has read it).
+        through shared memory (a segment this rank reuses once ``dst`` has read it). When
+        every rank is on one node and there is no auth key, the message goes instead into a
+        slot of this rank's shared-memory board and ``dst``'s doorbell is rung
+        (``spg_board``); one whose slot ``dst`` has not read yet, or too large for a slot,
+        still takes the store queue. Sending never waits for the receiver.
         """
         if type(dst) is not int or not 0 <= dst < self.world_size:
             validate_rank(dst, self.world_size, "dst")
@@ -471,7 +478,9 @@ class StatelessProcessGroup:
         rank, ``src``, the object (``p2p/<src>/<dst>/<number>``) and the time waited; the
         object is then still expected, so a later call may receive it. With an auth key, a
         value that fails its check raises AuthenticationError (a RuntimeError) naming the
-        object and ``src``, and is dropped without being unpickled.
+        object and ``src``, and is dropped without being unpickled. Over the shared-memory
+        boards (every rank on one node, no auth key; see ``send_obj``) the wait sleeps on this
+        rank's doorbell, and a ``src`` that exits is reported within a second.
         """
         if type(src) is not int or not 0 <= src < self.world_size:
             validate_rank(src, self.world_size, "src")
@@ -561,8 +570,12 @@ class StatelessProcessGroup:
         counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
         value once it knows every rank has read it (when its next all_gather completes, or at
         the next barrier). Two ranks without an auth key instead push their objects to each
-        other on store queues, which receiving empties. Waits at most the store's timeout,
-        then raises RuntimeError naming the ranks whose values are missing.
+        other on store queues, which receiving empties. Ranks that all run on one node,
+        without an auth key, use no store at all once they know it (after the first
+        all_gather or barrier): each posts its object on its shared-memory board and rings
+        the others' doorbells (``spg_board``). Waits at most the store's timeout, then raises
+        RuntimeError naming the ranks whose values are missing (or, over the boards, that
+        exited).
         """
         if self.world_size == 1:
             self.broadcast_send_counter += 1

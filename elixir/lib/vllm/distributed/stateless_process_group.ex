@@ -23,8 +23,12 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
   value once it knows every rank has read it (when its next all_gather completes, or at
   the next barrier). Two ranks without an auth key instead push their objects to each
-  other on store queues, which receiving empties. Waits at most the store's timeout,
-  then raises RuntimeError naming the ranks whose values are missing.
+  other on store queues, which receiving empties. Ranks that all run on one node,
+  without an auth key, use no store at all once they know it (after the first
+  all_gather or barrier): each posts its object on its shared-memory board and rings
+  the others' doorbells (``spg_board``). Waits at most the store's timeout, then raises
+  RuntimeError naming the ranks whose values are missing (or, over the boards, that
+  exited).
 
   ## Parameters
 
@@ -279,7 +283,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   rank, ``src``, the object (``p2p/<src>/<dst>/<number>``) and the time waited; the
   object is then still expected, so a later call may receive it. With an auth key, a
   value that fails its check raises AuthenticationError (a RuntimeError) naming the
-  object and ``src``, and is dropped without being unpickled.
+  object and ``src``, and is dropped without being unpickled. Over the shared-memory
+  boards (every rank on one node, no auth key; see ``send_obj``) the wait sleeps on this
+  rank's doorbell, and a ``src`` that exits is reported within a second.
 
   ## Parameters
 
@@ -329,7 +335,11 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   The object is pickled and pushed, numbered per pair, onto the store queue from this
   rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
   receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
-  through shared memory (a segment this rank reuses once ``dst`` has read it).
+  through shared memory (a segment this rank reuses once ``dst`` has read it). When
+  every rank is on one node and there is no auth key, the message goes instead into a
+  slot of this rank's shared-memory board and ``dst``'s doorbell is rung
+  (``spg_board``); one whose slot ``dst`` has not read yet, or too large for a slot,
+  still takes the store queue. Sending never waits for the receiver.
 
   ## Parameters
 
