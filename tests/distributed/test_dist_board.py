@@ -162,3 +162,59 @@ def test_boards_need_every_rank() -> None:
     # One rank may not use shared memory: nobody gathers over boards, nobody keeps one.
     for result in run_ranks(_no_shm, 2, free_port(), 1, timeout=60):
         assert result == {"boards": None, "ok": True}
+
+
+def _messages(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2)
+    peer = 1 - rank
+    # Sent before the ranks know they share the node: through the store queue.
+    group.send_obj(("early", rank), peer)
+    group.all_gather_obj(None)  # the probe
+    assert group._board_names is not None
+    # Both ranks send more than a ring holds before receiving anything (sending never
+    # waits), in sizes for a slot, for the store queue, and for a segment.
+    sizes = [10, 70_000, 10, 300_000] + [5] * (2 * spg_board.RING)
+    for i, size in enumerate(sizes):
+        group.send_obj((rank, i, b"x" * size), peer)
+    got = [group.recv_obj(peer, timeout=20) for _ in range(len(sizes) + 1)]
+    expected = [("early", peer)] + [(peer, i, b"x" * size) for i, size in enumerate(sizes)]
+    # A round trip after that: the rings are free again.
+    for step in range(20):
+        if rank == 0:
+            group.send_obj(step, peer)
+            back = group.recv_obj(peer, timeout=20)
+        else:
+            back = group.recv_obj(peer, timeout=20)
+            group.send_obj(back, peer)
+        assert back == step
+    group.barrier(timeout=10)
+    left = group.store.queue_len(f"p2p/{peer}/{rank}") if rank == 0 else 0
+    left += group.store.queue_len(f"p2p/{rank}/{peer}") if rank == 0 else 0
+    group.barrier(timeout=10)
+    return {"ok": got == expected, "left": left, "spilled": group._queue_sent[peer]}
+
+
+def test_messages_over_the_boards_keep_their_order_whichever_way_they_go() -> None:
+    for result in run_ranks(_messages, 2, free_port(), timeout=90):
+        assert result["ok"]
+        assert result["left"] == 0  # every message that took a store queue was received
+        assert result["spilled"] >= 2  # the early one and the 70 KB one at least
+
+
+def test_a_closing_board_hands_over_its_unreceived_messages() -> None:
+    sender, receiver = spg_board.Board(0, 2), spg_board.Board(1, 2)
+    try:
+        names = [sender.name, receiver.name]
+        sender.connect(names)
+        receiver.connect(names)
+        for number in range(3):
+            assert sender.send(1, number, b"m%d" % number)
+        assert receiver.take(0, 0) == b"m0"
+        receiver.received(0, 1)
+        handed: list = []
+        sender.close(lambda dst, number, value: handed.append((dst, number, bytes(value))))
+        assert handed == [(1, 1, b"m1"), (1, 2, b"m2")]
+        assert not any(n in os.listdir(spg_segments.SHM_DIR) for n in (sender.name,))
+    finally:
+        sender.close()
+        receiver.close()
