@@ -23,6 +23,9 @@ On two ranks that is, on the slowest rank, an ``add``, a pop (a wait, then the p
 Messages of an earlier barrier (left over when it failed) are dropped; those of a later one
 (a rank that gave up on the next barrier while rank 0 still waits in this one) are kept.
 
+Ranks that all run on one node (once they know it) take the same three phases over their
+shared-memory boards instead, with no store request (:func:`run_board_barrier`).
+
 A group can hook its own work into a barrier (:class:`BarrierHooks`): something to do before
 arriving, while waiting for the others (deferred deletes, off the critical path), once all
 ranks have arrived (every rank has finished everything it did before the barrier, so values
@@ -39,9 +42,17 @@ from collections.abc import Callable, Sequence
 from torch.distributed import Store
 
 from bridge_py.distributed import keys
+from bridge_py.distributed.spg_board import FAILED, LIVENESS_PERIOD, PASSED, Board
 from bridge_py.distributed.waiting import pop_before
 
-__all__ = ["POISON", "BarrierFailure", "BarrierHooks", "Mailbox", "run_barrier"]
+__all__ = [
+    "POISON",
+    "BarrierFailure",
+    "BarrierHooks",
+    "Mailbox",
+    "run_barrier",
+    "run_board_barrier",
+]
 
 # Added to ``arrivals`` by a rank that gave up: far above any world size.
 POISON = 1 << 32
@@ -235,3 +246,79 @@ def _verdict_of_others(mailbox: Mailbox, barrier_id: int, rank: int, timeout: fl
         kind, _sender, text = message
         if kind == _FAILED:
             return f"barrier {barrier_id} failed on rank {rank}: {text.decode()}"
+
+
+def run_board_barrier(
+    board: Board,
+    rank: int,
+    world_size: int,
+    barrier_id: int,
+    timeout: float,
+    hooks: BarrierHooks | None = None,
+) -> None:
+    """Barrier ``barrier_id`` over shared-memory boards (ranks of one node, see ``spg_board``).
+
+    The same three phases as :func:`run_barrier`, with no store request:
+
+    1. each rank marks itself arrived on its board and rings every doorbell, then sleeps on its
+       own until every rank has arrived. Whether the barrier passed is *settled* once, under a
+       lock on rank 0's board: by the first rank to see everyone arrived (passed) or to give
+       up at ``timeout`` (failed, with its verdict), and every rank follows what was settled,
+       so all ranks pass or all fail. A rank whose process exits makes it fail at once;
+    2. every rank runs the ``all_arrived`` hook, marks itself departed and rings rank 0;
+    3. rank 0 waits (at most ``timeout``) until every rank has departed, so that it does not
+       leave, and perhaps shut the store down, while another rank still uses it in its hook.
+    """
+    hooks = _NO_HOOKS if hooks is None else hooks
+    if hooks.before_arrival is not None:
+        hooks.before_arrival()
+    start = time.monotonic()
+    deadline = start + timeout
+    check_at = start + LIVENESS_PERIOD
+    board.arrive(barrier_id)
+    waited = False
+    while True:
+        missing = board.not_arrived(barrier_id)
+        if not missing:
+            outcome, verdict = board.decide(barrier_id, PASSED)
+            break
+        if board.decision(barrier_id) == FAILED:
+            outcome, verdict = board.decide(barrier_id, FAILED)  # reads the verdict
+            break
+        if not waited and hooks.while_waiting is not None:
+            waited = True
+            hooks.while_waiting()
+            continue
+        now = time.monotonic()
+        if now >= deadline:
+            verdict = (
+                f"rank {rank} timed out after {timeout:g} s in phase 1 (arrival): "
+                f"{world_size - len(missing)} of {world_size} ranks arrived"
+            )
+            outcome, verdict = board.decide(barrier_id, FAILED, verdict)
+            break
+        if now >= check_at:
+            check_at = now + LIVENESS_PERIOD
+            gone = board.gone(missing)
+            if gone:
+                verdict = f"ranks {gone} exited before arriving (seen by rank {rank})"
+                outcome, verdict = board.decide(barrier_id, FAILED, verdict)
+                break
+        board.wait(min(deadline, check_at) - now)
+    if outcome != PASSED:
+        raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
+    if hooks.all_arrived is not None:
+        hooks.all_arrived()
+    board.depart(barrier_id)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + timeout
+    while missing := board.not_departed(barrier_id):
+        now = time.monotonic()
+        if now >= deadline:
+            raise BarrierFailure(
+                f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
+                f"phase 3 (departure): {world_size - len(missing)} of {world_size} ranks "
+                "departed"
+            )
+        board.wait(deadline - now)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import mmap
 import os
 import re
@@ -87,6 +88,11 @@ _SLOT_HEAD = 16
 _PAGE = 4096
 _COUNTERS_AT = 64
 IN_STORE = 1 << 63
+# Barriers (see barrier.run_board_barrier): offsets in the barrier page.
+_ARRIVED, _DEPARTED, _DECISIONS, _VERDICT = 0, 8, 64, 64 + 16 * 64
+DECISION_CELLS = 64
+PASSED, FAILED = 1, 2
+_VERDICT_MAX = _PAGE - _VERDICT - 16
 
 
 def _pages(size: int) -> int:
@@ -104,8 +110,12 @@ class Layout:
     world_size: int
 
     @property
+    def barrier_at(self) -> int:
+        return _pages(_COUNTERS_AT + 16 * self.world_size)
+
+    @property
     def gather_at(self) -> tuple[int, int]:
-        first = _pages(_COUNTERS_AT + 16 * self.world_size)
+        first = self.barrier_at + _PAGE
         return first, first + _GATHER_SLOT
 
     def ack_at(self, src: int) -> int:
@@ -150,6 +160,7 @@ class Board:
         self._bells: list[int] = [-1] * world_size
         self._pids = [0] * world_size
         self._own_bell = -1
+        self._lock_fd = -1
         self._named = True
         fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -159,7 +170,10 @@ class Board:
             os.close(fd)
             unlink(self.name)
             raise
-        os.close(fd)
+        if rank == 0:
+            self._lock_fd = fd  # barrier decisions are taken under a lock on rank 0's board
+        else:
+            os.close(fd)
         _HEAD.pack_into(board, 0, MAGIC, world_size, os.getpid())
         self._maps[rank] = board
         self._pids[rank] = os.getpid()
@@ -201,9 +215,16 @@ class Board:
                     if os.fstat(fd).st_size != self.layout.size:
                         raise ValueError("its size is not that of a board of this group")
                     board = mmap.mmap(fd, self.layout.size)
-                finally:
+                    bell = os.open(
+                        os.path.join(SHM_DIR, _bell_name(name)), os.O_WRONLY | os.O_NONBLOCK
+                    )
+                except BaseException:
                     os.close(fd)
-                bell = os.open(os.path.join(SHM_DIR, _bell_name(name)), os.O_WRONLY | os.O_NONBLOCK)
+                    raise
+                if src == 0:
+                    self._lock_fd = fd  # barrier decisions are taken under its lock
+                else:
+                    os.close(fd)
             except FileNotFoundError as exc:
                 if missing_ok:
                     gone.append(src)
@@ -323,6 +344,85 @@ class Board:
         """Those of ``ranks`` whose process has exited."""
         return [r for r in ranks if not process_alive(self._pids[r])]
 
+    # --- barriers ---
+
+    def arrive(self, barrier_id: int) -> None:
+        """Mark this rank arrived at barrier ``barrier_id`` and ring every doorbell."""
+        self._put(_ARRIVED, barrier_id + 1)
+        for bell in self._bells:
+            if bell >= 0:
+                _ring(bell)
+
+    def depart(self, barrier_id: int) -> None:
+        """Mark this rank gone from barrier ``barrier_id`` and ring rank 0."""
+        self._put(_DEPARTED, barrier_id + 1)
+        self.ring(0)
+
+    def not_arrived(self, barrier_id: int) -> list[int]:
+        """The ranks that have not arrived at barrier ``barrier_id``."""
+        return self._behind(_ARRIVED, barrier_id)
+
+    def not_departed(self, barrier_id: int) -> list[int]:
+        """The ranks that have not left barrier ``barrier_id``."""
+        return self._behind(_DEPARTED, barrier_id)
+
+    def decision(self, barrier_id: int) -> int:
+        """PASSED or FAILED once a rank decided barrier ``barrier_id``; else 0."""
+        board = self._maps[0]
+        at = self.layout.barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
+        cell, outcome = struct.unpack_from("<QQ", board, at)
+        fence()
+        return outcome if cell == barrier_id + 1 else 0
+
+    def decide(self, barrier_id: int, outcome: int, verdict: str = "") -> tuple[int, str]:
+        """Settle barrier ``barrier_id`` as ``outcome`` (with ``verdict`` if FAILED) unless a
+        rank did first; return what was settled. Taken under a lock on rank 0's board, so
+        every rank settles the same outcome."""
+        board = self._maps[0]
+        base = self.layout.barrier_at
+        at = base + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            cell, settled = struct.unpack_from("<QQ", board, at)
+            if cell > barrier_id + 1:
+                return FAILED, (
+                    f"the other ranks went on {DECISION_CELLS} barriers past this one while "
+                    "this rank was inside it"
+                )
+            if cell == barrier_id + 1:
+                return settled, self._verdict(barrier_id) if settled == FAILED else ""
+            if outcome == FAILED:
+                text = verdict.encode()[:_VERDICT_MAX]
+                board[base + _VERDICT + 16 : base + _VERDICT + 16 + len(text)] = text
+                struct.pack_into("<QQ", board, base + _VERDICT, barrier_id + 1, len(text))
+            struct.pack_into("<QQ", board, at, barrier_id + 1, outcome)
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        for bell in self._bells:  # ranks still waiting learn it at once
+            if bell >= 0:
+                _ring(bell)
+        return outcome, verdict
+
+    def _verdict(self, barrier_id: int) -> str:
+        board = self._maps[0]
+        base = self.layout.barrier_at + _VERDICT
+        cell, size = struct.unpack_from("<QQ", board, base)
+        if cell != barrier_id + 1:
+            return "another rank gave up before all ranks arrived"
+        return bytes(board[base + 16 : base + 16 + size]).decode(errors="replace")
+
+    def _put(self, offset: int, value: int) -> None:
+        fence()
+        _U64.pack_into(self._maps[self.rank], self.layout.barrier_at + offset, value)
+
+    def _behind(self, offset: int, barrier_id: int) -> list[int]:
+        at = self.layout.barrier_at + offset
+        behind = [
+            r for r, board in enumerate(self._maps) if _U64.unpack_from(board, at)[0] <= barrier_id
+        ]
+        fence()
+        return behind
+
     def unname(self) -> None:
         """Remove this rank's board and doorbell names (everyone has opened them)."""
         if self._named:
@@ -369,10 +469,11 @@ class Board:
                 with contextlib.suppress(OSError):
                     os.close(bell)
                 self._bells[i] = -1
-        if self._own_bell >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._own_bell)
-            self._own_bell = -1
+        for fd in (self._own_bell, self._lock_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._own_bell = self._lock_fd = -1
 
 
 def _ring(bell: int) -> None:

@@ -42,7 +42,7 @@ from torch.distributed import QueueEmptyError, Store
 
 from bridge_py.distributed import keys, spg_board, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
-from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier
+from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier, run_board_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
 
@@ -963,7 +963,10 @@ class StatelessProcessGroup:
         Every rank must call barrier in the same order (barriers are numbered, not named).
         Each phase waits at most ``timeout`` seconds, whatever the store's own timeout is;
         if any rank gives up, every rank of that barrier fails, so the next barrier starts
-        cleanly. The barrier's keys are deleted once all ranks have left.
+        cleanly. The barrier's keys are deleted once all ranks have left. Ranks that all
+        run on one node (known after the first all_gather or barrier) meet on their
+        shared-memory boards instead of the store, and a rank that exits fails the barrier
+        within a second.
 
         Args:
             timeout: Maximum time in seconds to wait for each phase (in seconds)
@@ -976,6 +979,24 @@ class StatelessProcessGroup:
             raise ValueError(f"timeout must be positive, got {timeout}")
         barrier_id = self._barrier_count
         self._barrier_count += 1
+        board = self._board
+        if self._board_names is not None and board is not None:
+            if not board.connected:
+                try:
+                    board.connect(self._board_names)
+                except spg_board.BoardError as exc:
+                    raise RuntimeError(
+                        f"barrier {barrier_id} failed on rank {self.rank}: {exc}"
+                    ) from exc
+            run_board_barrier(
+                board,
+                self.rank,
+                self.world_size,
+                barrier_id,
+                timeout,
+                self._barrier_hooks(barrier_id),
+            )
+            return
         run_barrier(
             self.store,
             self._mailbox,

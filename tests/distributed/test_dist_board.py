@@ -218,3 +218,78 @@ def test_a_closing_board_hands_over_its_unreceived_messages() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def _barriers(rank: int, port: int, world_size: int) -> dict:
+    group = _create(rank, port, world_size, timeout=300)
+    group.barrier(timeout=10)  # the probe
+    assert group._board_names is not None
+    # Barriers over the boards make no store request (an empty store would show writes and
+    # never answer a wait).
+    store, empty = group.store, HashStore()
+    empty.set_timeout(datetime.timedelta(seconds=5))
+    group.store = empty
+    for _ in range(30):
+        group.barrier(timeout=10)
+    group.store = store
+    result: dict = {"keys": empty.num_keys()}
+    # A rank that comes late: the others give up after 1 s, all with the same verdict, and
+    # the late one learns it at once instead of passing.
+    if rank == world_size - 1:
+        time.sleep(2.0)
+    start = time.monotonic()
+    try:
+        group.barrier(timeout=1.0)
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    result["elapsed"] = time.monotonic() - start
+    # All ranks agree on the numbering: the next barrier and a gather work.
+    group.barrier(timeout=30)
+    result["gathered"] = group.all_gather_obj(rank)
+    group.barrier(timeout=30)
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_barriers_over_boards_agree_and_time_out(world_size: int) -> None:
+    results = run_ranks(_barriers, world_size, free_port(), world_size, timeout=90)
+    verdict = f"in phase 1 (arrival): {world_size - 1} of {world_size} ranks arrived"
+    for rank, result in enumerate(results):
+        assert result["keys"] == 0
+        assert f"barrier 31 failed on rank {rank}: rank " in result["error"], result
+        assert "timed out after 1 s " + verdict in result["error"], result
+        assert result["gathered"] == list(range(world_size))
+        if rank == world_size - 1:
+            assert result["elapsed"] < 0.5, result  # learnt the outcome at once
+        else:
+            assert result["elapsed"] < 2.0, result
+
+
+def _barrier_exits(rank: int, port: int) -> dict:
+    group = _create(rank, port, 3, timeout=60)
+    group.barrier(timeout=10)
+    group.barrier(timeout=10)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.barrier(timeout=30)
+    except RuntimeError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_rank_that_exits_fails_a_board_barrier_at_once() -> None:
+    port = free_port()
+    ctx = multiprocessing.get_context("forkserver")
+    victim = ctx.Process(target=_barrier_exits, args=(2, port), daemon=True)
+    victim.start()
+    try:
+        results = run_ranks(_barrier_exits, 3, port, ranks=[0, 1], timeout=60)
+    finally:
+        victim.join(10)
+        if victim.is_alive():
+            victim.kill()
+    for rank, result in enumerate(results):
+        assert f"barrier 2 failed on rank {rank}: ranks [2] exited" in result["error"], result
+        assert result["elapsed"] < 10  # not the barrier's 30 s

@@ -62,7 +62,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Every rank must call barrier in the same order (barriers are numbered, not named).
   Each phase waits at most ``timeout`` seconds, whatever the store's own timeout is;
   if any rank gives up, every rank of that barrier fails, so the next barrier starts
-  cleanly. The barrier's keys are deleted once all ranks have left.
+  cleanly. The barrier's keys are deleted once all ranks have left. Ranks that all
+  run on one node (known after the first all_gather or barrier) meet on their
+  shared-memory boards instead of the store, and a rank that exits fails the barrier
+  within a second.
 
   Args:
       timeout: Maximum time in seconds to wait for each phase (in seconds)
