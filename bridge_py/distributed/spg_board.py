@@ -20,10 +20,13 @@ A board has a head, two gather slots used in turn (the slot of gather ``seq`` is
 Two slots are enough and no reader has to say it is done: a rank writes the slot of gather
 ``seq + 2`` only after completing gather ``seq + 1``, that is after every other rank posted
 its ``seq + 1`` value, which each did only after reading every ``seq`` value. The writer
-writes the value and its length, then (after a memory fence) ``seq``; a reader reads ``seq``,
-then (after a fence) the rest. A value larger than :data:`CAPACITY` (a pickle that could not
-go to a segment) is written to the store under :func:`overflow_key` first; its slot then
-holds only the flag, and the writer deletes the key at its next gather.
+writes the length and the value with ``pwrite`` (a full ``/dev/shm`` is then an error,
+where a store through the mapping would be SIGBUS; the pages the mapping writes are
+allocated when the board is made), then ``seq``; a reader reads ``seq``, then (after a
+memory fence) the rest. A value larger than :data:`CAPACITY` (a pickle that could not go to
+a segment), or with no room left on ``/dev/shm``, is written to the store under
+:func:`overflow_key` first; its slot then holds only the flag, and the writer deletes the
+key at its next gather.
 
 Point-to-point messages (``send_obj``/``recv_obj``) take the rings: message ``n`` to ``dst``
 goes into slot ``n % RING`` of the sender's ring for ``dst`` once ``dst`` has received what
@@ -71,6 +74,7 @@ __all__ = [
     "RING",
     "Board",
     "BoardError",
+    "BoardFull",
     "Layout",
     "overflow_key",
     "wait_for_values",
@@ -136,6 +140,10 @@ class BoardError(RuntimeError):
     """A board could not be made or opened, or a peer's board is not what it should be."""
 
 
+class BoardFull(RuntimeError):
+    """``/dev/shm`` had no room for a value: it goes through the store instead."""
+
+
 def overflow_key(rank: int, seq: int) -> str:
     """The store key of rank ``rank``'s gather ``seq`` value that did not fit on its board."""
     return f"board/{rank}/{seq}"
@@ -161,19 +169,28 @@ class Board:
         self._pids = [0] * world_size
         self._own_bell = -1
         self._lock_fd = -1
+        self._fd = -1
         self._named = True
         fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.layout.size)
+            # The pages written through the mapping are allocated now, so that a full
+            # /dev/shm fails here (no board: the store) and not with SIGBUS later; values go
+            # in with pwrite, which reports ENOSPC instead.
+            os.posix_fallocate(fd, 0, self._gather_at[0])
+            for at in self._gather_at:
+                os.posix_fallocate(fd, at, _PAGE)
+            for dst in range(world_size):
+                for slot in range(RING):
+                    os.posix_fallocate(fd, self.layout.message_at(dst, slot), _SLOT_HEAD)
             board = mmap.mmap(fd, self.layout.size)
         except BaseException:
             os.close(fd)
             unlink(self.name)
             raise
+        self._fd = fd  # this rank's values are written with pwrite; on rank 0, also the lock
         if rank == 0:
-            self._lock_fd = fd  # barrier decisions are taken under a lock on rank 0's board
-        else:
-            os.close(fd)
+            self._lock_fd = fd
         _HEAD.pack_into(board, 0, MAGIC, world_size, os.getpid())
         self._maps[rank] = board
         self._pids[rank] = os.getpid()
@@ -257,10 +274,9 @@ class Board:
         size = len(value)
         if size > CAPACITY:
             raise ValueError(f"a board value holds at most {CAPACITY} bytes, got {size}")
-        board[at + _SLOT_HEAD : at + _SLOT_HEAD + size] = value
-        _U64.pack_into(board, at + 8, IN_STORE if in_store else size)
-        fence()  # the value is visible before its seq
-        _U64.pack_into(board, at, seq)
+        if not self._write(at + 8, IN_STORE if in_store else size, value):
+            raise BoardFull(f"no room on /dev/shm for a board value of {size} bytes")
+        _U64.pack_into(board, at, seq)  # after the write (a system call): the value is there
         self.seq = seq
         for bell in self._bells:
             if bell >= 0:
@@ -281,12 +297,19 @@ class Board:
         if held and _U64.unpack_from(self._maps[dst], self.layout.ack_at(self.rank))[0] < held:
             return False
         fence()  # dst's receipt is seen before the slot is written over
-        board[at + _SLOT_HEAD : at + _SLOT_HEAD + size] = value
-        _U64.pack_into(board, at + 8, size)
-        fence()
+        if not self._write(at + 8, size, value):
+            return False  # /dev/shm is full: the store queue takes it
         _U64.pack_into(board, at, number + 1)
         self.ring(dst)
         return True
+
+    def _write(self, offset: int, length: int, value: bytes) -> bool:
+        """Write ``length`` and ``value`` at ``offset`` of this rank's board; False if
+        ``/dev/shm`` has no room for all of it (a write cut short counts as none)."""
+        try:
+            return os.pwritev(self._fd, [_U64.pack(length), value], offset) == 8 + len(value)
+        except OSError:
+            return False
 
     def spilled(self, dst: int, count: int) -> None:
         """Record that ``count`` messages to ``dst`` went through the store; ring ``dst``."""
@@ -469,11 +492,11 @@ class Board:
                 with contextlib.suppress(OSError):
                     os.close(bell)
                 self._bells[i] = -1
-        for fd in (self._own_bell, self._lock_fd):
+        for fd in {self._own_bell, self._lock_fd, self._fd}:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self._own_bell = self._lock_fd = -1
+        self._own_bell = self._lock_fd = self._fd = -1
 
 
 def _ring(bell: int) -> None:

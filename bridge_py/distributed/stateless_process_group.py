@@ -38,13 +38,14 @@ import weakref
 from collections import deque
 from typing import Any
 
-from torch.distributed import QueueEmptyError, Store
+from torch.distributed import Store
 
 from bridge_py.distributed import keys, spg_board, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier, run_board_barrier
 from bridge_py.distributed.spg_waiter import FetchingWaiter
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
+from bridge_py.distributed.waiting import pop_before
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -400,24 +401,25 @@ class StatelessProcessGroup:
                 data = board.take(src, seq)
             if data is not None:
                 return data
-            spilled = board.spills(src)
-            if spilled > self._queue_taken[src]:
+            queued = board.spills(src) > self._queue_taken[src]
+            if queued:
+                # A message waits in the store queue (or is still on its way there: the push
+                # has no reply). Pop it with a short wait, then look at the ring again: the
+                # sender may have expired it (see expire_data).
                 try:
-                    item = self.store.queue_pop(queue, False)
-                except QueueEmptyError:  # the sender expired what was left there
-                    self._queue_taken[src] = spilled
+                    item = pop_before(self.store, queue, min(deadline, time.monotonic() + 0.05))
                 except RuntimeError as exc:
                     raise self._lost(
                         "recv_obj", keys.p2p_value(src, self.rank, seq), src, start, exc
                     ) from exc
-                else:
+                if item is not None:
                     self._queue_taken[src] += 1
                     got, value = spg_p2p.unframe(item)
                     if got == seq:
                         return value
                     if got > seq:
                         early[got] = value
-                continue
+                    continue
             now = time.monotonic()
             name = keys.p2p_value(src, self.rank, seq)
             if now >= deadline:
@@ -433,7 +435,8 @@ class StatelessProcessGroup:
                         f"recv_obj on rank {self.rank}: rank {src} exited after "
                         f"{now - start:.1f} s without sending {name!r}"
                     )
-            board.wait(min(deadline, check_at) - now)
+            if not queued:
+                board.wait(min(deadline, check_at) - now)
 
     def _expire_if_due(self, now: float) -> None:
         """``expire_data``, when this rank's oldest entry is due or it has segments out."""
@@ -698,13 +701,17 @@ class StatelessProcessGroup:
                 raise RuntimeError(f"all_gather_obj on rank {rank}: {exc}") from exc
         seq = board.seq + 1
         value, segment = self._plain_value(f"board/{rank}/{seq}", obj)
-        if len(value) > spg_board.CAPACITY:
-            self.store.set(spg_board.overflow_key(rank, seq), value)
-            board.post(b"", in_store=True)
-            written = spg_board.overflow_key(rank, seq)
+        written = ""
+        if len(value) <= spg_board.CAPACITY:
+            try:
+                board.post(value)
+            except spg_board.BoardFull:
+                written = spg_board.overflow_key(rank, seq)
         else:
-            board.post(value)
-            written = ""
+            written = spg_board.overflow_key(rank, seq)
+        if written:  # too large for the board, or no room on /dev/shm: the store takes it
+            self.store.set(written, value)
+            board.post(b"", in_store=True)
         self.broadcast_send_counter += 1
         if self._trash:
             self._flush()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import resource
 import signal
 import time
 
@@ -293,3 +294,36 @@ def test_a_rank_that_exits_fails_a_board_barrier_at_once() -> None:
     for rank, result in enumerate(results):
         assert f"barrier 2 failed on rank {rank}: ranks [2] exited" in result["error"], result
         assert result["elapsed"] < 10  # not the barrier's 30 s
+
+
+def _no_room(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2)
+    group.all_gather_obj(None)  # the probe: the boards are made and opened
+    board = group._board
+    # Writes past 300 KiB into a file now fail (EFBIG, as ENOSPC would on a full /dev/shm):
+    # the second gather slot and every message slot lie beyond.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300 * 1024, hard))
+    try:
+        assert board.layout.gather_at[1] < 300 * 1024 < board.layout.message_at(0, 0)
+        values = [bytes([rank, i]) * 30_000 for i in range(4)]
+        gathered = [group.all_gather_obj(v) for v in values]
+        peer = 1 - rank
+        for i in range(3):
+            group.send_obj((rank, i), peer)
+        got = [group.recv_obj(peer, timeout=20) for _ in range(3)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    group.barrier(timeout=10)
+    expected = [[bytes([r, i]) * 30_000 for r in range(2)] for i in range(4)]
+    return {
+        "gathered": gathered == expected,
+        "messages": got == [(peer, i) for i in range(3)],
+        "queued": group._queue_sent[peer],
+    }
+
+
+def test_no_room_on_dev_shm_sends_values_through_the_store() -> None:
+    for result in run_ranks(_no_room, 2, free_port(), timeout=60):
+        assert result == {"gathered": True, "messages": True, "queued": 3}
