@@ -27,11 +27,12 @@ def _rank(rank: int, ws: int, ports: tuple[int, int], rounds: int, reps: int) ->
     from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
     gloo_port, spg_port = ports
+    # Our store first: gloo's connections take ephemeral ports, which could be spg_port.
+    pg = StatelessProcessGroup.create("127.0.0.1", spg_port, rank, ws, store_timeout=120)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=ws,
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
-    pg = StatelessProcessGroup.create("127.0.0.1", spg_port, rank, ws, store_timeout=120)
     mq = MessageQueue.create_from_process_group(pg, 1 << 20, 10, writer_rank=0)
     if rank != 0 and not mq._is_local_reader:
         raise AssertionError(f"rank {rank} is not a local (shared-memory) reader")

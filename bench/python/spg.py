@@ -98,12 +98,13 @@ def _rank(rank: int, ws: int, ports: tuple[int, int, int], rounds: int, reps: di
 
     gloo_port, spg_port, store_port = ports
     timeout = datetime.timedelta(seconds=120)
+    # The stores first: gloo's connections take ephemeral ports, which could be theirs.
+    pg = StatelessProcessGroup.create("127.0.0.1", spg_port, rank, ws, store_timeout=120)
+    store = TCPStore("127.0.0.1", store_port, ws, rank == 0, timeout=timeout)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=ws,
         timeout=timeout,
     )  # fmt: skip
-    pg = StatelessProcessGroup.create("127.0.0.1", spg_port, rank, ws, store_timeout=120)
-    store = TCPStore("127.0.0.1", store_port, ws, rank == 0, timeout=timeout)
     ops = _ops(rank, ws, pg, store)
 
     # Wrong results fail the benchmark: check every op of both sides once, untimed.
