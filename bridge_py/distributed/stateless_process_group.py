@@ -695,10 +695,7 @@ class StatelessProcessGroup:
         self._expire_if_due(now)
         rank = self.rank
         if not board.connected:
-            try:
-                board.connect(self._board_names)
-            except spg_board.BoardError as exc:
-                raise RuntimeError(f"all_gather_obj on rank {rank}: {exc}") from exc
+            self._connect_all(f"all_gather_obj on rank {rank}")
         seq = board.seq + 1
         value, segment = self._plain_value(f"board/{rank}/{seq}", obj)
         written = ""
@@ -740,6 +737,19 @@ class StatelessProcessGroup:
                 result.append(self._loads(f"board/{src}/{seq}", data, src, False))
         result.insert(rank, obj)
         return result
+
+    def _connect_all(self, what: str) -> None:
+        """Open every rank's board (for a collective); RuntimeError starting with ``what``
+        when some rank's is gone (it exited, or closed its group)."""
+        assert self._board is not None and self._board_names is not None
+        try:
+            gone = self._board.connect(self._board_names, missing_ok=True)
+        except spg_board.BoardError as exc:
+            raise RuntimeError(f"{what}: {exc}") from exc
+        if gone:
+            raise RuntimeError(
+                f"{what}: ranks {gone} exited or closed the group (their boards are gone)"
+            )
 
     def _board_failure(
         self, seq: int, missing: list[int], start: float, limit: float
@@ -989,12 +999,7 @@ class StatelessProcessGroup:
         board = self._board
         if self._board_names is not None and board is not None:
             if not board.connected:
-                try:
-                    board.connect(self._board_names)
-                except spg_board.BoardError as exc:
-                    raise RuntimeError(
-                        f"barrier {barrier_id} failed on rank {self.rank}: {exc}"
-                    ) from exc
+                self._connect_all(f"barrier {barrier_id} failed on rank {self.rank}")
             run_board_barrier(
                 board,
                 self.rank,
