@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 from torch.distributed import HashStore
@@ -111,18 +112,24 @@ def _exits(rank: int, port: int) -> dict:
     return {"error": None}
 
 
-def test_a_rank_that_exits_is_reported_before_the_timeout() -> None:
+def _with_rank_2_killed(target: Callable[[int, int], dict]) -> list[dict]:
+    """Ranks 0 and 1 of ``target`` under the harness, rank 2 beside them: it kills itself."""
     port = free_port()
     ctx = multiprocessing.get_context("forkserver")
-    victim = ctx.Process(target=_exits, args=(2, port), daemon=True)
+    victim = ctx.Process(target=target, args=(2, port), daemon=True)
     victim.start()
     try:
-        results = run_ranks(_exits, 3, port, ranks=[0, 1], timeout=60)
+        results = run_ranks(target, 3, port, ranks=[0, 1], timeout=60)
     finally:
         victim.join(10)
         if victim.is_alive():
             victim.kill()
     assert victim.exitcode == -signal.SIGKILL
+    return results
+
+
+def test_a_rank_that_exits_is_reported_before_the_timeout() -> None:
+    results = _with_rank_2_killed(_exits)
     for rank, result in enumerate(results):
         assert result["error"] is not None
         assert f"all_gather_obj on rank {rank}: ranks [2] exited" in result["error"]
@@ -281,16 +288,7 @@ def _barrier_exits(rank: int, port: int) -> dict:
 
 
 def test_a_rank_that_exits_fails_a_board_barrier_at_once() -> None:
-    port = free_port()
-    ctx = multiprocessing.get_context("forkserver")
-    victim = ctx.Process(target=_barrier_exits, args=(2, port), daemon=True)
-    victim.start()
-    try:
-        results = run_ranks(_barrier_exits, 3, port, ranks=[0, 1], timeout=60)
-    finally:
-        victim.join(10)
-        if victim.is_alive():
-            victim.kill()
+    results = _with_rank_2_killed(_barrier_exits)
     for rank, result in enumerate(results):
         assert f"barrier 2 failed on rank {rank}: ranks [2] exited" in result["error"], result
         assert result["elapsed"] < 10  # not the barrier's 30 s
