@@ -35,6 +35,9 @@ doorbell. Sending never waits: a message that finds its slot taken, or is larger
 :data:`MESSAGE_CAPACITY`, goes on the pair's store queue as before, and ``spills[dst]`` counts
 it, so the receiver knows to pop the queue too; it takes messages from both in number order.
 
+The group's side of all this (when each path is taken, what goes to the store instead) is
+in ``spg_board_paths``; the barrier in ``barrier.run_board_barrier``.
+
 Boards and doorbells are named like the group's segments
 (``vbspg_<pid namespace>_<pid>_<token>_board``/``_bell``), so that
 ``spg_segments.remove_orphans`` removes those of a rank that was killed. A rank creates its

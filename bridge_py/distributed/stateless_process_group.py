@@ -43,9 +43,9 @@ from torch.distributed import Store
 from bridge_py.distributed import keys, spg_board, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
 from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier, run_board_barrier
+from bridge_py.distributed.spg_board_paths import BoardPaths
 from bridge_py.distributed.spg_waiter import FetchingWaiter
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
-from bridge_py.distributed.waiting import pop_before
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -70,7 +70,7 @@ def validate_rank(rank: int, world_size: int, name: str = "rank") -> None:
 
 
 @dataclasses.dataclass
-class StatelessProcessGroup:
+class StatelessProcessGroup(BoardPaths):
     """A dataclass to hold a metadata store, and the rank, world_size of the
     group. Only use it to communicate metadata between processes.
     For data-plane communication, create NCCL-related objects.
@@ -355,89 +355,6 @@ class StatelessProcessGroup:
         if self._trash:
             self._flush()
 
-    def _send_board(self, obj: Any, dst: int, seq: int, name: str, now: float) -> None:
-        """``send_obj`` on one node without an auth key: into ``dst``'s ring slot on this
-        rank's board (see ``spg_board``), or, if that slot is still unread or the value too
-        large for it, onto the pair's store queue as on the other path."""
-        board = self._board
-        assert board is not None
-        if dst == self.rank:
-            value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        else:
-            value = self._dumps(name, obj, True, [dst])[0]
-        if not board.send(dst, seq, value):
-            self.store.queue_push(self._outbox[dst], spg_p2p.frame(seq, value))
-            self.entries.append((name, now))
-            self._queue_sent[dst] += 1
-            board.spilled(dst, self._queue_sent[dst])
-        self.send_dst_counter[dst] = seq + 1
-        if self._trash:
-            self._flush()
-
-    def _recv_board(self, src: int, seq: int, timeout: float | None) -> bytes | memoryview:
-        """``recv_obj`` on one node without an auth key: message ``seq`` from ``src``'s ring
-        slot, or from the pair's store queue when ``src`` sent it there; raises RuntimeError
-        when ``src`` exits or ``timeout`` (None: the store's) passes first."""
-        board = self._board
-        assert board is not None
-        data = board.take(src, seq)
-        if data is None:
-            data = self._await_message(board, src, seq, timeout)
-        board.received(src, seq + 1)
-        return data
-
-    def _await_message(
-        self, board: spg_board.Board, src: int, seq: int, timeout: float | None
-    ) -> bytes | memoryview:
-        limit = self._limit(timeout)
-        start = time.monotonic()
-        deadline = start + limit
-        check_at = start + spg_board.LIVENESS_PERIOD
-        early = self._board_early.setdefault(src, {})
-        queue = keys.p2p_queue(src, self.rank)
-        while True:
-            data = early.pop(seq, None)
-            if data is None:
-                data = board.take(src, seq)
-            if data is not None:
-                return data
-            queued = board.spills(src) > self._queue_taken[src]
-            if queued:
-                # A message waits in the store queue (or is still on its way there: the push
-                # has no reply). Pop it with a short wait, then look at the ring again: the
-                # sender may have expired it (see expire_data).
-                try:
-                    item = pop_before(self.store, queue, min(deadline, time.monotonic() + 0.05))
-                except RuntimeError as exc:
-                    raise self._lost(
-                        "recv_obj", keys.p2p_value(src, self.rank, seq), src, start, exc
-                    ) from exc
-                if item is not None:
-                    self._queue_taken[src] += 1
-                    got, value = spg_p2p.unframe(item)
-                    if got == seq:
-                        return value
-                    if got > seq:
-                        early[got] = value
-                    continue
-            now = time.monotonic()
-            name = keys.p2p_value(src, self.rank, seq)
-            if now >= deadline:
-                raise RuntimeError(
-                    f"recv_obj on rank {self.rank} timed out after {now - start:.1f} s "
-                    f"(timeout {limit:g} s) waiting for {name!r} from rank {src}: rank {src} "
-                    "did not send it (did it exit, or call something else?)"
-                )
-            if now >= check_at:
-                check_at = now + spg_board.LIVENESS_PERIOD
-                if board.gone([src]):
-                    raise RuntimeError(
-                        f"recv_obj on rank {self.rank}: rank {src} exited after "
-                        f"{now - start:.1f} s without sending {name!r}"
-                    )
-            if not queued:
-                board.wait(min(deadline, check_at) - now)
-
     def _expire_if_due(self, now: float) -> None:
         """``expire_data``, when this rank's oldest entry is due or it has segments out."""
         entries = self.entries
@@ -680,93 +597,6 @@ class StatelessProcessGroup:
         result.insert(rank, obj)
         return result
 
-    def _all_gather_board(self, obj: Any) -> list[Any]:
-        """``all_gather_obj`` of ranks on one node without an auth key: over the boards.
-
-        Each rank posts its value on its board and rings the others' doorbells, then reads
-        theirs, sleeping on its own doorbell until all are there (see ``spg_board``): no
-        store request at all. A large value goes to a segment as on the other paths (its
-        descriptor goes on the board); one too large for the board otherwise, to the store.
-        Waits at most the store's timeout, and reports a rank that exited when it does.
-        """
-        board = self._board
-        assert board is not None and self._board_names is not None
-        now = time.time()
-        self._expire_if_due(now)
-        rank = self.rank
-        if not board.connected:
-            self._connect_all(f"all_gather_obj on rank {rank}")
-        seq = board.seq + 1
-        value, segment = self._plain_value(f"board/{rank}/{seq}", obj)
-        written = ""
-        if len(value) <= spg_board.CAPACITY:
-            try:
-                board.post(value)
-            except spg_board.BoardFull:
-                written = spg_board.overflow_key(rank, seq)
-        else:
-            written = spg_board.overflow_key(rank, seq)
-        if written:  # too large for the board, or no room on /dev/shm: the store takes it
-            self.store.set(written, value)
-            board.post(b"", in_store=True)
-        self.broadcast_send_counter += 1
-        if self._trash:
-            self._flush()
-        others = self._others
-        start = time.monotonic()
-        limit = self._default_timeout()
-        got, missing = spg_board.wait_for_values(board, seq, others, limit)
-        if missing:
-            raise self._board_failure(seq, missing, start, limit)
-        counters = self.broadcast_recv_src_counter
-        for src in others:
-            counters[src] += 1
-        if seq == 1:
-            board.unname()  # every rank has opened this rank's board: the names can go
-        # Every rank has posted this gather's value, so it has read this rank's earlier one.
-        if self._own_gather:
-            self._release_own_gather()
-        self._own_gather = [(written, segment)] if written or segment is not None else []
-        result = []
-        for src, data in zip(others, got, strict=True):
-            if not data:  # too large for the board: in the store
-                data = self.store.get(spg_board.overflow_key(src, seq))
-            if data[:1] == b"\x80":
-                result.append(pickle.loads(data))
-            else:
-                result.append(self._loads(f"board/{src}/{seq}", data, src, False))
-        result.insert(rank, obj)
-        return result
-
-    def _connect_all(self, what: str) -> None:
-        """Open every rank's board (for a collective); RuntimeError starting with ``what``
-        when some rank's is gone (it exited, or closed its group)."""
-        assert self._board is not None and self._board_names is not None
-        try:
-            gone = self._board.connect(self._board_names, missing_ok=True)
-        except spg_board.BoardError as exc:
-            raise RuntimeError(f"{what}: {exc}") from exc
-        if gone:
-            raise RuntimeError(
-                f"{what}: ranks {gone} exited or closed the group (their boards are gone)"
-            )
-
-    def _board_failure(
-        self, seq: int, missing: list[int], start: float, limit: float
-    ) -> RuntimeError:
-        """The error of a board gather that some ranks did not join: exited, or late."""
-        waited = time.monotonic() - start
-        if waited < limit:
-            return RuntimeError(
-                f"all_gather_obj on rank {self.rank}: ranks {missing} exited after "
-                f"{waited:.1f} s without posting their values (board gather {seq})"
-            )
-        return RuntimeError(
-            f"all_gather_obj on rank {self.rank} timed out after {waited:.1f} s (timeout "
-            f"{limit:g} s) waiting for the values of ranks {missing} (board gather {seq}): "
-            "they did not call all_gather_obj (did they exit, or call something else?)"
-        )
-
     def _exchange(self, obj: Any) -> list[Any]:
         """``all_gather_obj`` of two ranks without an auth key: one queue each way.
 
@@ -869,47 +699,6 @@ class StatelessProcessGroup:
             if segment is not None:
                 self._segments.discard(segment)
         self._own_gather = []
-
-    def _node_card(self) -> bytes:
-        """What this rank tells the others of its node: its identity (``spg_shm``) and, if
-        it could make one, the name of its board (``spg_board``), after a newline."""
-        identity = spg_shm.node_identity()
-        if identity == spg_shm.NOT_LOCAL or self.world_size == 1:
-            return identity
-        if self._board is None:
-            try:
-                self._board = spg_board.Board(self.rank, self.world_size)
-            except OSError:
-                return identity  # no board: all_gather keeps to the store
-            # Messages still unreceived in its rings go to the store queues when the group
-            # closes: a receiver that has not opened the board finds them there.
-            weakref.finalize(self, self._board.close, _queue_flusher(self.store, self._outbox))
-        return identity + b"\n" + self._board.name.encode()
-
-    def _start_boards(self, names: list[str]) -> None:
-        """Open every rank's board; from now on gathers and messages go over them.
-
-        Every message sent so far went through the store: each receiver is told so (the
-        spill counts), and takes those still unreceived from the queues first.
-        """
-        board = self._board
-        assert board is not None
-        try:
-            # A rank may have closed its group already (sent what it had to, and left): its
-            # messages are in the store queues, received from there as before.
-            board.connect(names, missing_ok=True)
-        except spg_board.BoardError as exc:
-            raise RuntimeError(f"rank {self.rank} could not join the boards: {exc}") from exc
-        for src in range(self.world_size):
-            if not board.is_open(src):
-                continue
-            early = self._inbox.take_early(src)
-            self._board_early[src] = early
-            self._queue_taken[src] = self.recv_src_counter[src] + len(early)
-        for dst in range(self.world_size):
-            self._queue_sent[dst] = self.send_dst_counter[dst]
-            board.spilled(dst, self._queue_sent[dst])
-        self._board_names = names
 
     def _learn_nodes(self, cards: list[bytes]) -> None:
         """Record the node identities of all ranks (from their ``_node_card``): who can take
@@ -1081,15 +870,6 @@ class StatelessProcessGroup:
         )
         group._auth_key = key
         return group
-
-
-def _queue_flusher(store: Store, outbox: list[str]) -> Any:
-    """What a closing board gives its unreceived messages to: the pairs' store queues."""
-
-    def flush(dst: int, number: int, value: bytes) -> None:
-        store.queue_push(outbox[dst], spg_p2p.frame(number, value))
-
-    return flush
 
 
 def _context(key: str) -> str:
