@@ -13,9 +13,12 @@ A board has a head, two gather slots used in turn (the slot of gather ``seq`` is
 
     0                   b"VBBD", u32 world size, u64 creator pid
     64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
+    16                  u64 one past the last broadcast number used
     64 + 8 * (n + dst)  u64 spills[dst]: messages to ``dst`` sent through the store
+    64 + 8 * (2n + src) u64 broadcasts of ``src`` this rank is done with (last number + 1)
     gather slot i       u64 seq (0: none yet), u64 length (bit 63: in the store), the value
     ring[dst][j]        u64 number + 1 (0: never used), u64 length, the message
+    broadcasts[j]       the same, for this rank's broadcasts
 
 Two slots are enough and no reader has to say it is done: a rank writes the slot of gather
 ``seq + 2`` only after completing gather ``seq + 1``, that is after every other rank posted
@@ -95,6 +98,7 @@ _SLOT_HEAD = 16
 _PAGE = 4096
 _COUNTERS_AT = 64
 IN_STORE = 1 << 63
+_BROADCASTS_SENT = 16  # in the head: one past the last broadcast number this rank used
 # Barriers (see barrier.run_board_barrier): offsets in the barrier page.
 _ARRIVED, _DEPARTED, _DECISIONS, _VERDICT = 0, 8, 64, 64 + 16 * 64
 DECISION_CELLS = 64
@@ -118,7 +122,7 @@ class Layout:
 
     @property
     def barrier_at(self) -> int:
-        return _pages(_COUNTERS_AT + 16 * self.world_size)
+        return _pages(_COUNTERS_AT + 24 * self.world_size)
 
     @property
     def gather_at(self) -> tuple[int, int]:
@@ -134,9 +138,16 @@ class Layout:
     def message_at(self, dst: int, number: int) -> int:
         return self.gather_at[1] + _GATHER_SLOT + _MESSAGE_SLOT * (RING * dst + number % RING)
 
+    def broadcast_received_at(self, src: int) -> int:
+        return _COUNTERS_AT + 8 * (2 * self.world_size + src)
+
+    def broadcast_at(self, number: int) -> int:
+        first = self.message_at(self.world_size - 1, RING - 1) + _MESSAGE_SLOT
+        return first + _MESSAGE_SLOT * (number % RING)
+
     @property
     def size(self) -> int:
-        return self.message_at(self.world_size - 1, RING - 1) + _MESSAGE_SLOT
+        return self.broadcast_at(RING - 1) + _MESSAGE_SLOT
 
 
 class BoardError(RuntimeError):
@@ -186,6 +197,8 @@ class Board:
             for dst in range(world_size):
                 for slot in range(RING):
                     os.posix_fallocate(fd, self.layout.message_at(dst, slot), _SLOT_HEAD)
+            for slot in range(RING):
+                os.posix_fallocate(fd, self.layout.broadcast_at(slot), _SLOT_HEAD)
             board = mmap.mmap(fd, self.layout.size)
         except BaseException:
             os.close(fd)
@@ -305,6 +318,59 @@ class Board:
         _U64.pack_into(board, at, number + 1)
         self.ring(dst)
         return True
+
+    # --- broadcasts ---
+
+    def broadcast(self, number: int, value: bytes) -> bool:
+        """Put broadcast ``number`` of this rank in its ring slot; False (nothing written) if
+        the value is too large or some rank has not received the slot's last broadcast. The
+        caller then says it was sent (:meth:`broadcast_sent`), whichever way it went."""
+        size = len(value)
+        if size > MESSAGE_CAPACITY or not self.connected:
+            return False
+        board = self._maps[self.rank]
+        at = self.layout.broadcast_at(number)
+        held = _U64.unpack_from(board, at)[0]
+        if held:
+            receipt = self.layout.broadcast_received_at(self.rank)
+            for dst, peer in enumerate(self._maps):
+                if dst != self.rank and _U64.unpack_from(peer, receipt)[0] < held:
+                    return False
+        fence()  # every receipt is seen before the slot is written over
+        if not self._write(at + 8, size, value):
+            return False
+        _U64.pack_into(board, at, number + 1)
+        return True
+
+    def broadcast_sent(self, number: int) -> None:
+        """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
+        fence()
+        _U64.pack_into(self._maps[self.rank], _BROADCASTS_SENT, number + 1)
+        for bell in self._bells:
+            if bell >= 0:
+                _ring(bell)
+
+    def broadcasts_sent(self, src: int) -> int:
+        """How many of ``src``'s broadcast numbers it has used (one past its last one)."""
+        count = _U64.unpack_from(self._maps[src], _BROADCASTS_SENT)[0]
+        fence()
+        return count
+
+    def take_broadcast(self, src: int, number: int) -> bytes | None:
+        """``src``'s broadcast ``number`` if it is in its ring slot (a copy), else None."""
+        board = self._maps[src]
+        at = self.layout.broadcast_at(number)
+        if _U64.unpack_from(board, at)[0] != number + 1:
+            return None
+        fence()
+        size = _U64.unpack_from(board, at + 8)[0]
+        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+
+    def broadcast_received(self, src: int, number: int) -> None:
+        """Record that this rank is done with ``src``'s broadcast ``number``."""
+        fence()
+        at = self.layout.broadcast_received_at(src)
+        _U64.pack_into(self._maps[self.rank], at, number + 1)
 
     def _write(self, offset: int, length: int, value: bytes) -> bool:
         """Write ``length`` and ``value`` at ``offset`` of this rank's board; False if

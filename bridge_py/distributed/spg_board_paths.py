@@ -173,6 +173,73 @@ class BoardPaths:
         result.insert(rank, obj)
         return result
 
+    def _broadcast_on_board(self, seq: int, value: bytes, segment: str | None) -> bool:
+        """Put this rank's broadcast ``seq`` in its ring slot; False if it must take the store
+        (a slot some rank has not read yet, a value too large, no room on /dev/shm)."""
+        board = self._board
+        assert board is not None
+        if not board.broadcast(seq, value):
+            return False
+        # The slot's last value has been read by every rank: its segment can go.
+        slot = seq % spg_board.RING
+        old = self._broadcast_segments.pop(slot, None)
+        if old is not None:
+            self._segments.discard(old)
+        if segment is not None:
+            self._broadcast_segments[slot] = segment
+        return True
+
+    def _broadcast_from_board(self, src: int, seq: int, timeout: float | None) -> Any:
+        """A receiver's side of broadcast ``seq`` of ``src`` when the boards are in use: from
+        the ring slot, or through the store when ``src`` sent it there."""
+        board = self._board
+        assert board is not None
+        key = keys.broadcast_value(src, seq)
+        data = board.take_broadcast(src, seq)
+        if data is None:
+            data = self._await_broadcast(board, src, seq, key, timeout)
+        try:
+            if data is None:  # src put it in the store
+                return self._broadcast_from_store(src, seq, timeout)
+            self.broadcast_recv_src_counter[src] += 1
+            if data[:1] == b"\x80":
+                return pickle.loads(data)
+            return self._loads(key, data, src, last=False)
+        finally:
+            board.broadcast_received(src, seq)  # after loading: the slot may be reused now
+
+    def _await_broadcast(
+        self, board: spg_board.Board, src: int, seq: int, key: str, timeout: float | None
+    ) -> bytes | None:
+        """Sleep on the doorbell until ``src``'s broadcast ``seq`` is in its ring slot (its
+        bytes) or ``src`` says it went out another way (None)."""
+        limit = self._limit(timeout)
+        start = time.monotonic()
+        deadline = start + limit
+        check_at = start + spg_board.LIVENESS_PERIOD
+        while True:
+            sent = board.broadcasts_sent(src)
+            data = board.take_broadcast(src, seq)
+            if data is not None:
+                return data
+            if sent > seq:
+                return None
+            now = time.monotonic()
+            if now >= deadline:
+                raise RuntimeError(
+                    f"broadcast_obj on rank {self.rank} timed out after {now - start:.1f} s "
+                    f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank "
+                    f"{src} did not send it (did it exit, or call something else?)"
+                )
+            if now >= check_at:
+                check_at = now + spg_board.LIVENESS_PERIOD
+                if board.gone([src]):
+                    raise RuntimeError(
+                        f"broadcast_obj on rank {self.rank}: rank {src} exited after "
+                        f"{now - start:.1f} s without sending {key!r}"
+                    )
+            board.wait(min(deadline, check_at) - now)
+
     def _connect_all(self, what: str) -> None:
         """Open every rank's board (for a collective); RuntimeError starting with ``what``
         when some rank's is gone (it exited, or closed its group)."""

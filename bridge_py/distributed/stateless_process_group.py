@@ -139,6 +139,8 @@ class StatelessProcessGroup(BoardPaths):
         # tells the others its node, used once every rank has one and all share the node.
         self._board: spg_board.Board | None = None
         self._board_names: list[str] | None = None
+        # This rank's broadcast ring slot -> the segment of the value in it (see spg_board).
+        self._broadcast_segments: dict[int, str] = {}
         # Point to point over the boards: per peer, messages that went through the store
         # queue (sent to it, received from it), and those received before their turn.
         self._queue_sent = [0] * self.world_size
@@ -445,24 +447,37 @@ class StatelessProcessGroup(BoardPaths):
         of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
         raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
         travels through shared memory (a segment ``src`` reuses once every receiver has read
-        it).
+        it). When every rank is on one node and there is no auth key, the value goes into a
+        slot of ``src``'s shared-memory board instead of the store, and the receivers'
+        doorbells are rung (``spg_board``); one whose slot some rank has not read yet, or too
+        large for a slot, still takes the store. ``src`` never waits for the receivers.
         """
         self._peer(src, "src")
+        boards = self._board_names is not None and self._auth_key is None
         if self.rank == src:
             self.expire_data()
             if self.world_size > 1:
                 seq = self.broadcast_send_counter
                 key = keys.broadcast_value(src, seq)
-                value, _segment = self._dumps(key, obj, self._all_local)
-                self._write(key, value)
-                # The ack counter is the receivers' key (unused with a single receiver), but if
-                # they never all read the value it is this rank's expire_data that must
-                # remove it.
-                self.entries.append((keys.broadcast_acks(src, seq), time.time()))
-                self._flush()
+                value, segment = self._dumps(key, obj, self._all_local)
+                if not (boards and self._broadcast_on_board(seq, value, segment)):
+                    self._write(key, value)
+                    # The ack counter is the receivers' key (unused with a single receiver),
+                    # but if they never all read the value it is this rank's expire_data
+                    # that must remove it.
+                    self.entries.append((keys.broadcast_acks(src, seq), time.time()))
+                    self._flush()
+                if boards:
+                    self._board.broadcast_sent(seq)
             self.broadcast_send_counter += 1
             return obj
         seq = self.broadcast_recv_src_counter[src]
+        if boards and self._board.is_open(src):
+            return self._broadcast_from_board(src, seq, timeout)
+        return self._broadcast_from_store(src, seq, timeout)
+
+    def _broadcast_from_store(self, src: int, seq: int, timeout: float | None) -> Any:
+        """A receiver's side of broadcast ``seq`` of ``src`` through the store."""
         key = keys.broadcast_value(src, seq)
         data = self._await(key, src, "broadcast_obj", timeout)
         self.broadcast_recv_src_counter[src] += 1

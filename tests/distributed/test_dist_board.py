@@ -325,3 +325,41 @@ def _no_room(rank: int, port: int) -> dict:
 def test_no_room_on_dev_shm_sends_values_through_the_store() -> None:
     for result in run_ranks(_no_room, 2, free_port(), timeout=60):
         assert result == {"gathered": True, "messages": True, "queued": 3}
+
+
+def _broadcasts(rank: int, port: int, world_size: int) -> dict:
+    group = _create(rank, port, world_size)
+    group.all_gather_obj(None)  # the probe
+    # Small broadcasts from every rank in turn: no store request at all.
+    store, empty = group.store, HashStore()
+    empty.set_timeout(datetime.timedelta(seconds=5))
+    group.store = empty
+    ok = [
+        group.broadcast_obj((src, i) if rank == src else None, src) == (src, i)
+        for i in range(10)
+        for src in range(world_size)
+    ]
+    group.store = store
+    # Rank 0 broadcasts more than a ring holds before anyone reads (it never waits), in sizes
+    # for a slot, for the store and for a segment; the others read them all afterwards.
+    sizes = [10, 70_000, 10, 300_000] + [5] * (2 * spg_board.RING)
+    if rank == 0:
+        for i, size in enumerate(sizes):
+            group.broadcast_obj((i, b"x" * size), 0)
+        got = [(i, b"x" * size) for i, size in enumerate(sizes)]
+    else:
+        time.sleep(0.5)
+        got = [group.broadcast_obj(None, 0) for _ in sizes]
+    ok.append(got == [(i, b"x" * size) for i, size in enumerate(sizes)])
+    group.barrier(timeout=10)
+    keys_left = [k for k in store.list_keys() if k.startswith("bcast/")] if rank == 0 else []
+    group.barrier(timeout=10)
+    return {"ok": ok, "keys": empty.num_keys(), "left": keys_left}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_broadcasts_over_boards(world_size: int) -> None:
+    for result in run_ranks(_broadcasts, world_size, free_port(), world_size, timeout=90):
+        assert all(result["ok"]), result["ok"]
+        assert result["keys"] == 0
+        assert result["left"] == []  # what took the store was deleted once read

@@ -98,7 +98,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
   raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
   travels through shared memory (a segment ``src`` reuses once every receiver has read
-  it).
+  it). When every rank is on one node and there is no auth key, the value goes into a
+  slot of ``src``'s shared-memory board instead of the store, and the receivers'
+  doorbells are rung (``spg_board``); one whose slot some rank has not read yet, or too
+  large for a slot, still takes the store. ``src`` never waits for the receivers.
 
   ## Parameters
 
