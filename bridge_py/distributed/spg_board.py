@@ -18,7 +18,7 @@ A board has a head, two gather slots used in turn (the slot of gather ``seq`` is
     64 + 8 * (2n + src) u64 broadcasts of ``src`` this rank is done with (last number + 1)
     gather slot i       u64 seq (0: none yet), u64 length (bit 63: in the store), the value
     ring[dst][j]        u64 number + 1 (0: never used), u64 length, the message
-    broadcasts[j]       the same, for this rank's broadcasts
+    broadcasts[j]       the same, for this rank's broadcasts (BROADCAST_RING slots)
 
 Two slots are enough and no reader has to say it is done: a rank writes the slot of gather
 ``seq + 2`` only after completing gather ``seq + 1``, that is after every other rank posted
@@ -74,6 +74,7 @@ from bridge_py.distributed.spg_segments import NAME_PREFIX, SHM_DIR, unlink
 
 __all__ = [
     "BOARD_PATTERN",
+    "BROADCAST_RING",
     "CAPACITY",
     "LIVENESS_PERIOD",
     "MESSAGE_CAPACITY",
@@ -88,6 +89,7 @@ __all__ = [
 
 CAPACITY = (256 << 10) + 4096  # a pickle up to spg_shm's threshold, or a descriptor, fits
 RING = 8  # message slots per destination
+BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of several readers)
 MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one message slot's value
 LIVENESS_PERIOD = 1.0
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
@@ -143,11 +145,11 @@ class Layout:
 
     def broadcast_at(self, number: int) -> int:
         first = self.message_at(self.world_size - 1, RING - 1) + _MESSAGE_SLOT
-        return first + _MESSAGE_SLOT * (number % RING)
+        return first + _MESSAGE_SLOT * (number % BROADCAST_RING)
 
     @property
     def size(self) -> int:
-        return self.broadcast_at(RING - 1) + _MESSAGE_SLOT
+        return self.broadcast_at(BROADCAST_RING - 1) + _MESSAGE_SLOT
 
 
 class BoardError(RuntimeError):
@@ -197,7 +199,7 @@ class Board:
             for dst in range(world_size):
                 for slot in range(RING):
                     os.posix_fallocate(fd, self.layout.message_at(dst, slot), _SLOT_HEAD)
-            for slot in range(RING):
+            for slot in range(BROADCAST_RING):
                 os.posix_fallocate(fd, self.layout.broadcast_at(slot), _SLOT_HEAD)
             board = mmap.mmap(fd, self.layout.size)
         except BaseException:

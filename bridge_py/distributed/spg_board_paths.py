@@ -181,7 +181,7 @@ class BoardPaths:
         if not board.broadcast(seq, value):
             return False
         # The slot's last value has been read by every rank: its segment can go.
-        slot = seq % spg_board.RING
+        slot = seq % spg_board.BROADCAST_RING
         old = self._broadcast_segments.pop(slot, None)
         if old is not None:
             self._segments.discard(old)

@@ -342,7 +342,7 @@ def _broadcasts(rank: int, port: int, world_size: int) -> dict:
     group.store = store
     # Rank 0 broadcasts more than a ring holds before anyone reads (it never waits), in sizes
     # for a slot, for the store and for a segment; the others read them all afterwards.
-    sizes = [10, 70_000, 10, 300_000] + [5] * (2 * spg_board.RING)
+    sizes = [10, 70_000, 10, 300_000] + [5] * (2 * spg_board.BROADCAST_RING)
     if rank == 0:
         for i, size in enumerate(sizes):
             group.broadcast_obj((i, b"x" * size), 0)
