@@ -545,14 +545,17 @@ class Board:
 
         ``flush(dst, number, value)`` is first given every message still unreceived in a
         ring, to send another way (a receiver that has not opened this board cannot get
-        it once it is gone); errors it raises are ignored.
+        it once it is gone); errors it raises are ignored. In a forked child, which
+        inherited the board but does not own it, only this process's mappings and
+        descriptors are closed.
         """
-        if flush is not None:
-            for dst in range(self.world_size):
-                with contextlib.suppress(Exception):
-                    for number, value in self.unreceived(dst):
-                        flush(dst, number, value)
-        self.unname()
+        if os.getpid() == self._pids[self.rank]:
+            if flush is not None:
+                for dst in range(self.world_size):
+                    with contextlib.suppress(Exception):
+                        for number, value in self.unreceived(dst):
+                            flush(dst, number, value)
+            self.unname()
         for i, board in enumerate(self._maps):
             if board is not None:
                 with contextlib.suppress(BufferError):

@@ -364,3 +364,18 @@ def test_broadcasts_over_boards(world_size: int) -> None:
         assert all(result["ok"]), result["ok"]
         assert result["keys"] == 0
         assert result["left"] == []  # what took the store was deleted once read
+
+
+def test_a_forked_child_closing_an_inherited_board_leaves_it_to_its_owner() -> None:
+    board = spg_board.Board(0, 2)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: close what it inherited, as its exit would
+            board.close(lambda *_: os._exit(3))  # a flush here would be a bug
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert board.name in os.listdir(spg_segments.SHM_DIR)  # still the owner's
+    finally:
+        board.close()
+    assert board.name not in os.listdir(spg_segments.SHM_DIR)
