@@ -180,6 +180,14 @@ defmodule VllmBridge.Pool do
   """
   @spec next_worker(name()) :: {:ok, pid()} | {:error, Error.t()}
   def next_worker(pool) do
+    with {:ok, {_index, pid}} <- next_worker_at(pool), do: {:ok, pid}
+  end
+
+  @doc """
+  Like `next_worker/1`, with the worker's index: `{:ok, {index, pid}}`.
+  """
+  @spec next_worker_at(name()) :: {:ok, {non_neg_integer(), pid()}} | {:error, Error.t()}
+  def next_worker_at(pool) do
     with {:ok, size} <- size(pool),
          {:ok, counter} <- meta(pool, :counter) do
       start = :atomics.add_get(counter, 1, 1)
@@ -193,10 +201,22 @@ defmodule VllmBridge.Pool do
   end
 
   defp first_running(pool, n, size, tries) do
-    case lookup(pool, rem(n, size)) do
-      {:ok, pid} -> {:ok, pid}
+    index = rem(n, size)
+
+    case lookup(pool, index) do
+      {:ok, pid} -> {:ok, {index, pid}}
       {:error, _} -> first_running(pool, n + 1, size, tries - 1)
     end
+  end
+
+  @doc """
+  Whether `pid` is the running worker at `index` of `pool`: `index_of/2` for a
+  caller that knows the index, at the cost of one registry lookup instead of a
+  search of the registry by pid.
+  """
+  @spec worker_at?(name(), non_neg_integer(), pid()) :: boolean()
+  def worker_at?(pool, index, pid) when is_integer(index) and is_pid(pid) do
+    (node(pid) != node() or Process.alive?(pid)) and lookup(pool, index) == {:ok, pid}
   end
 
   @doc "The number of workers of a pool."

@@ -11,6 +11,8 @@ defmodule VllmBridge.Ref do
     * `:class` - the Python class name (informative; may be `""`)
     * `:pool` - the name of the `VllmBridge.Pool` that holds the worker
     * `:worker` - the pid of the `VllmBridge.Worker` that holds the object
+    * `:index` - that worker's place in the pool (so that checking it is still
+      there is one registry lookup)
     * `:session` - the session that owns the handle
 
   Calls on a ref always go to `:worker`. When that worker has died (and
@@ -33,14 +35,15 @@ defmodule VllmBridge.Ref do
   """
 
   @enforce_keys [:id]
-  defstruct id: nil, class: "", pool: nil, worker: nil, session: ""
+  defstruct id: nil, class: "", pool: nil, worker: nil, session: "", index: nil
 
   @type t :: %__MODULE__{
           id: non_neg_integer(),
           class: String.t(),
           pool: atom() | nil,
           worker: pid() | nil,
-          session: String.t()
+          session: String.t(),
+          index: non_neg_integer() | nil
         }
 
   @doc """
@@ -82,8 +85,8 @@ defmodule VllmBridge.Ref do
   def local?(%__MODULE__{}), do: false
 
   @doc """
-  Stamps `fields` (`:pool`, `:worker`, `:session`, as a keyword list or map)
-  on `ref`; other keys are ignored.
+  Stamps `fields` (`:pool`, `:worker`, `:session`, `:index`, as a keyword
+  list or map) on `ref`; other keys are ignored.
   """
   @spec stamp(t(), keyword() | map() | nil) :: t()
   def stamp(%__MODULE__{} = ref, nil), do: ref
@@ -93,6 +96,7 @@ defmodule VllmBridge.Ref do
       {:pool, pool}, acc -> %{acc | pool: pool}
       {:worker, worker}, acc -> %{acc | worker: worker}
       {:session, session}, acc -> %{acc | session: session}
+      {:index, index}, acc -> %{acc | index: index}
       _, acc -> acc
     end)
   end

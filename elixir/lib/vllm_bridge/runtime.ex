@@ -471,7 +471,7 @@ defmodule VllmBridge.Runtime do
 
   defp place(%{worker: pid, pool: pool}) when is_pid(pid) do
     case Pool.index_of(pool, pid) do
-      {:ok, _index} -> {:ok, %{pool: pool, worker: pid}}
+      {:ok, index} -> {:ok, %{pool: pool, worker: pid, index: index}}
       :error -> bad("#{inspect(pid)} is not a running worker of pool #{inspect(pool)}", pid)
     end
   end
@@ -485,27 +485,32 @@ defmodule VllmBridge.Runtime do
   defp place(%{worker: index, pool: pool}) when is_integer(index), do: target(pool, index)
 
   defp place(%{pool: pool}) do
-    with {:ok, pid} <- Pool.next_worker(pool),
-         do: {:ok, %{pool: pool, worker: pid}}
+    with {:ok, {index, pid}} <- Pool.next_worker_at(pool),
+         do: {:ok, %{pool: pool, worker: pid, index: index}}
   end
 
   defp target(pool, index) do
     with {:ok, pid} <- Pool.worker(pool, index),
-         do: {:ok, %{pool: pool, worker: pid}}
+         do: {:ok, %{pool: pool, worker: pid, index: index}}
   end
 
   defp ref_target(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
     do: {:remote, node(pid), ctx.timeout}
 
-  defp ref_target(%Ref{worker: pid, pool: ref_pool} = ref, ctx) when is_pid(pid) do
+  defp ref_target(%Ref{worker: pid, pool: ref_pool, index: index} = ref, ctx)
+       when is_pid(pid) do
     pool = ref_pool || ctx.pool
 
-    case Pool.index_of(pool, pid) do
-      {:ok, _index} ->
-        {:ok, %{pool: pool, worker: pid, session: ref.session}}
+    # A ref the runtime stamped knows its worker's index: one registry lookup
+    # tells whether that worker still runs there (a search by pid costs ~3 us).
+    found =
+      if is_integer(index) and ref_pool != nil,
+        do: Pool.worker_at?(pool, index, pid) and {:ok, index},
+        else: Pool.index_of(pool, pid)
 
-      :error ->
-        {:error, stale(ref, pool)}
+    case found do
+      {:ok, index} -> {:ok, %{pool: pool, worker: pid, index: index, session: ref.session}}
+      _ -> {:error, stale(ref, pool)}
     end
   end
 
@@ -736,7 +741,14 @@ defmodule VllmBridge.Runtime do
   defp finish({:ok, reply}, target, session, id) do
     case Proto.decode_reply(reply) do
       {:ok, %{id: ^id, result: {:value, value}}} ->
-        Msgpack.decode(value, ref: [pool: target.pool, worker: target.worker, session: session])
+        Msgpack.decode(value,
+          ref: [
+            pool: target.pool,
+            worker: target.worker,
+            session: session,
+            index: Map.get(target, :index)
+          ]
+        )
 
       {:ok, %{id: ^id, result: {:error, error}}} ->
         {:error, Error.from_reply(error)}

@@ -214,6 +214,20 @@ defmodule VllmBridge.RuntimeTest do
     assert {:error, %Error{category: :not_found}} = Runtime.call_method(counter, "incr", [])
   end
 
+  test "a ref carries its worker's place in the pool, and a wrong place is stale" do
+    for index <- 0..2 do
+      {:ok, pid} = Pool.worker(@pool, index)
+      ref = counter!(0, rt(worker: index))
+      assert %Ref{worker: ^pid, index: ^index, pool: @pool} = ref
+      assert {:ok, 1} = Runtime.call_method(ref, "incr", [])
+
+      # the same pid recorded at another place: refused, nothing sent
+      moved = %{ref | index: rem(index + 1, 3)}
+      assert {:error, %Error{category: :stale_ref}} = Runtime.call_method(moved, "incr", [])
+      assert {:ok, 1} = Runtime.get_attr(ref, "value")
+    end
+  end
+
   test "a ref whose worker is gone is stale and nothing is sent" do
     dead = spawn(fn -> :ok end)
     ref = Process.monitor(dead)
