@@ -66,10 +66,8 @@ class BoardPaths:
     def _await_message(
         self, board: spg_board.Board, src: int, seq: int, timeout: float | None
     ) -> bytes | memoryview:
-        limit = self._limit(timeout)
-        start = time.monotonic()
-        deadline = start + limit
-        check_at = start + spg_board.LIVENESS_PERIOD
+        name = keys.p2p_value(src, self.rank, seq)
+        clock = _PeerWait(board, self.rank, src, "recv_obj", repr(name), self._limit(timeout))
         early = self._board_early.setdefault(src, {})
         queue = keys.p2p_queue(src, self.rank)
         while True:
@@ -84,11 +82,10 @@ class BoardPaths:
                 # has no reply). Pop it with a short wait, then look at the ring again: the
                 # sender may have expired it (see expire_data).
                 try:
-                    item = pop_before(self.store, queue, min(deadline, time.monotonic() + 0.05))
+                    limit = min(clock.deadline, time.monotonic() + 0.05)
+                    item = pop_before(self.store, queue, limit)
                 except RuntimeError as exc:
-                    raise self._lost(
-                        "recv_obj", keys.p2p_value(src, self.rank, seq), src, start, exc
-                    ) from exc
+                    raise self._lost("recv_obj", name, src, clock.start, exc) from exc
                 if item is not None:
                     self._queue_taken[src] += 1
                     got, value = spg_p2p.unframe(item)
@@ -97,23 +94,9 @@ class BoardPaths:
                     if got > seq:
                         early[got] = value
                     continue
-            now = time.monotonic()
-            name = keys.p2p_value(src, self.rank, seq)
-            if now >= deadline:
-                raise RuntimeError(
-                    f"recv_obj on rank {self.rank} timed out after {now - start:.1f} s "
-                    f"(timeout {limit:g} s) waiting for {name!r} from rank {src}: rank {src} "
-                    "did not send it (did it exit, or call something else?)"
-                )
-            if now >= check_at:
-                check_at = now + spg_board.LIVENESS_PERIOD
-                if board.gone([src]):
-                    raise RuntimeError(
-                        f"recv_obj on rank {self.rank}: rank {src} exited after "
-                        f"{now - start:.1f} s without sending {name!r}"
-                    )
+            pause = clock.check()
             if not queued:
-                board.wait(min(deadline, check_at) - now)
+                board.wait(pause)
 
     def _all_gather_board(self, obj: Any) -> list[Any]:
         """``all_gather_obj`` of ranks on one node without an auth key: over the boards.
@@ -213,10 +196,8 @@ class BoardPaths:
     ) -> bytes | None:
         """Sleep on the doorbell until ``src``'s broadcast ``seq`` is in its ring slot (its
         bytes) or ``src`` says it went out another way (None)."""
-        limit = self._limit(timeout)
-        start = time.monotonic()
-        deadline = start + limit
-        check_at = start + spg_board.LIVENESS_PERIOD
+        what = f"key {key!r}"
+        clock = _PeerWait(board, self.rank, src, "broadcast_obj", what, self._limit(timeout))
         while True:
             sent = board.broadcasts_sent(src)
             data = board.take_broadcast(src, seq)
@@ -224,21 +205,7 @@ class BoardPaths:
                 return data
             if sent > seq:
                 return None
-            now = time.monotonic()
-            if now >= deadline:
-                raise RuntimeError(
-                    f"broadcast_obj on rank {self.rank} timed out after {now - start:.1f} s "
-                    f"(timeout {limit:g} s) waiting for key {key!r} from rank {src}: rank "
-                    f"{src} did not send it (did it exit, or call something else?)"
-                )
-            if now >= check_at:
-                check_at = now + spg_board.LIVENESS_PERIOD
-                if board.gone([src]):
-                    raise RuntimeError(
-                        f"broadcast_obj on rank {self.rank}: rank {src} exited after "
-                        f"{now - start:.1f} s without sending {key!r}"
-                    )
-            board.wait(min(deadline, check_at) - now)
+            board.wait(clock.check())
 
     def _connect_all(self, what: str) -> None:
         """Open every rank's board (for a collective); RuntimeError starting with ``what``
@@ -309,6 +276,39 @@ class BoardPaths:
             self._queue_sent[dst] = self.send_dst_counter[dst]
             board.spilled(dst, self._queue_sent[dst])
         self._board_names = names
+
+
+class _PeerWait:
+    """The clock of one wait for rank ``src`` over the boards: the deadline, and when next
+    to check that ``src`` still runs (every ``spg_board.LIVENESS_PERIOD`` seconds)."""
+
+    def __init__(
+        self, board: spg_board.Board, rank: int, src: int, op: str, what: str, limit: float
+    ) -> None:
+        self.board, self.rank, self.src, self.op, self.what = board, rank, src, op, what
+        self.limit = limit
+        self.start = time.monotonic()
+        self.deadline = self.start + limit
+        self._check_at = self.start + spg_board.LIVENESS_PERIOD
+
+    def check(self) -> float:
+        """Seconds to sleep at most before looking again; RuntimeError naming this rank,
+        ``src`` and what was waited for once the time is up or ``src`` has exited."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            raise RuntimeError(
+                f"{self.op} on rank {self.rank} timed out after {now - self.start:.1f} s "
+                f"(timeout {self.limit:g} s) waiting for {self.what} from rank {self.src}: "
+                f"rank {self.src} did not send it (did it exit, or call something else?)"
+            )
+        if now >= self._check_at:
+            self._check_at = now + spg_board.LIVENESS_PERIOD
+            if self.board.gone([self.src]):
+                raise RuntimeError(
+                    f"{self.op} on rank {self.rank}: rank {self.src} exited after "
+                    f"{now - self.start:.1f} s without sending {self.what}"
+                )
+        return min(self.deadline, self._check_at) - now
 
 
 def _queue_flusher(store: Store, outbox: list[str]) -> Any:
