@@ -345,7 +345,13 @@ defmodule VllmBridge.Proto do
     [tag(number, @len), encode_varint(IO.iodata_length(iodata)) | iodata]
   end
 
-  defp tag(number, type), do: encode_varint(number <<< 3 ||| type)
+  # Field tags are constants: one clause per (field number, wire type) in use,
+  # written out at compile time instead of varint-encoded for every field.
+  for number <- 1..17, type <- [@varint, @len] do
+    key = number <<< 3 ||| type
+    bytes = if key < 0x80, do: <<key>>, else: <<(key &&& 0x7F) ||| 0x80, key >>> 7>>
+    defp tag(unquote(number), unquote(type)), do: unquote(bytes)
+  end
 
   defp uint64!(value, _where)
        when is_integer(value) and value >= 0 and value <= 0xFFFFFFFFFFFFFFFF,
@@ -354,14 +360,9 @@ defmodule VllmBridge.Proto do
   defp uint64!(value, where),
     do: bad!("field #{where}: expected a uint64, got #{inspect(value, limit: 8)}")
 
+  # Seven bits a byte, low first; every byte but the last has its top bit set.
   defp encode_varint(value) when value < 0x80, do: <<value>>
-  defp encode_varint(value), do: encode_varint(value, [])
-
-  defp encode_varint(value, acc) when value < 0x80,
-    do: IO.iodata_to_binary(:lists.reverse([value | acc]))
-
-  defp encode_varint(value, acc),
-    do: encode_varint(value >>> 7, [(value &&& 0x7F) ||| 0x80 | acc])
+  defp encode_varint(value), do: <<1::1, value::7, encode_varint(value >>> 7)::binary>>
 
   ## Field decoding -----------------------------------------------------------
 
