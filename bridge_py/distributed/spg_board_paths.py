@@ -32,6 +32,11 @@ class BoardPaths:
     annotation here, so that the group's documented fields stay its own.
     """
 
+    def _on_boards(self) -> bool:
+        """Whether this group's operations go over the boards now: every rank on one node
+        (the boards are open) and no auth key (values on the boards carry no tag)."""
+        return self._board_names is not None and self._auth_key is None
+
     def _send_board(self, obj: Any, dst: int, seq: int, name: str, now: float) -> None:
         """``send_obj`` on one node without an auth key: into ``dst``'s ring slot on this
         rank's board (see ``spg_board``), or, if that slot is still unread or the value too
@@ -149,10 +154,7 @@ class BoardPaths:
         for src, data in zip(others, got, strict=True):
             if not data:  # too large for the board: in the store
                 data = self.store.get(spg_board.overflow_key(src, seq))
-            if data[:1] == b"\x80":
-                result.append(pickle.loads(data))
-            else:
-                result.append(self._loads(f"board/{src}/{seq}", data, src, False))
+            result.append(self._loads(f"board/{src}/{seq}", data, src, False))
         result.insert(rank, obj)
         return result
 
@@ -185,8 +187,6 @@ class BoardPaths:
             if data is None:  # src put it in the store
                 return self._broadcast_from_store(src, seq, timeout)
             self.broadcast_recv_src_counter[src] += 1
-            if data[:1] == b"\x80":
-                return pickle.loads(data)
             return self._loads(key, data, src, last=False)
         finally:
             board.broadcast_received(src, seq)  # after loading: the slot may be reused now

@@ -8,8 +8,9 @@ counters, method signatures, pickled objects between ranks), and better in these
 * values are deleted from the store once every receiver has read them (broadcast,
   all_gather, barrier), so the store stays small however many operations run;
 * on one node, large values travel through shared-memory segments (``spg_shm``,
-  ``spg_segments``), and without an auth key all_gather_obj and point-to-point objects skip
-  the store altogether: shared-memory boards and FIFO doorbells (``spg_board``);
+  ``spg_segments``), and without an auth key all_gather_obj, point-to-point objects,
+  broadcast_obj and barrier skip the store altogether: shared-memory boards and FIFO
+  doorbells (``spg_board``, ``spg_board_paths``);
 * ``barrier(timeout)`` fails within ``timeout`` with a message naming the rank, the phase and
   how many ranks arrived, whatever the store's timeout is (see ``barrier.py``);
 * ``recv_obj`` and ``broadcast_obj`` take a keyword-only ``timeout`` (default: the store's
@@ -135,8 +136,8 @@ class StatelessProcessGroup(BoardPaths):
         self._spilled = False
         self._shm_threshold = spg_shm.threshold()  # read once: the environment lookup costs
         weakref.finalize(self, self._segments.release)
-        # This rank's board for all_gather on one node (see spg_board): made when this rank
-        # tells the others its node, used once every rank has one and all share the node.
+        # This rank's board for the operations of ranks on one node (see spg_board): made
+        # when this rank tells the others its node, used once every rank has one there.
         self._board: spg_board.Board | None = None
         self._board_names: list[str] | None = None
         # This rank's broadcast ring slot -> the segment of the value in it (see spg_board).
@@ -344,7 +345,7 @@ class StatelessProcessGroup(BoardPaths):
         self._expire_if_due(now)
         seq = self.send_dst_counter[dst]
         name = f"p2p/{self.rank}/{dst}/{seq}"  # keys.p2p_value, spelled out on this hot path
-        if self._board_names is not None and self._auth_key is None:
+        if self._on_boards():
             self._send_board(obj, dst, seq, name, now)
             return
         if self._auth_key is None and not self._local[dst]:
@@ -411,8 +412,7 @@ class StatelessProcessGroup(BoardPaths):
             self._limit(timeout)  # checked before anything else
         if self._trash:
             self._flush()
-        board = self._board
-        if self._board_names is not None and self._auth_key is None and board.is_open(src):
+        if self._on_boards() and self._board.is_open(src):
             data = self._recv_board(src, seq, timeout)
             self.recv_src_counter[src] = seq + 1
             if data[:1] == b"\x80":
@@ -453,7 +453,7 @@ class StatelessProcessGroup(BoardPaths):
         large for a slot, still takes the store. ``src`` never waits for the receivers.
         """
         self._peer(src, "src")
-        boards = self._board_names is not None and self._auth_key is None
+        boards = self._on_boards()
         if self.rank == src:
             self.expire_data()
             if self.world_size > 1:

@@ -32,6 +32,16 @@ def _files_of(*pids: int) -> list[str]:
     return sorted(n for n in names for p in pids if f"_{p}_" in n and n.startswith("vbspg_"))
 
 
+def _error_of(operation: Callable[[], object]) -> dict:
+    """``{"error": message, "elapsed": seconds}`` of an operation that should fail."""
+    start = time.monotonic()
+    try:
+        operation()
+    except RuntimeError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
 def _gathers(rank: int, port: int, world_size: int) -> dict:
     group = _create(rank, port, world_size)
     pids = group.all_gather_obj(os.getpid())  # the probe: through the store
@@ -104,12 +114,7 @@ def _exits(rank: int, port: int) -> dict:
     group.all_gather_obj(rank)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        group.all_gather_obj(rank)
-    except RuntimeError as exc:
-        return {"error": str(exc), "elapsed": time.monotonic() - start}
-    return {"error": None}
+    return _error_of(lambda: group.all_gather_obj(rank))
 
 
 def _with_rank_2_killed(target: Callable[[int, int], dict]) -> list[dict]:
@@ -142,12 +147,7 @@ def _late(rank: int, port: int) -> dict:
     if rank == 1:
         time.sleep(6)  # does not gather; rank 0 gives up after 2 s
         return {"error": None}
-    start = time.monotonic()
-    try:
-        group.all_gather_obj(rank)
-    except RuntimeError as exc:
-        return {"error": str(exc), "elapsed": time.monotonic() - start}
-    return {"error": None}
+    return _error_of(lambda: group.all_gather_obj(rank))
 
 
 def test_the_store_timeout_bounds_a_board_gather() -> None:
@@ -223,7 +223,7 @@ def test_a_closing_board_hands_over_its_unreceived_messages() -> None:
         handed: list = []
         sender.close(lambda dst, number, value: handed.append((dst, number, bytes(value))))
         assert handed == [(1, 1, b"m1"), (1, 2, b"m2")]
-        assert not any(n in os.listdir(spg_segments.SHM_DIR) for n in (sender.name,))
+        assert sender.name not in os.listdir(spg_segments.SHM_DIR)
     finally:
         sender.close()
         receiver.close()
@@ -280,12 +280,7 @@ def _barrier_exits(rank: int, port: int) -> dict:
     group.barrier(timeout=10)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        group.barrier(timeout=30)
-    except RuntimeError as exc:
-        return {"error": str(exc), "elapsed": time.monotonic() - start}
-    return {"error": None}
+    return _error_of(lambda: group.barrier(timeout=30))
 
 
 def test_a_rank_that_exits_fails_a_board_barrier_at_once() -> None:

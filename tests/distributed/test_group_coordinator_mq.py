@@ -13,7 +13,8 @@ from bridge_py.distributed.parallel_state import GroupCoordinator
 from tests.distributed.harness import free_port, run_ranks
 
 
-def _queues(rank: int, port: int) -> str:
+def _join(rank: int, port: int) -> None:
+    """Join the 3-rank gloo world of one test."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -21,6 +22,10 @@ def _queues(rank: int, port: int) -> str:
         world_size=3,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+def _queues(rank: int, port: int) -> str:
+    _join(rank, port)
     g = GroupCoordinator([[0, 1, 2]], rank, "gloo", True, use_message_queue_broadcaster=True)
     assert isinstance(g.mq_broadcaster, MessageQueue)
 
@@ -68,13 +73,7 @@ def test_message_queue_broadcasters() -> None:
 
 def _external_writer(rank: int, port: int) -> list:
     """Rank 0 writes a queue from outside the group of ranks 1 and 2, which read it."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=3,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    _join(rank, port)
     g = GroupCoordinator([[0], [1, 2]], rank, "gloo", True)
     # A handle that is not a queue's fails on every rank of the group, none waits.
     if rank != 0:
