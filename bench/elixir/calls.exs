@@ -66,12 +66,13 @@ defmodule Bench.Calls do
 
     frame = IO.iodata_to_binary(frame)
     echo = Bench.open_echo()
+    spin_echo = Bench.open_python(["bench/python/echo_port.py", "--spin-us", "200"])
     bare = open_bare_worker()
     grpc = open_grpc()
     {:ok, router} = Bench.EchoRouter.start_link(nil)
 
     rows =
-      latency(quick, counter, echo, router, frame, grpc, bare) ++
+      latency(quick, counter, {echo, spin_echo}, router, frame, grpc, bare) ++
         reductions(quick, counter, echo, frame) ++
         throughput(quick, counter, router, frame) ++ tensor(quick, echo)
 
@@ -80,13 +81,14 @@ defmodule Bench.Calls do
 
   ## 1. sequential latency --------------------------------------------------------
 
-  defp latency(quick, counter, echo, router, frame, grpc, bare) do
+  defp latency(quick, counter, {echo, spin_echo}, router, frame, grpc, bare) do
     {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
     {:ok, start} = Runtime.call_method(counter, "incr", [])
 
     # Warm-up of every path, untimed.
     _ = ours_batch(counter, start, 20)
     _ = echo_batch(echo, frame, 20)
+    _ = echo_batch(spin_echo, frame, 20)
     _ = grpc_batch(grpc, 20)
     _ = bare_batch(bare, 20)
     {:ok, start} = Runtime.call_method(counter, "incr", [])
@@ -94,13 +96,14 @@ defmodule Bench.Calls do
     {acc, _} =
       Enum.reduce(
         1..rounds,
-        {%{ours: [], ping: [], echo: [], hop: [], grpc: [], bare: []}, start},
+        {%{ours: [], ping: [], echo: [], spin_echo: [], hop: [], grpc: [], bare: []}, start},
         fn
           r, {acc, v} ->
             steps = [
               {:ours, fn -> ours_batch(counter, v, n) end},
               {:ping, fn -> ping_batch(n) end},
               {:echo, fn -> echo_batch(echo, frame, n) end},
+              {:spin_echo, fn -> echo_batch(spin_echo, frame, n) end},
               {:hop, fn -> hop_batch(router, frame, n) end},
               {:bare, fn -> bare_batch(bare, n) end},
               {:grpc, fn -> grpc_batch(grpc, n) end}
@@ -125,6 +128,13 @@ defmodule Bench.Calls do
         faster_by: 10
       ),
       Bench.time_row(@bench, "#{what}, p99", p99.ours, p99.grpc, "gRPC unary (bridge_py.client)"),
+      Bench.time_row(
+        @bench,
+        "#{what}, p50",
+        p50.ours,
+        p50.spin_echo,
+        "raw port echo that reads as the worker does (--spin-us 200)"
+      ),
       Bench.time_row(
         @bench,
         "Runtime.ping (inline op), sequential, p50",

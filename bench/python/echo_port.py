@@ -3,6 +3,9 @@
 Each frame is a 4-byte big-endian length and that many bytes, written back unchanged.
 Nothing is decoded and nothing but the standard library is imported, so this is the floor
 for any Python process behind an Erlang Port. Exits when stdin closes.
+
+``--spin-us N`` reads the way the worker does (``PollingInput``: keep reading for N us
+before sleeping), so a benchmark can also show ours beside a floor that reads alike.
 """
 
 from __future__ import annotations
@@ -24,8 +27,16 @@ def _read_exact(stream, view: memoryview) -> bool:
     return True
 
 
+def _input() -> object:
+    if sys.argv[1:2] == ["--spin-us"]:
+        from bridge_py.worker.transports.polling_input import PollingInput
+
+        return PollingInput(os.dup(0), float(sys.argv[2]) * 1e-6)
+    return os.fdopen(os.dup(0), "rb", buffering=1 << 16)
+
+
 def main() -> int:
-    stream = os.fdopen(os.dup(0), "rb", buffering=1 << 16)
+    stream = _input()
     out = os.dup(1)
     header = bytearray(4)
     while _read_exact(stream, memoryview(header)):

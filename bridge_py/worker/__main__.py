@@ -49,6 +49,14 @@ def _load_exports(spec: str) -> ExportTable:
     return table
 
 
+def _microseconds(text: str) -> float:
+    """A non-negative number of microseconds, for argparse."""
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bridge_py.worker", description=__doc__)
     parser.add_argument(
@@ -59,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-frame-bytes", type=int, default=None, help="port: refuse longer frames (2 GiB)"
+    )
+    parser.add_argument(
+        "--spin-us",
+        type=_microseconds,
+        default=None,
+        metavar="MICROSECONDS",
+        help="port: how long to keep reading for the next request before sleeping (200)",
     )
     parser.add_argument(
         "--grpc",
@@ -94,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     # Held here so the gRPC server lives as long as the process.
     grpc_server = _start_grpc(dispatcher, args) if args.grpc is not None else None
     if use_stdio:
+        from bridge_py.worker.transports.polling_input import DEFAULT_SPIN, PollingInput
         from bridge_py.worker.transports.port import DEFAULT_MAX_FRAME, PortTransport
 
-        with os.fdopen(proto_in, "rb", buffering=1 << 16) as infile:
-            PortTransport(
-                dispatcher, infile, proto_out, max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME
-            ).serve()
+        spin = DEFAULT_SPIN if args.spin_us is None else args.spin_us * 1e-6
+        PortTransport(
+            dispatcher,
+            PollingInput(proto_in, spin),
+            proto_out,
+            max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME,
+        ).serve()
         # stdin closed: the client is gone.
     else:
         stop = threading.Event()

@@ -6,9 +6,11 @@ import os
 import random
 import struct
 import threading
+import time
 
 import pytest
 
+from bridge_py.worker.transports.polling_input import PollingInput
 from bridge_py.worker.transports.port import FrameReader, FrameTooLarge, FrameWriter
 
 
@@ -43,6 +45,58 @@ def test_frames_come_out_whole_however_the_bytes_arrive() -> None:
             got.append(bytes(frame))
     writer.join(30)
     assert got == frames
+
+
+@pytest.mark.parametrize("spin", [0.0, 200e-6, 0.05])
+def test_frames_come_out_whole_from_a_polling_input(spin: float) -> None:
+    # The worker's own input: a non-blocking pipe that spins, then sleeps in poll.
+    rng = random.Random(5)
+    frames = _frames(rng)
+    data = b"".join(struct.pack(">I", len(f)) + f for f in frames)
+    r, w = os.pipe()
+    writer = threading.Thread(target=_write_in_random_pieces, args=(w, data, rng))
+    writer.start()
+    try:
+        reader = FrameReader(PollingInput(r, spin), max_frame=1 << 20)
+        got = []
+        while (frame := reader.read()) is not None:
+            got.append(bytes(frame))
+    finally:
+        writer.join(30)
+        os.close(r)
+    assert got == frames
+
+
+def test_a_polling_input_sleeps_while_no_request_comes() -> None:
+    # The spin is bounded: a reader left waiting a second burns a sliver of it, not all.
+    r, w = os.pipe()
+    used: list[float] = []
+
+    def read_one() -> None:
+        source = PollingInput(r, spin=1e-3)
+        start = time.thread_time()
+        assert source.read1(10) == b"late"
+        used.append(time.thread_time() - start)
+        assert source.read1(10) == b""  # the writer closed
+
+    reading = threading.Thread(target=read_one)
+    reading.start()
+    time.sleep(1.0)
+    os.write(w, b"late")
+    os.close(w)
+    reading.join(30)
+    os.close(r)
+    assert used and used[0] < 0.3, f"the idle reader used {used} s of CPU in 1 s"
+
+
+def test_a_negative_spin_is_refused() -> None:
+    r, w = os.pipe()
+    try:
+        with pytest.raises(ValueError, match="spin must be >= 0"):
+            PollingInput(r, spin=-1.0)
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_an_oversized_frame_is_skipped_and_the_next_one_read() -> None:

@@ -219,3 +219,26 @@ def test_oversized_frames_are_refused_and_skipped() -> None:
         client.proc.stdin.write(struct.pack(">I", 100) + b"abc")  # type: ignore[union-attr]
     finally:
         assert client.close() == 0
+
+
+@pytest.mark.parametrize("spin_us", ["0", "5000"])
+def test_the_worker_serves_with_any_read_spin(spin_us: str) -> None:
+    # --spin-us 0 sleeps between requests at once; a long spin still reads every frame,
+    # large ones too, and still exits at end of input.
+    client = PortClient("--spin-us", spin_us, exports="tests.worker.sample_exports:table")
+    try:
+        big = b"\x01" * 300_000
+        for value in ["one", big, None]:
+            assert client.request(pb.Ping(PLAIN.encode(value))) == value
+    finally:
+        assert client.close() == 0
+
+
+def test_a_negative_read_spin_is_refused_at_start() -> None:
+    client = PortClient("--spin-us", "-5")
+    try:
+        assert client.proc.wait(timeout=60) == 2
+        client.stderr.seek(0)
+        assert b"--spin-us: must be a number >= 0, got -5" in client.stderr.read()
+    finally:
+        client.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from typing import BinaryIO
+from typing import Protocol
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.dispatcher import Dispatcher, protocol_error
@@ -23,6 +23,23 @@ _HEADER = struct.Struct(">I")
 _READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
 _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
 _JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
+
+
+class ByteSource(Protocol):
+    """What frames are read from: a buffered binary file, or a
+    :class:`~bridge_py.worker.transports.polling_input.PollingInput`."""
+
+    def read1(self, size: int, /) -> bytes:
+        """Up to ``size`` bytes once any are there; ``b""`` at end of input."""
+        ...
+
+    def read(self, size: int, /) -> bytes:
+        """Up to ``size`` bytes; ``b""`` at end of input."""
+        ...
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        """Fill some of ``buffer``; 0 at end of input."""
+        ...
 
 
 class FrameWriter:
@@ -67,7 +84,7 @@ class FrameReader:
     buffer of its own size, with no copy in between.
     """
 
-    def __init__(self, stream: BinaryIO, max_frame: int) -> None:
+    def __init__(self, stream: ByteSource, max_frame: int) -> None:
         self._stream = stream
         self._max_frame = max_frame
         self._buf = b""  # bytes read and not yet handed out, from self._pos on
@@ -160,7 +177,7 @@ class PortTransport:
     def __init__(
         self,
         dispatcher: Dispatcher,
-        infile: BinaryIO,
+        infile: ByteSource,
         out_fd: int,
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
