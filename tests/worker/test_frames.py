@@ -89,11 +89,48 @@ def test_a_polling_input_sleeps_while_no_request_comes() -> None:
     assert used and used[0] < 0.3, f"the idle reader used {used} s of CPU in 1 s"
 
 
+def test_a_polling_input_stops_spinning_while_requests_are_sparse() -> None:
+    # After a wait longer than the spin, the next wait sleeps at once (no CPU spent);
+    # a wait shorter than the spin turns spinning back on.
+    r, w = os.pipe()
+    spin = 0.3
+    source = PollingInput(r, spin=spin)
+    used: list[float] = []
+    got: list[bytes] = []
+    gaps = [0.6, 0.6, 0.0]  # the last one: already there, or soon after the wait starts
+
+    def read_all() -> None:
+        for _ in gaps:
+            start = time.thread_time()
+            got.append(source.read1(10))
+            used.append(time.thread_time() - start)
+
+    try:
+        assert source.spinning
+        reading = threading.Thread(target=read_all)
+        reading.start()
+        for i, gap in enumerate(gaps):
+            time.sleep(gap)
+            if i == 2:
+                assert not source.spinning  # the last wait outlasted the spin
+            os.write(w, b"%d" % i)
+            while len(got) <= i and reading.is_alive():
+                time.sleep(0.005)
+        reading.join(30)
+        assert got == [b"0", b"1", b"2"]
+        assert used[1] < spin / 2, f"the second wait spun: {used[1]} s of CPU"
+        assert source.spinning  # the third wait was short
+    finally:
+        os.close(w)
+        os.close(r)
+
+
 def test_a_negative_spin_is_refused() -> None:
     r, w = os.pipe()
     try:
-        with pytest.raises(ValueError, match="spin must be >= 0"):
-            PollingInput(r, spin=-1.0)
+        for bad in [-1.0, float("nan")]:
+            with pytest.raises(ValueError, match="spin must be >= 0"):
+                PollingInput(r, spin=bad)
     finally:
         os.close(r)
         os.close(w)
