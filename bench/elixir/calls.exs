@@ -42,6 +42,7 @@ defmodule Bench.Calls do
 
   @bench "calls"
   @pool Bench.CallsPool
+  @no_spin_pool Bench.CallsPoolNoSpin
 
   def run do
     quick = Bench.quick?()
@@ -49,13 +50,28 @@ defmodule Bench.Calls do
     {:ok, _sup} =
       Supervisor.start_link(
         [
-          {Pool, name: @pool, size: 1, args: ["--exports", "tests.worker.sample_exports:table"]}
+          Supervisor.child_spec(
+            {Pool,
+             name: @pool, size: 1, args: ["--exports", "tests.worker.sample_exports:table"]},
+            id: @pool
+          ),
+          # The same worker reading as a plain blocking read does: what the spin saves.
+          Supervisor.child_spec(
+            {Pool,
+             name: @no_spin_pool,
+             size: 1,
+             args: ["--exports", "tests.worker.sample_exports:table", "--spin-us", "0"]},
+            id: @no_spin_pool
+          )
         ],
         strategy: :one_for_one
       )
 
     rt = [__runtime__: [pool: @pool, timeout: 120_000]]
     {:ok, counter} = Runtime.call_class("Counter", [], rt)
+
+    {:ok, no_spin} =
+      Runtime.call_class("Counter", [], __runtime__: [pool: @no_spin_pool, timeout: 120_000])
 
     {:ok, frame} =
       Proto.encode_request(%{
@@ -72,7 +88,7 @@ defmodule Bench.Calls do
     {:ok, router} = Bench.EchoRouter.start_link(nil)
 
     rows =
-      latency(quick, counter, {echo, spin_echo}, router, frame, grpc, bare) ++
+      latency(quick, {counter, no_spin}, {echo, spin_echo}, router, frame, grpc, bare) ++
         reductions(quick, counter, echo, frame) ++
         throughput(quick, counter, router, frame) ++ tensor(quick, echo)
 
@@ -81,26 +97,31 @@ defmodule Bench.Calls do
 
   ## 1. sequential latency --------------------------------------------------------
 
-  defp latency(quick, counter, {echo, spin_echo}, router, frame, grpc, bare) do
+  defp latency(quick, {counter, no_spin}, {echo, spin_echo}, router, frame, grpc, bare) do
     {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
     {:ok, start} = Runtime.call_method(counter, "incr", [])
+    {:ok, no_spin_start} = Runtime.call_method(no_spin, "incr", [])
 
     # Warm-up of every path, untimed.
     _ = ours_batch(counter, start, 20)
+    _ = ours_batch(no_spin, no_spin_start, 20)
     _ = echo_batch(echo, frame, 20)
     _ = echo_batch(spin_echo, frame, 20)
     _ = grpc_batch(grpc, 20)
     _ = bare_batch(bare, 20)
     {:ok, start} = Runtime.call_method(counter, "incr", [])
+    {:ok, no_spin_start} = Runtime.call_method(no_spin, "incr", [])
+    paths = [:ours, :no_spin, :ping, :echo, :spin_echo, :hop, :grpc, :bare]
 
     {acc, _} =
       Enum.reduce(
         1..rounds,
-        {%{ours: [], ping: [], echo: [], spin_echo: [], hop: [], grpc: [], bare: []}, start},
+        {Map.new(paths, &{&1, []}), {start, no_spin_start}},
         fn
-          r, {acc, v} ->
+          r, {acc, {v, w}} ->
             steps = [
               {:ours, fn -> ours_batch(counter, v, n) end},
+              {:no_spin, fn -> ours_batch(no_spin, w, n) end},
               {:ping, fn -> ping_batch(n) end},
               {:echo, fn -> echo_batch(echo, frame, n) end},
               {:spin_echo, fn -> echo_batch(spin_echo, frame, n) end},
@@ -114,7 +135,7 @@ defmodule Bench.Calls do
             acc =
               Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
 
-            {acc, v + n}
+            {acc, {v + n, w + n}}
         end
       )
 
@@ -134,6 +155,13 @@ defmodule Bench.Calls do
         p50.ours,
         p50.spin_echo,
         "raw port echo that reads as the worker does (--spin-us 200)"
+      ),
+      Bench.time_row(
+        @bench,
+        "#{what}, p50",
+        p50.ours,
+        p50.no_spin,
+        "the same call, worker reading without a spin (--spin-us 0)"
       ),
       Bench.time_row(
         @bench,
