@@ -21,6 +21,11 @@ from __future__ import annotations
 import os
 import select
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 DEFAULT_SPIN = 200e-6  # seconds; covers the BEAM's turnaround between sequential calls
 
@@ -51,29 +56,17 @@ class PollingInput:
 
     def read1(self, size: int) -> bytes:
         """Up to ``size`` bytes, as soon as there are any; ``b""`` at end of input."""
-        try:
-            data = os.read(self._fd, size)
-        except BlockingIOError:
-            pass
-        else:
-            self._spinning = self._spin > 0  # it was already there: requests come fast
-            return data
-        start = time.perf_counter()
-        while True:
-            self._wait(start)
-            try:
-                data = os.read(self._fd, size)
-            except BlockingIOError:
-                continue
-            self._learn(start)
-            return data
+        return self._read(os.read, size)
 
     read = read1
 
     def readinto(self, view: memoryview) -> int:
         """Fill as much of ``view`` as is there once any is; 0 at end of input."""
+        return self._read(_readv_into, view)
+
+    def _read(self, attempt: Callable[[int, _A], _R], arg: _A) -> _R:
         try:
-            got = os.readv(self._fd, [view])
+            got = attempt(self._fd, arg)
         except BlockingIOError:
             pass
         else:
@@ -83,7 +76,7 @@ class PollingInput:
         while True:
             self._wait(start)
             try:
-                got = os.readv(self._fd, [view])
+                got = attempt(self._fd, arg)
             except BlockingIOError:
                 continue
             self._learn(start)
@@ -97,3 +90,7 @@ class PollingInput:
     def _learn(self, start: float) -> None:
         """Spin next time only if this wait was short enough for a spin to catch."""
         self._spinning = self._spin > 0 and time.perf_counter() - start < self._spin
+
+
+def _readv_into(fd: int, view: memoryview) -> int:
+    return os.readv(fd, [view])
