@@ -29,41 +29,29 @@ def _write_in_random_pieces(fd: int, data: bytes, rng: random.Random) -> None:
     os.close(fd)
 
 
-def test_frames_come_out_whole_however_the_bytes_arrive() -> None:
+@pytest.mark.parametrize("spin", [None, 0.0, 200e-6, 0.05], ids=["buffered", "0", "200us", "50ms"])
+def test_frames_come_out_whole_however_the_bytes_arrive(spin: float | None) -> None:
     # Frames split anywhere (inside the length prefix too) or packed many to a read,
-    # small ones sliced from a buffer and large ones read in place.
+    # small ones sliced from a buffer and large ones read in place; from a buffered
+    # file, or from the worker's own input (a non-blocking pipe that spins, then sleeps).
     rng = random.Random(3)
     frames = _frames(rng)
     data = b"".join(struct.pack(">I", len(f)) + f for f in frames)
     r, w = os.pipe()
     writer = threading.Thread(target=_write_in_random_pieces, args=(w, data, rng))
     writer.start()
-    with os.fdopen(r, "rb", buffering=1 << 16) as stream:
-        reader = FrameReader(stream, max_frame=1 << 20)
-        got = []
-        while (frame := reader.read()) is not None:
-            got.append(bytes(frame))
-    writer.join(30)
-    assert got == frames
-
-
-@pytest.mark.parametrize("spin", [0.0, 200e-6, 0.05])
-def test_frames_come_out_whole_from_a_polling_input(spin: float) -> None:
-    # The worker's own input: a non-blocking pipe that spins, then sleeps in poll.
-    rng = random.Random(5)
-    frames = _frames(rng)
-    data = b"".join(struct.pack(">I", len(f)) + f for f in frames)
-    r, w = os.pipe()
-    writer = threading.Thread(target=_write_in_random_pieces, args=(w, data, rng))
-    writer.start()
+    stream = os.fdopen(r, "rb", buffering=1 << 16) if spin is None else PollingInput(r, spin)
     try:
-        reader = FrameReader(PollingInput(r, spin), max_frame=1 << 20)
+        reader = FrameReader(stream, max_frame=1 << 20)
         got = []
         while (frame := reader.read()) is not None:
             got.append(bytes(frame))
     finally:
         writer.join(30)
-        os.close(r)
+        if spin is None:
+            stream.close()  # the file owns r
+        else:
+            os.close(r)
     assert got == frames
 
 
