@@ -166,24 +166,32 @@ class StatelessProcessGroup(BoardPaths):
     # --- values -------------------------------------------------------------------------
 
     def _dumps(
-        self, key: str, obj: Any, local: bool = False, readers: list[int] | None = None
+        self,
+        key: str,
+        obj: Any,
+        local: bool = False,
+        readers: list[int] | None = None,
+        pickled: bytes | None = None,
     ) -> tuple[bytes, str | None]:
         """The store value for ``obj`` under ``key`` (tagged when there is an auth key).
 
         ``local``: every receiver (``readers``, default all other ranks) shares this node, so
         a large pickle goes to a shared-memory segment and the value names it (see
-        ``spg_shm``); returns the segment's name too.
+        ``spg_shm``); returns the segment's name too. ``pickled``: ``obj``'s plain pickle,
+        when the caller has made it already (it is not made twice).
         """
         limit = self._shm_threshold
         keyed = self._auth_key is not None
         readers = self._others if readers is None else readers
-        if local and (self._spilled or sys.getsizeof(obj) > limit):
+        if pickled is None and local and (self._spilled or sys.getsizeof(obj) > limit):
             # Looks large (or the last value was): pickle straight into a segment.
             payload = spg_shm.dump(obj, self._segments, keyed, readers)
         else:
             # Pickling into a spill file costs several times a plain pickle, so small objects
             # (most) are pickled plainly, and copied to a segment only if that was wrong.
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            if pickled is None:
+                pickled = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickled
             if not local or len(payload) <= limit:
                 return seal_payload(self._auth_key, _context(key), payload), None
             payload = spg_shm.dump_pickled(payload, self._segments, keyed, readers)
@@ -199,7 +207,7 @@ class StatelessProcessGroup(BoardPaths):
             return self._dumps(key, obj, True)
         value = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         if self._all_local and len(value) > self._shm_threshold:
-            return self._dumps(key, obj, True)
+            return self._dumps(key, obj, True, pickled=value)
         return value, None
 
     def _open(self, key: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:

@@ -108,6 +108,42 @@ def test_large_values_go_through_shared_memory_on_one_node() -> None:
     assert _files_of(*(r["pid"] for r in results)) == []
 
 
+class _LargeOncePickled:
+    """Small to ``sys.getsizeof``, 1 MiB once pickled (it unpickles to ``BIG``); counts how
+    often this process pickles one."""
+
+    pickled = 0
+
+    def __reduce__(self) -> tuple:
+        type(self).pickled += 1
+        return (bytes, (BIG,))
+
+
+def _pickled_once(rank: int, port: int) -> dict:
+    pg = _create(rank, port, 2)
+    pg.barrier()  # from here on the ranks know they share a node
+    got = pg.broadcast_obj(_LargeOncePickled() if rank == 0 else None, src=0)
+    gathered = pg.all_gather_obj(_LargeOncePickled())
+    if rank == 0:
+        pg.send_obj(_LargeOncePickled(), dst=1)
+        sent = None
+    else:
+        sent = pg.recv_obj(src=0)
+    pg.barrier()
+
+    # What crossed from the other rank (a rank keeps its own object as it is).
+    crossed = [gathered[1 - rank]] + ([got, sent] if rank == 1 else [])
+    return {"pickled": _LargeOncePickled.pickled, "crossed": crossed}
+
+
+def test_a_value_large_only_once_pickled_is_pickled_once() -> None:
+    # The size of such a value shows only in its pickle; that pickle is what goes to the
+    # segment (broadcast, gather and send each pickle their value once).
+    results = run_ranks(_pickled_once, 2, free_port(), timeout=60)
+    assert all(value == BIG for r in results for value in r["crossed"])
+    assert [r["pickled"] for r in results] == [3, 1]
+
+
 def test_shared_memory_can_be_switched_off() -> None:
     # Rank 1 refuses shared memory: collectives go through the store, point-to-point between
     # ranks 0 and 2 (both willing, one node) still through shared memory.
