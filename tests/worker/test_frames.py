@@ -7,6 +7,7 @@ import random
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,22 @@ def test_a_polling_input_stops_spinning_while_requests_are_sparse() -> None:
     finally:
         os.close(w)
         os.close(r)
+
+
+def test_a_polling_input_reads_a_file_blocking(tmp_path: Path) -> None:
+    # Not a pipe (a file here; a terminal alike): left blocking, as a shell sharing it
+    # expects, and read without a spin.
+    path = tmp_path / "frames"
+    path.write_bytes(struct.pack(">I", 3) + b"abc")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        source = PollingInput(fd, spin=1.0)
+        assert os.get_blocking(fd) and not source.spinning
+        reader = FrameReader(source, max_frame=100)
+        assert reader.read() == b"abc"
+        assert reader.read() is None
+    finally:
+        os.close(fd)
 
 
 def test_a_negative_spin_is_refused() -> None:

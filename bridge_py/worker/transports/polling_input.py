@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import select
+import stat
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -35,14 +36,21 @@ class PollingInput:
 
     Offers the reads :class:`~bridge_py.worker.transports.port.FrameReader` uses,
     ``read1`` and ``readinto``, with a buffered file's semantics: they wait for at least
-    one byte and return ``b""``/0 only at end of input. The descriptor is made
-    non-blocking; the caller keeps ownership of it. One thread reads at a time.
+    one byte and return ``b""``/0 only at end of input. A pipe or socket is made
+    non-blocking; anything else (a terminal, a file) is read blocking, with no spin. The
+    caller keeps ownership of the descriptor. One thread reads at a time.
     """
 
     def __init__(self, fd: int, spin: float = DEFAULT_SPIN) -> None:
         if not spin >= 0:  # also refuses nan
             raise ValueError(f"spin must be >= 0 seconds, got {spin}")
-        os.set_blocking(fd, False)
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            os.set_blocking(fd, False)
+        else:
+            # A terminal or a file: its open file may be a shell's too, which must not be
+            # left non-blocking. Read it blocking, without a spin.
+            spin = 0.0
         self._fd = fd
         self._spin = spin
         self._spinning = spin > 0
