@@ -15,6 +15,7 @@ from typing import Any
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.arguments import BadArguments, accepts_no_arguments, prepare_call
+from bridge_py.worker.call_plans import CallPlan, CallPlans
 from bridge_py.worker.codec import Codec, CodecError, RefValue
 from bridge_py.worker.exports import ExportTable, NotExported
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
@@ -56,6 +57,8 @@ class Dispatcher:
         self._codecs: dict[str, Codec] = {}
         # (class, method name) -> _Method, for exported methods met so far.
         self._methods: dict[tuple[type, str], _Method] = {}
+        # Calls without arguments seen before, by their bytes (see call_plans).
+        self.plans = CallPlans()
         self._ops: dict[type, Callable[[Any, str, Codec], Any]] = {
             pb.CallMethod: self._call_method,
             pb.CreateInstance: self._create,
@@ -111,17 +114,61 @@ class Dispatcher:
                     value = run(op, session, codec)
             else:
                 value = run(op, session, codec)
-            try:
-                data = codec.encode_pieces(value)
-            except CodecError as exc:
-                raise _Failure("encode", f"the result cannot cross the bridge: {exc}") from None
-            return pb.Reply(req.id, data)
+            return _value_reply(req.id, codec, value)
         except _Failure as failure:
             return _error_reply(req.id, failure)
         except HandleNotFound as exc:
             return _error_reply(req.id, _Failure("not_found", str(exc)))
         except NotExported as exc:
             return _error_reply(req.id, _Failure("not_exported", str(exc)))
+
+    def dispatch_frame(
+        self, frame: bytes | bytearray | memoryview, req: pb.Request, turn: Turn | None = None
+    ) -> pb.Reply:
+        """:meth:`dispatch` of ``req``, decoded from ``frame``. A call without arguments
+        that succeeds leaves a plan, so that the same call next time is run by
+        :meth:`run_planned` without being decoded again (see ``call_plans``)."""
+        reply = self.dispatch(req, turn)
+        if reply.error is None and type(req.op) is pb.CallMethod:
+            self._learn(frame, req)
+        return reply
+
+    def run_planned(self, request_id: int, plan: CallPlan, turn: Turn, frame: bytes) -> pb.Reply:
+        """Run the request ``self.plans.find(frame)`` found, in its turn (taken from
+        ``plan.sequencer`` when the request was read). The reply is the one
+        :meth:`dispatch` would give; if a release has made the plan stale, dispatch gives it.
+        """
+        with turn:
+            if plan.epoch != self.registry.epoch:
+                return self.dispatch(pb.decode_request(frame), _HELD)
+            try:
+                value = plan.method()
+            except Exception as exc:
+                failure = _Failure("python", f"{type(exc).__name__}: {exc}", exc)
+                return _error_reply(request_id, failure)
+        try:
+            return _value_reply(request_id, plan.codec, value)
+        except _Failure as failure:
+            return _error_reply(request_id, failure)
+
+    def _learn(self, frame: bytes | bytearray | memoryview, req: pb.Request) -> None:
+        """Make a plan for ``req`` if it is a call without arguments in the canonical
+        layout (the id first and once, so the rest of the frame names the call alone)."""
+        op = req.op
+        if type(op) is not pb.CallMethod or op.args or op.kwargs or type(frame) is not bytes:
+            return
+        epoch = self.registry.epoch  # read first: a release from here on voids the plan
+        session = req.session or DEFAULT_SESSION
+        try:
+            obj = self.registry.get(op.handle, session)
+            sequencer = self.registry.sequencer(op.handle, session)
+        except HandleNotFound:
+            return  # released since
+        target = self._methods.get((type(obj), op.method))
+        if target is None or not target.bare or pb.decode_canonical_call(frame) != req:
+            return
+        method = getattr(obj, op.method)
+        self.plans.learn(frame, CallPlan(method, sequencer, self._codec(session), epoch))
 
     # -- operations -----------------------------------------------------------------
 
@@ -209,7 +256,29 @@ class Dispatcher:
             raise _Failure("python", f"{type(exc).__name__}: {exc}", exc) from exc
 
 
+class _HeldTurn:
+    """Stands for a turn the caller has already entered: ``dispatch`` enters nothing."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_HELD: Any = _HeldTurn()
+
+
+def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:
+    try:
+        data = codec.encode_pieces(value)
+    except CodecError as exc:
+        raise _Failure("encode", f"the result cannot cross the bridge: {exc}") from None
+    return pb.Reply(request_id, data)
+
+
 def _error_reply(request_id: int, failure: _Failure) -> pb.Reply:
+
     return pb.Reply(
         id=request_id,
         error=pb.Error(

@@ -419,7 +419,7 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
     Small ``bytes`` fields are copies; long ones (tensors) are views of ``data``.
     """
     if type(data) is bytes:
-        call = _canonical_call(data)
+        call = decode_canonical_call(data)
         if call is not None:
             return call
         return _decode_message(Request, data, 0, len(data))
@@ -427,7 +427,7 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
     return _decode_message(Request, buf, 0, len(buf))
 
 
-def _canonical_call(buf: bytes) -> Request | None:
+def decode_canonical_call(buf: bytes) -> Request | None:
     """A method call laid out the way every encoder writes one, or None.
 
     The common request, read without the general loop: ``id``, maybe ``session``,
@@ -520,6 +520,7 @@ __all__ = [
     "ReleaseSession",
     "Reply",
     "Request",
+    "decode_canonical_call",
     "decode_reply",
     "decode_request",
     "encode_reply",

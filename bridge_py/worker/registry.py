@@ -40,6 +40,9 @@ class HandleRegistry:
         # cannot be reused while it is here).
         self._by_object: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
+        # Counts releases: whatever was worked out from entries (call plans) while it
+        # had another value may name an object that is gone.
+        self.epoch = 0
 
     def register(self, obj: Any, session: str, class_name: str) -> int:
         """Hold ``obj`` for ``session``; return its handle (never 0).
@@ -57,6 +60,7 @@ class HandleRegistry:
             return handle
 
     def _forget(self, handle: int) -> None:
+        self.epoch += 1
         entry = self._entries.pop(handle)
         self._by_object.pop((entry.session, id(entry.obj)), None)
 
@@ -80,10 +84,14 @@ class HandleRegistry:
 
     def turn(self, handle: int, session: str) -> Turn:
         """The next turn to call a method of ``handle`` (see :mod:`sequencer`)."""
+        return self.sequencer(handle, session).turn()
+
+    def sequencer(self, handle: int, session: str) -> Sequencer:
+        """What hands out the turns of ``handle``'s method calls (see :mod:`sequencer`)."""
         entry = self._entries.get(handle)
         if entry is None or entry.session != session:
             entry = self._entry(handle, session)  # raises, saying which
-        return entry.sequencer.turn()
+        return entry.sequencer
 
     def release(self, handles: list[int], session: str) -> int:
         """Forget the given handles of ``session``; return how many were held."""
@@ -105,6 +113,7 @@ class HandleRegistry:
             handles = self._sessions.pop(session, set())
             for handle in handles:
                 self._forget(handle)
+            self.epoch += 1  # the session's codec goes too
         return len(handles)
 
     def __len__(self) -> int:

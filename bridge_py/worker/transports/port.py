@@ -15,6 +15,7 @@ import threading
 from typing import Protocol
 
 from bridge_py.worker import envelope as pb
+from bridge_py.worker.call_plans import CallPlan
 from bridge_py.worker.dispatcher import Dispatcher, protocol_error
 from bridge_py.worker.sequencer import Turn
 
@@ -23,6 +24,10 @@ _HEADER = struct.Struct(">I")
 _READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
 _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
 _JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
+
+# What the leader read: a decoded request, a planned call (its id and plan) or an error
+# reply; the request's turn; and the frame it came in.
+_Job = tuple[pb.Request | tuple[int, CallPlan] | pb.Reply, Turn | None, bytes | bytearray]
 
 
 class ByteSource(Protocol):
@@ -243,23 +248,37 @@ class PortTransport:
             self._lead()
             return
 
-    def _next_job(self) -> tuple[pb.Request | pb.Reply, Turn | None] | None:
-        """Read and decode the next frame (None at end of input); runs as the leader."""
+    def _next_job(self) -> _Job | None:
+        """Read the next frame and take its turn (None at end of input); runs as the leader.
+
+        A call the dispatcher has a plan for (``call_plans``) is not decoded at all.
+        """
         try:
             frame = self._reader.read()
         except FrameTooLarge as exc:
-            return protocol_error(0, str(exc)), None
+            return protocol_error(0, str(exc)), None, b""
         if frame is None:
             return None
+        planned = self._dispatcher.plans.find(frame)
+        if planned is not None:
+            request_id, plan = planned
+            return (request_id, plan), plan.sequencer.turn(), frame
         try:
             req = pb.decode_request(frame)
         except pb.EnvelopeError as exc:
-            return protocol_error(pb.peek_request_id(frame), f"malformed request: {exc}"), None
-        return req, self._dispatcher.reserve(req)
+            reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {exc}")
+            return reply, None, b""
+        return req, self._dispatcher.reserve(req), frame
 
-    def _run(self, job: tuple[pb.Request | pb.Reply, Turn | None]) -> None:
-        message, turn = job
+    def _run(self, job: _Job) -> None:
+        message, turn, frame = job
         if type(message) is pb.Reply:  # an error found while reading
             self._out.write(pb.encode_reply(message))
+        elif type(message) is pb.Request:
+            reply = self._dispatcher.dispatch_frame(frame, message, turn)
+            self._out.write(pb.encode_reply_chunks(reply))
         else:
-            self._out.write(pb.encode_reply_chunks(self._dispatcher.dispatch(message, turn)))
+            request_id, plan = message
+            assert turn is not None and type(frame) is bytes
+            reply = self._dispatcher.run_planned(request_id, plan, turn, frame)
+            self._out.write(pb.encode_reply_chunks(reply))

@@ -1,0 +1,162 @@
+"""Call plans: a repeated call without arguments skips decoding, and answers as before.
+
+The dispatcher is driven the way the port transport drives it (``plans.find`` on the
+frame, the turn from the plan's sequencer, ``run_planned``), and once through the real
+``PortTransport``. Every planned reply is compared with what the full path answers.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import tempfile
+import threading
+import time
+
+import pytest
+
+from bridge_py.worker import envelope as pb
+from bridge_py.worker.call_plans import CallPlan, CallPlans
+from bridge_py.worker.codec import PLAIN
+from bridge_py.worker.dispatcher import Dispatcher
+from bridge_py.worker.transports.port import FrameReader, PortTransport
+from tests.worker.sample_exports import table
+
+
+def _frame(request_id: int, handle: int, method: str, args: bytes = b"") -> bytes:
+    return pb.encode_request(pb.Request(request_id, "", pb.CallMethod(handle, method, args)))
+
+
+def _counter(d: Dispatcher, step: object = 1) -> int:
+    reply = d.dispatch(pb.Request(1, "", pb.CreateInstance("Counter")))
+    handle = PLAIN.decode(reply.value).handle
+    d.registry.get(handle, "default").step = step
+    return handle
+
+
+def _full(d: Dispatcher, frame: bytes) -> pb.Reply:
+    return d.dispatch_frame(frame, pb.decode_request(frame))
+
+
+def _planned(d: Dispatcher, frame: bytes) -> pb.Reply:
+    found = d.plans.find(frame)
+    assert found is not None, "no plan for this call"
+    request_id, plan = found
+    return d.run_planned(request_id, plan, plan.sequencer.turn(), frame)
+
+
+def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    assert d.plans.find(_frame(2, handle, "incr")) is None
+    assert PLAIN.decode(_full(d, _frame(2, handle, "incr")).value) == 1
+    for i in range(3, 6):
+        reply = _planned(d, _frame(i, handle, "incr"))
+        assert (reply.id, PLAIN.decode(reply.value)) == (i, i - 1)
+    # Large ids (multi-byte varints) find the same plan.
+    assert _planned(d, _frame(2**40 + 7, handle, "incr")).id == 2**40 + 7
+
+
+def test_calls_with_arguments_failures_and_odd_layouts_get_no_plan() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d, step=None)  # incr() raises TypeError
+    assert _full(d, _frame(2, handle, "incr", PLAIN.encode([2]))).error is None
+    assert _full(d, _frame(3, handle, "incr")).error is not None
+    assert _full(d, _frame(4, handle, "secret")).error.category == "not_exported"
+    # The id again after the call: valid protobuf (the last id wins), not the layout
+    # whose bytes after the first id name the call alone.
+    d.registry.get(handle, "default").step = 1
+    odd = _frame(5, handle, "incr") + b"\x08\x09"
+    assert _full(d, odd).id == 9
+    assert len(d.plans) == 0
+
+
+def test_a_planned_call_that_raises_answers_as_the_full_path() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    _full(d, _frame(2, handle, "incr"))
+    d.registry.get(handle, "default").step = None
+    planned = _planned(d, _frame(3, handle, "incr")).error
+    full = d.dispatch(pb.decode_request(_frame(3, handle, "incr"))).error
+    assert planned is not None and full is not None
+    assert (planned.category, planned.message, planned.python_type) == (
+        full.category,
+        full.message,
+        full.python_type,
+    )
+    assert planned.category == "python" and "TypeError" in planned.traceback
+
+
+@pytest.mark.parametrize("release", ["handle", "session"])
+def test_a_release_makes_plans_stale(release: str) -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    _full(d, _frame(2, handle, "incr"))
+    if release == "handle":
+        d.dispatch(pb.Request(3, "", pb.ReleaseHandles([handle])))
+    else:
+        d.dispatch(pb.Request(3, "", pb.ReleaseSession()))
+    reply = _planned(d, _frame(4, handle, "incr"))  # the plan is still found ...
+    assert reply.error is not None and reply.error.category == "not_found"  # ... not used
+    assert str(handle) in reply.error.message
+
+
+def test_a_planned_call_waits_for_its_turn() -> None:
+    # wait_gate (blocking) is read first, incr (planned) second: incr runs after it.
+    d = Dispatcher(table())
+    handle = _counter(d)
+    _full(d, _frame(2, handle, "incr"))
+    blocking = pb.decode_request(_frame(3, handle, "wait_gate", PLAIN.encode([5.0])))
+    first = d.reserve(blocking)
+    found = d.plans.find(_frame(4, handle, "incr"))
+    assert found is not None
+    second = found[1].sequencer.turn()
+    results: dict[str, pb.Reply] = {}
+    threads = [
+        threading.Thread(target=lambda: results.update(gate=d.dispatch(blocking, first))),
+        threading.Thread(
+            target=lambda: results.update(
+                incr=d.run_planned(4, found[1], second, _frame(4, handle, "incr"))
+            )
+        ),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert results == {}  # incr waits behind the blocked call
+    d.registry.get(handle, "default")._gate.set()
+    for t in threads:
+        t.join(10)
+    assert PLAIN.decode(results["gate"].value) is True
+    assert PLAIN.decode(results["incr"].value) == 2
+
+
+def test_plans_are_bounded() -> None:
+    plans = CallPlans(limit=2)
+    plan = CallPlan(lambda: None, None, None, 0)  # type: ignore[arg-type]
+    for handle in range(1, 6):
+        plans.learn(_frame(1, handle, "incr"), plan)
+        assert len(plans) <= 2
+    assert plans.find(_frame(9, 5, "incr")) == (9, plan)
+
+
+def test_the_port_transport_decodes_a_repeated_call_once(monkeypatch) -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    frames = [_frame(100 + i, handle, "incr") for i in range(50)]
+    data = b"".join(struct.pack(">I", len(f)) + f for f in frames)
+    decoded: list[int] = []
+    decode = pb.decode_request
+
+    def counting(frame: bytes) -> pb.Request:
+        decoded.append(1)
+        return decode(frame)
+
+    monkeypatch.setattr(pb, "decode_request", counting)
+    with tempfile.TemporaryFile() as out:
+        PortTransport(d, io.BufferedReader(io.BytesIO(data)), out.fileno()).serve()
+        out.seek(0)
+        reader = FrameReader(out, max_frame=1 << 20)  # type: ignore[arg-type]
+        replies = [pb.decode_reply(reader.read()) for _ in frames]
+    assert [(r.id, PLAIN.decode(r.value)) for r in replies] == [(100 + i, i + 1) for i in range(50)]
+    assert len(decoded) == 1
