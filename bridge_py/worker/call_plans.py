@@ -8,7 +8,7 @@ the same answer as last time. So once a call has gone the full way
 (:meth:`Dispatcher.dispatch`) and succeeded, the dispatcher keeps a plan under the
 request's bytes after its id (the session and the call): the bound method, the object's
 sequencer and the session's codec. The next request with the same bytes is read as its
-id and a dictionary lookup.
+id field and a dictionary lookup, and its reply starts with the same id field's bytes.
 
 A plan is only as good as the registry it was made from: every release moves the
 registry's ``epoch``, and a plan made under another epoch is not used (the call takes
@@ -19,6 +19,7 @@ no check the full way makes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ from bridge_py.worker.codec import Codec
 from bridge_py.worker.sequencer import Sequencer
 
 MAX_PLANS = 1024  # a worker serving more distinct calls starts over rather than grow
+
+# A request's id field, first in every request the encoders write: its tag (field 1, a
+# varint) and a varint of at most 9 bytes (63 bits; longer ones take the full way).
+_ID_FIELD = re.compile(rb"\x08[\x80-\xff]{0,8}[\x00-\x7f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,39 +56,25 @@ class CallPlans:
         self._limit = limit
 
     def find(self, frame: bytes | bytearray | memoryview) -> tuple[int, CallPlan] | None:
-        """``(request id, plan)`` for a request whose call has a plan, else None."""
-        if type(frame) is not bytes or frame[:1] != b"\x08":
+        """For a request whose call has a plan: where its id field ends (``frame[:end]``
+        is also its reply's id field) and the plan; else None."""
+        if type(frame) is not bytes:
             return None
-        split = _after_id(frame)
-        if split is None:
+        head = _ID_FIELD.match(frame)
+        if head is None:
             return None
-        request_id, pos = split
-        plan = self._plans.get(frame[pos:])
-        return None if plan is None else (request_id, plan)
+        end = head.end()
+        plan = self._plans.get(frame[end:])
+        return None if plan is None else (end, plan)
 
     def learn(self, frame: bytes | bytearray | memoryview, plan: CallPlan) -> None:
-        """Keep ``plan`` for requests whose bytes after the id are ``frame``'s."""
-        if type(frame) is not bytes or frame[:1] != b"\x08":
-            return
-        split = _after_id(frame)
-        if split is None:
+        """Keep ``plan`` for requests whose bytes after the id field are ``frame``'s."""
+        head = _ID_FIELD.match(frame) if type(frame) is bytes else None
+        if head is None:
             return
         if len(self._plans) >= self._limit:
             self._plans.clear()
-        self._plans[frame[split[1] :]] = plan
+        self._plans[frame[head.end() :]] = plan
 
     def __len__(self) -> int:
         return len(self._plans)
-
-
-def _after_id(frame: bytes) -> tuple[int, int] | None:
-    """The request id (field 1, a varint, first in every request we plan) and where the
-    rest begins; None when the varint does not end within 10 bytes."""
-    value = shift = 0
-    for pos in range(1, min(len(frame), 11)):
-        byte = frame[pos]
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos + 1
-        shift += 7
-    return None

@@ -133,23 +133,27 @@ class Dispatcher:
             self._learn(frame, req)
         return reply
 
-    def run_planned(self, request_id: int, plan: CallPlan, turn: Turn, frame: bytes) -> pb.Reply:
-        """Run the request ``self.plans.find(frame)`` found, in its turn (taken from
-        ``plan.sequencer`` when the request was read). The reply is the one
-        :meth:`dispatch` would give; if a release has made the plan stale, dispatch gives it.
-        """
+    def run_planned(
+        self, frame: bytes, id_end: int, plan: CallPlan, turn: Turn
+    ) -> list[bytes | memoryview]:
+        """Run the request ``self.plans.find(frame)`` found (``id_end``, ``plan``) in its
+        turn, taken from ``plan.sequencer`` when the request was read; returns the reply's
+        bytes. The reply is the one :meth:`dispatch` would give; if a release has made the
+        plan stale, dispatch gives it."""
         with turn:
             if plan.epoch != self.registry.epoch:
-                return self.dispatch(pb.decode_request(frame), _HELD)
+                return pb.encode_reply_chunks(self.dispatch(pb.decode_request(frame), _HELD))
             try:
                 value = plan.method()
             except Exception as exc:
                 failure = _Failure("python", f"{type(exc).__name__}: {exc}", exc)
-                return _error_reply(request_id, failure)
+                return pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
         try:
-            return _value_reply(request_id, plan.codec, value)
-        except _Failure as failure:
-            return _error_reply(request_id, failure)
+            data = plan.codec.encode_pieces(value)
+        except CodecError as exc:
+            failure = _Failure("encode", f"the result cannot cross the bridge: {exc}")
+            return pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
+        return pb.value_reply_chunks(frame[:id_end], data)
 
     def _learn(self, frame: bytes | bytearray | memoryview, req: pb.Request) -> None:
         """Make a plan for ``req`` if it is a call without arguments in the canonical

@@ -238,9 +238,17 @@ def encode_reply_chunks(reply: Reply) -> list[bytes | memoryview]:
     and a view of its storage) stays in pieces; each must be a byte-format buffer.
     """
     head = b"\x08" + _varint(reply.id) if reply.id else b""
-    value = reply.value
     if reply.error is not None:
         return [head + _len_field(3, _encode_fields(reply.error))]
+    return value_reply_chunks(head, reply.value)
+
+
+def value_reply_chunks(
+    head: bytes, value: bytes | memoryview | list[bytes | memoryview] | None
+) -> list[bytes | memoryview]:
+    """:func:`encode_reply_chunks` of a value reply whose id field is already encoded:
+    ``head`` is that field's bytes (a request's own id field, ``08`` and the varint, as it
+    arrived, is the same field of its reply)."""
     if value is None:
         return [head]
     if type(value) is list:
@@ -528,4 +536,5 @@ __all__ = [
     "encode_request",
     "op_name",
     "peek_request_id",
+    "value_reply_chunks",
 ]

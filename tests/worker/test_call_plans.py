@@ -41,8 +41,8 @@ def _full(d: Dispatcher, frame: bytes) -> pb.Reply:
 def _planned(d: Dispatcher, frame: bytes) -> pb.Reply:
     found = d.plans.find(frame)
     assert found is not None, "no plan for this call"
-    request_id, plan = found
-    return d.run_planned(request_id, plan, plan.sequencer.turn(), frame)
+    id_end, plan = found
+    return pb.decode_reply(b"".join(d.run_planned(frame, id_end, plan, plan.sequencer.turn())))
 
 
 def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
@@ -53,8 +53,11 @@ def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
     for i in range(3, 6):
         reply = _planned(d, _frame(i, handle, "incr"))
         assert (reply.id, PLAIN.decode(reply.value)) == (i, i - 1)
-    # Large ids (multi-byte varints) find the same plan.
+    # Large ids (multi-byte varints) find the same plan, up to 63 bits; beyond, the full way.
     assert _planned(d, _frame(2**40 + 7, handle, "incr")).id == 2**40 + 7
+    assert _planned(d, _frame(2**63 - 1, handle, "incr")).id == 2**63 - 1
+    assert d.plans.find(_frame(2**63, handle, "incr")) is None
+    assert _full(d, _frame(2**63, handle, "incr")).id == 2**63
 
 
 def test_calls_with_arguments_failures_and_odd_layouts_get_no_plan() -> None:
@@ -116,7 +119,9 @@ def test_a_planned_call_waits_for_its_turn() -> None:
         threading.Thread(target=lambda: results.update(gate=d.dispatch(blocking, first))),
         threading.Thread(
             target=lambda: results.update(
-                incr=d.run_planned(4, found[1], second, _frame(4, handle, "incr"))
+                incr=pb.decode_reply(
+                    b"".join(d.run_planned(_frame(4, handle, "incr"), *found, second))
+                )
             )
         ),
     ]
@@ -137,7 +142,7 @@ def test_plans_are_bounded() -> None:
     for handle in range(1, 6):
         plans.learn(_frame(1, handle, "incr"), plan)
         assert len(plans) <= 2
-    assert plans.find(_frame(9, 5, "incr")) == (9, plan)
+    assert plans.find(_frame(9, 5, "incr")) == (2, plan)  # its id field: 08 09
 
 
 def test_the_port_transport_decodes_a_repeated_call_once(monkeypatch) -> None:

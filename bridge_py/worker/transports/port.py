@@ -25,8 +25,8 @@ _READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
 _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
 _JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
 
-# What the leader read: a decoded request, a planned call (its id and plan) or an error
-# reply; the request's turn; and the frame it came in.
+# What the leader read: a decoded request, a planned call (where its id field ends, and
+# its plan) or an error reply; the request's turn; and the frame it came in.
 _Job = tuple[pb.Request | tuple[int, CallPlan] | pb.Reply, Turn | None, bytes | bytearray]
 
 
@@ -261,8 +261,7 @@ class PortTransport:
             return None
         planned = self._dispatcher.plans.find(frame)
         if planned is not None:
-            request_id, plan = planned
-            return (request_id, plan), plan.sequencer.turn(), frame
+            return planned, planned[1].sequencer.turn(), frame
         try:
             req = pb.decode_request(frame)
         except pb.EnvelopeError as exc:
@@ -278,7 +277,6 @@ class PortTransport:
             reply = self._dispatcher.dispatch_frame(frame, message, turn)
             self._out.write(pb.encode_reply_chunks(reply))
         else:
-            request_id, plan = message
+            id_end, plan = message
             assert turn is not None and type(frame) is bytes
-            reply = self._dispatcher.run_planned(request_id, plan, turn, frame)
-            self._out.write(pb.encode_reply_chunks(reply))
+            self._out.write(self._dispatcher.run_planned(frame, id_end, plan, turn))
