@@ -12,9 +12,10 @@ id field and a dictionary lookup, and its reply starts with the same id field's 
 
 A plan is only as good as the registry it was made from: every release moves the
 registry's ``epoch``, and a plan made under another epoch is not used (the call takes
-the full way, which says what became of the handle). Plans are made only for calls the
-full way would run without any argument check (``_Method.bare``), so running one skips
-no check the full way makes.
+the full way, which says what became of the handle); the dispatcher also drops all plans
+when it releases anything, so that no plan keeps a released object alive. Plans are made
+only for calls the full way would run without any argument check (``_Method.bare``), so
+running one skips no check the full way makes.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class CallPlans:
         if len(self._plans) >= self._limit:
             self._plans.clear()
         self._plans[frame[head.end() :]] = plan
+
+    def clear(self) -> None:
+        """Forget every plan (they hold their objects alive)."""
+        self._plans.clear()
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -214,11 +214,15 @@ class Dispatcher:
         return self.exports.attribute(self.registry.get(op.handle, session), op.name)
 
     def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
-        return self.registry.release(list(op.handles), session)
+        freed = self.registry.release(list(op.handles), session)
+        self.plans.clear()  # they hold their objects: let the released ones go
+        return freed
 
     def _release_session(self, op: pb.ReleaseSession, session: str, codec: Codec) -> int:
         self._codecs.pop(session, None)
-        return self.registry.release_session(session)
+        freed = self.registry.release_session(session)
+        self.plans.clear()
+        return freed
 
     def _describe(self, op: pb.Describe, session: str, codec: Codec) -> dict[str, Any]:
         return self.exports.describe()

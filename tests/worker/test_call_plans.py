@@ -7,11 +7,13 @@ frame, the turn from the plan's sequencer, ``run_planned``), and once through th
 
 from __future__ import annotations
 
+import gc
 import io
 import struct
 import tempfile
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -95,13 +97,29 @@ def test_a_release_makes_plans_stale(release: str) -> None:
     d = Dispatcher(table())
     handle = _counter(d)
     _full(d, _frame(2, handle, "incr"))
+    found = d.plans.find(_frame(4, handle, "incr"))
+    assert found is not None
+    plan = found[1]
     if release == "handle":
         d.dispatch(pb.Request(3, "", pb.ReleaseHandles([handle])))
     else:
         d.dispatch(pb.Request(3, "", pb.ReleaseSession()))
-    reply = _planned(d, _frame(4, handle, "incr"))  # the plan is still found ...
-    assert reply.error is not None and reply.error.category == "not_found"  # ... not used
+    assert len(d.plans) == 0  # dropped: a plan would keep the released object alive
+    # A plan found before a release and run after it is not used either.
+    d.plans.learn(_frame(4, handle, "incr"), plan)
+    reply = _planned(d, _frame(4, handle, "incr"))
+    assert reply.error is not None and reply.error.category == "not_found"
     assert str(handle) in reply.error.message
+
+
+def test_a_released_object_is_not_kept_alive_by_its_plan() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    _full(d, _frame(2, handle, "incr"))
+    alive = weakref.ref(d.registry.get(handle, "default"))
+    d.dispatch(pb.Request(3, "", pb.ReleaseHandles([handle])))
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_planned_call_waits_for_its_turn() -> None:
