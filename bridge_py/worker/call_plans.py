@@ -5,8 +5,8 @@ object), and for a call without arguments a request differs from the last one on
 its id. Decoding the envelope, resolving the handle, checking the export table and
 looking up the method cost about twice what the rest of such a call costs, all to get
 the same answer as last time. So once a call has gone the full way
-(:meth:`Dispatcher.dispatch`) and succeeded, the dispatcher keeps a plan under the
-request's bytes after its id (the session and the call): the bound method, the object's
+(:meth:`Dispatcher.dispatch_frame`) and succeeded, the dispatcher keeps a plan under the
+request's bytes after its id (the session and the call): the object and method name, its
 sequencer and the session's codec. The next request with the same bytes is read as its
 id field and a dictionary lookup, and its reply starts with the same id field's bytes.
 
@@ -21,7 +21,6 @@ running one skips no check the full way makes.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,8 @@ _ID_FIELD = re.compile(rb"\x08[\x80-\xff]{0,8}[\x00-\x7f]")
 class CallPlan:
     """What a known call without arguments needs: see the module docstring."""
 
-    method: Callable[[], Any]  # the bound method
+    obj: Any  # the object; its method is looked up on each call, as the full way does
+    method: str  # the method's name
     sequencer: Sequencer  # the object's: the call still takes its turn
     codec: Codec  # the session's, for the result
     epoch: int  # the registry's epoch when the plan was made

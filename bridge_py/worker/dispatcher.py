@@ -144,7 +144,7 @@ class Dispatcher:
             if plan.epoch != self.registry.epoch:
                 return pb.encode_reply_chunks(self.dispatch(pb.decode_request(frame), _HELD))
             try:
-                value = plan.method()
+                value = getattr(plan.obj, plan.method)()
             except Exception as exc:
                 failure = _Failure("python", f"{type(exc).__name__}: {exc}", exc)
                 return pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
@@ -171,8 +171,7 @@ class Dispatcher:
         target = self._methods.get((type(obj), op.method))
         if target is None or not target.bare or pb.decode_canonical_call(frame) != req:
             return
-        method = getattr(obj, op.method)
-        self.plans.learn(frame, CallPlan(method, sequencer, self._codec(session), epoch))
+        self.plans.learn(frame, CallPlan(obj, op.method, sequencer, self._codec(session), epoch))
 
     # -- operations -----------------------------------------------------------------
 

@@ -156,7 +156,7 @@ def test_a_planned_call_waits_for_its_turn() -> None:
 
 def test_plans_are_bounded() -> None:
     plans = CallPlans(limit=2)
-    plan = CallPlan(lambda: None, None, None, 0)  # type: ignore[arg-type]
+    plan = CallPlan(object(), "incr", None, None, 0)  # type: ignore[arg-type]
     for handle in range(1, 6):
         plans.learn(_frame(1, handle, "incr"), plan)
         assert len(plans) <= 2
