@@ -285,7 +285,6 @@ def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:
 
 
 def _error_reply(request_id: int, failure: _Failure) -> pb.Reply:
-
     return pb.Reply(
         id=request_id,
         error=pb.Error(

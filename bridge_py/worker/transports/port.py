@@ -4,7 +4,8 @@ Each frame is a 4-byte big-endian length and that many bytes, as Erlang's
 ``{:packet, 4}`` writes and reads them. The thread that reads a request runs it;
 a call that blocks (a barrier, a recv) is noticed within milliseconds and another
 thread reads on, so it never holds up the requests behind it (see PortTransport).
-Replies are written whole under a lock, in whatever order the calls finish.
+Replies are written whole under a lock, in whatever order the calls finish. A call
+the dispatcher has a plan for (``call_plans``) is run without being decoded.
 """
 
 from __future__ import annotations
