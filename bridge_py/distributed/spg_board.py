@@ -360,13 +360,7 @@ class Board:
 
     def take_broadcast(self, src: int, number: int) -> bytes | None:
         """``src``'s broadcast ``number`` if it is in its ring slot (a copy), else None."""
-        board = self._maps[src]
-        at = self.layout.broadcast_at(number)
-        if _U64.unpack_from(board, at)[0] != number + 1:
-            return None
-        fence()
-        size = _U64.unpack_from(board, at + 8)[0]
-        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+        return _slot(self._maps[src], self.layout.broadcast_at(number), number)
 
     def broadcast_received(self, src: int, number: int) -> None:
         """Record that this rank is done with ``src``'s broadcast ``number``."""
@@ -396,13 +390,7 @@ class Board:
 
     def take(self, src: int, number: int) -> bytes | None:
         """Message ``number`` from ``src`` if it is in its ring slot (a copy), else None."""
-        board = self._maps[src]
-        at = self.layout.message_at(self.rank, number)
-        if _U64.unpack_from(board, at)[0] != number + 1:
-            return None
-        fence()
-        size = _U64.unpack_from(board, at + 8)[0]
-        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+        return _slot(self._maps[src], self.layout.message_at(self.rank, number), number)
 
     def received(self, src: int, count: int) -> None:
         """Record that ``count`` messages from ``src`` have been received (its slots free)."""
@@ -613,3 +601,13 @@ def wait_for_values(
             if gone:
                 return values, gone
         board.wait(min(deadline, check_at) - now)
+
+
+def _slot(board: mmap.mmap, at: int, number: int) -> bytes | None:
+    """A copy of the value in the ring slot at ``at`` if the slot holds item ``number``
+    (its first word is ``number + 1``), else None."""
+    if _U64.unpack_from(board, at)[0] != number + 1:
+        return None
+    fence()  # the value is read after its number
+    size = _U64.unpack_from(board, at + 8)[0]
+    return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]

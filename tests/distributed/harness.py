@@ -111,3 +111,23 @@ def run_ranks(
         with contextlib.suppress(Exception):
             results.close()
     return [done[rank] for rank in ranks]
+
+
+def late_barrier(group: Any, late: bool, delay: float, timeout: float) -> dict:
+    """One barrier with ``timeout`` that this rank joins ``delay`` seconds late if ``late``:
+    ``{"error": message or absent, "elapsed": seconds}``, plus ``"gathered"``, the
+    ``all_gather_obj(group.rank)`` of the barrier after it, which every rank joins."""
+    result: dict = {}
+    if late:
+        time.sleep(delay)
+    start = time.monotonic()
+    try:
+        group.barrier(timeout=timeout)
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    result["elapsed"] = time.monotonic() - start
+    # All ranks agree on the numbering: the next barrier and a gather work.
+    group.barrier(timeout=30)
+    result["gathered"] = group.all_gather_obj(group.rank)
+    group.barrier(timeout=30)
+    return result

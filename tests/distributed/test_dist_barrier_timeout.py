@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 from bridge_py.distributed import StatelessProcessGroup
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, late_barrier, run_ranks
 
 TIMEOUT = 1.0
 
@@ -13,20 +11,8 @@ TIMEOUT = 1.0
 def _absent_rank(rank: int, port: int) -> dict:
     # store_timeout is large: the barrier must be bounded by its own timeout, not by this.
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=300)
-    result: dict = {}
-    if rank == 2:
-        time.sleep(TIMEOUT + 1.0)  # misses barrier 0, then arrives late
-    start = time.monotonic()
-    try:
-        group.barrier(timeout=TIMEOUT)
-    except RuntimeError as exc:
-        result["error"] = str(exc)
-    result["elapsed"] = time.monotonic() - start
-    # Every rank is present now: the next barrier, and the group's main connection, work.
-    group.barrier(timeout=30)
-    result["gathered"] = group.all_gather_obj(rank)
-    group.barrier(timeout=30)
-    return result
+    # Rank 2 misses barrier 0, then arrives late; every rank is present for the next one.
+    return late_barrier(group, rank == 2, TIMEOUT + 1.0, TIMEOUT)
 
 
 def test_barrier_times_out_naming_rank_phase_and_arrivals() -> None:

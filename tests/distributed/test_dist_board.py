@@ -20,7 +20,7 @@ import pytest
 from torch.distributed import HashStore
 
 from bridge_py.distributed import StatelessProcessGroup, spg_board, spg_segments, spg_shm
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, late_barrier, run_ranks
 
 
 def _create(rank: int, port: int, world_size: int, timeout: int = 30) -> StatelessProcessGroup:
@@ -241,22 +241,10 @@ def _barriers(rank: int, port: int, world_size: int) -> dict:
     for _ in range(30):
         group.barrier(timeout=10)
     group.store = store
-    result: dict = {"keys": empty.num_keys()}
+    keys = empty.num_keys()
     # A rank that comes late: the others give up after 1 s, all with the same verdict, and
     # the late one learns it at once instead of passing.
-    if rank == world_size - 1:
-        time.sleep(2.0)
-    start = time.monotonic()
-    try:
-        group.barrier(timeout=1.0)
-    except RuntimeError as exc:
-        result["error"] = str(exc)
-    result["elapsed"] = time.monotonic() - start
-    # All ranks agree on the numbering: the next barrier and a gather work.
-    group.barrier(timeout=30)
-    result["gathered"] = group.all_gather_obj(rank)
-    group.barrier(timeout=30)
-    return result
+    return {"keys": keys, **late_barrier(group, rank == world_size - 1, 2.0, 1.0)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
