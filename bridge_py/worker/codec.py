@@ -219,8 +219,8 @@ class Codec:
         The pieces, written one after the other, are exactly :meth:`encode`'s bytes:
         the msgpack ext header, the tensor header and a view of the elements.
         """
-        if not isinstance(value, torch.Tensor):
-            return self.encode(value)
+        if type(value) in _SCALARS or not isinstance(value, torch.Tensor):
+            return self.encode(value)  # (the type test first: isinstance on Tensor is slow)
         header, data = tensor_pieces(value)
         size = len(header) + (0 if data is None else len(data))
         if data is None or size < _PIECES_FROM:
@@ -335,6 +335,7 @@ _NIL = b"\xc0"
 _PACKER_START = 1 << 12
 _KEEP_PACKER_BELOW = 1 << 16
 _PIECES_FROM = 1 << 16  # tensors this large are sent as pieces by encode_pieces
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # never a tensor
 
 # fixext4, fixext8 and ext8 (12 bytes) with type -1: msgpack's timestamp encodings.
 _TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")

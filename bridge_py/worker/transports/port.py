@@ -58,15 +58,22 @@ class FrameWriter:
     def write(self, payload: bytes | list[bytes | memoryview]) -> None:
         """Write one frame (length prefix and payload, whole or in pieces) without
         interleaving with other threads' frames."""
-        pieces = payload if isinstance(payload, list) else [payload]
-        if len(pieces) == 1 and len(pieces[0]) < _JOIN_BELOW:
-            # A small frame: one buffer, one write.
-            data = _HEADER.pack(len(pieces[0])) + pieces[0]
-            with self._lock:
-                written = os.write(self._fd, data)
-                if written < len(data):
-                    self._write_all([memoryview(data)[written:]])
+        if type(payload) is list:
+            if len(payload) != 1 or len(payload[0]) >= _JOIN_BELOW:
+                self._write_pieces(payload)
+                return
+            payload = payload[0]
+        elif len(payload) >= _JOIN_BELOW:
+            self._write_pieces([payload])
             return
+        # A small frame (most replies): one buffer, one write.
+        data = _HEADER.pack(len(payload)) + payload
+        with self._lock:
+            written = os.write(self._fd, data)
+            if written < len(data):
+                self._write_all([memoryview(data)[written:]])
+
+    def _write_pieces(self, pieces: list[bytes | memoryview]) -> None:
         size = sum(len(p) for p in pieces)
         chunks = [memoryview(_HEADER.pack(size)), *(memoryview(p) for p in pieces if p)]
         with self._lock:
@@ -272,12 +279,11 @@ class PortTransport:
 
     def _run(self, job: _Job) -> None:
         message, turn, frame = job
-        if type(message) is pb.Reply:  # an error found while reading
-            self._out.write(pb.encode_reply(message))
+        if type(message) is tuple:  # a planned call, the most common request
+            assert turn is not None and type(frame) is bytes
+            self._out.write(self._dispatcher.run_planned(frame, *message, turn))
         elif type(message) is pb.Request:
             reply = self._dispatcher.dispatch_frame(frame, message, turn)
             self._out.write(pb.encode_reply_chunks(reply))
-        else:
-            id_end, plan = message
-            assert turn is not None and type(frame) is bytes
-            self._out.write(self._dispatcher.run_planned(frame, id_end, plan, turn))
+        else:  # an error found while reading
+            self._out.write(pb.encode_reply(message))

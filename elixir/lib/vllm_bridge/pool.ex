@@ -111,6 +111,7 @@ defmodule VllmBridge.Pool do
           {Worker,
            [
              name: {:via, Registry, {registry, index}},
+             registry: {registry, index},
              pool: name,
              index: index
            ] ++ worker_opts},
@@ -217,6 +218,25 @@ defmodule VllmBridge.Pool do
   @spec worker_at?(name(), non_neg_integer(), pid()) :: boolean()
   def worker_at?(pool, index, pid) when is_integer(index) and is_pid(pid) do
     (node(pid) != node() or Process.alive?(pid)) and lookup(pool, index) == {:ok, pid}
+  end
+
+  @doc """
+  Where a caller sends requests for the worker `pid` at `index`: the worker's
+  `t:VllmBridge.Worker.channel/0` once it has published one, else `pid` (both
+  are taken by `VllmBridge.Worker.request/4`). `:error` when `pid` is not the
+  running worker at `index` (as `worker_at?/3` would say), so one registry
+  lookup both checks a ref and finds its way in.
+  """
+  @spec route(name(), non_neg_integer(), pid()) :: {:ok, Worker.channel() | pid()} | :error
+  def route(pool, index, pid) when is_integer(index) and is_pid(pid) do
+    with true <- node(pid) != node() or Process.alive?(pid),
+         [{^pid, value}] <- Registry.lookup(registry(pool), index) do
+      {:ok, if(match?({:channel, ^pid, _, _}, value), do: value, else: pid)}
+    else
+      _ -> :error
+    end
+  rescue
+    ArgumentError -> :error
   end
 
   @doc "The number of workers of a pool."

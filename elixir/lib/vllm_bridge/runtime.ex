@@ -471,7 +471,7 @@ defmodule VllmBridge.Runtime do
 
   defp place(%{worker: pid, pool: pool}) when is_pid(pid) do
     case Pool.index_of(pool, pid) do
-      {:ok, index} -> {:ok, %{pool: pool, worker: pid, index: index}}
+      {:ok, index} -> {:ok, worker_target(pool, index, pid)}
       :error -> bad("#{inspect(pid)} is not a running worker of pool #{inspect(pool)}", pid)
     end
   end
@@ -486,12 +486,24 @@ defmodule VllmBridge.Runtime do
 
   defp place(%{pool: pool}) do
     with {:ok, {index, pid}} <- Pool.next_worker_at(pool),
-         do: {:ok, %{pool: pool, worker: pid, index: index}}
+         do: {:ok, worker_target(pool, index, pid)}
   end
 
   defp target(pool, index) do
     with {:ok, pid} <- Pool.worker(pool, index),
-         do: {:ok, %{pool: pool, worker: pid, index: index}}
+         do: {:ok, worker_target(pool, index, pid)}
+  end
+
+  # The worker's channel is the way in when it has one (see VllmBridge.Worker);
+  # a worker that died meanwhile is reached by pid, which reports it.
+  defp worker_target(pool, index, pid) do
+    via =
+      case Pool.route(pool, index, pid) do
+        {:ok, via} -> via
+        :error -> pid
+      end
+
+    %{pool: pool, worker: pid, index: index, via: via}
   end
 
   defp ref_target(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
@@ -502,15 +514,21 @@ defmodule VllmBridge.Runtime do
     pool = ref_pool || ctx.pool
 
     # A ref the runtime stamped knows its worker's index: one registry lookup
-    # tells whether that worker still runs there (a search by pid costs ~3 us).
+    # tells whether that worker still runs there (a search by pid costs ~3 us)
+    # and gives the way in to it (its channel, see VllmBridge.Worker).
     found =
-      if is_integer(index) and ref_pool != nil,
-        do: Pool.worker_at?(pool, index, pid) and {:ok, index},
-        else: Pool.index_of(pool, pid)
+      if is_integer(index) and ref_pool != nil do
+        with {:ok, via} <- Pool.route(pool, index, pid), do: {:ok, index, via}
+      else
+        with {:ok, index} <- Pool.index_of(pool, pid), do: {:ok, index, pid}
+      end
 
     case found do
-      {:ok, index} -> {:ok, %{pool: pool, worker: pid, index: index, session: ref.session}}
-      _ -> {:error, stale(ref, pool)}
+      {:ok, index, via} ->
+        {:ok, %{pool: pool, worker: pid, index: index, session: ref.session, via: via}}
+
+      :error ->
+        {:error, stale(ref, pool)}
     end
   end
 
@@ -692,7 +710,8 @@ defmodule VllmBridge.Runtime do
 
   defp run(target, ctx, op) do
     with {:ok, session, id, frame, timeout} <- prepare(target, ctx, op) do
-      target.worker
+      target
+      |> Map.get(:via, target.worker)
       |> Worker.request(id, frame, timeout)
       |> finish(target, session, id)
     end

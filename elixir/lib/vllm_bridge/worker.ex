@@ -5,12 +5,27 @@ defmodule VllmBridge.Worker do
 
   The worker does as little as possible: it does not encode or decode
   anything but a reply's id. A caller encodes its `Request`
-  (`VllmBridge.Proto`) in its own process and calls `request/4`; the worker
-  remembers the caller under the request id and writes the frame to the port;
-  when a `Reply` frame comes back, the worker reads its id with
-  `VllmBridge.Proto.reply_id/1` and hands the still-encoded reply to that
-  caller, who decodes it. Encoding and decoding cost therefore spreads over
-  the callers instead of queueing in the worker.
+  (`VllmBridge.Proto`) in its own process and calls `request/4`; when a
+  `Reply` frame comes back, the worker reads its id with
+  `VllmBridge.Proto.reply_id/1` and hands the still-encoded reply to the
+  caller waiting under that id, who decodes it. Encoding and decoding cost
+  therefore spreads over the callers instead of queueing in the worker.
+
+  ## Two ways in
+
+  `request/4` takes either the worker (a pid or name) or its `t:channel/0`.
+
+    * Through the worker: the caller sends the frame to this process, which
+      remembers the caller and writes the frame to the port.
+    * Through the channel: the caller writes the frame to the port itself,
+      after leaving its reply address in the worker's table of pending calls
+      (a public ETS table the worker owns). A call then passes through this
+      process once (the reply) instead of twice, which saves a message and a
+      wake-up per call. The worker publishes its channel as its value in the
+      `Registry` named by `:registry` once its port is open;
+      `VllmBridge.Pool.route/3` hands it to `VllmBridge.Runtime`.
+
+  Both give the same results, timeouts and errors.
 
   ## Concurrency and ordering
 
@@ -53,6 +68,13 @@ defmodule VllmBridge.Worker do
   @typedoc "A running worker: its pid or a registered name."
   @type server :: GenServer.server()
 
+  @typedoc """
+  A running worker's port and table of pending calls, for callers that write
+  requests to the port themselves (see "Two ways in"). Take it from
+  `VllmBridge.Pool.route/3`; do not build one.
+  """
+  @opaque channel :: {:channel, pid(), port(), :ets.tid()}
+
   @typedoc "Options for `start_link/1`."
   @type option ::
           {:python, Path.t()}
@@ -62,6 +84,7 @@ defmodule VllmBridge.Worker do
           | {:name, GenServer.name()}
           | {:pool, atom()}
           | {:index, non_neg_integer()}
+          | {:registry, {Registry.registry(), Registry.key()}}
 
   @doc """
   Returns a child specification; `opts` as in `start_link/1`.
@@ -86,6 +109,9 @@ defmodule VllmBridge.Worker do
       `["--exports", "my_module:table"]` to serve another export table
     * `:name` - a name to register this process under
     * `:pool`, `:index` - where this worker sits, for log messages
+    * `:registry` - `{registry, key}`, the `Registry` key this worker is
+      registered under (through `:name`): the worker stores its
+      `t:channel/0` there as the key's value once its port is open
   """
   @spec start_link([option()]) :: GenServer.on_start()
   def start_link(opts) when is_list(opts) do
@@ -105,13 +131,29 @@ defmodule VllmBridge.Worker do
   Sends one encoded `Request` frame whose id is `id` and waits up to
   `timeout` ms for the encoded `Reply` with that id.
 
+  `worker` is the worker or its `t:channel/0` (see "Two ways in").
+
   Returns `{:ok, reply_binary}`, or an error of category `:timeout` (no reply
   by the deadline; a late reply is dropped), `:worker` (the worker is not
   running or its Python process died meanwhile) or `:bad_args` (an id that is
   already in flight, or a frame that is not iodata).
   """
-  @spec request(server(), pos_integer(), iodata(), timeout()) ::
+  @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
+  def request({:channel, pid, port, table}, id, frame, timeout) do
+    with :ok <- check_frame(frame) do
+      # The monitor's alias is the reply address: it stops taking messages when
+      # the monitor goes (alias: :demonitor), so a reply that comes after the
+      # deadline is dropped, as it is for GenServer.call.
+      tag = :erlang.monitor(:process, pid, alias: :demonitor)
+
+      case enter(table, id, tag) do
+        :ok -> command(port, frame, table, id, tag, pid, timeout)
+        {:error, _} = error -> forget(tag, error)
+      end
+    end
+  end
+
   def request(worker, id, frame, timeout) do
     with :ok <- check_frame(frame) do
       GenServer.call(worker, {:request, id, frame}, timeout)
@@ -171,6 +213,65 @@ defmodule VllmBridge.Worker do
          Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
            details: %{worker: worker, reason: reason}
          )}
+    end
+  end
+
+  defp enter(table, id, tag) do
+    if :ets.insert_new(table, {id, tag}),
+      do: :ok,
+      else: {:error, Error.new(:bad_args, "request id #{id} is already in flight")}
+  rescue
+    # The table went with its worker: the monitor's :DOWN says why.
+    ArgumentError -> :ok
+  end
+
+  defp command(port, frame, table, id, tag, pid, timeout) do
+    Port.command(port, frame)
+    await_reply(tag, table, id, pid, timeout)
+  rescue
+    # The port closed (Python exited): the worker's exit notice is on its way.
+    ArgumentError -> await_reply(tag, table, id, pid, timeout)
+  end
+
+  defp await_reply(tag, table, id, pid, timeout) do
+    receive do
+      {^tag, result} ->
+        Process.demonitor(tag, [:flush])
+        result
+
+      {:DOWN, ^tag, :process, _, reason} ->
+        {:error,
+         Error.new(:worker, "worker #{inspect(pid)} is not running (#{inspect(reason)})",
+           details: %{worker: pid, reason: reason}
+         )}
+    after
+      timeout ->
+        leave(table, id)
+
+        # A reply sent before the alias went is kept: it is the answer.
+        forget(
+          tag,
+          {:error,
+           Error.new(:timeout, "no reply from the worker within #{timeout} ms",
+             details: %{worker: pid, id: id, timeout: timeout}
+           )}
+        )
+    end
+  end
+
+  defp leave(table, id) do
+    :ets.delete(table, id)
+  rescue
+    ArgumentError -> true
+  end
+
+  defp forget(tag, error) do
+    Process.demonitor(tag, [:flush])
+
+    receive do
+      {^tag, result} -> result
+    after
+      0 -> error
     end
   end
 
@@ -247,13 +348,17 @@ defmodule VllmBridge.Worker do
       if executable == nil, do: raise(ErlangError, original: :enoent)
       port = Port.open({:spawn_executable, executable}, port_opts)
       {:os_pid, os_pid} = Port.info(port, :os_pid)
+      # Calls in flight, request id -> reply address: the caller's alias for
+      # a call through the channel, its GenServer `from` for one through here.
+      table = :ets.new(__MODULE__, [:set, :public, write_concurrency: true])
+      publish(opts[:registry], {:channel, self(), port, table})
 
       {:ok,
        %{
          port: port,
          os_pid: os_pid,
          python: executable,
-         pending: %{},
+         table: table,
          pool: opts[:pool],
          index: opts[:index]
        }}
@@ -263,20 +368,28 @@ defmodule VllmBridge.Worker do
     end
   end
 
+  defp publish(nil, _channel), do: :ok
+
+  defp publish({registry, key}, channel) do
+    {_new, _old} = Registry.update_value(registry, key, fn _ -> channel end)
+    :ok
+  end
+
   @impl true
-  def handle_call({:request, id, frame}, from, %{pending: pending} = state) do
-    if Map.has_key?(pending, id) do
-      {:reply, {:error, Error.new(:bad_args, "request id #{id} is already in flight")}, state}
-    else
+  def handle_call({:request, id, frame}, from, state) do
+    if :ets.insert_new(state.table, {id, from}) do
       try do
         Port.command(state.port, frame)
-        {:noreply, %{state | pending: Map.put(pending, id, from)}}
+        {:noreply, state}
       rescue
         ArgumentError ->
           # Port.command also fails on a port that closed because Python exited
           # (the exit message is still behind this request in the mailbox).
+          :ets.delete(state.table, id)
           {:reply, {:error, command_error(state)}, state}
       end
+    else
+      {:reply, {:error, Error.new(:bad_args, "request id #{id} is already in flight")}, state}
     end
   end
 
@@ -284,7 +397,7 @@ defmodule VllmBridge.Worker do
     info = %{
       os_pid: state.os_pid,
       python: state.python,
-      pending: map_size(state.pending),
+      pending: :ets.info(state.table, :size),
       pool: state.pool,
       index: state.index
     }
@@ -294,7 +407,8 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_cast({:cancel, id}, state) do
-    {:noreply, %{state | pending: Map.delete(state.pending, id)}}
+    :ets.delete(state.table, id)
+    {:noreply, state}
   end
 
   @impl true
@@ -309,15 +423,9 @@ defmodule VllmBridge.Worker do
         {:noreply, state}
 
       {:ok, id} ->
-        case Map.pop(state.pending, id) do
-          {nil, _} ->
-            # The caller timed out and went away: drop the late reply.
-            {:noreply, state}
-
-          {from, pending} ->
-            GenServer.reply(from, {:ok, reply})
-            {:noreply, %{state | pending: pending}}
-        end
+        # No entry: the caller timed out and went away; drop the late reply.
+        with [{_id, to}] <- :ets.take(state.table, id), do: answer(to, {:ok, reply})
+        {:noreply, state}
 
       {:error, error} ->
         Logger.warning("#{describe(state)}: unreadable reply: #{error.message}")
@@ -329,13 +437,13 @@ defmodule VllmBridge.Worker do
     message = "the Python worker (os pid #{state.os_pid}) exited with status #{status}"
     Logger.error("#{describe(state)}: #{message}")
     fail_pending(state, message, %{exit_status: status})
-    {:stop, {:shutdown, {:exit_status, status}}, %{state | port: nil, pending: %{}}}
+    {:stop, {:shutdown, {:exit_status, status}}, %{state | port: nil}}
   end
 
   def handle_info({:EXIT, port, reason}, %{port: port} = state) do
     message = "the port to the Python worker closed (#{inspect(reason)})"
     fail_pending(state, message, %{reason: reason})
-    {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil, pending: %{}}}
+    {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil}}
   end
 
   def handle_info(_other, state), do: {:noreply, state}
@@ -355,13 +463,21 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
-  defp fail_pending(%{pending: pending} = state, message, details) do
+  # A reply address is a caller's alias (through the channel) or a `from`.
+  defp answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
+  defp answer(from, result), do: GenServer.reply(from, result)
+
+  defp fail_pending(state, message, details) do
     error =
       Error.new(:worker, message,
         details: Map.merge(details, %{pool: state.pool, index: state.index, os_pid: state.os_pid})
       )
 
-    for {_id, from} <- pending, do: GenServer.reply(from, {:error, error})
+    # (taken one by one: terminate/2 sweeps again, and each caller hears once)
+    for {id, _to} <- :ets.tab2list(state.table),
+        [{_id, to}] <- [:ets.take(state.table, id)],
+        do: answer(to, {:error, error})
+
     :ok
   end
 

@@ -194,6 +194,19 @@ defmodule VllmBridge.FaultsTest do
     # watch what the worker receives, to see the late reply arrive
     :erlang.trace(worker, true, [:receive])
 
+    # The runtime writes the request to the port itself (the worker's channel)
+    # and waits in the worker's table of pending calls: a watcher reports the
+    # request's id from there while this process waits.
+    table = :sys.get_state(worker).table
+    me = self()
+
+    spawn_link(fn ->
+      [{late_id, _alias}] =
+        eventually(fn -> :ets.tab2list(table) != [] and :ets.tab2list(table) end)
+
+      send(me, {:late_id, late_id})
+    end)
+
     started = now_ms()
 
     assert {:error, %Error{category: :timeout}} =
@@ -202,8 +215,11 @@ defmodule VllmBridge.FaultsTest do
     elapsed = now_ms() - started
     assert elapsed >= 300 and elapsed < 600, "timed out after #{elapsed} ms"
 
-    # the request that timed out, as the worker got it
-    assert_receive {:trace, ^worker, :receive, {:"$gen_call", _, {:request, late_id, _}}}
+    # the request that timed out: it did not pass through the worker process,
+    # and the caller left the table of pending calls at its deadline
+    assert_receive {:late_id, late_id}
+    refute_received {:trace, ^worker, :receive, {:"$gen_call", _, {:request, _, _}}}
+    assert :ets.tab2list(table) == []
 
     # the worker keeps serving while that call is still blocked in Python
     assert {:ok, {:other, 1}} = Runtime.ping({:other, 1}, rt)

@@ -172,6 +172,61 @@ defmodule VllmBridge.PoolTest do
                Worker.request(worker, Worker.new_id(), [:nope], 5_000)
     end
 
+    test "the channel: requests written to the port by the caller, with the same results",
+         %{test: test} do
+      pool = start_pool!(:"#{test}", 1)
+      {:ok, worker} = Pool.worker(pool, 0)
+      # the worker published its channel in the pool's registry
+      assert {:ok, channel} = Pool.route(pool, 0, worker)
+      refute channel == worker
+      assert Pool.route(pool, 1, worker) == :error
+      assert Pool.route(pool, 0, self()) == :error
+
+      id = Worker.new_id()
+      {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: <<7>>}}})
+      :erlang.trace(worker, true, [:receive])
+      assert {:ok, reply} = Worker.request(channel, id, frame, 30_000)
+      assert {:ok, %{id: ^id, result: {:value, <<7>>}}} = Proto.decode_reply(reply)
+      # the request did not pass through the worker process; only its reply did
+      refute_received {:trace, ^worker, :receive, {:"$gen_call", _, _}}
+      assert_received {:trace, ^worker, :receive, {_port, {:data, ^reply}}}
+      :erlang.trace(worker, false, [:receive])
+
+      # an id in flight is refused on either way in, whichever way it took
+      {:ok, args} = VllmBridge.Msgpack.encode([0.3])
+
+      for {first_way, second_way} <- [{channel, worker}, {worker, channel}, {channel, channel}] do
+        id = Worker.new_id()
+        op = {:call_function, %{function: "sleep", args: args, kwargs: ""}}
+        {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: op})
+        first = Task.async(fn -> Worker.request(first_way, id, frame, 5_000) end)
+        eventually(fn -> match?({:ok, %{pending: 1}}, Worker.info(worker)) end)
+
+        assert {:error, %Error{category: :bad_args}} =
+                 Worker.request(second_way, id, frame, 5_000)
+
+        assert {:ok, reply} = Task.await(first)
+        assert {:ok, %{id: ^id, result: {:value, value}}} = Proto.decode_reply(reply)
+        assert VllmBridge.Msgpack.decode(value) == {:ok, 0.3}
+      end
+
+      assert {:ok, %{pending: 0}} = Worker.info(worker)
+
+      # not iodata
+      assert {:error, %Error{category: :bad_args}} =
+               Worker.request(channel, Worker.new_id(), [:nope], 5_000)
+
+      # the channel of a worker that has stopped: a :worker error, not a hang
+      ref = Process.monitor(worker)
+      GenServer.stop(worker)
+      assert_receive {:DOWN, ^ref, :process, ^worker, _}
+
+      assert {:error, %Error{category: :worker}} =
+               Worker.request(channel, Worker.new_id(), frame, 5_000)
+
+      assert {:messages, []} = Process.info(self(), :messages)
+    end
+
     test "a Python that cannot start is an error at start" do
       assert {:error, {{:python_not_started, "/nonexistent/python", _}, _}} =
                start_supervised({Worker, python: "/nonexistent/python"})
