@@ -223,17 +223,21 @@ defmodule VllmBridge.Pool do
   @doc """
   Where a caller sends requests for the worker `pid` at `index`: the worker's
   `t:VllmBridge.Worker.channel/0` once it has published one, else `pid` (both
-  are taken by `VllmBridge.Worker.request/4`). `:error` when `pid` is not the
-  running worker at `index` (as `worker_at?/3` would say), so one registry
-  lookup both checks a ref and finds its way in.
+  are taken by `VllmBridge.Worker.request/4`). `:error` when `pid` is not
+  registered at `index`, so one registry read both checks a ref and finds its
+  way in.
+
+  Unlike `worker_at?/3` it does not ask whether `pid` is alive (a signal
+  round trip to the worker): a worker that has just died is still registered
+  for a moment, and a request to it then fails with a `:worker` error whose
+  `details.reason` is `:noproc`.
   """
   @spec route(name(), non_neg_integer(), pid()) :: {:ok, Worker.channel() | pid()} | :error
   def route(pool, index, pid) when is_integer(index) and is_pid(pid) do
-    with true <- node(pid) != node() or Process.alive?(pid),
-         [{^pid, value}] <- Registry.lookup(registry(pool), index) do
-      {:ok, if(match?({:channel, ^pid, _, _}, value), do: value, else: pid)}
-    else
-      _ -> :error
+    case Registry.values(registry(pool), index, pid) do
+      [{:channel, ^pid, _port, _table} = channel] -> {:ok, channel}
+      [_not_yet_published] -> {:ok, pid}
+      [] -> :error
     end
   rescue
     ArgumentError -> :error

@@ -525,7 +525,7 @@ defmodule VllmBridge.Runtime do
 
     case found do
       {:ok, index, via} ->
-        {:ok, %{pool: pool, worker: pid, index: index, session: ref.session, via: via}}
+        {:ok, %{pool: pool, worker: pid, index: index, session: ref.session, via: via, ref: ref}}
 
       :error ->
         {:error, stale(ref, pool)}
@@ -714,6 +714,7 @@ defmodule VllmBridge.Runtime do
       |> Map.get(:via, target.worker)
       |> Worker.request(id, frame, timeout)
       |> finish(target, session, id)
+      |> gone(target)
     end
   end
 
@@ -781,6 +782,17 @@ defmodule VllmBridge.Runtime do
   end
 
   defp finish({:error, _} = error, _target, _session, _id), do: error
+
+  # A ref's worker that had died before the call (Pool.route/3 does not ask
+  # whether it is alive): the ref is stale, whether or not the pool has
+  # replaced the worker yet.
+  defp gone(
+         {:error, %Error{category: :worker, details: %{reason: :noproc}}},
+         %{ref: ref} = target
+       ),
+       do: {:error, stale(ref, target.pool)}
+
+  defp gone(result, _target), do: result
 
   defp bad(message, term) do
     {:error, Error.new(:bad_args, message, details: %{term: term})}

@@ -146,6 +146,75 @@ defmodule VllmBridge.FaultsTest do
     assert_receive {:DOWN, ^monitor, :process, ^worker, _}, 5_000
   end
 
+  @tag :capture_log
+  @tag timeout: 60_000
+  test "through the channel: a request written after Python died is a :worker error",
+       %{test: test} do
+    # a registry of the test's own, where the worker publishes its channel
+    registry = :"#{test}.Registry"
+    start_supervised!({Registry, keys: :unique, name: registry})
+    name = {:via, Registry, {registry, 0}}
+    spec = {Worker, args: sample_args(), name: name, registry: {registry, 0}}
+    worker = start_supervised!(Supervisor.child_spec(spec, restart: :temporary))
+
+    {:ok, os_pid} = Worker.os_pid(worker)
+    assert [{:channel, ^worker, port, _} = channel] = Registry.values(registry, 0, worker)
+
+    # Python dies and its port closes while the worker cannot act on it; the
+    # request then finds a closed port, and hears from the worker once it can
+    :sys.suspend(worker)
+    monitor = Process.monitor(worker)
+    kill9(os_pid)
+    eventually(fn -> Port.info(port) == nil end, 5_000)
+    id = Worker.new_id()
+    call = Task.async(fn -> Worker.request(channel, id, ping_frame!(id, :late), 5_000) end)
+    assert Task.yield(call, 200) == nil
+    :sys.resume(worker)
+
+    assert {:error, %Error{category: :worker, message: message}} = Task.await(call)
+    assert message =~ "exited with status"
+    assert_receive {:DOWN, ^monitor, :process, ^worker, _}, 5_000
+  end
+
+  @tag :capture_log
+  @tag timeout: 60_000
+  test "a ref whose worker died a moment ago is stale, before the pool has noticed",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 1)
+    rt = [__runtime__: [pool: pool, worker: 0]]
+    {:ok, worker} = Pool.worker(pool, 0)
+    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+
+    # Hold the moment: the pool cannot restart the worker, and its registry
+    # still lists the dead one (the runtime does not ask whether it is alive).
+    [registry_partition] =
+      for {_, pid, _, _} <- Supervisor.which_children(Module.concat(pool, Registry)), do: pid
+
+    [workers_sup] = for {:workers, pid, _, _} <- Supervisor.which_children(pool), do: pid
+    :sys.suspend(registry_partition)
+    :sys.suspend(workers_sup)
+
+    try do
+      monitor = Process.monitor(worker)
+      Process.exit(worker, :kill)
+      assert_receive {:DOWN, ^monitor, :process, ^worker, :killed}, 5_000
+      assert {:ok, _} = Pool.route(pool, 0, worker)
+
+      assert {:error, %Error{category: :stale_ref, message: message}} =
+               Runtime.call_method(counter, "incr", [])
+
+      assert message =~ "Counter handle #{counter.id}"
+    after
+      :sys.resume(workers_sup)
+      :sys.resume(registry_partition)
+    end
+
+    # the pool goes on with a new worker; the ref stays stale
+    replacement(pool, 0, worker)
+    assert {:ok, :up} = Runtime.ping(:up, rt)
+    assert {:error, %Error{category: :stale_ref}} = Runtime.call_method(counter, "incr", [])
+  end
+
   # A ref crosses the wire as a bare handle id: the runtime checks every ref
   # among the arguments against the worker the call goes to, so a ref of
   # another worker, or a stale one, never names another object there.
