@@ -133,27 +133,33 @@ class Dispatcher:
             self._learn(frame, req)
         return reply
 
-    def run_planned(
-        self, frame: bytes, id_end: int, plan: CallPlan, turn: Turn
-    ) -> list[bytes | memoryview]:
-        """Run the request ``self.plans.find(frame)`` found (``id_end``, ``plan``) in its
-        turn, taken from ``plan.sequencer`` when the request was read; returns the reply's
-        bytes. The reply is the one :meth:`dispatch` would give; if a release has made the
-        plan stale, dispatch gives it."""
-        with turn:
-            if plan.epoch != self.registry.epoch:
-                return pb.encode_reply_chunks(self.dispatch(pb.decode_request(frame), _HELD))
-            try:
-                value = getattr(plan.obj, plan.method)()
-            except Exception as exc:
-                failure = _Failure("python", f"{type(exc).__name__}: {exc}", exc)
-                return pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
+    def run_planned(self, frame: bytes, id_end: int, plan: CallPlan) -> list[bytes | memoryview]:
+        """Run the request ``self.plans.find(frame)`` found (``id_end``, ``plan``) and
+        return the reply's bytes. The call takes its turn from ``plan.sequencer`` now, so
+        a transport runs it as soon as it reads it. The reply is the one :meth:`dispatch`
+        would give; if a release has made the plan stale, dispatch gives it."""
+        value, reply = plan.sequencer.run(self._run_plan, frame, plan)
+        if reply is not None:
+            return reply
         try:
             data = plan.codec.encode_pieces(value)
         except CodecError as exc:
             failure = _Failure("encode", f"the result cannot cross the bridge: {exc}")
             return pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
         return pb.value_reply_chunks(frame[:id_end], data)
+
+    def _run_plan(
+        self, frame: bytes, plan: CallPlan
+    ) -> tuple[Any, list[bytes | memoryview] | None]:
+        """The planned call, in its turn: ``(result, None)``, or ``(None, reply)`` when it
+        failed or the plan has gone stale."""
+        if plan.epoch != self.registry.epoch:
+            return None, pb.encode_reply_chunks(self.dispatch(pb.decode_request(frame), _HELD))
+        try:
+            return getattr(plan.obj, plan.method)(), None
+        except Exception as exc:
+            failure = _Failure("python", f"{type(exc).__name__}: {exc}", exc)
+            return None, pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
 
     def _learn(self, frame: bytes | bytearray | memoryview, req: pb.Request) -> None:
         """Make a plan for ``req`` if it is a call without arguments in the canonical

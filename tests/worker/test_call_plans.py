@@ -1,8 +1,9 @@
 """Call plans: a repeated call without arguments skips decoding, and answers as before.
 
 The dispatcher is driven the way the port transport drives it (``plans.find`` on the
-frame, the turn from the plan's sequencer, ``run_planned``), and once through the real
-``PortTransport``. Every planned reply is compared with what the full path answers.
+frame, then ``run_planned``, which takes the call's turn from the plan's sequencer), and
+once through the real ``PortTransport``. Every planned reply is compared with what the
+full path answers.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _planned(d: Dispatcher, frame: bytes) -> pb.Reply:
     found = d.plans.find(frame)
     assert found is not None, "no plan for this call"
     id_end, plan = found
-    return pb.decode_reply(b"".join(d.run_planned(frame, id_end, plan, plan.sequencer.turn())))
+    return pb.decode_reply(b"".join(d.run_planned(frame, id_end, plan)))
 
 
 def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
@@ -131,15 +132,12 @@ def test_a_planned_call_waits_for_its_turn() -> None:
     first = d.reserve(blocking)
     found = d.plans.find(_frame(4, handle, "incr"))
     assert found is not None
-    second = found[1].sequencer.turn()
     results: dict[str, pb.Reply] = {}
     threads = [
         threading.Thread(target=lambda: results.update(gate=d.dispatch(blocking, first))),
         threading.Thread(
             target=lambda: results.update(
-                incr=pb.decode_reply(
-                    b"".join(d.run_planned(_frame(4, handle, "incr"), *found, second))
-                )
+                incr=pb.decode_reply(b"".join(d.run_planned(_frame(4, handle, "incr"), *found)))
             )
         ),
     ]

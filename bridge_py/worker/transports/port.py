@@ -27,7 +27,8 @@ _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered read
 _JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
 
 # What the leader read: a decoded request, a planned call (where its id field ends, and
-# its plan) or an error reply; the request's turn; and the frame it came in.
+# its plan) or an error reply; the request's turn (a planned call takes its own as it
+# runs, right after); and the frame it came in.
 _Job = tuple[pb.Request | tuple[int, CallPlan] | pb.Reply, Turn | None, bytes | bytearray]
 
 
@@ -269,7 +270,7 @@ class PortTransport:
             return None
         planned = self._dispatcher.plans.find(frame)
         if planned is not None:
-            return planned, planned[1].sequencer.turn(), frame
+            return planned, None, frame  # it takes its turn as it runs, next
         try:
             req = pb.decode_request(frame)
         except pb.EnvelopeError as exc:
@@ -280,8 +281,8 @@ class PortTransport:
     def _run(self, job: _Job) -> None:
         message, turn, frame = job
         if type(message) is tuple:  # a planned call, the most common request
-            assert turn is not None and type(frame) is bytes
-            self._out.write(self._dispatcher.run_planned(frame, *message, turn))
+            assert type(frame) is bytes
+            self._out.write(self._dispatcher.run_planned(frame, *message))
         elif type(message) is pb.Request:
             reply = self._dispatcher.dispatch_frame(frame, message, turn)
             self._out.write(pb.encode_reply_chunks(reply))
