@@ -34,6 +34,16 @@ defmodule VllmBridge.FaultsTest do
 
   defp wait_pending(worker, n), do: eventually(fn -> pending(worker) == n end)
 
+  # A pool of one worker named after the test, its runtime options, that
+  # worker, and a Counter in it.
+  defp counter_in_one_worker(test) do
+    pool = start_pool!(:"#{test}", 1)
+    rt = [__runtime__: [pool: pool, worker: 0]]
+    {:ok, worker} = Pool.worker(pool, 0)
+    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+    {pool, rt, worker, counter}
+  end
+
   # The pid at `index` once it is another than `old`.
   defp replacement(pool, index, old) do
     eventually(fn ->
@@ -180,10 +190,7 @@ defmodule VllmBridge.FaultsTest do
   @tag timeout: 60_000
   test "a ref whose worker died a moment ago is stale, before the pool has noticed",
        %{test: test} do
-    pool = start_pool!(:"#{test}", 1)
-    rt = [__runtime__: [pool: pool, worker: 0]]
-    {:ok, worker} = Pool.worker(pool, 0)
-    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+    {pool, rt, worker, counter} = counter_in_one_worker(test)
 
     # Hold the moment: the pool cannot restart the worker, and its registry
     # still lists the dead one (the runtime does not ask whether it is alive).
@@ -255,10 +262,7 @@ defmodule VllmBridge.FaultsTest do
   @tag timeout: 30_000
   test "a call past its deadline: :timeout at the deadline, the late reply is dropped",
        %{test: test} do
-    pool = start_pool!(:"#{test}", 1)
-    rt = [__runtime__: [pool: pool, worker: 0]]
-    {:ok, worker} = Pool.worker(pool, 0)
-    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+    {_pool, rt, worker, counter} = counter_in_one_worker(test)
 
     # watch what the worker receives, to see the late reply arrive
     :erlang.trace(worker, true, [:receive])
