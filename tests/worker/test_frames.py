@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import struct
@@ -154,6 +155,18 @@ def test_an_oversized_frame_is_skipped_and_the_next_one_read() -> None:
         assert reader.read() == after
         assert reader.read() is None
     writer.join(30)
+
+
+def test_the_limit_holds_for_frames_that_arrive_whole_in_one_read() -> None:
+    # Small frames are sliced straight out of what one read returned; the limit must
+    # hold there too, not only for frames read in pieces.
+    over, after = b"y" * 40, b"ok"
+    data = struct.pack(">I", len(over)) + over + struct.pack(">I", len(after)) + after
+    reader = FrameReader(io.BufferedReader(io.BytesIO(data)), max_frame=16)
+    with pytest.raises(FrameTooLarge, match="40 bytes"):
+        reader.read()
+    assert reader.read() == after
+    assert reader.read() is None
 
 
 def test_a_frame_cut_short_by_the_end_of_input_is_not_returned() -> None:

@@ -67,12 +67,16 @@ class FrameWriter:
         elif len(payload) >= _JOIN_BELOW:
             self._write_pieces([payload])
             return
-        # A small frame (most replies): one buffer, one write.
-        data = _HEADER.pack(len(payload)) + payload
-        with self._lock:
+        # A small frame (most replies): one buffer, one write. (acquire/release, not
+        # ``with``: this is on every reply's path, and ``with`` costs ~0.3 us more here.)
+        data = len(payload).to_bytes(4, "big") + payload
+        self._lock.acquire()
+        try:
             written = os.write(self._fd, data)
             if written < len(data):
                 self._write_all([memoryview(data)[written:]])
+        finally:
+            self._lock.release()
 
     def _write_pieces(self, pieces: list[bytes | memoryview]) -> None:
         size = sum(len(p) for p in pieces)
@@ -110,9 +114,18 @@ class FrameReader:
         Raises :class:`FrameTooLarge` for a frame over the limit, after skipping it.
         """
         buf, pos = self._buf, self._pos
+        if pos == len(buf):
+            # Nothing buffered, the usual case between sequential requests: one read,
+            # and the frame is taken straight from it when it came whole.
+            buf = self._stream.read1(_READ_SIZE)
+            if not buf:
+                return None
+            self._buf, self._pos = buf, 0
+            pos = 0
         if len(buf) - pos >= 4:
-            end = pos + 4 + int.from_bytes(buf[pos : pos + 4], "big")
-            if end <= len(buf):
+            size = int.from_bytes(buf[pos : pos + 4], "big")
+            end = pos + 4 + size
+            if end <= len(buf) and size <= self._max_frame:
                 self._pos = end
                 return buf[pos + 4 : end]
         return self._read_more()
