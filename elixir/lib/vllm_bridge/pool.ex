@@ -235,8 +235,8 @@ defmodule VllmBridge.Pool do
   @spec route(name(), non_neg_integer(), pid()) :: {:ok, Worker.channel() | pid()} | :error
   def route(pool, index, pid) when is_integer(index) and is_pid(pid) do
     case Registry.values(registry(pool), index, pid) do
-      [{:channel, ^pid, _port, _table} = channel] -> {:ok, channel}
-      [_not_yet_published] -> {:ok, pid}
+      [nil] -> {:ok, pid}
+      [channel] -> {:ok, channel}
       [] -> :error
     end
   rescue

@@ -162,16 +162,10 @@ defmodule VllmBridge.Worker do
     :exit, {:timeout, _} ->
       GenServer.cast(worker, {:cancel, id})
 
-      {:error,
-       Error.new(:timeout, "no reply from the worker within #{timeout} ms",
-         details: %{worker: worker, id: id, timeout: timeout}
-       )}
+      {:error, timed_out(worker, id, timeout)}
 
     :exit, {reason, _} ->
-      {:error,
-       Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
-         details: %{worker: worker, reason: reason}
-       )}
+      {:error, not_running(worker, reason)}
   end
 
   @doc """
@@ -203,16 +197,10 @@ defmodule VllmBridge.Worker do
       :timeout ->
         GenServer.cast(worker, {:cancel, id})
 
-        {:error,
-         Error.new(:timeout, "no reply from the worker within #{timeout} ms",
-           details: %{worker: worker, id: id, timeout: timeout}
-         )}
+        {:error, timed_out(worker, id, timeout)}
 
       {:error, {reason, _}} ->
-        {:error,
-         Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
-           details: %{worker: worker, reason: reason}
-         )}
+        {:error, not_running(worker, reason)}
     end
   end
 
@@ -240,10 +228,7 @@ defmodule VllmBridge.Worker do
         result
 
       {:DOWN, ^tag, :process, _, reason} ->
-        {:error,
-         Error.new(:worker, "worker #{inspect(pid)} is not running (#{inspect(reason)})",
-           details: %{worker: pid, reason: reason}
-         )}
+        {:error, not_running(pid, reason)}
     after
       timeout ->
         leave(table, id)
@@ -251,10 +236,7 @@ defmodule VllmBridge.Worker do
         # A reply sent before the alias went is kept: it is the answer.
         forget(
           tag,
-          {:error,
-           Error.new(:timeout, "no reply from the worker within #{timeout} ms",
-             details: %{worker: pid, id: id, timeout: timeout}
-           )}
+          {:error, timed_out(pid, id, timeout)}
         )
     end
   end
@@ -273,6 +255,18 @@ defmodule VllmBridge.Worker do
     after
       0 -> error
     end
+  end
+
+  defp timed_out(worker, id, timeout) do
+    Error.new(:timeout, "no reply from the worker within #{timeout} ms",
+      details: %{worker: worker, id: id, timeout: timeout}
+    )
+  end
+
+  defp not_running(worker, reason) do
+    Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
+      details: %{worker: worker, reason: reason}
+    )
   end
 
   defp check_frame(frame) do
