@@ -235,19 +235,27 @@ class PortTransport:
         me = threading.get_ident()
         with self._lock:
             self._leader = me
-        while True:
-            job = self._next_job()
-            if job is None:
-                self._done.set()
-                return
-            self._job += 1  # only the leader writes these two
-            self._running = True
-            self._run(job)
-            with self._lock:
-                if self._leader != me:  # a standby took over while this call blocked
-                    self._threads -= 1
+        try:
+            while True:
+                job = self._next_job()
+                if job is None:
+                    self._done.set()
                     return
-                self._running = False
+                self._job += 1  # only the leader writes these two
+                self._running = True
+                self._run(job)
+                with self._lock:
+                    if self._leader != me:  # a standby took over while this call blocked
+                        return
+                    self._running = False
+        except BaseException:
+            # Only a broken output gets here (_next_job and _run answer everything
+            # else): nobody can hear us any more, so stop serving.
+            self._done.set()
+            raise
+        finally:
+            with self._lock:
+                self._threads -= 1
 
     def _stand_by(self) -> None:
         seen = -1
@@ -274,6 +282,7 @@ class PortTransport:
         """Read the next frame and take its turn (None at end of input); runs as the leader.
 
         A call the dispatcher has a plan for (``call_plans``) is not decoded at all.
+        Whatever goes wrong with a frame becomes its error reply.
         """
         try:
             frame = self._reader.read()
@@ -281,23 +290,41 @@ class PortTransport:
             return protocol_error(0, str(exc)), None, b""
         if frame is None:
             return None
-        planned = self._dispatcher.plans.find(frame)
-        if planned is not None:
-            return planned, None, frame  # it takes its turn as it runs, next
         try:
+            planned = self._dispatcher.plans.find(frame)
+            if planned is not None:
+                return planned, None, frame  # it takes its turn as it runs, next
             req = pb.decode_request(frame)
-        except pb.EnvelopeError as exc:
-            reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {exc}")
+        except Exception as exc:  # EnvelopeError, or a bug: a reply either way
+            reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {_why(exc)}")
             return reply, None, b""
-        return req, self._dispatcher.reserve(req), frame
+        return req, self._dispatcher.reserve(req), frame  # (reserve never raises)
 
     def _run(self, job: _Job) -> None:
+        """Run one job and write its reply. The dispatcher answers every request with a
+        reply; should anything else fail, the request still gets one (an error), and
+        a turn it holds is given back."""
         message, turn, frame = job
-        if type(message) is tuple:  # a planned call, the most common request
-            assert type(frame) is bytes
-            self._out.write(self._dispatcher.run_planned(frame, *message))
-        elif type(message) is pb.Request:
-            reply = self._dispatcher.dispatch_frame(frame, message, turn)
-            self._out.write(pb.encode_reply_chunks(reply))
-        else:  # an error found while reading
-            self._out.write(pb.encode_reply(message))
+        try:
+            if type(message) is tuple:  # a planned call, the most common request
+                assert type(frame) is bytes
+                reply = self._dispatcher.run_planned(frame, *message)
+            elif type(message) is pb.Request:
+                turn, held = None, turn  # dispatch_frame always uses the turn up
+                reply = pb.encode_reply_chunks(
+                    self._dispatcher.dispatch_frame(frame, message, held)
+                )
+            else:  # an error found while reading
+                reply = pb.encode_reply(message)
+        except Exception as exc:  # a bug of ours: the caller still hears
+            if turn is not None:
+                with turn:
+                    pass
+            request_id = message.id if type(message) is pb.Request else pb.peek_request_id(frame)
+            reply = pb.encode_reply(protocol_error(request_id, f"internal error: {_why(exc)}"))
+        self._out.write(reply)
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as a short reason: its message, or its type when it has none."""
+    return str(exc) or type(exc).__name__
