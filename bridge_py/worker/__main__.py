@@ -21,6 +21,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# Read by bridge_py.distributed.auth; the flag --require-auth-key sets it.
+REQUIRE_AUTH_ENV = "VLLM_BRIDGE_REQUIRE_AUTH_KEY"
+# How long exit hooks may run once the parent is gone: the whole exit stays within 2 s.
+_ORPHAN_GRACE = 1.0
+
 if TYPE_CHECKING:  # imported after the stdio switch: importing torch may print
     from bridge_py.worker.dispatcher import Dispatcher
     from bridge_py.worker.exports import ExportTable
@@ -94,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stdio", action="store_true", help="with --grpc: serve stdin/stdout frames too"
     )
+    parser.add_argument(
+        "--require-auth-key",
+        action="store_true",
+        help=f"refuse process groups and queues without an auth key (sets ${REQUIRE_AUTH_ENV}=1)",
+    )
     return parser
 
 
@@ -101,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, serve, exit without waiting on calls still blocked in Python."""
     args = _parser().parse_args(argv)
     use_stdio = args.grpc is None or args.stdio
+    if args.require_auth_key:
+        os.environ[REQUIRE_AUTH_ENV] = "1"  # the operator's policy, read where keys are
     proto_in, proto_out = _claim_stdio()
 
     from bridge_py.worker.dispatcher import Dispatcher
@@ -109,9 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     # Held here so the gRPC server lives as long as the process.
     grpc_server = _start_grpc(dispatcher, args) if args.grpc is not None else None
     if use_stdio:
+        from bridge_py.worker.parent_watch import watch_parent
         from bridge_py.worker.transports.polling_input import DEFAULT_SPIN, PollingInput
         from bridge_py.worker.transports.port import DEFAULT_MAX_FRAME, PortTransport
 
+        # Whoever started us is our client: once it is gone, so are we, even if stdin
+        # stays open or a call is stuck (see parent_watch).
+        watch_parent(lambda: _exit_promptly(grace=_ORPHAN_GRACE))
         spin = DEFAULT_SPIN if args.spin_us is None else args.spin_us * 1e-6
         PortTransport(
             dispatcher,
