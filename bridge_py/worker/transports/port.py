@@ -279,50 +279,51 @@ class PortTransport:
             return
 
     def _next_job(self) -> _Job | None:
-        """Read the next frame and take its turn (None at end of input); runs as the leader.
-
-        A call the dispatcher has a plan for (``call_plans``) is not decoded at all.
-        Whatever goes wrong with a frame becomes its error reply.
-        """
+        """Read the next frame and make it a job (None at end of input); runs as the leader."""
         try:
             frame = self._reader.read()
         except FrameTooLarge as exc:
             return protocol_error(0, str(exc)), None, b""
         if frame is None:
             return None
+        return self.job(frame)
+
+    def _run(self, job: _Job) -> None:
+        self._out.write(self.answer(job))
+
+    def job(self, frame: bytes | bytearray) -> _Job:
+        """What to do with one request frame, worked out as it is read: a planned call
+        (``call_plans``, not decoded at all), a decoded request holding its turn, or the
+        error reply to a frame that is not a request."""
         try:
             planned = self._dispatcher.plans.find(frame)
             if planned is not None:
-                return planned, None, frame  # it takes its turn as it runs, next
+                return planned, None, frame  # it takes its turn as it runs
             req = pb.decode_request(frame)
         except Exception as exc:  # EnvelopeError, or a bug: a reply either way
             reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {_why(exc)}")
             return reply, None, b""
         return req, self._dispatcher.reserve(req), frame  # (reserve never raises)
 
-    def _run(self, job: _Job) -> None:
-        """Run one job and write its reply. The dispatcher answers every request with a
-        reply; should anything else fail, the request still gets one (an error), and
-        a turn it holds is given back."""
+    def answer(self, job: _Job) -> bytes | list[bytes | memoryview]:
+        """Run a job from :meth:`job` and return its reply's bytes. Every job gets exactly
+        one reply: should anything but the call fail, the reply is an error, and a turn
+        the job holds is given back."""
         message, turn, frame = job
         try:
             if type(message) is tuple:  # a planned call, the most common request
                 assert type(frame) is bytes
-                reply = self._dispatcher.run_planned(frame, *message)
-            elif type(message) is pb.Request:
+                return self._dispatcher.run_planned(frame, *message)
+            if type(message) is pb.Request:
                 turn, held = None, turn  # dispatch_frame always uses the turn up
-                reply = pb.encode_reply_chunks(
-                    self._dispatcher.dispatch_frame(frame, message, held)
-                )
-            else:  # an error found while reading
-                reply = pb.encode_reply(message)
+                return pb.encode_reply_chunks(self._dispatcher.dispatch_frame(frame, message, held))
+            return pb.encode_reply(message)  # an error found while reading
         except Exception as exc:  # a bug of ours: the caller still hears
             if turn is not None:
                 with turn:
                     pass
             request_id = message.id if type(message) is pb.Request else pb.peek_request_id(frame)
-            reply = pb.encode_reply(protocol_error(request_id, f"internal error: {_why(exc)}"))
-        self._out.write(reply)
+            return pb.encode_reply(protocol_error(request_id, f"internal error: {_why(exc)}"))
 
 
 def _why(exc: BaseException) -> str:
