@@ -62,6 +62,14 @@ def _microseconds(text: str) -> float:
     return value
 
 
+def _threads(text: str) -> int:
+    """A thread limit of at least 2 (a leader and one call), for argparse."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bridge_py.worker", description=__doc__)
     parser.add_argument(
@@ -79,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MICROSECONDS",
         help="port: how long to keep reading for the next request before sleeping (200)",
+    )
+    parser.add_argument(
+        "--max-threads",
+        type=_threads,
+        default=None,
+        metavar="N",
+        help="port: threads for calls that block at once, the reader included (256); "
+        "past it, calls are refused as busy",
     )
     parser.add_argument(
         "--grpc",
@@ -123,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     if use_stdio:
         from bridge_py.worker.parent_watch import watch_parent
         from bridge_py.worker.transports.polling_input import DEFAULT_SPIN, PollingInput
-        from bridge_py.worker.transports.port import DEFAULT_MAX_FRAME, PortTransport
+        from bridge_py.worker.transports.port import (
+            DEFAULT_MAX_FRAME,
+            DEFAULT_MAX_THREADS,
+            PortTransport,
+        )
 
         # Whoever started us is our client: once it is gone, so are we, even if stdin
         # stays open or a call is stuck (see parent_watch).
@@ -134,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             PollingInput(proto_in, spin),
             proto_out,
             max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME,
+            max_threads=args.max_threads or DEFAULT_MAX_THREADS,
         ).serve()
         # stdin closed: the client is gone.
     else:

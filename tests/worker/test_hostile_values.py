@@ -8,6 +8,7 @@ these values, so an attacker would write them this way too.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 
 import msgpack
@@ -148,3 +149,52 @@ def test_unhashable_and_malformed_values_are_bad_args(worker: PortClient) -> Non
         assert error.category == "bad_args", what
         assert error.message, what
     _still_serving(worker, worker.proc.pid)
+
+
+def test_with_every_thread_blocked_calls_are_busy_and_the_rest_is_answered() -> None:
+    worker = PortClient("--max-threads", "4", exports=SAMPLE)
+    try:
+        planned = worker.create("Counter")
+        for _ in range(2):  # the second time from a call plan
+            worker.call(planned, "incr")
+        counters = [worker.create("Counter") for _ in range(3)]
+        blocked = [
+            worker.send(pb.CallMethod(c.handle, "wait_gate", PLAIN.encode([3.0]))) for c in counters
+        ]
+        # three calls hold three threads; the fourth reads on, with nobody behind it
+        time.sleep(0.5)
+        assert worker.request(pb.Ping(PLAIN.encode("up"))) == "up"
+        assert worker.request(pb.GetAttribute(planned.handle, "value")) == 2
+        refused = [
+            pb.CallMethod(planned.handle, "incr"),  # a planned call
+            pb.CallMethod(planned.handle, "incr", PLAIN.encode([5])),
+            pb.CallFunction("echo", PLAIN.encode([1])),
+            pb.CreateInstance("Counter"),
+        ]
+        for op in refused:
+            error = _error(worker, op)
+            assert error.category == "busy", op
+            assert "3 calls blocked" in error.message and "--max-threads 4" in error.message
+        assert worker.request(pb.GetAttribute(planned.handle, "value")) == 2  # not run
+        for rid in blocked:  # the gates time out: False
+            reply = worker.reply(rid, timeout=20)
+            assert reply.error is None and PLAIN.decode(reply.value) is False
+        deadline = time.monotonic() + 10
+        while True:  # the threads come back
+            reply = worker.reply(worker.send(pb.CallMethod(planned.handle, "incr")))
+            if reply.error is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert reply.error is None and PLAIN.decode(reply.value) == 3
+    finally:
+        worker.close()
+
+
+def test_max_threads_below_two_is_refused_at_start() -> None:
+    worker = PortClient("--max-threads", "1", exports=SAMPLE)
+    try:
+        assert worker.proc.wait(60) == 2
+        worker.stderr.seek(0)
+        assert b"--max-threads: must be at least 2, got 1" in worker.stderr.read()
+    finally:
+        worker.close()

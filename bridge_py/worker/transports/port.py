@@ -21,6 +21,9 @@ from bridge_py.worker.dispatcher import Dispatcher, protocol_error
 from bridge_py.worker.sequencer import Turn
 
 DEFAULT_MAX_FRAME = 1 << 31  # 2 GiB
+DEFAULT_MAX_THREADS = 256
+# Operations that run exported code, which may block (a barrier, a recv).
+_MAY_BLOCK = (pb.CallMethod, pb.CallFunction, pb.CreateInstance)
 _HEADER = struct.Struct(">I")
 _READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
 _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
@@ -196,6 +199,12 @@ class PortTransport:
     Method calls on one object still run in arrival order: each takes its turn
     (``Dispatcher.reserve``) when the leader reads it.
 
+    At most ``max_threads`` threads serve, the leader included. When all the others
+    are blocked in calls, no standby is left to take over from the leader, so the
+    leader runs no call that could block: it refuses calls, functions and constructors
+    with a ``busy`` error and still answers everything else (a ping, a release), until
+    a blocked call returns and gives its thread back.
+
     The leader marks the start of a request without a lock (it alone writes those
     fields); the end of a request, where the leader learns whether it was replaced,
     and a takeover both hold ``_lock``, so exactly one thread reads at a time.
@@ -208,7 +217,7 @@ class PortTransport:
         out_fd: int,
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
-        max_threads: int = 256,
+        max_threads: int = DEFAULT_MAX_THREADS,
         takeover_after: float = 0.01,
     ) -> None:
         self._dispatcher = dispatcher
@@ -221,6 +230,9 @@ class PortTransport:
         self._running = False  # the leader is inside a request
         self._job = 0  # requests started by leaders so far
         self._threads = 0
+        # Whether a standby stands behind the leader: not when max_threads are taken, and
+        # then the leader runs no call that may block (see job).
+        self._spare = True
         self._done = threading.Event()
 
     def serve(self) -> None:
@@ -270,7 +282,7 @@ class PortTransport:
                 # The leader has been in one request for a whole period: take over.
                 self._leader = threading.get_ident()
                 self._running = False
-                hire = self._threads < self._max_threads
+                hire = self._spare = self._threads < self._max_threads
                 if hire:
                     self._threads += 1
             if hire:
@@ -278,8 +290,20 @@ class PortTransport:
             self._lead()
             return
 
+    def _rehire(self) -> None:
+        """Put a standby behind the leader again once a blocked call has given its thread
+        back; runs as the leader."""
+        with self._lock:
+            hire = self._spare = self._threads < self._max_threads
+            if hire:
+                self._threads += 1
+        if hire:
+            threading.Thread(target=self._stand_by, name="bridge-standby", daemon=True).start()
+
     def _next_job(self) -> _Job | None:
         """Read the next frame and make it a job (None at end of input); runs as the leader."""
+        if not self._spare:
+            self._rehire()
         try:
             frame = self._reader.read()
         except FrameTooLarge as exc:
@@ -294,16 +318,28 @@ class PortTransport:
     def job(self, frame: bytes | bytearray) -> _Job:
         """What to do with one request frame, worked out as it is read: a planned call
         (``call_plans``, not decoded at all), a decoded request holding its turn, or the
-        error reply to a frame that is not a request."""
+        error reply to a frame that is not a request, or to a call that may block while
+        every thread but the leader's is blocked (``busy``: the call is not run)."""
         try:
             planned = self._dispatcher.plans.find(frame)
             if planned is not None:
+                if not self._spare:
+                    return self._busy(pb.peek_request_id(frame)), None, b""
                 return planned, None, frame  # it takes its turn as it runs
             req = pb.decode_request(frame)
         except Exception as exc:  # EnvelopeError, or a bug: a reply either way
             reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {_why(exc)}")
             return reply, None, b""
+        if not self._spare and type(req.op) in _MAY_BLOCK:
+            return self._busy(req.id), None, b""
         return req, self._dispatcher.reserve(req), frame  # (reserve never raises)
+
+    def _busy(self, request_id: int) -> pb.Reply:
+        message = (
+            f"the worker has {self._max_threads - 1} calls blocked (its limit, --max-threads "
+            f"{self._max_threads}); this call was not run: try again once one returns"
+        )
+        return pb.Reply(id=request_id, error=pb.Error(category="busy", message=message))
 
     def answer(self, job: _Job) -> bytes | list[bytes | memoryview]:
         """Run a job from :meth:`job` and return its reply's bytes. Every job gets exactly
