@@ -15,6 +15,8 @@ from bridge_py.client import BridgeError
 from tests.distributed.harness import free_port
 from tests.grpc.conftest import GrpcWorker
 
+pytestmark = pytest.mark.timeout(180)
+
 
 def test_two_rank_group_over_grpc() -> None:
     workers = [GrpcWorker(exports=None), GrpcWorker(exports=None)]

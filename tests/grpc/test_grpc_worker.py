@@ -134,6 +134,8 @@ _KILLED_CLIENT = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 from bridge_py.client import connect
+
+pytestmark = pytest.mark.timeout(120)
 client = connect(sys.argv[1])
 print("calling", flush=True)
 client.call_function("sleep", 30.0)
