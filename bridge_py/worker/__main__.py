@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported after the stdio switch: importing torch may print
     from bridge_py.worker.dispatcher import Dispatcher
     from bridge_py.worker.exports import ExportTable
+    from bridge_py.worker.transports.grpc_credentials import Token
 
 
 def _claim_stdio() -> tuple[int, int]:
@@ -210,11 +211,9 @@ def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:
     return serving.server
 
 
-def _say_how_to_connect(target: str, token: object) -> None:
+def _say_how_to_connect(target: str, token: Token | None) -> None:
     """One stderr line on where the server is and which credential it requires."""
-    from bridge_py.worker.transports.grpc_credentials import Token
-
-    if not isinstance(token, Token):
+    if token is None:
         how = "socket mode 0600: this user only, no token"
     elif token.written_to is not None:
         how = (

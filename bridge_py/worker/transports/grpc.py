@@ -188,7 +188,7 @@ class _TokenCheck(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+        for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if hmac.compare_digest(given, self._expected):
