@@ -19,6 +19,8 @@ from bridge_py.worker.codec import PLAIN, Atom, RefValue
 from tests.grpc.conftest import ROOT, SAMPLE, GrpcWorker
 from tests.worker.port_client import PortClient, WorkerError
 
+pytestmark = pytest.mark.timeout(120)
+
 
 def test_ping_describe_and_values(grpc_worker: GrpcWorker) -> None:
     with grpc_worker.connect() as client:
@@ -134,8 +136,6 @@ _KILLED_CLIENT = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 from bridge_py.client import connect
-
-pytestmark = pytest.mark.timeout(120)
 client = connect(sys.argv[1])
 print("calling", flush=True)
 client.call_function("sleep", 30.0)
