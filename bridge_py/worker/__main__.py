@@ -29,6 +29,7 @@ _ORPHAN_GRACE = 1.0
 if TYPE_CHECKING:  # imported after the stdio switch: importing torch may print
     from bridge_py.worker.dispatcher import Dispatcher
     from bridge_py.worker.exports import ExportTable
+    from bridge_py.worker.transports.grpc_credentials import Token
 
 
 def _claim_stdio() -> tuple[int, int]:
@@ -70,6 +71,17 @@ def _threads(text: str) -> int:
     return value
 
 
+class _RefuseToken(argparse.Action):
+    """``--token`` is gone: a token in argv shows in ``ps`` and ``/proc/*/cmdline``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kw: object) -> None:
+        parser.error(
+            "--token is not accepted: a token on the command line is visible to every "
+            "local user (ps, /proc/*/cmdline). Set $VLLM_BRIDGE_TOKEN, or use --token-file "
+            "PATH (a file only you can read)"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bridge_py.worker", description=__doc__)
     parser.add_argument(
@@ -98,19 +110,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--grpc",
-        metavar="HOST:PORT",
-        help="serve gRPC (port 0: any free port); loopback only unless a token is given",
+        metavar="HOST:PORT|unix:PATH",
+        help="serve gRPC (port 0: any free port); TCP needs a token, unix:PATH is made 0600",
     )
     parser.add_argument(
         "--token",
+        nargs="?",
+        action=_RefuseToken,
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
         default=None,
-        help="gRPC: the shared token every call must carry (default: $VLLM_BRIDGE_TOKEN)",
+        metavar="PATH",
+        help="gRPC: the token every call must carry, in a file only its owner can read; "
+        "a missing file is created with a generated token (default: $VLLM_BRIDGE_TOKEN, "
+        "else a generated token in a private file whose path is printed)",
     )
     parser.add_argument(
         "--max-message-bytes", type=int, default=None, help="gRPC: message size limit (256 MiB)"
     )
     parser.add_argument(
-        "--port-file", type=Path, help="gRPC: write the bound port here once serving"
+        "--port-file",
+        type=Path,
+        help="gRPC: write the bound port here once serving (0 on a unix socket)",
     )
     parser.add_argument(
         "--stdio", action="store_true", help="with --grpc: serve stdin/stdout frames too"
@@ -185,33 +209,57 @@ def _exit_promptly(grace: float = 2.0) -> None:
 
 
 def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:
-    """Start the gRPC server (exit with status 2 and a message if it cannot)."""
-    from bridge_py.worker.transports.grpc import (
-        DEFAULT_MAX_MESSAGE,
-        TOKEN_ENV,
-        InsecureBinding,
-        serve_grpc,
-        split_address,
+    """Start the gRPC server (exit with status 2 and a message if it cannot).
+
+    Its credential comes from ``grpc_credentials.find_token``; a generated token's
+    file is named on stderr (never the token itself).
+    """
+    from bridge_py.worker.transports.grpc import DEFAULT_MAX_MESSAGE, serve_grpc
+    from bridge_py.worker.transports.grpc_credentials import (
+        CredentialError,
+        find_token,
+        remove_generated,
+        unix_path,
     )
 
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    token = None
     try:
-        server, port = serve_grpc(
+        socket_path = unix_path(args.grpc)
+        token = find_token(args.token_file, os.environ, required=socket_path is None)
+        serving = serve_grpc(
             dispatcher,
             args.grpc,
-            token=token,
+            token=token.value if token else None,
             max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE,
         )
-    except (InsecureBinding, OSError, ValueError) as exc:
+    except (CredentialError, OSError, ValueError) as exc:
+        if token is not None:
+            remove_generated(token)
         print(f"bridge_py.worker: {exc}", file=sys.stderr, flush=True)
         os._exit(2)
-    host, _ = split_address(args.grpc)
-    print(f"bridge_py.worker: serving gRPC on {host}:{port}", file=sys.stderr, flush=True)
+    atexit.register(serving.remove_socket)
+    if token is not None:
+        atexit.register(remove_generated, token)
+    _say_how_to_connect(serving.target, token)
     if args.port_file is not None:
         tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
+        tmp.write_text(str(serving.port))
         tmp.replace(args.port_file)
-    return server
+    return serving.server
+
+
+def _say_how_to_connect(target: str, token: Token | None) -> None:
+    """One stderr line on where the server is and which credential it requires."""
+    if token is None:
+        how = "socket mode 0600: this user only, no token"
+    elif token.written_to is not None:
+        how = (
+            f"generated token written to {token.written_to} (anyone who can read it can "
+            f"run code in this worker; clients send it as 'authorization: Bearer <token>')"
+        )
+    else:
+        how = f"token from {token.source} required"
+    print(f"bridge_py.worker: serving gRPC on {target}; {how}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
