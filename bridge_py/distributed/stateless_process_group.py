@@ -116,7 +116,10 @@ class StatelessProcessGroup(BoardPaths):
         self._exchanged = [0, 0]
         self._outbox = [keys.p2p_queue(self.rank, dst) for dst in range(self.world_size)]
         self._others = [r for r in range(self.world_size) if r != self.rank]
-        self._auth_key: bytes | None = resolve_key(None)
+        # create() sets the key it resolved before constructing (so that with the operator's
+        # VLLM_BRIDGE_REQUIRE_AUTH_KEY an explicit key is not asked for again here).
+        preset = self.__dict__.get("_auth_key")
+        self._auth_key: bytes | None = preset if preset is not None else resolve_key(None)
         # Keys this rank has read and may delete, handed at its next store operation (after
         # a write, or before a wait) to the reaper, which deletes them on its own thread.
         self._trash: list[str] = []
@@ -156,6 +159,10 @@ class StatelessProcessGroup(BoardPaths):
         ``$VLLM_BRIDGE_AUTH_KEY`` (None when unset or empty); ``create(..., auth_key=...)``
         sets it, and so can assigning bytes or a str (UTF-8) before the first operation.
         Assigning None goes back to the environment variable. All ranks need the same key.
+        The operator's environment wins (``auth.resolve_key``): with ``$VLLM_BRIDGE_AUTH_KEY``
+        set, another key raises AuthenticationError, and with
+        ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`` so does going without one (also when the group is
+        constructed directly).
         """
         return self._auth_key
 
@@ -866,6 +873,10 @@ class StatelessProcessGroup(BoardPaths):
 
         ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
         set) authenticates every value the group stores: all ranks must give the same key.
+        When the environment sets ``$VLLM_BRIDGE_AUTH_KEY`` (the operator's key), an
+        ``auth_key`` that differs from it raises AuthenticationError (a RuntimeError) before
+        anything is served or joined; so does creating a group without any key when
+        ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``.
         """
         validate_rank(rank, world_size)
         key = resolve_key(auth_key)  # a bad key fails before anything is served
@@ -884,14 +895,16 @@ class StatelessProcessGroup(BoardPaths):
                 with contextlib.suppress(OSError):
                     sock.close()
             raise
-        group = StatelessProcessGroup(
+        # The key resolved above goes in before __post_init__, which then keeps it.
+        group = StatelessProcessGroup.__new__(StatelessProcessGroup)
+        group._auth_key = key
+        group.__init__(  # type: ignore[misc]
             rank=rank,
             world_size=world_size,
             store=store,
             socket=sock,
             data_expiration_seconds=data_expiration_seconds,
         )
-        group._auth_key = key
         return group
 
 
