@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import sys
 from collections import namedtuple
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.cpu_communicator import CpuCommunicator
+from bridge_py.distributed.device_communicators.shm_ring import attach_segment
 from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
 
 __all__ = [
@@ -1126,20 +1126,6 @@ def _group_info(pg: ProcessGroup | StatelessProcessGroup) -> tuple[int, int, lis
     return pg.rank, pg.world_size, list(range(pg.world_size))
 
 
-def _attach_without_tracking(name: str) -> shared_memory.SharedMemory:
-    """Open a segment another process created, without this process's resource tracker
-    claiming it (before Python 3.13, attaching registers the segment, and the tracker
-    unlinks it when this process exits). The same workaround as vLLM's."""
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        return shared_memory.SharedMemory(name=name)
-    finally:
-        resource_tracker.register = register  # type: ignore[assignment]
-
-
 def in_the_same_node_as(
     pg: ProcessGroup | StatelessProcessGroup, source_rank: int = 0
 ) -> list[bool]:
@@ -1178,7 +1164,7 @@ def in_the_same_node_as(
             name = share(None)
             if name is not None:
                 with contextlib.suppress(OSError):
-                    shm = _attach_without_tracking(name)
+                    shm = attach_segment(name)  # checked: this user's file only
                     if bytes(shm.buf[: len(magic)]) == magic:
                         flags[rank] = 1
     finally:

@@ -70,6 +70,7 @@ from bridge_py.distributed.device_communicators.shm_wait import (
     pid_namespace,
     process_alive,
 )
+from bridge_py.distributed.shm_files import open_peer_file
 from bridge_py.distributed.spg_segments import NAME_PREFIX, SHM_DIR, unlink
 
 __all__ = [
@@ -187,7 +188,8 @@ class Board:
         self._lock_fd = -1
         self._fd = -1
         self._named = True
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(os.path.join(SHM_DIR, self.name), flags, 0o600)
         try:
             os.ftruncate(fd, self.layout.size)
             # The pages written through the mapping are allocated now, so that a full
@@ -216,7 +218,7 @@ class Board:
         try:
             os.mkfifo(bell, 0o600)
             # Read and write: the doorbell never reports end of file and opening never blocks.
-            self._own_bell = os.open(bell, os.O_RDWR | os.O_NONBLOCK)
+            self._own_bell = open_peer_file(bell, os.O_RDWR | os.O_NONBLOCK, fifo=True)
         except BaseException:
             self.close()
             raise
@@ -236,7 +238,10 @@ class Board:
         """Open the boards (and doorbells) ``names`` of all ranks not open yet; return the
         ranks whose board was gone (only with ``missing_ok``: the rank has closed its group).
 
-        Raises BoardError naming the rank whose board is missing or malformed.
+        Each file is checked before it is mapped or rung (``shm_files.open_peer_file``: no
+        link, this user's, a regular file or, for a doorbell, a FIFO, writable by this user
+        only). Raises BoardError naming the rank and the file whose board is missing,
+        malformed or refused by those checks.
         """
         gone = []
         for src, name in enumerate(names):
@@ -244,16 +249,21 @@ class Board:
                 continue
             if not BOARD_PATTERN.match(name):
                 raise BoardError(f"rank {src} named a board {name!r} that is not one")
+            board = None
             try:
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
                 try:
                     if os.fstat(fd).st_size != self.layout.size:
                         raise ValueError("its size is not that of a board of this group")
                     board = mmap.mmap(fd, self.layout.size)
-                    bell = os.open(
-                        os.path.join(SHM_DIR, _bell_name(name)), os.O_WRONLY | os.O_NONBLOCK
+                    bell = open_peer_file(
+                        os.path.join(SHM_DIR, _bell_name(name)),
+                        os.O_WRONLY | os.O_NONBLOCK,
+                        fifo=True,
                     )
                 except BaseException:
+                    if board is not None:
+                        board.close()
                     os.close(fd)
                     raise
                 if src == 0:

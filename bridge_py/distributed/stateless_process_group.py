@@ -543,9 +543,11 @@ class StatelessProcessGroup(BoardPaths):
         key = keys.broadcast_value(rank, self.broadcast_send_counter)
         value, segment = self._dumps(key, obj, self._all_local)
         names, values = [key], [value]
+        card = b""
         if probing:
             names.append(keys.gather_node(rank, self.broadcast_send_counter))
-            values.append(self._node_card())
+            card = self._node_card()
+            values.append(self._seal_card(names[-1], card))
         if probing:
             self.store.multi_set(names, values)
         else:
@@ -569,8 +571,9 @@ class StatelessProcessGroup(BoardPaths):
         self._release_own_gather()
         self._own_gather = [(key, segment)] + [(name, None) for name in names[1:]]
         if probing:
-            nodes = dict(zip(others, got[len(others) :], strict=True))
-            nodes[rank] = values[1]
+            cards = zip(others, wanted[len(others) :], got[len(others) :], strict=True)
+            nodes = {src: self._open_card(name, data, src) for src, name, data in cards}
+            nodes[rank] = card
             self._learn_nodes([nodes[r] for r in range(self.world_size)])
         result: list[Any] = []
         for src in range(self.world_size):
@@ -747,6 +750,20 @@ class StatelessProcessGroup(BoardPaths):
         if any(self._local[r] for r in range(self.world_size) if r != self.rank):
             spg_segments.remove_orphans()
 
+    def _seal_card(self, key: str, card: bytes) -> bytes:
+        """This rank's node card as stored under ``key``: sealed like a value (with a key).
+
+        A card decides whether ranks pass each other segments and meet on boards: with a
+        key, one forged by whoever can write the store must not be believed.
+        """
+        return seal_payload(self._auth_key, _context(key), card)
+
+    def _open_card(self, key: str, data: bytes, src: int) -> bytes:
+        """Rank ``src``'s node card read from ``key``; AuthenticationError if forged (with a
+        key), naming the key and the rank."""
+        what = f"the node card {key!r} of rank {src} (read by rank {self.rank})"
+        return bytes(open_payload(self._auth_key, _context(key), data, what))
+
     def _barrier_hooks(self, barrier_id: int) -> BarrierHooks:
         """Deferred deletes while waiting, own values once all arrived, the node probe."""
 
@@ -772,11 +789,15 @@ class StatelessProcessGroup(BoardPaths):
             if self.store.check(others):
                 got = iter(self.store.multi_get(others))
                 self._learn_nodes(
-                    [identity if r == self.rank else next(got) for r in range(self.world_size)]
+                    [
+                        identity if r == self.rank else self._open_card(node_keys[r], next(got), r)
+                        for r in range(self.world_size)
+                    ]
                 )
 
+        sealed = self._seal_card(node_keys[self.rank], identity)
         return BarrierHooks(
-            before_arrival=lambda: self.store.set(node_keys[self.rank], identity),
+            before_arrival=lambda: self.store.set(node_keys[self.rank], sealed),
             while_waiting=self._flush,
             all_arrived=probe,
             delete_when_all_departed=node_keys,
