@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
@@ -50,6 +49,7 @@ _MAX_PARAMS = 4
 # op, error flag, dtype, ndim, shape slots, parameter slots
 _WIDTH = 4 + _MAX_DIMS + _MAX_PARAMS
 _ANY = -2  # a shape entry that may differ between ranks (the gathered dim of all_gatherv)
+_MAX_TEXT = 4096  # bytes of a rank's complaint shared with the others
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
@@ -192,10 +192,7 @@ class Agreement:
         self, signature: Signature, rows: list[list[int]], error: Exception | None
     ) -> None:
         # Rare path: share the complaints so that every rank can say what went wrong.
-        messages: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(
-            messages, None if error is None else str(error), group=self.cpu_group
-        )
+        messages = self._gather_texts("" if error is None else str(error))
         if error is not None:
             raise error
         culprits = [f"{self.who(r)}: {messages[r]}" for r in range(self.world_size) if rows[r][1]]
@@ -203,6 +200,30 @@ class Agreement:
             f"{signature.op} in {self.label} was not run because other ranks rejected "
             f"their arguments: " + "; ".join(culprits)
         )
+
+    def _gather_texts(self, text: str) -> list[str]:
+        """Every rank's ``text`` (its first :data:`_MAX_TEXT` bytes), in rank order.
+
+        UTF-8 bytes in tensors (a size, then the bytes), not torch's ``all_gather_object``:
+        that would unpickle what arrives on the group's connection, and these messages are
+        only text.
+        """
+        data = text.encode()[:_MAX_TEXT]
+        sizes = torch.empty(self.world_size, dtype=torch.int64)
+        all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), self.cpu_group)
+        lengths = [min(max(int(n), 0), _MAX_TEXT) for n in sizes.tolist()]
+        longest = max(lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        table = torch.empty(self.world_size * longest, dtype=torch.uint8)
+        if longest:
+            all_gather_into(table, mine, self.cpu_group)
+        rows = table.view(self.world_size, longest)
+        return [
+            rows[r, : lengths[r]].numpy().tobytes().decode(errors="replace")
+            for r in range(self.world_size)
+        ]
 
     def _first_mismatch(self, signature: Signature, rows: list[list[int]]) -> str | None:
         first = rows[0]
