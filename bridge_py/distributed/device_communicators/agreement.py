@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
@@ -204,25 +205,27 @@ class Agreement:
     def _gather_texts(self, text: str) -> list[str]:
         """Every rank's ``text`` (its first :data:`_MAX_TEXT` bytes), in rank order.
 
-        UTF-8 bytes in tensors (a size, then the bytes), not torch's ``all_gather_object``:
-        that would unpickle what arrives on the group's connection, and these messages are
-        only text.
+        Sizes, then the bytes padded to the longest (as torch's ``all_gather_object`` sends
+        them), decoded as UTF-8: never unpickled, since these messages are only text and
+        anyone who can inject into the group's connection would choose the bytes.
         """
         data = text.encode()[:_MAX_TEXT]
-        sizes = torch.empty(self.world_size, dtype=torch.int64)
-        all_gather_into(sizes, torch.tensor([len(data)], dtype=torch.int64), self.cpu_group)
-        lengths = [min(max(int(n), 0), _MAX_TEXT) for n in sizes.tolist()]
+        world = self.world_size
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group)
+        lengths = [int(size.item()) for size in sizes]
         longest = max(lengths)
+        if min(lengths) < 0 or longest > _MAX_TEXT:
+            # Not what a rank sends: say so rather than allocate what a forged size asks for.
+            return ["(a complaint that is not one: its size is out of range)"] * world
         mine = torch.zeros(longest, dtype=torch.uint8)
         if data:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        table = torch.empty(self.world_size * longest, dtype=torch.uint8)
-        if longest:
-            all_gather_into(table, mine, self.cpu_group)
-        rows = table.view(self.world_size, longest)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(parts, mine, group=self.cpu_group)
         return [
-            rows[r, : lengths[r]].numpy().tobytes().decode(errors="replace")
-            for r in range(self.world_size)
+            part[:length].numpy().tobytes().decode(errors="replace")
+            for part, length in zip(parts, lengths, strict=True)
         ]
 
     def _first_mismatch(self, signature: Signature, rows: list[list[int]]) -> str | None:
