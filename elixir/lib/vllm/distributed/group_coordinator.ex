@@ -218,7 +218,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
   objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
-  objects travel on this group's CPU group (vLLM uses the device group).
+  objects travel on this group's CPU group (vLLM uses the device group); with an auth
+  key, sealed as one list (see the module docstring).
 
   ## Parameters
 
