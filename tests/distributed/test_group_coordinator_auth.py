@@ -8,7 +8,8 @@ operations, a pickle whose unpickling would create a marker file: unsealed, seal
 another key, or a genuine sealed value replayed at a later position. Each is refused with
 AuthenticationError naming what was refused, the marker never appears, and the group goes on.
 The agreement that precedes collectives shares a rank's complaint with the others as text,
-so a pickle injected there is never unpickled either (with or without a key).
+so a pickle injected there is never unpickled either (with or without a key); and a
+MessageQueue made with a key over a torch group seals the objects of its set-up too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bridge_py.distributed import auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators.agreement import CHECK_ENV, Signature
 from bridge_py.distributed.device_communicators.shm_allreduce import ENABLE_ENV
+from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 from bridge_py.distributed.parallel_state import GroupCoordinator, in_the_same_node_as
 from tests.distributed import test_group_coordinator_mq, test_group_coordinator_p2p
@@ -200,3 +202,39 @@ def test_the_agreements_complaint_exchange_unpickles_nothing(tmp_path: Path) -> 
     first, _ = run_ranks(_complaint_attacked, 2, free_port(), str(marker), timeout=90)
     assert "invalid dst rank (5)" in first
     assert not marker.exists(), "a rank unpickled an injected complaint"
+
+
+def _queue_probe_attacked(rank: int, port: int, marker: str) -> str:
+    """Rank 1 makes a keyed queue over a torch group; rank 0 answers its probe with a pickle."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    pg = dist.new_group([0, 1], backend="gloo")
+    message = ""
+    if rank == 0:  # what the queue's writer would broadcast first: its probe's name
+        _raw_broadcast_pg(pg, pickle.dumps(Evil(marker)), 0)
+    else:
+        try:
+            MessageQueue.create_from_process_group(pg, 4096, 2, writer_rank=0, auth_key=KEY)
+        except Exception as exc:  # whichever way it fails, the marker tells what ran
+            message = f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group()
+    return message
+
+
+def _raw_broadcast_pg(pg: dist.ProcessGroup, data: bytes, src: int) -> None:
+    """Size, then bytes, broadcast with the group's own methods (group rank ``src``)."""
+    pg.broadcast(torch.tensor([len(data)], dtype=torch.int64), src).wait()
+    pg.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src).wait()
+
+
+def test_a_keyed_queue_over_a_torch_group_refuses_an_injected_probe(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    _, message = run_ranks(_queue_probe_attacked, 2, free_port(), str(marker), timeout=90)
+    assert not marker.exists(), "the queue's probe unpickled an injected object"
+    assert message.startswith("AuthenticationError: refused an object from rank 0"), message
+    assert "not authenticated" in message, message

@@ -594,7 +594,7 @@ class MessageQueue:
         ``wait_until_ready`` later, once the writer is waiting too.
         """
         key = resolve_key(auth_key)
-        group = object_group(pg)
+        group = object_group(pg, key)
         if not 0 <= writer_rank < group.world_size:
             raise ValueError(f"writer_rank must be in [0, {group.world_size}), got {writer_rank}")
         context = _handle_context(writer_rank)
