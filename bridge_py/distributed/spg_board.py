@@ -49,6 +49,14 @@ the names once every other rank has opened them (after the first gather on the b
 mappings live on until the group is closed. A rank that waits checks every
 :data:`LIVENESS_PERIOD` seconds whether the ranks it waits for still run, so a killed peer
 is reported at once instead of after the store's timeout.
+
+What a rank trusts: a board or doorbell it opens (named in another rank's node card) must be
+a file of its own user that only this user may write, and not a link (``shm_files``), or it
+is refused naming the file; a board's values are then unpickled as they are on the store
+without a key. With an auth key no value goes on a board at all: all_gather_obj, messages
+and broadcasts take the store, where they carry tags, and the node cards that name the
+boards are tagged too; ranks still meet on their boards for barriers, whose counters and
+failure text are never unpickled.
 """
 
 from __future__ import annotations
