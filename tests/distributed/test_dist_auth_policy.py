@@ -3,13 +3,15 @@
 Every place that accepts a key goes through ``auth.resolve_key``; these tests call each of
 them (StatelessProcessGroup.create, its ``auth_key`` setter and constructor, MessageQueue's
 constructor and both of its factories, shm_serialization) with a key other than the
-operator's, and without any key under the require switch. Real stores and real queues; the
-worker-level attack is in tests/worker/test_auth_policy.py.
+operator's, and without any key under the require switch (GroupCoordinator, which takes
+its key from the environment only, under the switch). Real stores, queues and gloo groups;
+the worker-level attack is in tests/worker/test_auth_policy.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +21,7 @@ from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators import shm_serialization
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +113,8 @@ def test_every_entry_point_refuses_a_key_other_than_the_operators(
         with pytest.raises(AuthenticationError) as info:
             _close(attempt(OTHER))
         message = str(info.value)
-        assert "refused auth_key" in message and auth.ENV_VAR in message, (name, message)
+        param = "key" if name in ("dumps", "loads") else "auth_key"  # the parameter's name
+        assert f"refused {param}:" in message and auth.ENV_VAR in message, (name, message)
         assert OPERATOR not in message and OTHER.decode() not in message, name
     # The operator's key, given explicitly or not at all, is accepted everywhere.
     for name, attempt in refusals.items():
@@ -138,3 +142,40 @@ def test_require_auth_key_refuses_every_keyless_entry_point(
     assert group.auth_key == OTHER and group.broadcast_obj(3, 0) == 3
     _close(group)
     _close(store_group)
+
+
+def _coordinator_policy(rank: int, port: int) -> list[str]:
+    """In a fresh process: a GroupCoordinator under the require switch, without and with a key."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from bridge_py.distributed.parallel_state import GroupCoordinator
+
+    os.environ.pop(auth.ENV_VAR, None)
+    os.environ[auth.REQUIRE_ENV_VAR] = "1"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    seen = []
+    try:
+        GroupCoordinator([[0]], 0, "gloo", False, group_name="strict")
+    except AuthenticationError as exc:
+        seen.append(str(exc))
+    os.environ[auth.ENV_VAR] = OPERATOR
+    group = GroupCoordinator([[0]], 0, "gloo", False, group_name="strict")
+    seen.append(str(group.broadcast_object("fine")))
+    group.destroy()
+    dist.destroy_process_group()
+    return seen
+
+
+def test_require_auth_key_refuses_a_keyless_group_coordinator() -> None:
+    (seen,) = run_ranks(_coordinator_policy, 1, free_port(), timeout=60)
+    assert len(seen) == 2, seen
+    assert auth.REQUIRE_ENV_VAR in seen[0] and auth.ENV_VAR in seen[0]
+    assert seen[1] == "fine"

@@ -33,7 +33,7 @@ def dumps(obj: Any, key: AuthKey | None = None, *, context: str = DEFAULT_CONTEX
     ``key`` (None: ``$VLLM_BRIDGE_AUTH_KEY``, read now) authenticates them for ``context``,
     which :func:`loads` must be given too.
     """
-    return pack(obj, resolve_key(key), context)
+    return pack(obj, resolve_key(key, param="key"), context)
 
 
 def loads(
@@ -49,7 +49,7 @@ def loads(
     :class:`~bridge_py.distributed.auth.AuthenticationError` naming ``what`` before
     unpickling anything when the tag is missing or wrong for ``context``.
     """
-    return unpack(data, resolve_key(key), context, what)
+    return unpack(data, resolve_key(key, param="key"), context, what)
 
 
 def pack(obj: Any, key: bytes | None, context: str) -> bytes:
