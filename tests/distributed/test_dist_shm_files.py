@@ -258,3 +258,42 @@ def test_sealed_node_cards_are_believed(keyed_rank0) -> None:
         assert keyed_rank0._board_names is not None  # both boards open (for barriers)
     finally:
         peer.close()
+
+
+@pytest.fixture
+def plain_rank0(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatelessProcessGroup]:
+    """Rank 0 of a 2-rank group without a key over a real store; rank 1 is the test."""
+    monkeypatch.delenv(auth.ENV_VAR, raising=False)
+    served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=10)
+    rank0 = StatelessProcessGroup(rank=0, world_size=2, store=served.store, socket=None)
+    yield rank0
+    if rank0._board is not None:
+        rank0._board.close()
+    rank0._segments.release()
+    served.socket.close()
+
+
+@pytest.mark.parametrize("first", ["all_gather_obj", "barrier"])
+def test_a_group_refuses_a_board_others_may_write(plain_rank0, first: str) -> None:
+    store = plain_rank0.store
+    peer = spg_board.Board(1, 2)  # rank 1's board, then opened up to everyone
+    path = SHM / peer.name
+    path.chmod(0o666)
+    try:
+        card = _forged_card(peer)
+        if first == "all_gather_obj":
+            store.set(keys.broadcast_value(1, 0), pickle.dumps(1))
+            store.set(keys.gather_node(1, 0), card)
+            call = lambda: plain_rank0.all_gather_obj(0)  # noqa: E731
+        else:
+            store.add(keys.barrier_arrivals(0), 1)
+            store.set(keys.barrier_node(0, 1), card)
+            call = lambda: plain_rank0.barrier(timeout=5)  # noqa: E731
+        with pytest.raises(spg_board.BoardError) as info:
+            call()
+        message = str(info.value)
+        assert "rank 0 could not join the boards" in message and str(path) in message, message
+        assert "mode 666" in message, message
+        assert plain_rank0._board_names is None  # nothing goes over the boards
+    finally:
+        peer.close()
