@@ -492,7 +492,9 @@ class GroupCoordinator:
         """Broadcast the input object.
         NOTE: `src` is the local rank of the source rank.
 
-        Objects are pickled: use groups of trusted processes only.
+        Objects are pickled: use groups of trusted processes only, or give every rank the
+        same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
+        unpickled (see the module docstring).
         """
         self._agree_on_root("broadcast_object", "src", src)
         if self.world_size == 1:

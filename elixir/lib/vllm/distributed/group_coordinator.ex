@@ -193,7 +193,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   Broadcast the input object.
   NOTE: `src` is the local rank of the source rank.
 
-  Objects are pickled: use groups of trusted processes only.
+  Objects are pickled: use groups of trusted processes only, or give every rank the
+  same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
+  unpickled (see the module docstring).
 
   ## Parameters
 
