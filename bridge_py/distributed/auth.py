@@ -20,6 +20,13 @@ The key is given explicitly (``auth_key=``) or taken from the environment variab
 ``VLLM_BRIDGE_AUTH_KEY`` (UTF-8; an empty value counts as unset). Without a key values are
 plain pickles, as in vLLM; a receiver without a key refuses tagged values with a clear error
 instead of unpickling garbage, and a receiver with a key refuses untagged ones.
+
+The environment is the operator's and wins over the wire (:func:`resolve_key`, which every
+place that takes a key goes through): a worker's callers reach ``auth_key=`` parameters, so
+when ``VLLM_BRIDGE_AUTH_KEY`` is set an explicit key that differs from it is refused (a caller
+could otherwise join a store it serves with a key it chose, and have the worker unpickle what
+it signed), and with ``VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`` a group or queue without any key is
+refused. Both are read at each resolution, so they apply to everything made after they are set.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import struct
 __all__ = [
     "ENV_VAR",
     "MAGIC",
+    "REQUIRE_ENV_VAR",
     "TAG_BYTES",
     "AuthenticationError",
     "is_tagged",
+    "key_required",
     "open_payload",
     "refuse_tagged",
     "resolve_key",
@@ -44,6 +53,8 @@ __all__ = [
 ]
 
 ENV_VAR = "VLLM_BRIDGE_AUTH_KEY"
+REQUIRE_ENV_VAR = "VLLM_BRIDGE_REQUIRE_AUTH_KEY"
+_OFF = ("", "0", "false", "no", "off")
 MAGIC = b"VBA1"
 TAG_BYTES = hashlib.sha256().digest_size
 _LABEL = b"vllm_bridge.auth.v1\x00"
@@ -56,21 +67,51 @@ class AuthenticationError(RuntimeError):
     """A value whose tag is missing or wrong: forged, tampered with, replayed or foreign."""
 
 
-def resolve_key(key: AuthKey | None) -> bytes | None:
+def key_required() -> bool:
+    """Whether the operator refuses groups and queues without a key (read now).
+
+    ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY`` set to anything but empty, ``0``, ``false``, ``no`` or
+    ``off`` (any case): a misspelt value of a security switch errs on the safe side.
+    """
+    return os.environ.get(REQUIRE_ENV_VAR, "").strip().lower() not in _OFF
+
+
+def resolve_key(key: AuthKey | None, *, param: str = "auth_key") -> bytes | None:
     """The key to use: ``key`` itself (a ``str`` is UTF-8 encoded), else ``$VLLM_BRIDGE_AUTH_KEY``.
 
-    Returns None (no authentication) when neither is set. Raises ValueError for an empty
-    explicit key (almost certainly a configuration mistake) and TypeError for other types.
+    The operator's policy, read from the environment now, comes first:
+
+    * with ``$VLLM_BRIDGE_AUTH_KEY`` set, an explicit ``key`` must equal it (compared in
+      constant time): another key raises :class:`AuthenticationError`;
+    * with :func:`key_required` and neither an explicit key nor the environment variable,
+      :class:`AuthenticationError` too.
+
+    Messages name ``param`` (the parameter the key came in) and the environment variables,
+    never the keys. Otherwise returns None (no authentication) when neither is set. Raises
+    ValueError for an empty explicit key (almost certainly a configuration mistake) and
+    TypeError for other types.
     """
+    env = os.environ.get(ENV_VAR, "")
     if key is None:
-        env = os.environ.get(ENV_VAR, "")
-        return env.encode() if env else None
+        if env:
+            return env.encode()
+        if key_required():
+            raise AuthenticationError(
+                f"refused to run without an auth key: {REQUIRE_ENV_VAR} is set, and neither "
+                f"{param}= nor {ENV_VAR} gives a key"
+            )
+        return None
     if isinstance(key, str):
         key = key.encode()
     if not isinstance(key, (bytes, bytearray)):
-        raise TypeError(f"auth_key must be bytes or str, got {type(key).__name__}")
+        raise TypeError(f"{param} must be bytes or str, got {type(key).__name__}")
     if not key:
-        raise ValueError("auth_key must not be empty (pass None for no authentication)")
+        raise ValueError(f"{param} must not be empty (pass None for no authentication)")
+    if env and not hmac.compare_digest(bytes(key), env.encode()):
+        raise AuthenticationError(
+            f"refused {param}: it differs from the operator's key in {ENV_VAR}, which "
+            f"takes precedence (pass that same key, or None to use it)"
+        )
     return bytes(key)
 
 

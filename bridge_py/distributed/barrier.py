@@ -42,7 +42,8 @@ from collections.abc import Callable, Sequence
 from torch.distributed import Store
 
 from bridge_py.distributed import keys
-from bridge_py.distributed.spg_board import FAILED, LIVENESS_PERIOD, PASSED, Board
+from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.spg_board import FAILED, LIVENESS_PERIOD, PASSED, Board, BoardError
 from bridge_py.distributed.waiting import pop_before
 
 __all__ = [
@@ -159,8 +160,8 @@ def run_barrier(
             left = _wait_for_all(store, mailbox, rank, world_size, barrier_id, timeout)
         if hooks.all_arrived is not None:
             hooks.all_arrived()
-    except BarrierFailure:
-        raise
+    except (BarrierFailure, AuthenticationError, BoardError):
+        raise  # a forged node card or a refused board (read by a hook): not a store failure
     except RuntimeError as exc:
         raise _store_failure(barrier_id, rank, "1 (arrival)", exc) from exc
 

@@ -25,6 +25,8 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from bridge_py.distributed.shm_files import check_peer_fd
+
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
 
 NAME_PREFIX = "bpd"
@@ -104,7 +106,9 @@ class ShmChannel:
         """Read ``rank``'s message, unlink its segment, and return ``read_body(header, view)``.
 
         ``view`` is a memoryview of the body, valid only during the call: ``read_body`` must
-        copy what it keeps. Raises RuntimeError when the segment is missing or truncated.
+        copy what it keeps. Raises RuntimeError when the segment is missing or truncated, and
+        ``shm_files.UntrustedFileError`` (naming it) when it is not a file of this user's
+        that only this user may write.
         """
         try:
             shm = _open(self.name(rank))
@@ -114,6 +118,8 @@ class ShmChannel:
             ) from None
         try:
             _unlink(shm)
+            # Made by rank ``rank``: read only if it is this user's, writable by it alone.
+            check_peer_fd(shm._fd, f"/dev/shm/{self.name(rank)}")  # type: ignore[attr-defined]
             return self._read(shm, rank, read_body)
         finally:
             shm.close()

@@ -19,30 +19,39 @@ Differences from vLLM (no config system, no custom ops, no torch.compile registr
 * bad arguments raise clear errors on every rank before data moves (see
   ``device_communicators.agreement``);
 * :func:`initialize_model_parallel` takes ``data_parallel_size`` as an argument (vLLM reads
-  it from its config) and builds the groups TP, PP, DP and EP (not vLLM's DCP/PCP).
+  it from its config) and builds the groups TP, PP, DP and EP (not vLLM's DCP/PCP);
+* with an auth key (``$VLLM_BRIDGE_AUTH_KEY``, read when a group is made) every object that
+  a GroupCoordinator sends between ranks (``broadcast_object``, ``broadcast_object_list``,
+  ``send_object``/``recv_object``, the metadata of the tensor dicts, the queue handles of
+  ``create_single_reader_mq_broadcasters``) and :func:`in_the_same_node_as`'s probe name is
+  sealed and checked before unpickling (``sealed_objects.SealedChannel``), where vLLM sends
+  plain pickles over gloo; tensors themselves travel unauthenticated, as in vLLM. Without a
+  key the object paths are vLLM's (torch's object collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
 import pickle
-import sys
 from collections import namedtuple
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
+from bridge_py.distributed.auth import resolve_key
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.cpu_communicator import CpuCommunicator
+from bridge_py.distributed.device_communicators.shm_ring import attach_segment
+from bridge_py.distributed.sealed_objects import SealedChannel
 from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
 
 __all__ = [
@@ -172,6 +181,9 @@ class GroupCoordinator:
                 "GroupCoordinator needs torch.distributed to be initialized "
                 "(call init_distributed_environment first)"
             )
+        # The operator's key (None: objects are plain pickles, as in vLLM); read before any
+        # collective, so that a refusal (VLLM_BRIDGE_REQUIRE_AUTH_KEY) leaves nothing behind.
+        self._auth_key = resolve_key(None)
         self.unique_name = _get_unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
@@ -196,6 +208,12 @@ class GroupCoordinator:
             )
         self.cpu_group = own_cpu_group
         self.device_group = own_device_group
+        # With a key, objects between ranks travel sealed on the CPU group.
+        self._sealed: SealedChannel | None = None
+        if self._auth_key is not None:
+            self._sealed = SealedChannel(
+                self.cpu_group, self.ranks, self.rank_in_group, self._auth_key
+            )
         self.device = _device_for(str(torch_distributed_backend), local_rank)
 
         # Every collective goes through a communicator. vLLM exposes one only when asked
@@ -285,6 +303,7 @@ class GroupCoordinator:
             writer_rank=writer_rank,
             external_writer_handle=external_writer_handle,
             blocking=blocking,
+            auth_key=self._auth_key,
         )
 
     def create_single_reader_mq_broadcasters(
@@ -310,15 +329,19 @@ class GroupCoordinator:
             n_local_reader=1 if same_node[self.rank_in_group] else 0,
             max_chunk_bytes=_MQ_CHUNK_BYTES,
             max_chunks=_MQ_CHUNKS,
+            auth_key=self._auth_key,
         )
         is_reader = self.rank_in_group == reader_rank_in_group
         handles: list[Any] | None = [None] * self.world_size if is_reader else None
-        dist.gather_object(
-            queue.export_handle(),
-            handles,
-            dst=self.ranks[reader_rank_in_group],
-            group=self.cpu_group,
-        )
+        if self._sealed is not None:
+            handles = self._sealed.gather(queue.export_handle(), reader_rank_in_group)
+        else:
+            dist.gather_object(
+                queue.export_handle(),
+                handles,
+                dst=self.ranks[reader_rank_in_group],
+                group=self.cpu_group,
+            )
         if blocking and not is_reader:
             queue.wait_until_ready()
         return queue, list(handles or [])
@@ -469,7 +492,9 @@ class GroupCoordinator:
         """Broadcast the input object.
         NOTE: `src` is the local rank of the source rank.
 
-        Objects are pickled: use groups of trusted processes only.
+        Objects are pickled: use groups of trusted processes only, or give every rank the
+        same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
+        unpickled (see the module docstring).
         """
         self._agree_on_root("broadcast_object", "src", src)
         if self.world_size == 1:
@@ -497,6 +522,8 @@ class GroupCoordinator:
                     f"only supports src=0, got {src}"
                 )
             return self.mq_broadcaster.broadcast_object(obj)
+        if self._sealed is not None:
+            return self._sealed.broadcast(obj, src)
         box = [obj] if self.rank_in_group == src else [None]
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
         return box[0]
@@ -509,12 +536,22 @@ class GroupCoordinator:
 
         In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
         objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
-        objects travel on this group's CPU group (vLLM uses the device group).
+        objects travel on this group's CPU group (vLLM uses the device group); with an auth
+        key, sealed as one list (see the module docstring).
         """
         self._agree_on_root("broadcast_object_list", "src", src)
         if self.world_size == 1:
             return obj_list
-        dist.broadcast_object_list(obj_list, src=self.ranks[src], group=self.cpu_group)
+        if self._sealed is None:
+            dist.broadcast_object_list(obj_list, src=self.ranks[src], group=self.cpu_group)
+            return obj_list
+        got = self._sealed.broadcast(list(obj_list), src)
+        if len(got) != len(obj_list):
+            raise ValueError(
+                f"broadcast_object_list on rank {self.rank_in_group} of {self._label()}: "
+                f"rank {src} sent {len(got)} objects, this rank's obj_list holds {len(obj_list)}"
+            )
+        obj_list[:] = got
         return obj_list
 
     def send_object(self, obj: Any, dst: int) -> None:
@@ -523,6 +560,9 @@ class GroupCoordinator:
         NOTE: `dst` is the local rank of the destination rank.
         """
         self._check_peer("send_object", "dst", dst, allow_self=False)
+        if self._sealed is not None:
+            self._sealed.send(obj, dst)
+            return
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.long)
         dist.send(size, dst=self.ranks[dst], group=self.cpu_group)
@@ -534,6 +574,8 @@ class GroupCoordinator:
         NOTE: `src` is the local rank of the source rank.
         """
         self._check_peer("recv_object", "src", src, allow_self=False)
+        if self._sealed is not None:
+            return self._sealed.recv(src)
         size = torch.empty(1, dtype=torch.long)
         dist.recv(size, src=self.ranks[src], group=self.cpu_group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -1126,20 +1168,6 @@ def _group_info(pg: ProcessGroup | StatelessProcessGroup) -> tuple[int, int, lis
     return pg.rank, pg.world_size, list(range(pg.world_size))
 
 
-def _attach_without_tracking(name: str) -> shared_memory.SharedMemory:
-    """Open a segment another process created, without this process's resource tracker
-    claiming it (before Python 3.13, attaching registers the segment, and the tracker
-    unlinks it when this process exits). The same workaround as vLLM's."""
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        return shared_memory.SharedMemory(name=name)
-    finally:
-        resource_tracker.register = register  # type: ignore[assignment]
-
-
 def in_the_same_node_as(
     pg: ProcessGroup | StatelessProcessGroup, source_rank: int = 0
 ) -> list[bool]:
@@ -1157,7 +1185,15 @@ def in_the_same_node_as(
     magic = b"magic_message"
     shm: shared_memory.SharedMemory | None = None
 
+    sealed = None
+    if isinstance(pg, ProcessGroup):
+        key = resolve_key(None)  # the StatelessProcessGroup branch uses the group's own
+        if key is not None:
+            sealed = SealedChannel(pg, ranks, rank, key, "same_node")
+
     def share(name: str | None) -> str:
+        if sealed is not None:
+            return sealed.broadcast(name, source_rank)
         if isinstance(pg, ProcessGroup):
             box = [name]
             dist.broadcast_object_list(box, src=ranks[source_rank], group=pg)
@@ -1178,7 +1214,7 @@ def in_the_same_node_as(
             name = share(None)
             if name is not None:
                 with contextlib.suppress(OSError):
-                    shm = _attach_without_tracking(name)
+                    shm = attach_segment(name)  # checked: this user's file only
                     if bytes(shm.buf[: len(magic)]) == magic:
                         flags[rank] = 1
     finally:

@@ -49,6 +49,14 @@ the names once every other rank has opened them (after the first gather on the b
 mappings live on until the group is closed. A rank that waits checks every
 :data:`LIVENESS_PERIOD` seconds whether the ranks it waits for still run, so a killed peer
 is reported at once instead of after the store's timeout.
+
+What a rank trusts: a board or doorbell it opens (named in another rank's node card) must be
+a file of its own user that only this user may write, and not a link (``shm_files``), or it
+is refused naming the file; a board's values are then unpickled as they are on the store
+without a key. With an auth key no value goes on a board at all: all_gather_obj, messages
+and broadcasts take the store, where they carry tags, and the node cards that name the
+boards are tagged too; ranks still meet on their boards for barriers, whose counters and
+failure text are never unpickled.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from bridge_py.distributed.device_communicators.shm_wait import (
     pid_namespace,
     process_alive,
 )
+from bridge_py.distributed.shm_files import open_peer_file
 from bridge_py.distributed.spg_segments import NAME_PREFIX, SHM_DIR, unlink
 
 __all__ = [
@@ -187,7 +196,8 @@ class Board:
         self._lock_fd = -1
         self._fd = -1
         self._named = True
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(os.path.join(SHM_DIR, self.name), flags, 0o600)
         try:
             os.ftruncate(fd, self.layout.size)
             # The pages written through the mapping are allocated now, so that a full
@@ -216,7 +226,7 @@ class Board:
         try:
             os.mkfifo(bell, 0o600)
             # Read and write: the doorbell never reports end of file and opening never blocks.
-            self._own_bell = os.open(bell, os.O_RDWR | os.O_NONBLOCK)
+            self._own_bell = open_peer_file(bell, os.O_RDWR | os.O_NONBLOCK, fifo=True)
         except BaseException:
             self.close()
             raise
@@ -236,7 +246,10 @@ class Board:
         """Open the boards (and doorbells) ``names`` of all ranks not open yet; return the
         ranks whose board was gone (only with ``missing_ok``: the rank has closed its group).
 
-        Raises BoardError naming the rank whose board is missing or malformed.
+        Each file is checked before it is mapped or rung (``shm_files.open_peer_file``: no
+        link, this user's, a regular file or, for a doorbell, a FIFO, writable by this user
+        only). Raises BoardError naming the rank and the file whose board is missing,
+        malformed or refused by those checks.
         """
         gone = []
         for src, name in enumerate(names):
@@ -244,16 +257,21 @@ class Board:
                 continue
             if not BOARD_PATTERN.match(name):
                 raise BoardError(f"rank {src} named a board {name!r} that is not one")
+            board = None
             try:
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
                 try:
                     if os.fstat(fd).st_size != self.layout.size:
                         raise ValueError("its size is not that of a board of this group")
                     board = mmap.mmap(fd, self.layout.size)
-                    bell = os.open(
-                        os.path.join(SHM_DIR, _bell_name(name)), os.O_WRONLY | os.O_NONBLOCK
+                    bell = open_peer_file(
+                        os.path.join(SHM_DIR, _bell_name(name)),
+                        os.O_WRONLY | os.O_NONBLOCK,
+                        fifo=True,
                     )
                 except BaseException:
+                    if board is not None:
+                        board.close()
                     os.close(fd)
                     raise
                 if src == 0:

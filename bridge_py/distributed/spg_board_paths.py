@@ -265,7 +265,9 @@ class BoardPaths:
             # messages are in the store queues, received from there as before.
             board.connect(names, missing_ok=True)
         except spg_board.BoardError as exc:
-            raise RuntimeError(f"rank {self.rank} could not join the boards: {exc}") from exc
+            raise spg_board.BoardError(
+                f"rank {self.rank} could not join the boards: {exc}"
+            ) from exc
         for src in range(self.world_size):
             if not board.is_open(src):
                 continue

@@ -26,7 +26,8 @@ segment (generation 0) which, as before pooling, its last reader unlinks. Segmen
 reads (a receiver died) are unlinked after ``data_expiration_seconds`` (:meth:`expire`), free
 ones after as long unused, and all of them when the group is released, garbage-collected or
 the interpreter exits. Segments of a creator that was killed are unlinked by any rank of the
-same PID namespace (:func:`remove_orphans`).
+same PID namespace (:func:`remove_orphans`), which leaves alone names it should not or cannot
+remove (another user's, a directory, a link) rather than fail the group that looked.
 
 Segments are named ``vbspg_<pid namespace>_<creator pid>_<token>_<n>`` and readable and
 writable by their user only (the ranks of one group run as one user).
@@ -38,6 +39,7 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -278,19 +280,35 @@ class SegmentOwner:
 
 
 def remove_orphans() -> list[str]:
-    """Unlink segments whose creator (in this PID namespace) has exited; return their names."""
+    """Unlink segments whose creator (in this PID namespace) has exited; return their names.
+
+    Only what a group of this user left behind is removed: a regular file (a segment, a
+    board) or a FIFO (a doorbell), owned by this effective user, not a symbolic link. Any
+    other name that merely looks like one (a directory, another user's file, a link) is
+    skipped, and so is one that cannot be removed (EPERM, EACCES, EISDIR, ...): this runs
+    inside the operations of every same-node group on the host, which must not fail
+    because of a stray name under ``/dev/shm``. Never raises.
+    """
     prefix = f"{NAME_PREFIX}{pid_namespace()}_"
     try:
         names = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
     except OSError:
         return []
     removed = []
+    me, uid = os.getpid(), os.geteuid()
     for name in names:
         try:
             pid = int(name[len(prefix) :].split("_", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not process_alive(pid):
-            unlink(name)
-            removed.append(name)
+            if pid == me or process_alive(pid):
+                continue
+            path = os.path.join(SHM_DIR, name)
+            info = os.lstat(path)
+            if info.st_uid != uid or not (
+                stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode)
+            ):
+                continue  # not ours, or not something a group makes: leave it alone
+            os.unlink(path)
+        except (OSError, ValueError, OverflowError):
+            continue  # gone already, not a pid, or not ours to remove
+        removed.append(name)
     return removed

@@ -41,6 +41,7 @@ from typing import Any
 from bridge_py.distributed import spg_segments as segments
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators.shm_wait import pid_namespace
+from bridge_py.distributed.shm_files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.spg_segments import SHM_DIR, Segment, SegmentOwner
 
 __all__ = [
@@ -303,8 +304,9 @@ def open_descriptor(
     """Open the segment a descriptor names, for reader ``rank`` (``keyed``: check its digest).
 
     Raises RuntimeError when the descriptor is malformed, the segment is gone (its creator
-    died and it was cleaned up), holds another value than the descriptor names, or is too
-    short.
+    died and it was cleaned up), is not a file of this user's that only it may write (see
+    ``shm_files``: refused before it is read), holds another value than the descriptor
+    names, or is too short.
     """
     head = len(DESCRIPTOR_MAGIC) + _DESCRIPTOR.size
     try:
@@ -317,7 +319,9 @@ def open_descriptor(
     if not segments.NAME_PATTERN.match(name):
         raise RuntimeError(f"{what} names an invalid shared-memory segment {name!r}")
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except UntrustedFileError as exc:
+        raise RuntimeError(f"{what} is in a shared-memory segment: {exc.strerror}") from None
     except OSError as exc:
         raise RuntimeError(
             f"{what} is in shared-memory segment {name!r}, which cannot be opened "

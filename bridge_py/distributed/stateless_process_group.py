@@ -116,7 +116,10 @@ class StatelessProcessGroup(BoardPaths):
         self._exchanged = [0, 0]
         self._outbox = [keys.p2p_queue(self.rank, dst) for dst in range(self.world_size)]
         self._others = [r for r in range(self.world_size) if r != self.rank]
-        self._auth_key: bytes | None = resolve_key(None)
+        # create() sets the key it resolved before constructing (so that with the operator's
+        # VLLM_BRIDGE_REQUIRE_AUTH_KEY an explicit key is not asked for again here).
+        preset = self.__dict__.get("_auth_key")
+        self._auth_key: bytes | None = preset if preset is not None else resolve_key(None)
         # Keys this rank has read and may delete, handed at its next store operation (after
         # a write, or before a wait) to the reaper, which deletes them on its own thread.
         self._trash: list[str] = []
@@ -156,6 +159,10 @@ class StatelessProcessGroup(BoardPaths):
         ``$VLLM_BRIDGE_AUTH_KEY`` (None when unset or empty); ``create(..., auth_key=...)``
         sets it, and so can assigning bytes or a str (UTF-8) before the first operation.
         Assigning None goes back to the environment variable. All ranks need the same key.
+        The operator's environment wins (``auth.resolve_key``): with ``$VLLM_BRIDGE_AUTH_KEY``
+        set, another key raises AuthenticationError, and with
+        ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`` so does going without one (also when the group is
+        constructed directly).
         """
         return self._auth_key
 
@@ -536,9 +543,11 @@ class StatelessProcessGroup(BoardPaths):
         key = keys.broadcast_value(rank, self.broadcast_send_counter)
         value, segment = self._dumps(key, obj, self._all_local)
         names, values = [key], [value]
+        card = b""
         if probing:
             names.append(keys.gather_node(rank, self.broadcast_send_counter))
-            values.append(self._node_card())
+            card = self._node_card()
+            values.append(self._seal_card(names[-1], card))
         if probing:
             self.store.multi_set(names, values)
         else:
@@ -562,8 +571,9 @@ class StatelessProcessGroup(BoardPaths):
         self._release_own_gather()
         self._own_gather = [(key, segment)] + [(name, None) for name in names[1:]]
         if probing:
-            nodes = dict(zip(others, got[len(others) :], strict=True))
-            nodes[rank] = values[1]
+            cards = zip(others, wanted[len(others) :], got[len(others) :], strict=True)
+            nodes = {src: self._open_card(name, data, src) for src, name, data in cards}
+            nodes[rank] = card
             self._learn_nodes([nodes[r] for r in range(self.world_size)])
         result: list[Any] = []
         for src in range(self.world_size):
@@ -740,6 +750,20 @@ class StatelessProcessGroup(BoardPaths):
         if any(self._local[r] for r in range(self.world_size) if r != self.rank):
             spg_segments.remove_orphans()
 
+    def _seal_card(self, key: str, card: bytes) -> bytes:
+        """This rank's node card as stored under ``key``: sealed like a value (with a key).
+
+        A card decides whether ranks pass each other segments and meet on boards: with a
+        key, one forged by whoever can write the store must not be believed.
+        """
+        return seal_payload(self._auth_key, _context(key), card)
+
+    def _open_card(self, key: str, data: bytes, src: int) -> bytes:
+        """Rank ``src``'s node card read from ``key``; AuthenticationError if forged (with a
+        key), naming the key and the rank."""
+        what = f"the node card {key!r} of rank {src} (read by rank {self.rank})"
+        return bytes(open_payload(self._auth_key, _context(key), data, what))
+
     def _barrier_hooks(self, barrier_id: int) -> BarrierHooks:
         """Deferred deletes while waiting, own values once all arrived, the node probe."""
 
@@ -765,11 +789,15 @@ class StatelessProcessGroup(BoardPaths):
             if self.store.check(others):
                 got = iter(self.store.multi_get(others))
                 self._learn_nodes(
-                    [identity if r == self.rank else next(got) for r in range(self.world_size)]
+                    [
+                        identity if r == self.rank else self._open_card(node_keys[r], next(got), r)
+                        for r in range(self.world_size)
+                    ]
                 )
 
+        sealed = self._seal_card(node_keys[self.rank], identity)
         return BarrierHooks(
-            before_arrival=lambda: self.store.set(node_keys[self.rank], identity),
+            before_arrival=lambda: self.store.set(node_keys[self.rank], sealed),
             while_waiting=self._flush,
             all_arrived=probe,
             delete_when_all_departed=node_keys,
@@ -866,6 +894,10 @@ class StatelessProcessGroup(BoardPaths):
 
         ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
         set) authenticates every value the group stores: all ranks must give the same key.
+        When the environment sets ``$VLLM_BRIDGE_AUTH_KEY`` (the operator's key), an
+        ``auth_key`` that differs from it raises AuthenticationError (a RuntimeError) before
+        anything is served or joined; so does creating a group without any key when
+        ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``.
         """
         validate_rank(rank, world_size)
         key = resolve_key(auth_key)  # a bad key fails before anything is served
@@ -884,14 +916,16 @@ class StatelessProcessGroup(BoardPaths):
                 with contextlib.suppress(OSError):
                     sock.close()
             raise
-        group = StatelessProcessGroup(
+        # The key resolved above goes in before __post_init__, which then keeps it.
+        group = StatelessProcessGroup.__new__(StatelessProcessGroup)
+        group._auth_key = key
+        group.__init__(  # type: ignore[misc]
             rank=rank,
             world_size=world_size,
             store=store,
             socket=sock,
             data_expiration_seconds=data_expiration_seconds,
         )
-        group._auth_key = key
         return group
 
 

@@ -115,7 +115,9 @@ def test_keys_from_argument_and_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert auth.resolve_key(None) is None
     monkeypatch.setenv(auth.ENV_VAR, "from-env")
     assert auth.resolve_key(None) == b"from-env"
-    assert auth.resolve_key(b"explicit") == b"explicit"
+    assert auth.resolve_key(b"from-env") == b"from-env"  # the operator's key, given again
+    with pytest.raises(AuthenticationError, match="differs from the operator's key"):
+        auth.resolve_key(b"explicit")  # any other is refused (see test_dist_auth_policy.py)
     with pytest.raises(ValueError, match="empty"):
         StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=5, auth_key="")
 

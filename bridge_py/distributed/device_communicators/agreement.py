@@ -50,6 +50,7 @@ _MAX_PARAMS = 4
 # op, error flag, dtype, ndim, shape slots, parameter slots
 _WIDTH = 4 + _MAX_DIMS + _MAX_PARAMS
 _ANY = -2  # a shape entry that may differ between ranks (the gathered dim of all_gatherv)
+_MAX_TEXT = 4096  # bytes of a rank's complaint shared with the others
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
@@ -192,10 +193,7 @@ class Agreement:
         self, signature: Signature, rows: list[list[int]], error: Exception | None
     ) -> None:
         # Rare path: share the complaints so that every rank can say what went wrong.
-        messages: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(
-            messages, None if error is None else str(error), group=self.cpu_group
-        )
+        messages = self._gather_texts("" if error is None else str(error))
         if error is not None:
             raise error
         culprits = [f"{self.who(r)}: {messages[r]}" for r in range(self.world_size) if rows[r][1]]
@@ -203,6 +201,32 @@ class Agreement:
             f"{signature.op} in {self.label} was not run because other ranks rejected "
             f"their arguments: " + "; ".join(culprits)
         )
+
+    def _gather_texts(self, text: str) -> list[str]:
+        """Every rank's ``text`` (its first :data:`_MAX_TEXT` bytes), in rank order.
+
+        Sizes, then the bytes padded to the longest (as torch's ``all_gather_object`` sends
+        them), decoded as UTF-8: never unpickled, since these messages are only text and
+        anyone who can inject into the group's connection would choose the bytes.
+        """
+        data = text.encode()[:_MAX_TEXT]
+        world = self.world_size
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group)
+        lengths = [int(size.item()) for size in sizes]
+        longest = max(lengths)
+        if min(lengths) < 0 or longest > _MAX_TEXT:
+            # Not what a rank sends: say so rather than allocate what a forged size asks for.
+            return ["(a complaint that is not one: its size is out of range)"] * world
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(parts, mine, group=self.cpu_group)
+        return [
+            part[:length].numpy().tobytes().decode(errors="replace")
+            for part, length in zip(parts, lengths, strict=True)
+        ]
 
     def _first_mismatch(self, signature: Signature, rows: list[list[int]]) -> str | None:
         first = rows[0]

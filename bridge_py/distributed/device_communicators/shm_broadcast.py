@@ -23,7 +23,9 @@ Messages are pickled (``shm_serialization.py``): connect only processes that tru
 or give the writer and every reader the same ``auth_key`` (or ``$VLLM_BRIDGE_AUTH_KEY``): each
 message then carries an HMAC-SHA256 tag bound to the queue's token and the message's number,
 checked before unpickling (``auth.py``), and so does the handle exchanged by
-:meth:`MessageQueue.create_from_process_group`.
+:meth:`MessageQueue.create_from_process_group`. Each end resolves its key once, when it is
+made (``auth.resolve_key``: a key that differs from the operator's ``$VLLM_BRIDGE_AUTH_KEY`` is
+refused, and so is no key at all under ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from bridge_py.distributed.device_communicators.shm_ring import (
     SLOT_EMPTY,
     ShmRingBuffer,
 )
-from bridge_py.distributed.device_communicators.shm_serialization import dumps, loads
+from bridge_py.distributed.device_communicators.shm_serialization import pack, unpack
 from bridge_py.distributed.device_communicators.shm_wait import (
     PeerGoneError,
     deadline_after,
@@ -108,11 +110,6 @@ class _Incoming:
     filled: int = 0
 
 
-def _explicit_key(key: AuthKey | None) -> bytes | None:
-    """``key`` checked and as bytes; None stays None (each message reads the environment)."""
-    return None if key is None else resolve_key(key)
-
-
 def _handle_context(writer_rank: int) -> str:
     """What the tag of a handle broadcast by ``create_from_process_group`` is bound to."""
     return f"mq/handle/{writer_rank}"
@@ -155,8 +152,9 @@ class MessageQueue:
         from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
         after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
         may connect. Ranks are those readers pass to :meth:`create_from_handle`.
-        ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates every message;
-        readers must be given the same key.
+        ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every
+        message; readers must be given the same key. Raises AuthenticationError when the
+        operator's policy refuses the key (see ``auth.resolve_key``).
         """
         if not 0 <= n_local_reader <= n_reader:
             raise ValueError(
@@ -187,7 +185,7 @@ class MessageQueue:
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_remote_reader
-        self._auth_key = _explicit_key(auth_key)
+        self._auth_key = resolve_key(auth_key)
         self._sent = 0
         self._received = 0
         token = secrets.token_bytes(16)
@@ -239,11 +237,12 @@ class MessageQueue:
 
         ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
         must then be on this host), else connects over TCP as a remote reader. ``auth_key``
-        (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) must be the writer's.
+        (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) must be the writer's; the
+        operator's policy applies (see ``auth.resolve_key``).
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-        key = _explicit_key(auth_key)
+        key = resolve_key(auth_key)
         self = MessageQueue.__new__(MessageQueue)
         self._auth_key = key
         self._sent = 0
@@ -369,7 +368,7 @@ class MessageQueue:
         deadline = deadline_after(timeout)
         with self._lock:
             self._flush(deadline)  # a message an earlier timeout interrupted
-            payload = dumps(obj, self._auth_key, context=self._context(self._sent))
+            payload = pack(obj, self._auth_key, self._context(self._sent))
             self._sent += 1
             per_chunk = (
                 self.buffer.max_chunk_bytes - CHUNK_HEADER_BYTES if self.buffer is not None else 1
@@ -486,7 +485,7 @@ class MessageQueue:
         seq = self._received
         self._received += 1  # consumed, whether or not it passes the check
         what = f"message {seq} of the queue written on {self.handle.writer_host!r}"
-        return loads(data, self._auth_key, context=self._context(seq), what=what)
+        return unpack(data, self._auth_key, self._context(seq), what)
 
     def _wait_readable(
         self,
@@ -584,7 +583,8 @@ class MessageQueue:
         else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
         ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
         ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
-        every message; all ranks must give the same key.
+        every message; all ranks must give the same key, and the operator's policy applies
+        (see ``auth.resolve_key``).
 
         With ``external_writer_handle`` (the :meth:`export_handle` of a queue written by a
         process outside the group, made for ``pg.world_size`` readers) no rank writes:
@@ -593,8 +593,8 @@ class MessageQueue:
         in :meth:`wait_until_ready`, so it is usually called with ``blocking=False`` and
         ``wait_until_ready`` later, once the writer is waiting too.
         """
-        key = _explicit_key(auth_key)
-        group = object_group(pg)
+        key = resolve_key(auth_key)
+        group = object_group(pg, key)
         if not 0 <= writer_rank < group.world_size:
             raise ValueError(f"writer_rank must be in [0, {group.world_size}), got {writer_rank}")
         context = _handle_context(writer_rank)
@@ -620,7 +620,7 @@ class MessageQueue:
                 # fails with the reason instead of waiting for a handle that never comes.
                 is_handle = isinstance(external_writer_handle, Handle)
                 handle = external_writer_handle if is_handle else None
-            group.broadcast_obj(dumps((external, handle), key, context=context), writer_rank)
+            group.broadcast_obj(pack((external, handle), key, context), writer_rank)
         else:
             data = group.broadcast_obj(None, writer_rank)
             if not isinstance(data, bytes):
@@ -628,8 +628,8 @@ class MessageQueue:
                     f"expected the serialized queue handle from rank {writer_rank}, got "
                     f"{type(data).__name__}: is the writer running another version?"
                 )
-            external, handle = loads(
-                data, key, context=context, what=f"the queue handle from writer rank {writer_rank}"
+            external, handle = unpack(
+                data, key, context, f"the queue handle from writer rank {writer_rank}"
             )
         if external:
             if handle is None:

@@ -8,6 +8,11 @@ too, and a GroupCoordinator-like object, through its ``cpu_group``. Ranks are gr
 
 :func:`same_node_as` tells which ranks share the writer's shared memory: the writer creates a
 small probe segment holding a random token, every rank tries to open it and compares.
+
+Over a torch ProcessGroup the objects are pickled (``shm_serialization``); given the queue's
+key they are sealed, each bound to its operation, sender and number, and checked before
+they are unpickled, so that nobody who can inject into the group's gloo connections makes a
+rank unpickle anything.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.shm_ring import attach_segment
-from bridge_py.distributed.device_communicators.shm_serialization import dumps, loads
+from bridge_py.distributed.device_communicators.shm_serialization import pack, unpack
 
 __all__ = ["ObjectGroup", "object_group", "same_node_as"]
 
@@ -43,16 +48,27 @@ class ObjectGroup(Protocol):
 
 
 class _TorchObjectGroup:
-    """Object collectives over a torch ProcessGroup's CPU tensors (length, then bytes)."""
+    """Object collectives over a torch ProcessGroup's CPU tensors (length, then bytes).
 
-    def __init__(self, pg: ProcessGroup) -> None:
+    With ``key`` (resolved: ``auth.resolve_key``) every object is sealed for the operation,
+    its sender and its number on this group object, and checked before it is unpickled.
+    """
+
+    def __init__(self, pg: ProcessGroup, key: bytes | None) -> None:
         self._pg = pg
+        self._key = key
+        self._ops = 0
         self.rank = pg.rank()
         self.world_size = pg.size()
 
+    def _context(self, op: str, sender: int) -> str:
+        return f"mq/group/{op}/{self._ops}/{sender}"
+
     def broadcast_obj(self, obj: Any | None, src: int) -> Any:
+        context = self._context("broadcast", src)
+        self._ops += 1
         if self.rank == src:
-            data = dumps(obj)
+            data = pack(obj, self._key, context)
             size = torch.tensor([len(data)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
@@ -62,10 +78,14 @@ class _TorchObjectGroup:
         else:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self._pg.broadcast(payload, src).wait()
-        return obj if self.rank == src else loads(payload.numpy().tobytes())
+        if self.rank == src:
+            return obj
+        return unpack(payload.numpy().tobytes(), self._key, context, f"an object from rank {src}")
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
-        data = dumps(obj)
+        contexts = [self._context("all_gather", r) for r in range(self.world_size)]
+        self._ops += 1
+        data = pack(obj, self._key, contexts[self.rank])
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
         longest = max(int(size.item()) for size in sizes)
@@ -74,17 +94,26 @@ class _TorchObjectGroup:
         gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         self._pg.allgather([gathered], [mine]).wait()
         return [
-            loads(tensor[: int(size.item())].numpy().tobytes())
-            for tensor, size in zip(gathered, sizes, strict=True)
+            unpack(
+                tensor[: int(size.item())].numpy().tobytes(),
+                self._key,
+                contexts[r],
+                f"the all_gather value of rank {r}",
+            )
+            for r, (tensor, size) in enumerate(zip(gathered, sizes, strict=True))
         ]
 
 
-def object_group(pg: Any) -> ObjectGroup:
-    """``pg`` as an :class:`ObjectGroup` (see the module docstring for what is accepted)."""
+def object_group(pg: Any, key: bytes | None = None) -> ObjectGroup:
+    """``pg`` as an :class:`ObjectGroup` (see the module docstring for what is accepted).
+
+    ``key`` (already resolved) seals the objects of a torch ProcessGroup; a
+    StatelessProcessGroup seals with its own key.
+    """
     if hasattr(pg, "cpu_group"):  # a GroupCoordinator: its CPU group carries metadata
-        return object_group(pg.cpu_group)
+        return object_group(pg.cpu_group, key)
     if isinstance(pg, ProcessGroup):
-        return _TorchObjectGroup(pg)
+        return _TorchObjectGroup(pg, key)
     if all(hasattr(pg, name) for name in ("rank", "world_size", "broadcast_obj", "all_gather_obj")):
         return pg
     raise TypeError(

@@ -47,6 +47,7 @@ from bridge_py.distributed.device_communicators.shm_wait import (
     pid_namespace,
     process_alive,
 )
+from bridge_py.distributed.shm_files import check_peer_fd
 
 __all__ = [
     "CHUNK_HEADER_BYTES",
@@ -77,7 +78,24 @@ def _align(offset: int) -> int:
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Open an existing segment without handing it to this process's resource tracker."""
+    """Open an existing segment without handing it to this process's resource tracker.
+
+    The segment was made by another process: it is checked before anything is read from it
+    (``shm_files.check_peer_fd``: this user's regular file, writable by this user only; the
+    C library's ``shm_open`` does not follow links). Raises
+    :class:`~bridge_py.distributed.shm_files.UntrustedFileError` (a PermissionError) naming
+    the file otherwise.
+    """
+    segment = _attach_untracked(name)
+    try:
+        check_peer_fd(segment._fd, f"/dev/shm/{name.lstrip('/')}")  # type: ignore[attr-defined]
+    except BaseException:
+        segment.close()
+        raise
+    return segment
+
+
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, track=False)
     # Before 3.13 attaching always registers the segment, and the tracker would unlink it when

@@ -193,7 +193,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   Broadcast the input object.
   NOTE: `src` is the local rank of the source rank.
 
-  Objects are pickled: use groups of trusted processes only.
+  Objects are pickled: use groups of trusted processes only, or give every rank the
+  same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
+  unpickled (see the module docstring).
 
   ## Parameters
 
@@ -218,7 +220,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
   objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
-  objects travel on this group's CPU group (vLLM uses the device group).
+  objects travel on this group's CPU group (vLLM uses the device group); with an auth
+  key, sealed as one list (see the module docstring).
 
   ## Parameters
 

@@ -54,7 +54,8 @@ defmodule Vllm.Distributed.MessageQueue do
 
   ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
   must then be on this host), else connects over TCP as a remote reader. ``auth_key``
-  (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) must be the writer's.
+  (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) must be the writer's; the
+  operator's policy applies (see ``auth.resolve_key``).
 
   ## Parameters
 
@@ -86,7 +87,8 @@ defmodule Vllm.Distributed.MessageQueue do
   else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
   ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
   ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
-  every message; all ranks must give the same key.
+  every message; all ranks must give the same key, and the operator's policy applies
+  (see ``auth.resolve_key``).
 
   With ``external_writer_handle`` (the :meth:`export_handle` of a queue written by a
   process outside the group, made for ``pg.world_size`` readers) no rank writes:
@@ -199,8 +201,9 @@ defmodule Vllm.Distributed.MessageQueue do
   from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
   after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
   may connect. Ranks are those readers pass to :meth:`create_from_handle`.
-  ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates every message;
-  readers must be given the same key.
+  ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every
+  message; readers must be given the same key. Raises AuthenticationError when the
+  operator's policy refuses the key (see ``auth.resolve_key``).
 
   ## Parameters
 

@@ -170,6 +170,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
   set) authenticates every value the group stores: all ranks must give the same key.
+  When the environment sets ``$VLLM_BRIDGE_AUTH_KEY`` (the operator's key), an
+  ``auth_key`` that differs from it raises AuthenticationError (a RuntimeError) before
+  anything is served or joined; so does creating a group without any key when
+  ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``.
 
   ## Parameters
 

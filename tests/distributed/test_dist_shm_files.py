@@ -1,0 +1,299 @@
+"""Shared-memory files and node cards another rank made are checked before they are believed.
+
+Real files under ``/dev/shm`` made the way ranks make them (boards, doorbells, segments,
+message-queue rings), then changed the way someone else on the host could: replaced by a
+symbolic link, made writable by others, given to another user (``chown``, as root only),
+or a doorbell that is not a FIFO. Each is refused with an error naming the file, before
+anything is read from it. With an auth key, a node card forged in the store (it names the
+node and the board to open) is refused before the group acts on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_board, spg_shm
+from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+from bridge_py.distributed.shm_files import UntrustedFileError, open_peer_file
+from bridge_py.distributed.spg_segments import SHM_DIR, SegmentOwner
+
+pytestmark = pytest.mark.timeout(60)
+
+SHM = Path(SHM_DIR)
+KEY = b"k" * 32
+OTHER_UID = 65534
+
+
+def _as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _give_away(path: Path) -> None:
+    """Make ``path`` another user's (root only; the caller skips otherwise)."""
+    os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """A directory on /dev/shm's file system (removed afterwards) for files to check."""
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm")
+    path = SHM / f"vbtest_{os.getpid()}_{tmp_path.name}"
+    path.mkdir()
+    yield path
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def _refused(path: Path, flags: int, reason: str, *, fifo: bool = False) -> None:
+    with pytest.raises(UntrustedFileError) as info:
+        os.close(open_peer_file(str(path), flags, fifo=fifo))
+    message = str(info.value)
+    assert str(path) in message and reason in message, message
+    assert isinstance(info.value, PermissionError)
+
+
+def test_open_peer_file_checks(scratch: Path) -> None:
+    good = scratch / "good"
+    good.write_bytes(b"x")
+    good.chmod(0o600)
+    os.close(open_peer_file(str(good), os.O_RDWR))
+    bell = scratch / "bell"
+    os.mkfifo(bell, 0o600)
+    os.close(open_peer_file(str(bell), os.O_RDWR | os.O_NONBLOCK, fifo=True))
+
+    link = scratch / "link"
+    link.symlink_to(good)
+    _refused(link, os.O_RDWR, "symbolic link")
+    shared = scratch / "shared"
+    shared.write_bytes(b"x")
+    shared.chmod(0o620)
+    _refused(shared, os.O_RDWR, "group or others may write it (mode 620)")
+    shared.chmod(0o606)
+    _refused(shared, os.O_RDWR, "group or others may write it (mode 606)")
+    _refused(good, os.O_RDWR, "not a FIFO", fifo=True)
+    _refused(bell, os.O_RDWR | os.O_NONBLOCK, "not a regular file")
+    with pytest.raises(FileNotFoundError):
+        open_peer_file(str(scratch / "missing"), os.O_RDWR)
+    if not _as_root():
+        pytest.skip("another user's file needs root to chown (the other checks passed)")
+    theirs = scratch / "theirs"
+    theirs.write_bytes(b"x")
+    theirs.chmod(0o600)
+    _give_away(theirs)
+    _refused(theirs, os.O_RDWR, f"owned by uid {OTHER_UID}")
+
+
+# --- boards and doorbells ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def boards() -> Iterator[tuple[spg_board.Board, spg_board.Board]]:
+    """Boards of ranks 0 and 1 of a 2-rank group, made in this process (not connected)."""
+    pair = (spg_board.Board(0, 2), spg_board.Board(1, 2))
+    yield pair
+    for board in pair:
+        board.close()
+
+
+def _connect_refused(board: spg_board.Board, names: list[str], path: Path, reason: str) -> None:
+    with pytest.raises(spg_board.BoardError) as info:
+        board.connect(names)
+    message = str(info.value)
+    assert str(path) in message and reason in message, message
+    assert not board.is_open(1)
+
+
+def test_boards_and_doorbells_are_checked(boards: tuple[spg_board.Board, ...]) -> None:
+    rank0, rank1 = boards
+    names = [rank0.name, rank1.name]
+    board = SHM / rank1.name
+    bell = SHM / (rank1.name[: -len("board")] + "bell")
+    moved = SHM / (rank1.name + "_moved")
+
+    board.chmod(0o666)  # anyone may write it
+    _connect_refused(rank0, names, board, "mode 666")
+    board.chmod(0o600)
+
+    os.rename(board, moved)  # a link where the board should be
+    board.symlink_to(moved)
+    try:
+        _connect_refused(rank0, names, board, "symbolic link")
+    finally:
+        board.unlink()
+        os.rename(moved, board)
+
+    os.rename(bell, moved)  # a regular file where the doorbell should be
+    bell.write_bytes(b"")
+    bell.chmod(0o600)
+    try:
+        _connect_refused(rank0, names, bell, "not a FIFO")
+    finally:
+        bell.unlink()
+        os.rename(moved, bell)
+
+    if _as_root():
+        os.chown(board, OTHER_UID, OTHER_UID)
+        try:
+            _connect_refused(rank0, names, board, f"owned by uid {OTHER_UID}")
+        finally:
+            os.chown(board, os.geteuid(), os.getegid())
+    # Put back as made, the same boards connect.
+    assert rank0.connect(names) == [] and rank0.is_open(1)
+
+
+# --- segments and queue rings -----------------------------------------------------------------
+
+
+def test_segments_are_checked_before_they_are_read() -> None:
+    owner = SegmentOwner(2)
+    payload = pickle.dumps(b"v" * (400 << 10))
+    descriptor = spg_shm.dump_pickled(payload, owner, False, [1])
+    name = spg_shm.segment_name(descriptor)
+    assert name is not None
+    path = SHM / name
+    try:
+        path.chmod(0o622)
+        with pytest.raises(RuntimeError) as info:
+            spg_shm.open_descriptor(descriptor, False, "the value", 1)
+        assert str(path) in str(info.value) and "mode 622" in str(info.value)
+        path.chmod(0o600)
+        if _as_root():
+            _give_away(path)
+            with pytest.raises(RuntimeError, match=f"owned by uid {OTHER_UID}"):
+                spg_shm.open_descriptor(descriptor, False, "the value", 1)
+            os.chown(path, os.geteuid(), os.getegid())
+        assert spg_shm.open_descriptor(descriptor, False, "the value", 1).load() == b"v" * (
+            400 << 10
+        )
+    finally:
+        owner.release()
+
+
+def test_a_queue_ring_is_checked_before_a_reader_attaches() -> None:
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    try:
+        handle = writer.export_handle()
+        assert handle.buffer_handle is not None
+        path = SHM / handle.buffer_handle[3]
+        path.chmod(0o666)
+        with pytest.raises(UntrustedFileError) as info:
+            MessageQueue.create_from_handle(handle, 0)
+        assert str(path) in str(info.value) and "mode 666" in str(info.value)
+        path.chmod(0o600)
+        reader = MessageQueue.create_from_handle(handle, 0)
+        reader.close()
+    finally:
+        writer.close()
+
+
+# --- node cards, with a key -------------------------------------------------------------------
+
+
+@pytest.fixture
+def keyed_rank0(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatelessProcessGroup]:
+    """Rank 0 of a keyed 2-rank group over a real store, whose rank 1 is the test itself."""
+    monkeypatch.delenv(auth.ENV_VAR, raising=False)
+    served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=10)
+    rank0 = StatelessProcessGroup(rank=0, world_size=2, store=served.store, socket=None)
+    rank0.auth_key = KEY
+    yield rank0
+    with contextlib.suppress(Exception):
+        if rank0._board is not None:
+            rank0._board.close()
+    rank0._segments.release()
+    served.socket.close()
+
+
+def _forged_card(board: spg_board.Board) -> bytes:
+    """What rank 1 would store as its node card (this node, ``board``), without a key."""
+    return spg_shm.node_identity() + b"\n" + board.name.encode()
+
+
+def test_a_forged_node_card_is_refused_in_the_first_gather(keyed_rank0) -> None:
+    store = keyed_rank0.store
+    foreign = spg_board.Board(1, 2)  # a real board: the card would be believed and opened
+    try:
+        store.set(keys.broadcast_value(1, 0), auth.sign(KEY, "spg/bcast/1/0", pickle.dumps(1)))
+        store.set(keys.gather_node(1, 0), _forged_card(foreign))
+        with pytest.raises(AuthenticationError) as info:
+            keyed_rank0.all_gather_obj(0)
+        assert "the node card 'bcast/1/0/node' of rank 1" in str(info.value)
+        assert keyed_rank0._nodes is None and keyed_rank0._board_names is None
+    finally:
+        foreign.close()
+
+
+def test_a_forged_node_card_is_refused_in_the_first_barrier(keyed_rank0) -> None:
+    store = keyed_rank0.store
+    foreign = spg_board.Board(1, 2)
+    try:
+        store.add(keys.barrier_arrivals(0), 1)  # rank 1 has arrived
+        store.set(keys.barrier_node(0, 1), _forged_card(foreign))
+        with pytest.raises(AuthenticationError) as info:
+            keyed_rank0.barrier(timeout=5)
+        assert "the node card 'barrier/0/node/1' of rank 1" in str(info.value)
+        assert keyed_rank0._nodes is None and keyed_rank0._board_names is None
+    finally:
+        foreign.close()
+
+
+def test_sealed_node_cards_are_believed(keyed_rank0) -> None:
+    store = keyed_rank0.store
+    peer = spg_board.Board(1, 2)
+    try:
+        store.set(keys.broadcast_value(1, 0), auth.sign(KEY, "spg/bcast/1/0", pickle.dumps(1)))
+        card = auth.sign(KEY, "spg/bcast/1/0/node", _forged_card(peer))
+        store.set(keys.gather_node(1, 0), card)
+        assert keyed_rank0.all_gather_obj(0) == [0, 1]
+        assert keyed_rank0._nodes == [spg_shm.node_identity()] * 2
+        assert keyed_rank0._board_names is not None  # both boards open (for barriers)
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def plain_rank0(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatelessProcessGroup]:
+    """Rank 0 of a 2-rank group without a key over a real store; rank 1 is the test."""
+    monkeypatch.delenv(auth.ENV_VAR, raising=False)
+    served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=10)
+    rank0 = StatelessProcessGroup(rank=0, world_size=2, store=served.store, socket=None)
+    yield rank0
+    if rank0._board is not None:
+        rank0._board.close()
+    rank0._segments.release()
+    served.socket.close()
+
+
+@pytest.mark.parametrize("first", ["all_gather_obj", "barrier"])
+def test_a_group_refuses_a_board_others_may_write(plain_rank0, first: str) -> None:
+    store = plain_rank0.store
+    peer = spg_board.Board(1, 2)  # rank 1's board, then opened up to everyone
+    path = SHM / peer.name
+    path.chmod(0o666)
+    try:
+        card = _forged_card(peer)
+        if first == "all_gather_obj":
+            store.set(keys.broadcast_value(1, 0), pickle.dumps(1))
+            store.set(keys.gather_node(1, 0), card)
+            call = lambda: plain_rank0.all_gather_obj(0)  # noqa: E731
+        else:
+            store.add(keys.barrier_arrivals(0), 1)
+            store.set(keys.barrier_node(0, 1), card)
+            call = lambda: plain_rank0.barrier(timeout=5)  # noqa: E731
+        with pytest.raises(spg_board.BoardError) as info:
+            call()
+        message = str(info.value)
+        assert "rank 0 could not join the boards" in message and str(path) in message, message
+        assert "mode 666" in message, message
+        assert plain_rank0._board_names is None  # nothing goes over the boards
+    finally:
+        peer.close()
