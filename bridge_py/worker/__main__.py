@@ -21,8 +21,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# Read by bridge_py.distributed.auth; the flag --require-auth-key sets it.
-REQUIRE_AUTH_ENV = "VLLM_BRIDGE_REQUIRE_AUTH_KEY"
 # How long exit hooks may run once the parent is gone: the whole exit stays within 2 s.
 _ORPHAN_GRACE = 1.0
 
@@ -142,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--require-auth-key",
         action="store_true",
-        help=f"refuse process groups and queues without an auth key (sets ${REQUIRE_AUTH_ENV}=1)",
+        help="refuse process groups and queues without an auth key "
+        "(sets $VLLM_BRIDGE_REQUIRE_AUTH_KEY=1)",
     )
     return parser
 
@@ -151,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, serve, exit without waiting on calls still blocked in Python."""
     args = _parser().parse_args(argv)
     use_stdio = args.grpc is None or args.stdio
-    if args.require_auth_key:
-        os.environ[REQUIRE_AUTH_ENV] = "1"  # the operator's policy, read where keys are
     proto_in, proto_out = _claim_stdio()
+    if args.require_auth_key:
+        from bridge_py.distributed.auth import REQUIRE_ENV_VAR
+
+        os.environ[REQUIRE_ENV_VAR] = "1"  # the operator's policy, read where keys are
 
     from bridge_py.worker.dispatcher import Dispatcher
 

@@ -44,11 +44,11 @@ class Evil:
         return (open, (str(self.path), "w"))
 
 
-def _worker(env: dict[str, str]) -> Iterator[PortClient]:
+def _worker(env: dict[str, str], *args: str) -> Iterator[PortClient]:
     """A worker serving the shipped table with ``env`` added to its environment."""
     base = {auth.ENV_VAR: "", auth.REQUIRE_ENV_VAR: "0"}  # nothing inherited from the test
     with tempfile.TemporaryFile() as stderr:
-        client = PortClient(proc=start_worker(env={**base, **env}, stderr=stderr))
+        client = PortClient(proc=start_worker(*args, env={**base, **env}, stderr=stderr))
         try:
             yield client
         finally:
@@ -61,10 +61,14 @@ def operated() -> Iterator[PortClient]:
     yield from _worker({auth.ENV_VAR: OPERATOR_KEY})
 
 
-@pytest.fixture(scope="module")
-def strict() -> Iterator[PortClient]:
-    """A worker whose operator set ``VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`` and no key."""
-    yield from _worker({auth.REQUIRE_ENV_VAR: "1"})
+@pytest.fixture(scope="module", params=["env", "flag"])
+def strict(request: pytest.FixtureRequest) -> Iterator[PortClient]:
+    """A worker whose operator asked for keys and gave none: ``VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``
+    in its environment, or the worker's flag ``--require-auth-key``."""
+    if request.param == "env":
+        yield from _worker({auth.REQUIRE_ENV_VAR: "1"})
+    else:
+        yield from _worker({}, "--require-auth-key")
 
 
 @pytest.fixture
