@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import mmap
 import os
@@ -286,7 +287,21 @@ class Board:
                     f"rank {self.rank} cannot open the board {name!r} of rank {src} "
                     f"(did it exit?): {exc}"
                 ) from exc
-            except (OSError, ValueError) as exc:
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:
+                    raise BoardError(
+                        f"rank {self.rank} cannot open the board {name!r} of rank {src}: {exc}"
+                    ) from exc
+                # Its doorbell has no reader: its owner, which holds it open while its
+                # group lives, is gone.
+                if missing_ok:
+                    gone.append(src)
+                    continue
+                raise BoardError(
+                    f"rank {self.rank} cannot ring rank {src}: rank {src} has exited "
+                    f"(its doorbell {_bell_name(name)!r} has no reader)"
+                ) from exc
+            except ValueError as exc:
                 raise BoardError(
                     f"rank {self.rank} cannot open the board {name!r} of rank {src}: {exc}"
                 ) from exc

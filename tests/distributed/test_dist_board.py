@@ -362,3 +362,20 @@ def test_a_forked_child_closing_an_inherited_board_leaves_it_to_its_owner() -> N
     finally:
         board.close()
     assert board.name not in os.listdir(spg_segments.SHM_DIR)
+
+
+def test_a_board_whose_owner_exited_before_we_connected_names_the_rank() -> None:
+    # The owner of a doorbell holds it open while its group lives; a rank killed before a
+    # peer first connects leaves the files (until someone cleans up) but no reader, and
+    # opening the doorbell then fails with ENXIO.
+    first, second = spg_board.Board(0, 2), spg_board.Board(1, 2)
+    try:
+        os.close(second._own_bell)  # what its process's exit does
+        second._own_bell = -1
+        with pytest.raises(spg_board.BoardError) as info:
+            first.connect([first.name, second.name])
+        assert "rank 1 has exited" in str(info.value), info.value
+        assert first.connect([first.name, second.name], missing_ok=True) == [1]
+    finally:
+        first.close()
+        second.close()
