@@ -274,7 +274,7 @@ defmodule VllmBridge.FaultsTest do
     me = self()
 
     spawn_link(fn ->
-      [{late_id, _alias}] =
+      [{late_id, _alias, _caller}] =
         eventually(fn -> :ets.tab2list(table) != [] and :ets.tab2list(table) end)
 
       send(me, {:late_id, late_id})
