@@ -1,15 +1,18 @@
 """The gRPC peer of the call benchmark, driven by bench/elixir/calls.exs over a Port.
 
 Starts ``python -m bridge_py.worker --grpc 127.0.0.1:0`` serving the sample export table,
-connects ``bridge_py.client``, creates a ``Counter`` and sends one ``ready`` frame. Then,
-for every {:packet, 4} frame it reads (an ASCII count N), it makes N sequential
-``Counter.incr`` calls, checks each result, and answers one frame of N latencies in
-nanoseconds (little-endian int64). Exits, stopping the server, when stdin closes.
+with a fresh token in ``$VLLM_BRIDGE_TOKEN`` (as a deployment would), connects
+``bridge_py.client`` with that token (which opens a session), creates a ``Counter`` and
+sends one ``ready`` frame. Then, for every {:packet, 4} frame it reads (an ASCII count
+N), it makes N sequential ``Counter.incr`` calls, checks each result, and answers one
+frame of N latencies in nanoseconds (little-endian int64). Exits, stopping the server,
+when stdin closes.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 import subprocess
 import sys
@@ -43,16 +46,17 @@ def main() -> int:
     stream = os.fdopen(os.dup(0), "rb")
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
+        token = secrets.token_urlsafe(32)
         server = start_worker(
             "--grpc", "127.0.0.1:0", "--port-file", str(port_file),
             exports="tests.worker.sample_exports:table",
-            stdin=subprocess.DEVNULL, stdout=2,
+            stdin=subprocess.DEVNULL, stdout=2, env={"VLLM_BRIDGE_TOKEN": token},
         )  # fmt: skip
         try:
             port = wait_for_port_file(server, port_file, timeout=120)
             from bridge_py.client import connect
 
-            with connect(f"127.0.0.1:{port}") as client:
+            with connect(f"127.0.0.1:{port}", token=token) as client:
                 counter = client.create("Counter")
                 expected = 0
                 _write_frame(out, b"ready")

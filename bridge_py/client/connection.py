@@ -6,8 +6,8 @@ import contextlib
 import itertools
 import os
 import threading
-import uuid
 import weakref
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,7 +15,8 @@ import grpc
 from bridge_py.client.proxy import RemoteObject
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import Codec, RefValue
-from bridge_py.worker.transports.grpc import SERVICE, TOKEN_ENV
+from bridge_py.worker.transports.grpc import OPEN_SESSION, SERVICE, TOKEN_ENV
+from bridge_py.worker.transports.grpc_credentials import read_token_file
 
 _RPC = {
     pb.CreateInstance: "Create",
@@ -71,7 +72,14 @@ class _ProxyCodec:
 
 
 class Client:
-    """One channel to one worker, in one session (handles are the session's)."""
+    """One channel to one worker, in one session (handles are the session's).
+
+    The session is issued by the worker (``OpenSession``) when the client is made,
+    bound to the client's credential, and released whole when it closes. To share
+    it, pass ``client.session`` as ``session=`` to another client with the same
+    credential (the same token, or the same socket): that client uses it without
+    opening one, and on close releases only the handles of its own proxies.
+    """
 
     def __init__(
         self,
@@ -82,10 +90,12 @@ class Client:
         timeout: float | None = 300.0,
         max_message_bytes: int = 256 * 1024 * 1024,
     ) -> None:
+        if session is not None and not session:
+            raise ValueError(
+                "session= must be an id the worker issued (another client's .session), "
+                "not empty: the default session is not served over gRPC"
+            )
         self.target = target
-        # A session of our own is released whole on close; a given one may be shared.
-        self._own_session = session is None
-        self.session = session if session is not None else f"grpc-{uuid.uuid4().hex}"
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(
@@ -101,7 +111,7 @@ class Client:
                 request_serializer=pb.encode_request,
                 response_deserializer=pb.decode_reply,
             )
-            for name in _RPC.values()
+            for name in (*_RPC.values(), OPEN_SESSION)
         }
         self._ids = itertools.count(1)
         self._codec = Codec(_ProxyCodec(self))
@@ -111,15 +121,34 @@ class Client:
         self._lock = threading.Lock()
         self._members: dict[str, tuple[set[str], set[str]]] | None = None
         self._closed = False
+        # A session of our own is released whole on close; a given one may be shared.
+        self._own_session = session is None
+        self.session = ""
+        try:
+            self.session = session if session is not None else self._open_session()
+        except BaseException:
+            self._closed = True
+            self._channel.close()
+            raise
 
     # -- plumbing -------------------------------------------------------------------
+
+    def _open_session(self) -> str:
+        """Ask the worker for a session of our own (its id is random, 256 bits)."""
+        session = self._send(OPEN_SESSION, pb.Request(id=next(self._ids), op=pb.Ping()))
+        if not isinstance(session, str) or not session:
+            raise BridgeError("protocol", f"{OPEN_SESSION} answered {session!r}, not a session")
+        return session
 
     def _request(self, op: pb.Operation, timeout: float | None = None) -> Any:
         if self._closed:
             raise BridgeError("transport", "the client is closed")
         request = pb.Request(id=next(self._ids), session=self.session, op=op)
+        return self._send(_RPC[type(op)], request, timeout)
+
+    def _send(self, rpc: str, request: pb.Request, timeout: float | None = None) -> Any:
         try:
-            reply = self._stubs[_RPC[type(op)]](
+            reply = self._stubs[rpc](
                 request,
                 timeout=timeout if timeout is not None else self.timeout,
                 metadata=self._metadata,
@@ -128,8 +157,8 @@ class Client:
             code = exc.code()  # type: ignore[attr-defined]
             raise BridgeError(
                 "transport",
-                f"{code.name}: {exc.details()}",
-                code=code,  # type: ignore[attr-defined]
+                f"{code.name}: {exc.details()}",  # type: ignore[attr-defined]
+                code=code,
             ) from None
         if reply.error is not None:
             e = reply.error
@@ -231,12 +260,20 @@ class Client:
         self.close()
 
 
-def connect(target: str, token: str | None = None, **options: Any) -> Client:
-    """A client for the worker at ``target`` ("host:port").
+def connect(
+    target: str, token: str | None = None, *, token_file: str | Path | None = None, **options: Any
+) -> Client:
+    """A client for the worker at ``target`` (``"host:port"`` or ``"unix:PATH"``).
 
-    ``token`` defaults to ``$VLLM_BRIDGE_TOKEN``. Options: ``session`` (default: a new
-    one per client), ``timeout`` (seconds per call, default 300), ``max_message_bytes``.
+    The token is ``token``, else the contents of ``token_file`` (e.g. the file a
+    worker wrote a generated token to; it must be readable by its owner only), else
+    ``$VLLM_BRIDGE_TOKEN``; a worker on a Unix socket needs none. Options:
+    ``session`` (default: a new one issued by the worker; pass another client's
+    ``.session`` to share it), ``timeout`` (seconds per call, default 300),
+    ``max_message_bytes``.
     """
+    if token is None and token_file is not None:
+        token = read_token_file(Path(token_file))
     return Client(target, token=token or os.environ.get(TOKEN_ENV), **options)
 
 

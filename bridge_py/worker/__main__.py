@@ -21,9 +21,15 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# Read by bridge_py.distributed.auth; the flag --require-auth-key sets it.
+REQUIRE_AUTH_ENV = "VLLM_BRIDGE_REQUIRE_AUTH_KEY"
+# How long exit hooks may run once the parent is gone: the whole exit stays within 2 s.
+_ORPHAN_GRACE = 1.0
+
 if TYPE_CHECKING:  # imported after the stdio switch: importing torch may print
     from bridge_py.worker.dispatcher import Dispatcher
     from bridge_py.worker.exports import ExportTable
+    from bridge_py.worker.transports.grpc_credentials import Token
 
 
 def _claim_stdio() -> tuple[int, int]:
@@ -57,6 +63,25 @@ def _microseconds(text: str) -> float:
     return value
 
 
+def _threads(text: str) -> int:
+    """A thread limit of at least 2 (a leader and one call), for argparse."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {text}")
+    return value
+
+
+class _RefuseToken(argparse.Action):
+    """``--token`` is gone: a token in argv shows in ``ps`` and ``/proc/*/cmdline``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kw: object) -> None:
+        parser.error(
+            "--token is not accepted: a token on the command line is visible to every "
+            "local user (ps, /proc/*/cmdline). Set $VLLM_BRIDGE_TOKEN, or use --token-file "
+            "PATH (a file only you can read)"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bridge_py.worker", description=__doc__)
     parser.add_argument(
@@ -76,23 +101,48 @@ def _parser() -> argparse.ArgumentParser:
         help="port: how long to keep reading for the next request before sleeping (200)",
     )
     parser.add_argument(
+        "--max-threads",
+        type=_threads,
+        default=None,
+        metavar="N",
+        help="port: threads for calls that block at once, the reader included (256); "
+        "past it, calls are refused as busy",
+    )
+    parser.add_argument(
         "--grpc",
-        metavar="HOST:PORT",
-        help="serve gRPC (port 0: any free port); loopback only unless a token is given",
+        metavar="HOST:PORT|unix:PATH",
+        help="serve gRPC (port 0: any free port); TCP needs a token, unix:PATH is made 0600",
     )
     parser.add_argument(
         "--token",
+        nargs="?",
+        action=_RefuseToken,
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
         default=None,
-        help="gRPC: the shared token every call must carry (default: $VLLM_BRIDGE_TOKEN)",
+        metavar="PATH",
+        help="gRPC: the token every call must carry, in a file only its owner can read; "
+        "a missing file is created with a generated token (default: $VLLM_BRIDGE_TOKEN, "
+        "else a generated token in a private file whose path is printed)",
     )
     parser.add_argument(
         "--max-message-bytes", type=int, default=None, help="gRPC: message size limit (256 MiB)"
     )
     parser.add_argument(
-        "--port-file", type=Path, help="gRPC: write the bound port here once serving"
+        "--port-file",
+        type=Path,
+        help="gRPC: write the bound port here once serving (0 on a unix socket)",
     )
     parser.add_argument(
         "--stdio", action="store_true", help="with --grpc: serve stdin/stdout frames too"
+    )
+    parser.add_argument(
+        "--require-auth-key",
+        action="store_true",
+        help=f"refuse process groups and queues without an auth key (sets ${REQUIRE_AUTH_ENV}=1)",
     )
     return parser
 
@@ -101,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, serve, exit without waiting on calls still blocked in Python."""
     args = _parser().parse_args(argv)
     use_stdio = args.grpc is None or args.stdio
+    if args.require_auth_key:
+        os.environ[REQUIRE_AUTH_ENV] = "1"  # the operator's policy, read where keys are
     proto_in, proto_out = _claim_stdio()
 
     from bridge_py.worker.dispatcher import Dispatcher
@@ -109,15 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     # Held here so the gRPC server lives as long as the process.
     grpc_server = _start_grpc(dispatcher, args) if args.grpc is not None else None
     if use_stdio:
+        from bridge_py.worker.parent_watch import watch_parent
         from bridge_py.worker.transports.polling_input import DEFAULT_SPIN, PollingInput
-        from bridge_py.worker.transports.port import DEFAULT_MAX_FRAME, PortTransport
+        from bridge_py.worker.transports.port import (
+            DEFAULT_MAX_FRAME,
+            DEFAULT_MAX_THREADS,
+            PortTransport,
+        )
 
+        # Whoever started us is our client: once it is gone, so are we, even if stdin
+        # stays open or a call is stuck (see parent_watch).
+        watch_parent(lambda: _exit_promptly(grace=_ORPHAN_GRACE))
         spin = DEFAULT_SPIN if args.spin_us is None else args.spin_us * 1e-6
         PortTransport(
             dispatcher,
             PollingInput(proto_in, spin),
             proto_out,
             max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME,
+            max_threads=args.max_threads or DEFAULT_MAX_THREADS,
         ).serve()
         # stdin closed: the client is gone.
     else:
@@ -148,33 +209,57 @@ def _exit_promptly(grace: float = 2.0) -> None:
 
 
 def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:
-    """Start the gRPC server (exit with status 2 and a message if it cannot)."""
-    from bridge_py.worker.transports.grpc import (
-        DEFAULT_MAX_MESSAGE,
-        TOKEN_ENV,
-        InsecureBinding,
-        serve_grpc,
-        split_address,
+    """Start the gRPC server (exit with status 2 and a message if it cannot).
+
+    Its credential comes from ``grpc_credentials.find_token``; a generated token's
+    file is named on stderr (never the token itself).
+    """
+    from bridge_py.worker.transports.grpc import DEFAULT_MAX_MESSAGE, serve_grpc
+    from bridge_py.worker.transports.grpc_credentials import (
+        CredentialError,
+        find_token,
+        remove_generated,
+        unix_path,
     )
 
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    token = None
     try:
-        server, port = serve_grpc(
+        socket_path = unix_path(args.grpc)
+        token = find_token(args.token_file, os.environ, required=socket_path is None)
+        serving = serve_grpc(
             dispatcher,
             args.grpc,
-            token=token,
+            token=token.value if token else None,
             max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE,
         )
-    except (InsecureBinding, OSError, ValueError) as exc:
+    except (CredentialError, OSError, ValueError) as exc:
+        if token is not None:
+            remove_generated(token)
         print(f"bridge_py.worker: {exc}", file=sys.stderr, flush=True)
         os._exit(2)
-    host, _ = split_address(args.grpc)
-    print(f"bridge_py.worker: serving gRPC on {host}:{port}", file=sys.stderr, flush=True)
+    atexit.register(serving.remove_socket)
+    if token is not None:
+        atexit.register(remove_generated, token)
+    _say_how_to_connect(serving.target, token)
     if args.port_file is not None:
         tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
+        tmp.write_text(str(serving.port))
         tmp.replace(args.port_file)
-    return server
+    return serving.server
+
+
+def _say_how_to_connect(target: str, token: Token | None) -> None:
+    """One stderr line on where the server is and which credential it requires."""
+    if token is None:
+        how = "socket mode 0600: this user only, no token"
+    elif token.written_to is not None:
+        how = (
+            f"generated token written to {token.written_to} (anyone who can read it can "
+            f"run code in this worker; clients send it as 'authorization: Bearer <token>')"
+        )
+    else:
+        how = f"token from {token.source} required"
+    print(f"bridge_py.worker: serving gRPC on {target}; {how}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

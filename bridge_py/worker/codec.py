@@ -22,6 +22,7 @@ EXT_ATOM = 3
 EXT_TUPLE = 4
 
 _INT64_MIN = -(2**63)
+_MAX_TENSOR_EXTENT = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 
 
@@ -161,8 +162,15 @@ def decode_tensor(payload: bytes) -> torch.Tensor:
         raise CodecError("tensor payload shorter than its shape")
     shape = struct.unpack_from(f">{ndim}Q", payload, 3)
     numel = 1
+    extent = 1  # what torch's strides must hold: the product of the dims that are not 0
     for d in shape:
         numel *= d
+        extent *= d or 1
+    if extent > _MAX_TENSOR_EXTENT:
+        raise CodecError(
+            f"tensor shape {tuple(shape)} is too large: torch's sizes and strides are signed "
+            "64-bit (the product of the dimensions that are not 0 must be below 2^63)"
+        )
     expected = numel * (bits // 8)
     if len(payload) - end != expected:
         raise CodecError(
@@ -199,7 +207,11 @@ class Codec:
     # -- encoding -------------------------------------------------------------------
 
     def encode(self, value: Any) -> bytes:
-        """Msgpack bytes of ``value``; unencodable objects become refs (given a resolver)."""
+        """Msgpack bytes of ``value``; unencodable objects become refs (given a resolver).
+
+        Containers nested more than :data:`MAX_DEPTH` deep, or containing themselves,
+        are refused.
+        """
         if value is None:
             return _NIL
         packer = getattr(self._local, "packer", None)
@@ -207,8 +219,17 @@ class Codec:
             packer = self._local.packer = self._packer()
         try:
             data = packer.pack(value)
+        except CodecError:
+            raise
         except OverflowError as exc:
             raise CodecError(f"integer out of the 64-bit range: {exc}") from None
+        except Exception as exc:  # raised by a value's own methods, or msgpack's checks
+            if isinstance(value, _CONTAINERS):
+                _check_nesting(value)  # a cycle or a deep value (msgpack's limit): say so
+            raise CodecError(f"cannot encode a {type(value).__name__}: {_why(exc)}") from None
+        # Each level takes at least a byte: only a longer value can nest too deep.
+        if len(data) > MAX_DEPTH and isinstance(value, _CONTAINERS):
+            _check_nesting(value)
         if len(data) > _KEEP_PACKER_BELOW:
             self._local.packer = None  # do not hold a buffer that large for good
         return data
@@ -286,9 +307,28 @@ class Codec:
         """The value in msgpack bytes; raises :class:`CodecError` on malformed input.
 
         A memoryview (a long argument, as the envelope hands it over) is read in place.
+        Containers nested more than :data:`MAX_DEPTH` deep are refused.
         """
+        local = self._local
+        local.tuples = False
+        value = self._unpack(data)
+        # msgpack-python decodes its own timestamp extension (-1) without asking the
+        # ext hook, and it is not one of the protocol's types; only bytes holding a
+        # timestamp header can contain one. A value with tuples, or long enough to
+        # nest deeper than MAX_DEPTH, or with such a header is walked (_complete).
+        if (
+            local.tuples
+            or len(data) > MAX_DEPTH
+            or type(data) is not bytes
+            or any(marker in data for marker in _TIMESTAMP_HEADERS)
+        ):
+            value = self._complete(value, 1)
+        return value
+
+    def _unpack(self, data: bytes | memoryview) -> Any:
+        """One msgpack value, tuples left as :class:`_TuplePayload` (see :meth:`_complete`)."""
         try:
-            value = msgpack.unpackb(
+            return msgpack.unpackb(
                 data,
                 ext_hook=self._ext_hook,
                 raw=False,
@@ -298,28 +338,75 @@ class Codec:
             )
         except CodecError:
             raise
-        except (ValueError, TypeError, msgpack.UnpackException, struct.error) as exc:
-            raise CodecError(f"malformed msgpack value: {exc}") from None
-        # msgpack-python decodes its own timestamp extension (-1) without asking the
-        # ext hook; it is not one of the protocol's types. Only bytes that contain a
-        # timestamp header can hold one, so for short input the walk is rare; long
-        # input (a view, mostly tensor data) is not scanned: its containers are walked.
-        if not isinstance(data, (bytes, bytearray)) or any(
-            marker in data for marker in _TIMESTAMP_HEADERS
-        ):
-            _refuse_timestamps(value)
+        except msgpack.StackError:
+            # msgpack's own limit (1024 levels) is far above ours.
+            raise CodecError(f"value nested deeper than {MAX_DEPTH}") from None
+        except LookupError:
+            raise  # a ref the registry does not know (HandleNotFound): not_found
+        except Exception as exc:
+            raise CodecError(f"malformed msgpack value: {_why(exc)}") from None
+
+    def _complete(self, value: Any, level: int) -> Any:
+        """``value`` with its tuples decoded and its nesting checked, as the container
+        at ``level`` (the top-level value is at level 1).
+
+        Tuples are decoded here, one ``unpackb`` per tuple called from this loop, never
+        from inside another ``unpackb``: msgpack's C decoder keeps a large context on
+        the C stack, and one nested per level exhausted a thread's stack in a few
+        hundred levels (a crash, not an exception).
+        """
+        kind = type(value)
+        if kind is _TuplePayload:
+            items = self._unpack(value.payload)
+            if type(items) is not list:
+                raise CodecError("tuple payload is not an array")
+            if level > MAX_DEPTH:
+                raise CodecError(f"value nested deeper than {MAX_DEPTH}")
+            self._complete_items(items, level)
+            return tuple(items)
+        if kind is list:
+            if level > MAX_DEPTH:
+                raise CodecError(f"value nested deeper than {MAX_DEPTH}")
+            self._complete_items(value, level)
+            return value
+        if kind is dict:
+            if level > MAX_DEPTH:
+                raise CodecError(f"value nested deeper than {MAX_DEPTH}")
+            if _WALKED.isdisjoint(set(map(type, value))):
+                for key, item in value.items():
+                    if type(item) in _WALKED:
+                        value[key] = self._complete(item, level + 1)
+                return value
+            completed = {}
+            for key, item in value.items():
+                key = self._complete(key, level + 1)
+                item = self._complete(item, level + 1)
+                try:
+                    completed[key] = item
+                except TypeError:  # a key that cannot be one (a tuple holding a list)
+                    raise CodecError(f"map key {key!r} is not hashable") from None
+            return completed
+        if kind is msgpack.Timestamp:
+            raise CodecError("msgpack extension type -1 (timestamp) is not part of the protocol")
         return value
 
+    def _complete_items(self, items: list[Any], level: int) -> None:
+        """:meth:`_complete` each element of ``items`` that needs it, in place."""
+        # Most long lists hold only scalars: one pass in C finds out.
+        if _WALKED.isdisjoint(set(map(type, items))):
+            return
+        for index, item in enumerate(items):
+            if type(item) in _WALKED:
+                items[index] = self._complete(item, level + 1)
+
     def _ext_hook(self, code: int, payload: bytes) -> Any:
+        if code == EXT_TUPLE:
+            self._local.tuples = True
+            return _TuplePayload(payload)  # decoded by _complete, not from in here
         if code == EXT_TENSOR:
             return decode_tensor(payload)
         if code == EXT_ATOM:
             return Atom(payload.decode("utf-8"))
-        if code == EXT_TUPLE:
-            items = self.decode(payload)
-            if not isinstance(items, list):
-                raise CodecError("tuple payload is not an array")
-            return tuple(items)
         if code == EXT_REF:
             ref = RefValue.from_payload(payload)
             if self._resolver is None:
@@ -327,6 +414,25 @@ class Codec:
             return self._resolver.resolve(ref)
         raise CodecError(f"unknown msgpack extension type {code}")
 
+
+class _TuplePayload:
+    """A tuple's msgpack payload, still to be decoded (see ``Codec._complete``).
+
+    Hashable by identity, so a tuple used as a map key can wait in the map too.
+    """
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+MAX_DEPTH = 128
+"""How deep containers (lists, maps, tuples) may nest in one value, both ways.
+
+The top-level container is level 1: ``[[1]]`` is nested 2 deep. The Elixir side has
+the same limit (``VllmBridge.Msgpack.max_depth/0``).
+"""
 
 _NIL = b"\xc0"
 # A thread's Packer starts small (msgpack's default is 256 KiB, for every thread)
@@ -336,22 +442,41 @@ _PACKER_START = 1 << 12
 _KEEP_PACKER_BELOW = 1 << 16
 _PIECES_FROM = 1 << 16  # tensors this large are sent as pieces by encode_pieces
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # never a tensor
+# What a decoded value's walk (Codec._complete) looks inside or refuses.
+_WALKED = frozenset({list, dict, _TuplePayload, msgpack.Timestamp})
 
 # fixext4, fixext8 and ext8 (12 bytes) with type -1: msgpack's timestamp encodings.
 _TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 
 
-def _refuse_timestamps(value: Any) -> None:
-    stack = [value]
+# What the encoder sends as a container: tuples (and named tuples) as extension 4, sets
+# as arrays, subclasses of list and dict as their base type.
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _check_nesting(value: list[Any] | tuple[Any, ...] | dict[Any, Any] | set[Any]) -> None:
+    """Raise :class:`CodecError` if containers nest deeper than :data:`MAX_DEPTH` in ``value``.
+
+    Depth first with a stack of its own; a value that contains itself is too deep too.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
-        item = stack.pop()
-        if isinstance(item, msgpack.Timestamp):
-            raise CodecError("msgpack extension type -1 (timestamp) is not part of the protocol")
-        if isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+        container, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise CodecError(f"value nested deeper than {MAX_DEPTH}")
+        members = (
+            [*container.keys(), *container.values()] if isinstance(container, dict) else container
+        )
+        # Most containers hold no container: one pass in C over their types finds out.
+        kinds = set(map(type, members))
+        if kinds <= _SCALARS or not any(issubclass(kind, _CONTAINERS) for kind in kinds):
+            continue
+        stack.extend((m, level + 1) for m in members if isinstance(m, _CONTAINERS))
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as a short reason: its message, or its type when it has none."""
+    return str(exc) or type(exc).__name__
 
 
 class RefValue:

@@ -95,26 +95,33 @@ class Dispatcher:
             return None  # dispatch reports it
 
     def dispatch(self, req: pb.Request, turn: Turn | None = None) -> pb.Reply:
-        """Run one request; always returns a Reply (errors included).
+        """Run one request; always returns a Reply (errors included), never raises.
 
         A large tensor result is left in pieces (see ``Codec.encode_pieces``); use
         ``envelope.encode_reply`` or ``encode_reply_chunks`` to write the reply.
         """
+        try:
+            if turn is None and type(req.op) is pb.CallMethod:
+                turn = self.reserve(req)
+            if turn is None:
+                return self._run(req)
+            with turn:
+                return self._run(req)
+        except BaseException as exc:  # one reply per request, whatever happened
+            # Only a bug of ours gets here (the call's own exceptions are caught in _run).
+            failure = _Failure("python", f"internal error: {type(exc).__name__}: {exc}", exc)
+            return _error_reply(req.id, failure)
+
+    def _run(self, req: pb.Request) -> pb.Reply:
+        """:meth:`dispatch`'s work, in the request's turn; failures as error replies."""
         op = req.op
         session = req.session or DEFAULT_SESSION
-        codec = self._codec(session)
         try:
             run = self._ops.get(type(op))
             if run is None:
                 raise _Failure("protocol", "request has no operation")
-            if turn is None and type(op) is pb.CallMethod:
-                turn = self.reserve(req)
-            if turn is not None:
-                with turn:
-                    value = run(op, session, codec)
-            else:
-                value = run(op, session, codec)
-            return _value_reply(req.id, codec, value)
+            codec = self._codec(session)
+            return _value_reply(req.id, codec, run(op, session, codec))
         except _Failure as failure:
             return _error_reply(req.id, failure)
         except HandleNotFound as exc:
@@ -138,13 +145,16 @@ class Dispatcher:
         return the reply's bytes. The call takes its turn from ``plan.sequencer`` now, so
         a transport runs it as soon as it reads it. The reply is the one :meth:`dispatch`
         would give; if a release has made the plan stale, dispatch gives it."""
-        value, reply = plan.sequencer.run(self._run_plan, frame, plan)
-        if reply is not None:
-            return reply
         try:
+            value, reply = plan.sequencer.run(self._run_plan, frame, plan)
+            if reply is not None:
+                return reply
             data = plan.codec.encode_pieces(value)
-        except CodecError as exc:
-            failure = _Failure("encode", f"the result cannot cross the bridge: {exc}")
+        except BaseException as exc:  # one reply per request, whatever happened
+            if isinstance(exc, CodecError):
+                failure = _Failure("encode", f"the result cannot cross the bridge: {exc}")
+            else:
+                failure = _Failure("python", f"internal error: {type(exc).__name__}: {exc}", exc)
             return pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
         return pb.value_reply_chunks(frame[:id_end], data)
 
@@ -157,7 +167,7 @@ class Dispatcher:
             return None, pb.encode_reply_chunks(self.dispatch(pb.decode_request(frame), _HELD))
         try:
             return getattr(plan.obj, plan.method)(), None
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
             failure = _Failure("python", f"{type(exc).__name__}: {exc}", exc)
             return None, pb.encode_reply_chunks(_error_reply(pb.peek_request_id(frame), failure))
 
@@ -190,7 +200,7 @@ class Dispatcher:
             return self._call(method, target.name, args, kwargs)
         try:
             return method()
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
             raise _Failure("python", f"{type(exc).__name__}: {exc}", exc) from exc
 
     def _method(self, obj: Any, name: str) -> _Method:
@@ -256,6 +266,9 @@ class Dispatcher:
             raise _Failure("not_found", str(exc)) from None
         except CodecError as exc:
             raise _Failure("bad_args", f"cannot decode {what}: {exc}") from None
+        except Exception as exc:  # the codec turns every error into CodecError: a bug
+            why = f"{type(exc).__name__}: {exc}"
+            raise _Failure("bad_args", f"cannot decode {what}: {why}") from None
 
     @staticmethod
     def _call(fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
@@ -265,7 +278,7 @@ class Dispatcher:
             raise _Failure("bad_args", str(exc)) from None
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
             raise _Failure("python", f"{type(exc).__name__}: {exc}", exc) from exc
 
 
@@ -285,7 +298,7 @@ _HELD: Any = _HeldTurn()
 def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:
     try:
         data = codec.encode_pieces(value)
-    except CodecError as exc:
+    except Exception as exc:  # CodecError, or what a result's own methods raised
         raise _Failure("encode", f"the result cannot cross the bridge: {exc}") from None
     return pb.Reply(request_id, data)
 

@@ -11,14 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from bridge_py.client import BridgeError, connect
+from bridge_py.client import BridgeError
 from tests.distributed.harness import free_port
 from tests.grpc.conftest import GrpcWorker
+
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_two_rank_group_over_grpc() -> None:
     workers = [GrpcWorker(exports=None), GrpcWorker(exports=None)]
-    clients = [connect(w.target) for w in workers]
+    clients = [w.connect() for w in workers]
     try:
         port = free_port()
         with ThreadPoolExecutor(2) as pool:

@@ -45,7 +45,7 @@ def start_worker(
 
 
 def wait_for_port_file(proc: subprocess.Popen, port_file: Path, timeout: float = 60.0) -> int:
-    """The port a ``--grpc ... --port-file`` worker serves on, once it serves."""
+    """The port a ``--grpc ... --port-file`` worker serves on (0 on unix:PATH), once serving."""
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if proc.poll() is not None:

@@ -85,6 +85,23 @@ def make_unencodable() -> object:
     return threading.Lock()
 
 
+def leave(code: int) -> None:
+    """Raise SystemExit: a call that would end a careless worker."""
+    raise SystemExit(code)
+
+
+def nested(depth: int, cyclic: bool = False) -> object:
+    """A list nested ``depth`` deep (``[[...[0]...]]``), or one that contains itself."""
+    if cyclic:
+        loop: list[object] = []
+        loop.append(loop)
+        return loop
+    value: object = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def table() -> ExportTable:
     """The sample table."""
     return ExportTable.build(
@@ -105,5 +122,7 @@ def table() -> ExportTable:
             ExportedFunction("zeros", zeros, "Sample"),
             ExportedFunction("dtype_of", dtype_of, "Sample"),
             ExportedFunction("make_unencodable", make_unencodable, "Sample"),
+            ExportedFunction("leave", leave, "Sample"),
+            ExportedFunction("nested", nested, "Sample"),
         ],
     )

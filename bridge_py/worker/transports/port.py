@@ -21,6 +21,9 @@ from bridge_py.worker.dispatcher import Dispatcher, protocol_error
 from bridge_py.worker.sequencer import Turn
 
 DEFAULT_MAX_FRAME = 1 << 31  # 2 GiB
+DEFAULT_MAX_THREADS = 256
+# Operations that run exported code, which may block (a barrier, a recv).
+_MAY_BLOCK = (pb.CallMethod, pb.CallFunction, pb.CreateInstance)
 _HEADER = struct.Struct(">I")
 _READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
 _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
@@ -196,6 +199,12 @@ class PortTransport:
     Method calls on one object still run in arrival order: each takes its turn
     (``Dispatcher.reserve``) when the leader reads it.
 
+    At most ``max_threads`` threads serve, the leader included. When all the others
+    are blocked in calls, no standby is left to take over from the leader, so the
+    leader runs no call that could block: it refuses calls, functions and constructors
+    with a ``busy`` error and still answers everything else (a ping, a release), until
+    a blocked call returns and gives its thread back.
+
     The leader marks the start of a request without a lock (it alone writes those
     fields); the end of a request, where the leader learns whether it was replaced,
     and a takeover both hold ``_lock``, so exactly one thread reads at a time.
@@ -208,7 +217,7 @@ class PortTransport:
         out_fd: int,
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
-        max_threads: int = 256,
+        max_threads: int = DEFAULT_MAX_THREADS,
         takeover_after: float = 0.01,
     ) -> None:
         self._dispatcher = dispatcher
@@ -221,6 +230,9 @@ class PortTransport:
         self._running = False  # the leader is inside a request
         self._job = 0  # requests started by leaders so far
         self._threads = 0
+        # Whether a standby stands behind the leader: not when max_threads are taken, and
+        # then the leader runs no call that may block (see job).
+        self._spare = True
         self._done = threading.Event()
 
     def serve(self) -> None:
@@ -235,19 +247,27 @@ class PortTransport:
         me = threading.get_ident()
         with self._lock:
             self._leader = me
-        while True:
-            job = self._next_job()
-            if job is None:
-                self._done.set()
-                return
-            self._job += 1  # only the leader writes these two
-            self._running = True
-            self._run(job)
-            with self._lock:
-                if self._leader != me:  # a standby took over while this call blocked
-                    self._threads -= 1
+        try:
+            while True:
+                job = self._next_job()
+                if job is None:
+                    self._done.set()
                     return
-                self._running = False
+                self._job += 1  # only the leader writes these two
+                self._running = True
+                self._run(job)
+                with self._lock:
+                    if self._leader != me:  # a standby took over while this call blocked
+                        return
+                    self._running = False
+        except BaseException:
+            # Only a broken output gets here (_next_job and _run answer everything
+            # else): nobody can hear us any more, so stop serving.
+            self._done.set()
+            raise
+        finally:
+            with self._lock:
+                self._threads -= 1
 
     def _stand_by(self) -> None:
         seen = -1
@@ -262,7 +282,7 @@ class PortTransport:
                 # The leader has been in one request for a whole period: take over.
                 self._leader = threading.get_ident()
                 self._running = False
-                hire = self._threads < self._max_threads
+                hire = self._spare = self._threads < self._max_threads
                 if hire:
                     self._threads += 1
             if hire:
@@ -270,34 +290,78 @@ class PortTransport:
             self._lead()
             return
 
-    def _next_job(self) -> _Job | None:
-        """Read the next frame and take its turn (None at end of input); runs as the leader.
+    def _rehire(self) -> None:
+        """Put a standby behind the leader again once a blocked call has given its thread
+        back; runs as the leader."""
+        with self._lock:
+            hire = self._spare = self._threads < self._max_threads
+            if hire:
+                self._threads += 1
+        if hire:
+            threading.Thread(target=self._stand_by, name="bridge-standby", daemon=True).start()
 
-        A call the dispatcher has a plan for (``call_plans``) is not decoded at all.
-        """
+    def _next_job(self) -> _Job | None:
+        """Read the next frame and make it a job (None at end of input); runs as the leader."""
+        if not self._spare:
+            self._rehire()
         try:
             frame = self._reader.read()
         except FrameTooLarge as exc:
             return protocol_error(0, str(exc)), None, b""
         if frame is None:
             return None
-        planned = self._dispatcher.plans.find(frame)
-        if planned is not None:
-            return planned, None, frame  # it takes its turn as it runs, next
-        try:
-            req = pb.decode_request(frame)
-        except pb.EnvelopeError as exc:
-            reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {exc}")
-            return reply, None, b""
-        return req, self._dispatcher.reserve(req), frame
+        return self.job(frame)
 
     def _run(self, job: _Job) -> None:
+        self._out.write(self.answer(job))
+
+    def job(self, frame: bytes | bytearray) -> _Job:
+        """What to do with one request frame, worked out as it is read: a planned call
+        (``call_plans``, not decoded at all), a decoded request holding its turn, or the
+        error reply to a frame that is not a request, or to a call that may block while
+        every thread but the leader's is blocked (``busy``: the call is not run)."""
+        try:
+            planned = self._dispatcher.plans.find(frame)
+            if planned is not None:
+                if not self._spare:
+                    return self._busy(pb.peek_request_id(frame)), None, b""
+                return planned, None, frame  # it takes its turn as it runs
+            req = pb.decode_request(frame)
+        except Exception as exc:  # EnvelopeError, or a bug: a reply either way
+            reply = protocol_error(pb.peek_request_id(frame), f"malformed request: {_why(exc)}")
+            return reply, None, b""
+        if not self._spare and type(req.op) in _MAY_BLOCK:
+            return self._busy(req.id), None, b""
+        return req, self._dispatcher.reserve(req), frame  # (reserve never raises)
+
+    def _busy(self, request_id: int) -> pb.Reply:
+        message = (
+            f"the worker has {self._max_threads - 1} calls blocked (its limit, --max-threads "
+            f"{self._max_threads}); this call was not run: try again once one returns"
+        )
+        return pb.Reply(id=request_id, error=pb.Error(category="busy", message=message))
+
+    def answer(self, job: _Job) -> bytes | list[bytes | memoryview]:
+        """Run a job from :meth:`job` and return its reply's bytes. Every job gets exactly
+        one reply: should anything but the call fail, the reply is an error, and a turn
+        the job holds is given back."""
         message, turn, frame = job
-        if type(message) is tuple:  # a planned call, the most common request
-            assert type(frame) is bytes
-            self._out.write(self._dispatcher.run_planned(frame, *message))
-        elif type(message) is pb.Request:
-            reply = self._dispatcher.dispatch_frame(frame, message, turn)
-            self._out.write(pb.encode_reply_chunks(reply))
-        else:  # an error found while reading
-            self._out.write(pb.encode_reply(message))
+        try:
+            if type(message) is tuple:  # a planned call, the most common request
+                assert type(frame) is bytes
+                return self._dispatcher.run_planned(frame, *message)
+            if type(message) is pb.Request:
+                turn, held = None, turn  # dispatch_frame always uses the turn up
+                return pb.encode_reply_chunks(self._dispatcher.dispatch_frame(frame, message, held))
+            return pb.encode_reply(message)  # an error found while reading
+        except Exception as exc:  # a bug of ours: the caller still hears
+            if turn is not None:
+                with turn:
+                    pass
+            request_id = message.id if type(message) is pb.Request else pb.peek_request_id(frame)
+            return pb.encode_reply(protocol_error(request_id, f"internal error: {_why(exc)}"))
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as a short reason: its message, or its type when it has none."""
+    return str(exc) or type(exc).__name__

@@ -8,7 +8,7 @@ defmodule VllmBridge.Error do
 
   ## Categories
 
-  Six categories come from a Python worker (see `docs/protocol.md`):
+  Seven categories come from a Python worker (see `docs/protocol.md`):
 
     * `:protocol` - a frame, envelope or value could not be decoded
     * `:not_found` - unknown handle, a released one, or one of another session
@@ -18,6 +18,9 @@ defmodule VllmBridge.Error do
     * `:encode` - a value that cannot cross the wire (either direction)
     * `:python` - the Python call raised; see `:python_type` and
       `:python_traceback`
+    * `:busy` - the call was not run: every thread of the worker but its
+      reader is blocked in a call (a barrier, a recv); it is safe to retry
+      once one of them returns
 
   Three are added by the Elixir runtime and never come from a worker:
 
@@ -40,6 +43,7 @@ defmodule VllmBridge.Error do
     :bad_args,
     :encode,
     :python,
+    :busy,
     :timeout,
     :worker,
     :stale_ref
@@ -53,6 +57,7 @@ defmodule VllmBridge.Error do
           | :bad_args
           | :encode
           | :python
+          | :busy
           | :timeout
           | :worker
           | :stale_ref

@@ -1,0 +1,68 @@
+"""Sessions a gRPC server issued, each bound to the credential that opened it.
+
+Over the port the BEAM (trusted) names its sessions. Over gRPC a client could name
+any string, and handles are small integers counted from 1, so a client naming
+another's session would reach its objects. So gRPC clients do not name sessions:
+the server issues them (``OpenSession``), as ``grpc-`` and 256 random bits, and
+serves a request only in a session it issued to the request's credential. The
+registry then keeps each session's handles to itself (``registry.py``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+SESSION_PREFIX = "grpc-"
+DEFAULT_MAX_SESSIONS = 65536
+
+
+class TooManySessions(RuntimeError):
+    """The server holds its limit of open sessions."""
+
+
+class SessionTable:
+    """Session id -> the credential it was issued to; thread-safe.
+
+    ``credential`` is any hashable that names who authenticated (the token's
+    identity, or the socket); two different credentials never share a session.
+    """
+
+    __slots__ = ("_limit", "_lock", "_owners")
+
+    def __init__(self, limit: int = DEFAULT_MAX_SESSIONS) -> None:
+        self._owners: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._limit = limit
+
+    def open(self, credential: object) -> str:
+        """Issue a new session to ``credential`` and return its id.
+
+        Ids start with ``grpc-`` so that they never equal a port session by
+        accident (the BEAM names those); 256 random bits make them unguessable.
+        """
+        with self._lock:
+            if len(self._owners) >= self._limit:
+                raise TooManySessions(
+                    f"this server has {self._limit} open sessions, its limit: close "
+                    f"clients (ReleaseSession) before opening more"
+                )
+            session = SESSION_PREFIX + secrets.token_hex(32)
+            self._owners[session] = credential
+            return session
+
+    def allows(self, session: str, credential: object) -> bool:
+        """Whether ``session`` was issued to ``credential`` and is still open."""
+        owner = self._owners.get(session)  # one dict lookup: atomic, no lock needed
+        return owner is not None and owner == credential
+
+    def close(self, session: str, credential: object) -> bool:
+        """End ``session`` if ``credential`` holds it; return whether it did."""
+        with self._lock:
+            if self.allows(session, credential):
+                del self._owners[session]
+                return True
+            return False
+
+    def __len__(self) -> int:
+        return len(self._owners)

@@ -1,0 +1,41 @@
+Code.require_file("support/test_python.exs", __DIR__)
+
+defmodule VllmBridge.BusyTest do
+  # A worker whose threads are all blocked in calls still answers: calls are
+  # refused as :busy (not run), pings and attribute reads are served, and calls
+  # run again once a blocked one returns.
+  use ExUnit.Case, async: true
+
+  import VllmBridge.PoolHelpers
+
+  alias VllmBridge.{Error, Runtime}
+
+  @moduletag timeout: 60_000
+
+  test "with every thread blocked, a call is :busy, a ping is answered, and calls resume",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 1, args: sample_args() ++ ["--max-threads", "3"])
+    rt = [__runtime__: [pool: pool]]
+    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+    gates = for _ <- 1..2, do: elem(Runtime.call_class("Counter", [], rt), 1)
+
+    # two calls hold two threads; the third reads on with nobody behind it
+    blocked =
+      for gate <- gates, do: Task.async(fn -> Runtime.call_method(gate, "wait_gate", [2.0]) end)
+
+    Process.sleep(500)
+
+    assert {:ok, :still_here} = Runtime.ping(:still_here, rt)
+    assert {:ok, 0} = Runtime.get_attr(counter, "value")
+
+    assert {:error, %Error{category: :busy, message: message}} =
+             Runtime.call_method(counter, "incr", [])
+
+    assert message =~ "2 calls blocked"
+    assert {:ok, 0} = Runtime.get_attr(counter, "value")
+
+    assert Task.await_many(blocked, 10_000) == [{:ok, false}, {:ok, false}]
+
+    assert eventually(fn -> Runtime.call_method(counter, "incr", []) == {:ok, 1} end)
+  end
+end

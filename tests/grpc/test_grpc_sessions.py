@@ -1,0 +1,162 @@
+"""Sessions over gRPC are issued by the server and bound to a credential: no client
+reaches another's handles by naming a session or counting handle numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from bridge_py.client import BridgeError, Client, connect
+from bridge_py.worker import envelope as pb
+from bridge_py.worker.transports.grpc_sessions import SessionTable, TooManySessions
+from tests.grpc.conftest import GrpcWorker
+from tests.worker.port_client import PortClient
+
+pytestmark = pytest.mark.timeout(120)
+
+_GUESSED = "grpc-" + "0" * 64
+
+
+def _raw(worker: GrpcWorker, rpc: str, session: str, op: pb.Operation) -> pb.Reply:
+    """One RPC with the worker's token and a session of our choosing (a hostile client)."""
+    with grpc.insecure_channel(worker.target) as channel:
+        stub = channel.unary_unary(
+            f"/bridge.BridgeService/{rpc}",
+            request_serializer=pb.encode_request,
+            response_deserializer=pb.decode_reply,
+        )
+        return stub(
+            pb.Request(id=1, session=session, op=op),
+            timeout=10,
+            metadata=(("authorization", f"Bearer {worker.token}"),),
+        )
+
+
+def _denied(worker: GrpcWorker, rpc: str, session: str, op: pb.Operation) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        _raw(worker, rpc, session, op)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value.details()
+    return info.value.details()
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[GrpcWorker]:
+    """A gRPC worker that also serves the port (the BEAM's sessions live there)."""
+    worker = GrpcWorker("--stdio")
+    yield worker
+    worker.stop()
+
+
+def test_a_second_client_cannot_reach_the_first_clients_objects(worker: GrpcWorker) -> None:
+    first = worker.connect()
+    counters = [first.create("Counter", 10 * i) for i in range(3)]
+    top = max(c._handle for c in counters)
+    try:
+        with worker.connect() as second:
+            assert second.session != first.session
+            assert first.session.startswith("grpc-") and len(first.session) >= 5 + 32
+            # Naming a session: the default one, a name, a guess. None was issued to it.
+            for session in ["", "default", _GUESSED, first.session + "x"]:
+                for rpc, op in [
+                    ("Call", pb.CallMethod(1, "incr")),
+                    ("GetAttribute", pb.GetAttribute(1, "value")),
+                    ("Release", pb.ReleaseHandles(list(range(1, top + 1)))),
+                    ("ReleaseSession", pb.ReleaseSession()),
+                    ("Ping", pb.Ping(b"\xc0")),
+                ]:
+                    details = _denied(worker, rpc, session, op)
+                    assert "OpenSession" in details
+            assert "empty (default) session" in _denied(worker, "Ping", "", pb.Ping(b"\xc0"))
+            with pytest.raises(BridgeError) as named:
+                connect(worker.target, token=worker.token, session="default").ping(1)
+            assert named.value.code == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(ValueError, match="not empty"):
+                Client(worker.target, token=worker.token, session="")
+
+            # Counting handles in its own session: every one is another session's.
+            for handle in range(1, top + 1):
+                for call in (
+                    lambda h=handle: second.attach(h, "Counter").incr(),
+                    lambda h=handle: second._request(pb.GetAttribute(h, "value")),
+                ):
+                    with pytest.raises(BridgeError) as info:
+                        call()
+                    assert info.value.category == "not_found"
+            assert second._request(pb.ReleaseHandles(list(range(1, top + 1)))) == 0
+            assert second._request(pb.ReleaseSession()) == 0
+        # The first client's objects are all still there.
+        assert [c.incr() for c in counters] == [1, 11, 21]
+    finally:
+        first.close()
+
+
+def test_an_issued_session_is_refused_with_another_credential(worker: GrpcWorker) -> None:
+    elsewhere = GrpcWorker()  # another token
+    try:
+        with worker.connect() as first:
+            counter = first.create("Counter")
+            # The id is no key: with another server's token it is refused at the door,
+            with pytest.raises(BridgeError) as wrong:
+                connect(worker.target, token=elsewhere.token, session=first.session).ping(1)
+            assert wrong.value.code == grpc.StatusCode.UNAUTHENTICATED
+            # and that server, which did not issue it, refuses it too.
+            with pytest.raises(BridgeError) as foreign:
+                elsewhere.connect(session=first.session).ping(1)
+            assert foreign.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert counter.incr() == 1
+    finally:
+        elsewhere.stop()
+
+
+def test_clients_of_one_credential_may_share_an_issued_session(worker: GrpcWorker) -> None:
+    with worker.connect() as owner:
+        counter = owner.create("Counter", 7)
+        with worker.connect(session=owner.session) as sharer:
+            assert sharer._request(pb.CallMethod(counter._handle, "incr")) == 8
+            sharers = sharer.create("Counter")
+        # The sharer released only its own proxies' handles: the session lives on.
+        assert counter.incr() == 9
+        with pytest.raises(BridgeError) as gone:
+            owner.attach(sharers._handle).incr()
+        assert gone.value.category == "not_found"
+
+
+def test_the_beams_sessions_are_not_reachable_over_grpc(worker: GrpcWorker) -> None:
+    port = PortClient(proc=worker.proc)
+    beam = port.create("Counter", 100, session="beam")
+    default = port.create("Counter", 200)
+    for session in ["beam", ""]:
+        _denied(worker, "Call", session, pb.CallMethod(beam.handle, "incr"))
+        _denied(worker, "ReleaseSession", session, pb.ReleaseSession())
+    with worker.connect() as client:
+        for ref in (beam, default):
+            with pytest.raises(BridgeError) as info:
+                client.attach(ref.handle).incr()
+            assert info.value.category == "not_found"
+    assert port.call(beam, "incr", session="beam") == 101
+    assert port.call(default, "incr") == 201
+
+
+def test_open_session_takes_no_session_and_a_ping(worker: GrpcWorker) -> None:
+    with pytest.raises(grpc.RpcError) as named:
+        _raw(worker, "OpenSession", "mine", pb.Ping(b"\xc0"))
+    assert named.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "leave Request.session empty" in named.value.details()
+    with pytest.raises(grpc.RpcError) as wrong_op:
+        _raw(worker, "OpenSession", "", pb.Describe())
+    assert wrong_op.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_session_table_binds_each_session_to_its_credential() -> None:
+    table = SessionTable(limit=2)
+    mine = table.open("token:a")
+    assert table.allows(mine, "token:a")
+    assert not table.allows(mine, "token:b") and not table.allows("", "token:a")
+    assert not table.close(mine, "token:b") and table.allows(mine, "token:a")
+    table.open("token:b")
+    with pytest.raises(TooManySessions, match="2 open sessions"):
+        table.open("token:a")
+    assert table.close(mine, "token:a") and not table.allows(mine, "token:a")
+    assert table.open("token:a") != mine
