@@ -41,7 +41,7 @@ defmodule VllmBridge.Fuzz do
   @special_bytes [0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xC0, 0xC1, 0xC4, 0xC7, 0xC9] ++
                    [0xCB, 0xCF, 0xD3, 0xD4, 0xD8, 0xD9, 0xDB, 0xDC, 0xDD, 0xDE, 0xDF, 0xFF]
 
-  @categories ~w(protocol not_found not_exported bad_args encode python timeout worker stale_ref)
+  @categories ~w(protocol not_found not_exported bad_args encode python busy timeout worker stale_ref)
 
   @doc "Seeds this process's :rand for stream `k` of run `seed`."
   def seed!(seed, k), do: :rand.seed(:exsss, {seed, k, 0x5EED})
