@@ -42,7 +42,8 @@ defmodule VllmBridge.Worker do
 
   ## Crashes
 
-  When the Python process exits, every pending caller at once gets
+  When the Python process exits (or is killed for not answering, see "Health
+  checks"), every pending caller at once gets
   `{:error, %VllmBridge.Error{category: :worker}}` and this process stops;
   under a `VllmBridge.Pool` it is restarted with a fresh Python process. All
   objects that lived in the old one are gone, and refs to them are stale.
@@ -225,8 +226,9 @@ defmodule VllmBridge.Worker do
 
   Returns `{:ok, reply_binary}`, or an error of category `:timeout` (no reply
   by the deadline; a late reply is dropped), `:worker` (the worker is not
-  running or its Python process died meanwhile) or `:bad_args` (an id that is
-  already in flight, or a frame that is not iodata).
+  running, or its Python process died or was killed for not answering
+  meanwhile; see "Health checks") or `:bad_args` (an id that is already in
+  flight, or a frame that is not iodata).
   """
   @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}

@@ -16,6 +16,8 @@ defmodule VllmBridge.HealthTest do
 
   @moduletag timeout: 60_000
 
+  doctest VllmBridge.Worker
+
   @interval 200
   @timeout 500
   @health [health_interval: @interval, health_timeout: @timeout]
