@@ -230,7 +230,6 @@ defmodule VllmBridge.Msgpack do
     [ext_header(byte_size(name), @ext_atom, atom) | name]
   end
 
-  # length/1 fails the guard of an improper list, which a later clause refuses
   defp enc(list, left) when is_list(list) and left > 0,
     do: enc_list(list, list, [], 0, left - 1)
 
@@ -294,7 +293,6 @@ defmodule VllmBridge.Msgpack do
   defp enc(container, 0) when is_list(container) or is_map(container) or is_tuple(container),
     do: too_deep()
 
-  defp enc(list, _left) when is_list(list), do: fail(list, "improper lists cannot be encoded")
   defp enc(pid, _left) when is_pid(pid), do: fail(pid, "pids cannot cross the bridge")
   defp enc(port, _left) when is_port(port), do: fail(port, "ports cannot cross the bridge")
 
