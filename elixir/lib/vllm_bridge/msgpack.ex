@@ -48,6 +48,22 @@ defmodule VllmBridge.Msgpack do
   decode as `:nan`, `:infinity` and `:neg_infinity` (as Nx does). These atoms
   encode back as atoms, not floats.
 
+  ## Nesting limit
+
+  Lists, maps and tuples may nest at most `max_depth/0` (128) levels deep, in
+  both directions, the same rule as the Python worker's: a scalar, binary,
+  atom, tensor or ref is 0 deep, and a list, map or tuple is one level more
+  than its deepest element (keys and values, for a map), so an empty one is 1
+  deep. `encode/1` refuses a deeper term with a `:bad_args` error that says
+  "nested deeper than 128", before anything is sent; `decode/2` refuses deeper
+  input with a `:protocol` error that says the same. Both stay bounded in time
+  and stack whatever the input.
+
+  The positional arguments of a call travel as one msgpack array, and keyword
+  arguments as one map, so that container is a level of its own: a value
+  passed as an argument may be nested 127 deep. `VllmBridge.Runtime.ping/2`
+  sends its term alone, which may be nested 128 deep.
+
   ## Refs
 
   A ref on the wire is only a handle id and a class name; `decode/2` returns a
@@ -68,9 +84,26 @@ defmodule VllmBridge.Msgpack do
   @max_u32 0xFFFFFFFF
   @max_u64 0xFFFFFFFFFFFFFFFF
   @min_s64 -0x8000000000000000
+  @max_depth 128
+  @max_extent 0x7FFFFFFFFFFFFFFF
+
+  @doc """
+  How deep lists, maps and tuples may nest in one value: #{@max_depth} (see
+  "Nesting limit").
+
+  ## Examples
+
+      iex> VllmBridge.Msgpack.max_depth()
+      128
+  """
+  @spec max_depth() :: pos_integer()
+  def max_depth, do: @max_depth
 
   @doc """
   Encodes a term as canonical msgpack iodata.
+
+  A term nested deeper than `max_depth/0` is a `:bad_args` error; a term that
+  cannot cross the wire is an `:encode` error naming it.
 
   ## Examples
 
@@ -84,7 +117,7 @@ defmodule VllmBridge.Msgpack do
   """
   @spec encode(term()) :: {:ok, iodata()} | {:error, Error.t()}
   def encode(term) do
-    {:ok, enc(term)}
+    {:ok, enc(term, @max_depth)}
   catch
     {__MODULE__, %Error{} = error} -> {:error, error}
   end
@@ -108,8 +141,10 @@ defmodule VllmBridge.Msgpack do
     * `:ref` - a keyword list or map of fields (`:pool`, `:worker`,
       `:session`) stamped on every `%VllmBridge.Ref{}` decoded
 
-  Malformed input, trailing bytes and unknown extension types give
-  `{:error, %VllmBridge.Error{category: :protocol}}`.
+  Malformed input, trailing bytes, unknown extension types, tensors whose
+  shape torch cannot hold (`VllmBridge.Tensor.check_shape/1`) and values
+  nested deeper than `max_depth/0` give
+  `{:error, %VllmBridge.Error{category: :protocol}}`; no input makes it raise.
 
   ## Examples
 
@@ -148,11 +183,11 @@ defmodule VllmBridge.Msgpack do
 
   ## Encoding -----------------------------------------------------------------
 
-  defp enc(nil), do: <<0xC0>>
-  defp enc(false), do: <<0xC2>>
-  defp enc(true), do: <<0xC3>>
+  defp enc(nil, _left), do: <<0xC0>>
+  defp enc(false, _left), do: <<0xC2>>
+  defp enc(true, _left), do: <<0xC3>>
 
-  defp enc(int) when is_integer(int) do
+  defp enc(int, _left) when is_integer(int) do
     cond do
       int >= 0 -> enc_uint(int)
       int >= -32 -> <<int::8-signed>>
@@ -164,9 +199,9 @@ defmodule VllmBridge.Msgpack do
     end
   end
 
-  defp enc(float) when is_float(float), do: <<0xCB, float::float-64>>
+  defp enc(float, _left) when is_float(float), do: <<0xCB, float::float-64>>
 
-  defp enc(bin) when is_binary(bin) do
+  defp enc(bin, _left) when is_binary(bin) do
     size = byte_size(bin)
 
     header =
@@ -190,14 +225,15 @@ defmodule VllmBridge.Msgpack do
     [header | bin]
   end
 
-  defp enc(atom) when is_atom(atom) do
+  defp enc(atom, _left) when is_atom(atom) do
     name = Atom.to_string(atom)
     [ext_header(byte_size(name), @ext_atom, atom) | name]
   end
 
-  defp enc(list) when is_list(list), do: enc_list(list, list, [], 0)
+  defp enc(list, left) when is_list(list) and left > 0,
+    do: enc_list(list, list, [], 0, left - 1)
 
-  defp enc(%Tensor{type: type, shape: shape, data: data} = tensor) do
+  defp enc(%Tensor{type: type, shape: shape, data: data} = tensor, _left) do
     case Tensor.validate(tensor) do
       :ok ->
         {kind, bits} = type
@@ -213,7 +249,7 @@ defmodule VllmBridge.Msgpack do
     end
   end
 
-  defp enc(%Ref{id: id, class: class} = ref) do
+  defp enc(%Ref{id: id, class: class} = ref, _left) do
     cond do
       not (is_integer(id) and id >= 0 and id <= @max_u64) ->
         fail(ref, "ref id must be an unsigned 64-bit integer")
@@ -226,7 +262,7 @@ defmodule VllmBridge.Msgpack do
     end
   end
 
-  defp enc(%struct{} = term) do
+  defp enc(%struct{} = term, _left) do
     fail(
       term,
       "structs cannot be encoded (only VllmBridge.Tensor and VllmBridge.Ref are); " <>
@@ -234,7 +270,7 @@ defmodule VllmBridge.Msgpack do
     )
   end
 
-  defp enc(map) when is_map(map) do
+  defp enc(map, left) when is_map(map) and left > 0 do
     size = map_size(map)
 
     header =
@@ -244,23 +280,28 @@ defmodule VllmBridge.Msgpack do
         true -> <<0xDF, size::32>>
       end
 
-    [header | :maps.fold(fn k, v, acc -> [acc, enc(k) | enc(v)] end, [], map)]
+    left = left - 1
+    [header | :maps.fold(fn k, v, acc -> [acc, enc(k, left) | enc(v, left)] end, [], map)]
   end
 
-  defp enc(tuple) when is_tuple(tuple) do
-    payload = enc_list(Tuple.to_list(tuple), tuple, [], 0)
+  defp enc(tuple, left) when is_tuple(tuple) and left > 0 do
+    payload = [list_header(tuple_size(tuple)) | enc_items(Tuple.to_list(tuple), left - 1, [])]
     [ext_header(IO.iodata_length(payload), @ext_tuple, tuple) | payload]
   end
 
-  defp enc(pid) when is_pid(pid), do: fail(pid, "pids cannot cross the bridge")
-  defp enc(port) when is_port(port), do: fail(port, "ports cannot cross the bridge")
+  # a list, map or tuple with no level left (structs were handled above)
+  defp enc(container, 0) when is_list(container) or is_map(container) or is_tuple(container),
+    do: too_deep()
 
-  defp enc(ref) when is_reference(ref),
+  defp enc(pid, _left) when is_pid(pid), do: fail(pid, "pids cannot cross the bridge")
+  defp enc(port, _left) when is_port(port), do: fail(port, "ports cannot cross the bridge")
+
+  defp enc(ref, _left) when is_reference(ref),
     do: fail(ref, "references cannot cross the bridge")
 
-  defp enc(fun) when is_function(fun), do: fail(fun, "functions cannot cross the bridge")
+  defp enc(fun, _left) when is_function(fun), do: fail(fun, "functions cannot cross the bridge")
 
-  defp enc(bits) when is_bitstring(bits),
+  defp enc(bits, _left) when is_bitstring(bits),
     do: fail(bits, "bitstrings that are not whole bytes cannot be encoded")
 
   defp enc_uint(int) when int < 0x80, do: <<int>>
@@ -270,18 +311,20 @@ defmodule VllmBridge.Msgpack do
   defp enc_uint(int) when int <= @max_u64, do: <<0xCF, int::64>>
   defp enc_uint(int), do: fail(int, "integers above 2^64-1 do not fit msgpack")
 
-  defp enc_list([head | tail], whole, acc, n), do: enc_list(tail, whole, [acc | enc(head)], n + 1)
+  defp enc_items([head | tail], left, acc), do: enc_items(tail, left, [acc | enc(head, left)])
+  defp enc_items([], _left, acc), do: acc
 
-  defp enc_list([], _whole, acc, n) do
-    cond do
-      n < 16 -> [<<0b1001::4, n::4>> | acc]
-      n <= 0xFFFF -> [<<0xDC, n::16>> | acc]
-      true -> [<<0xDD, n::32>> | acc]
-    end
-  end
+  defp enc_list([head | tail], whole, acc, n, left),
+    do: enc_list(tail, whole, [acc | enc(head, left)], n + 1, left)
 
-  defp enc_list(_improper, whole, _acc, _n),
+  defp enc_list([], _whole, acc, n, _left), do: [list_header(n) | acc]
+
+  defp enc_list(_improper, whole, _acc, _n, _left),
     do: fail(whole, "improper lists cannot be encoded")
+
+  defp list_header(n) when n < 16, do: <<0b1001::4, n::4>>
+  defp list_header(n) when n <= 0xFFFF, do: <<0xDC, n::16>>
+  defp list_header(n), do: <<0xDD, n::32>>
 
   defp ext_header(1, type, _term), do: <<0xD4, type>>
   defp ext_header(2, type, _term), do: <<0xD5, type>>
@@ -292,6 +335,15 @@ defmodule VllmBridge.Msgpack do
   defp ext_header(size, type, _term) when size <= 0xFFFF, do: <<0xC8, size::16, type>>
   defp ext_header(size, type, _term) when size <= @max_u32, do: <<0xC9, size::32, type>>
   defp ext_header(_size, _type, term), do: fail(term, "extension payloads above 4 GiB")
+
+  @spec too_deep() :: no_return()
+  defp too_deep do
+    message =
+      "cannot encode a value nested deeper than #{@max_depth} levels of lists, maps and " <>
+        "tuples (the argument list of a call is one of them)"
+
+    throw({__MODULE__, Error.new(:bad_args, message, details: %{max_depth: @max_depth})})
+  end
 
   @spec fail(term(), String.t()) :: no_return()
   defp fail(term, why) do
@@ -311,116 +363,177 @@ defmodule VllmBridge.Msgpack do
 
   ## Decoding -----------------------------------------------------------------
 
-  # A stack machine: d/3 reads the next value, v/4 hands a finished value to
+  # A stack machine: d/4 reads the next value, v/5 hands a finished value to
   # the innermost open array or map. Both keep the binary first and only ever
   # tail-call each other, so the VM keeps one match context for the whole
   # input instead of making a sub-binary per value. Stack frames:
   # {:a, left, acc} (array), {:k, left, acc} (map, a key is next) and
-  # {:v, left, key, acc} (map, the value of key is next).
-  defp dec(bin, r), do: d(bin, [], r)
+  # {:v, left, key, acc} (map, the value of key is next). `dp` is the number
+  # of containers open around the next value (enclosing tuples included): a
+  # container opened at dp = @max_depth would nest deeper than the limit.
+  defp dec(bin, r), do: d(bin, [], 0, r)
 
-  defp d(<<byte, rest::binary>>, st, r) when byte < 0x80, do: v(rest, st, r, byte)
-  defp d(<<0b1000::4, n::4, rest::binary>>, st, r), do: map(rest, st, r, n)
-  defp d(<<0b1001::4, n::4, rest::binary>>, st, r), do: array(rest, st, r, n)
-  defp d(<<0b101::3, n::5, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
-  defp d(<<0xC0, rest::binary>>, st, r), do: v(rest, st, r, nil)
-  defp d(<<0xC2, rest::binary>>, st, r), do: v(rest, st, r, false)
-  defp d(<<0xC3, rest::binary>>, st, r), do: v(rest, st, r, true)
-  defp d(<<0xC4, n, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
-  defp d(<<0xC5, n::16, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
-  defp d(<<0xC6, n::32, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
+  defp d(<<byte, rest::binary>>, st, dp, r) when byte < 0x80, do: v(rest, st, dp, r, byte)
+  defp d(<<0b1000::4, n::4, rest::binary>>, st, dp, r), do: map(rest, st, dp, r, n)
+  defp d(<<0b1001::4, n::4, rest::binary>>, st, dp, r), do: array(rest, st, dp, r, n)
 
-  defp d(<<0xC7, n, t, p::binary-size(n), rest::binary>>, st, r),
-    do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0b101::3, n::5, s::binary-size(n), rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, s)
 
-  defp d(<<0xC8, n::16, t, p::binary-size(n), rest::binary>>, st, r),
-    do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xC0, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, nil)
+  defp d(<<0xC2, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, false)
+  defp d(<<0xC3, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, true)
+  defp d(<<0xC4, n, s::binary-size(n), rest::binary>>, st, dp, r), do: v(rest, st, dp, r, s)
+  defp d(<<0xC5, n::16, s::binary-size(n), rest::binary>>, st, dp, r), do: v(rest, st, dp, r, s)
+  defp d(<<0xC6, n::32, s::binary-size(n), rest::binary>>, st, dp, r), do: v(rest, st, dp, r, s)
 
-  defp d(<<0xC9, n::32, t, p::binary-size(n), rest::binary>>, st, r),
-    do: v(rest, st, r, ext(t, p, r))
+  defp d(<<0xC7, n, t, p::binary-size(n), rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
 
-  defp d(<<0xCA, x::float-32, rest::binary>>, st, r), do: v(rest, st, r, x)
-  defp d(<<0xCA, x::bitstring-32, rest::binary>>, st, r), do: v(rest, st, r, special(x))
-  defp d(<<0xCB, x::float-64, rest::binary>>, st, r), do: v(rest, st, r, x)
-  defp d(<<0xCB, x::bitstring-64, rest::binary>>, st, r), do: v(rest, st, r, special(x))
-  defp d(<<0xCC, i, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xCD, i::16, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xCE, i::32, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xCF, i::64, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xD0, i::8-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xD1, i::16-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xD2, i::32-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xD3, i::64-signed, rest::binary>>, st, r), do: v(rest, st, r, i)
-  defp d(<<0xD4, t, p::binary-1, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
-  defp d(<<0xD5, t, p::binary-2, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
-  defp d(<<0xD6, t, p::binary-4, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
-  defp d(<<0xD7, t, p::binary-8, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
-  defp d(<<0xD8, t, p::binary-16, rest::binary>>, st, r), do: v(rest, st, r, ext(t, p, r))
-  defp d(<<0xD9, n, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
-  defp d(<<0xDA, n::16, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
-  defp d(<<0xDB, n::32, s::binary-size(n), rest::binary>>, st, r), do: v(rest, st, r, s)
-  defp d(<<0xDC, n::16, rest::binary>>, st, r), do: array(rest, st, r, n)
-  defp d(<<0xDD, n::32, rest::binary>>, st, r), do: array(rest, st, r, n)
-  defp d(<<0xDE, n::16, rest::binary>>, st, r), do: map(rest, st, r, n)
-  defp d(<<0xDF, n::32, rest::binary>>, st, r), do: map(rest, st, r, n)
-  defp d(<<i::8-signed, rest::binary>>, st, r) when i >= -32, do: v(rest, st, r, i)
-  defp d(<<>> = rest, _st, _r), do: throw({__MODULE__, "unexpected end of input", rest})
-  defp d(<<0xC1, _::binary>> = rest, _st, _r), do: throw({__MODULE__, "invalid byte 0xc1", rest})
+  defp d(<<0xC8, n::16, t, p::binary-size(n), rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
 
-  defp d(<<byte, _::binary>> = rest, _st, _r) do
+  defp d(<<0xC9, n::32, t, p::binary-size(n), rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
+
+  defp d(<<0xCA, x::float-32, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, x)
+
+  defp d(<<0xCA, x::bitstring-32, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, special(x))
+
+  defp d(<<0xCB, x::float-64, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, x)
+
+  defp d(<<0xCB, x::bitstring-64, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, special(x))
+
+  defp d(<<0xCC, i, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xCD, i::16, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xCE, i::32, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xCF, i::64, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xD0, i::8-signed, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xD1, i::16-signed, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xD2, i::32-signed, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+  defp d(<<0xD3, i::64-signed, rest::binary>>, st, dp, r), do: v(rest, st, dp, r, i)
+
+  defp d(<<0xD4, t, p::binary-1, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
+
+  defp d(<<0xD5, t, p::binary-2, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
+
+  defp d(<<0xD6, t, p::binary-4, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
+
+  defp d(<<0xD7, t, p::binary-8, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
+
+  defp d(<<0xD8, t, p::binary-16, rest::binary>>, st, dp, r),
+    do: v(rest, st, dp, r, ext(t, p, dp, r))
+
+  defp d(<<0xD9, n, s::binary-size(n), rest::binary>>, st, dp, r), do: v(rest, st, dp, r, s)
+  defp d(<<0xDA, n::16, s::binary-size(n), rest::binary>>, st, dp, r), do: v(rest, st, dp, r, s)
+  defp d(<<0xDB, n::32, s::binary-size(n), rest::binary>>, st, dp, r), do: v(rest, st, dp, r, s)
+  defp d(<<0xDC, n::16, rest::binary>>, st, dp, r), do: array(rest, st, dp, r, n)
+  defp d(<<0xDD, n::32, rest::binary>>, st, dp, r), do: array(rest, st, dp, r, n)
+  defp d(<<0xDE, n::16, rest::binary>>, st, dp, r), do: map(rest, st, dp, r, n)
+  defp d(<<0xDF, n::32, rest::binary>>, st, dp, r), do: map(rest, st, dp, r, n)
+  defp d(<<i::8-signed, rest::binary>>, st, dp, r) when i >= -32, do: v(rest, st, dp, r, i)
+  defp d(<<>> = rest, _st, _dp, _r), do: throw({__MODULE__, "unexpected end of input", rest})
+
+  defp d(<<0xC1, _::binary>> = rest, _st, _dp, _r),
+    do: throw({__MODULE__, "invalid byte 0xc1", rest})
+
+  defp d(<<byte, _::binary>> = rest, _st, _dp, _r) do
     throw({__MODULE__, "truncated value (type byte 0x#{hex(byte)})", rest})
   end
 
-  defp array(rest, st, r, 0), do: v(rest, st, r, [])
-  defp array(rest, st, r, n), do: d(rest, [{:a, n, []} | st], r)
+  # (a container's bytes are still in `rest` for the error's offset)
+  defp array(rest, _st, @max_depth, _r, _n), do: deep(rest)
+  defp array(rest, st, dp, r, 0), do: v(rest, st, dp, r, [])
+  defp array(rest, st, dp, r, n), do: d(rest, [{:a, n, []} | st], dp + 1, r)
 
-  defp map(rest, st, r, 0), do: v(rest, st, r, %{})
-  defp map(rest, st, r, n), do: d(rest, [{:k, n, []} | st], r)
+  defp map(rest, _st, @max_depth, _r, _n), do: deep(rest)
+  defp map(rest, st, dp, r, 0), do: v(rest, st, dp, r, %{})
+  defp map(rest, st, dp, r, n), do: d(rest, [{:k, n, []} | st], dp + 1, r)
 
-  defp v(rest, [], _r, value), do: {value, rest}
-  defp v(rest, [{:a, 1, acc} | st], r, value), do: v(rest, st, r, :lists.reverse(acc, [value]))
-  defp v(rest, [{:a, n, acc} | st], r, value), do: d(rest, [{:a, n - 1, [value | acc]} | st], r)
-  defp v(rest, [{:k, n, acc} | st], r, key), do: d(rest, [{:v, n, key, acc} | st], r)
+  defp v(rest, [], _dp, _r, value), do: {value, rest}
 
-  defp v(rest, [{:v, 1, key, acc} | st], r, value),
-    do: v(rest, st, r, :maps.from_list(:lists.reverse(acc, [{key, value}])))
+  defp v(rest, [{:a, 1, acc} | st], dp, r, value),
+    do: v(rest, st, dp - 1, r, :lists.reverse(acc, [value]))
 
-  defp v(rest, [{:v, n, key, acc} | st], r, value),
-    do: d(rest, [{:k, n - 1, [{key, value} | acc]} | st], r)
+  defp v(rest, [{:a, n, acc} | st], dp, r, value),
+    do: d(rest, [{:a, n - 1, [value | acc]} | st], dp, r)
 
-  defp ext(@ext_atom, name, _r) do
+  defp v(rest, [{:k, n, acc} | st], dp, r, key), do: d(rest, [{:v, n, key, acc} | st], dp, r)
+
+  defp v(rest, [{:v, 1, key, acc} | st], dp, r, value),
+    do: v(rest, st, dp - 1, r, :maps.from_list(:lists.reverse(acc, [{key, value}])))
+
+  defp v(rest, [{:v, n, key, acc} | st], dp, r, value),
+    do: d(rest, [{:k, n - 1, [{key, value} | acc]} | st], dp, r)
+
+  @spec deep(binary()) :: no_return()
+  defp deep(rest) do
+    throw({__MODULE__, "value nested deeper than #{@max_depth} levels", rest})
+  end
+
+  defp ext(@ext_atom, name, _dp, _r) do
     :erlang.binary_to_existing_atom(name, :utf8)
   rescue
     ArgumentError -> name
   end
 
-  defp ext(@ext_tuple, payload, r) do
-    case d(payload, [], r) do
+  # A tuple is one level, its payload array: the array opens at the tuple's
+  # own depth, so the tuple is counted once.
+  defp ext(@ext_tuple, payload, dp, r) do
+    case d(payload, [], dp, r) do
       {list, <<>>} when is_list(list) -> List.to_tuple(list)
       _ -> throw({__MODULE__, "tuple extension must hold exactly one array", payload})
     end
   end
 
-  defp ext(@ext_ref, <<id::64, class::binary>>, r), do: Ref.stamp(%Ref{id: id, class: class}, r)
+  defp ext(@ext_ref, <<id::64, class::binary>>, _dp, r),
+    do: Ref.stamp(%Ref{id: id, class: class}, r)
 
-  defp ext(@ext_tensor, <<kind, bits, ndim, dims::binary-size(ndim * 8), data::binary>> = p, _r) do
+  defp ext(@ext_tensor, <<kind, bits, ndim, dims::binary-size(ndim * 8), data::binary>> = p, _, _) do
     type = Tensor.type_from_wire(kind, bits) || throw({__MODULE__, "unknown tensor type", p})
-    shape = List.to_tuple(for <<d::64 <- dims>>, do: d)
 
-    if byte_size(data) != Tensor.byte_size_of(type, shape) do
-      throw({__MODULE__, "tensor data size does not match its type and shape", p})
+    case dims(dims, [], 1, 1) do
+      {shape, numel} when byte_size(data) * 8 == numel * bits ->
+        %Tensor{type: type, shape: shape, data: data}
+
+      {_shape, _numel} ->
+        throw({__MODULE__, "tensor data size does not match its type and shape", p})
+
+      :too_large ->
+        shape = List.to_tuple(for <<d::64 <- dims>>, do: d)
+        {:error, error} = Tensor.check_shape(shape)
+        throw({__MODULE__, error.message, p})
     end
-
-    %Tensor{type: type, shape: shape, data: data}
   end
 
-  defp ext(type, payload, _r) when type in [@ext_ref, @ext_tensor] do
+  defp ext(type, payload, _dp, _r) when type in [@ext_ref, @ext_tensor] do
     throw({__MODULE__, "malformed extension #{type} payload", payload})
   end
 
-  defp ext(type, payload, _r) do
+  defp ext(type, payload, _dp, _r) do
     throw({__MODULE__, "unknown extension type #{type}", payload})
   end
+
+  # A tensor's shape and element count, in one pass over its u64 dimensions;
+  # :too_large when torch could not hold it (the product of the dimensions
+  # that are not 0, `extent`, must stay below 2^63: Tensor.check_shape/1).
+  defp dims(<<0::64, rest::binary>>, acc, _numel, extent), do: dims(rest, [0 | acc], 0, extent)
+
+  defp dims(<<dim::64, rest::binary>>, acc, numel, extent) do
+    extent = extent * dim
+
+    if extent <= @max_extent,
+      do: dims(rest, [dim | acc], numel * dim, extent),
+      else: :too_large
+  end
+
+  defp dims(<<>>, acc, numel, _extent), do: {List.to_tuple(:lists.reverse(acc)), numel}
 
   defp special(bits) do
     {exp_size, man_size} = if bit_size(bits) == 32, do: {8, 23}, else: {11, 52}

@@ -73,6 +73,13 @@ defmodule VllmBridge.Pool do
       (default `#{@default_timeout}`)
     * `:max_restarts`, `:max_seconds` - restart intensity of the workers'
       supervisor (defaults 3 and 5, as for any supervisor)
+    * `:health_interval`, `:health_timeout` - health checks of each worker
+      (ms; defaults 5000 and 5000; `health_interval: false` turns them off):
+      a Python process that answers nothing, not even a ping, for that long is
+      killed, its callers get `:worker` errors, and the worker restarts (see
+      "Health checks" in `VllmBridge.Worker`)
+
+  Invalid options are `{:error, %VllmBridge.Error{category: :bad_args}}`.
   """
   @spec start_link(keyword()) :: Supervisor.on_start()
   def start_link(opts \\ []) do
@@ -91,6 +98,9 @@ defmodule VllmBridge.Pool do
       not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
         {:error, Error.new(:bad_args, "timeout must be ms or :infinity, got #{inspect(timeout)}")}
 
+      (health = Worker.check_health_options(opts)) != :ok ->
+        health
+
       true ->
         opts = Keyword.merge(opts, name: name, size: size, timeout: timeout)
         Supervisor.start_link(__MODULE__, opts, name: name)
@@ -103,7 +113,9 @@ defmodule VllmBridge.Pool do
     size = Keyword.fetch!(opts, :size)
     registry = registry(name)
     counter = :atomics.new(1, signed: false)
-    worker_opts = Keyword.take(opts, [:python, :env, :cd, :args])
+
+    worker_opts =
+      Keyword.take(opts, [:python, :env, :cd, :args, :health_interval, :health_timeout])
 
     workers =
       for index <- 0..(size - 1) do

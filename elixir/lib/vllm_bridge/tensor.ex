@@ -68,13 +68,17 @@ defmodule VllmBridge.Tensor do
 
   @kinds %{f: ?f, bf: ?b, s: ?s, u: ?u, c: ?c, pred: ?p}
 
+  # torch's sizes and strides are int64: the largest extent it can hold
+  @max_extent 0x7FFFFFFFFFFFFFFF
+
   @doc "Returns every supported element type."
   @spec types() :: [type()]
   def types, do: @types
 
   @doc """
   Builds a tensor, checking that `type` is supported, that `shape` is a tuple
-  of non-negative integers and that `data` has exactly the right size.
+  of non-negative integers that torch can hold (see `check_shape/1`) and that
+  `data` has exactly the right size.
 
   ## Examples
 
@@ -96,8 +100,8 @@ defmodule VllmBridge.Tensor do
   end
 
   @doc """
-  Checks a tensor's type, shape and data size; returns `:ok` or a `:bad_args`
-  error saying what is wrong.
+  Checks a tensor's type, shape (`check_shape/1`) and data size; returns `:ok`
+  or a `:bad_args` error saying what is wrong.
   """
   @spec validate(t()) :: :ok | {:error, VllmBridge.Error.t()}
   def validate(%__MODULE__{type: type, shape: shape, data: data}) do
@@ -105,10 +109,8 @@ defmodule VllmBridge.Tensor do
       type not in @types ->
         bad("unsupported tensor type #{inspect(type)}", type: type)
 
-      not valid_shape?(shape) ->
-        bad("tensor shape must be a tuple of non-negative integers, got #{inspect(shape)}",
-          shape: shape
-        )
+      (shape_error = check_shape(shape)) != :ok ->
+        shape_error
 
       not is_binary(data) ->
         bad("tensor data must be a binary", type: type)
@@ -127,6 +129,67 @@ defmodule VllmBridge.Tensor do
   end
 
   def validate(other), do: bad("not a tensor: #{inspect(other)}", term: other)
+
+  @doc """
+  Checks a shape: a tuple of non-negative integers that torch can hold.
+
+  torch keeps sizes and strides as signed 64-bit integers, so every dimension,
+  and the product of the dimensions that are not 0 (the largest stride times
+  its size), must be below 2^63, even when a 0 makes the tensor empty.
+  Returns `:ok` or a `:bad_args` error naming the shape. `validate/1` and the
+  decoder of replies (`VllmBridge.Msgpack.decode/2`) apply it.
+
+  ## Examples
+
+      iex> VllmBridge.Tensor.check_shape({2, 3})
+      :ok
+
+      iex> {:error, error} = VllmBridge.Tensor.check_shape({0, 4_611_686_018_427_387_904, 4})
+      iex> error.message =~ "shape {0, 4611686018427387904, 4} is too large"
+      true
+  """
+  @spec check_shape(term()) :: :ok | {:error, VllmBridge.Error.t()}
+  def check_shape(shape) when is_tuple(shape) do
+    case extent(Tuple.to_list(shape), 1) do
+      :ok ->
+        :ok
+
+      :not_dims ->
+        bad("tensor shape must be a tuple of non-negative integers, got #{inspect(shape)}",
+          shape: shape
+        )
+
+      :too_large ->
+        bad(
+          "tensor shape #{inspect(shape)} is too large: torch's sizes and strides are signed " <>
+            "64-bit (every dimension, and the product of the dimensions that are not 0, must " <>
+            "be below 2^63)",
+          shape: shape
+        )
+    end
+  end
+
+  def check_shape(shape) do
+    bad("tensor shape must be a tuple of non-negative integers, got #{inspect(shape)}",
+      shape: shape
+    )
+  end
+
+  # The product of the non-zero dimensions so far is `acc` (< 2^63).
+  defp extent([], _acc), do: :ok
+  defp extent([0 | rest], acc), do: extent(rest, acc)
+
+  defp extent([dim | rest], acc) when is_integer(dim) and dim > 0 do
+    acc = acc * dim
+    if acc <= @max_extent, do: extent(rest, acc), else: too_large(rest)
+  end
+
+  defp extent(_dims, _acc), do: :not_dims
+
+  # A shape that is not made of dimensions says so first.
+  defp too_large(rest) do
+    if Enum.all?(rest, &(is_integer(&1) and &1 >= 0)), do: :too_large, else: :not_dims
+  end
 
   @doc """
   The number of elements of a shape (`1` for the scalar shape `{}`).
@@ -217,12 +280,6 @@ defmodule VllmBridge.Tensor do
   end
 
   # -- helpers ---------------------------------------------------------------
-
-  defp valid_shape?(shape) when is_tuple(shape) do
-    shape |> Tuple.to_list() |> Enum.all?(&(is_integer(&1) and &1 >= 0))
-  end
-
-  defp valid_shape?(_), do: false
 
   defp infer_shape(list) when is_list(list) do
     case list do

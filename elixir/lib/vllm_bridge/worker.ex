@@ -42,12 +42,43 @@ defmodule VllmBridge.Worker do
 
   ## Crashes
 
-  When the Python process exits, every pending caller at once gets
+  When the Python process exits (or is killed for not answering, see "Health
+  checks"), every pending caller at once gets
   `{:error, %VllmBridge.Error{category: :worker}}` and this process stops;
   under a `VllmBridge.Pool` it is restarted with a fresh Python process. All
   objects that lived in the old one are gone, and refs to them are stale.
   When this process stops, it closes the port; the Python worker exits when
   its stdin closes.
+
+  ## Health checks
+
+  A Python process that stops answering (stopped, wedged, starved) without
+  exiting would otherwise hold its callers until their deadlines, and the
+  worker forever. So this process checks: every `:health_interval` ms
+  (default 5000) it looks whether anything has come from Python since the
+  last look, by the port's count of bytes read (any reply is proof of life;
+  nothing is added to a call's path). When nothing has, it writes a `Ping`
+  request of its own (under its own id, entered in the table of pending
+  calls as a health entry, so its reply is never taken for a caller's). When
+  nothing at all arrives within `:health_timeout` ms (default 5000) after
+  that ping, the worker logs an error naming the pool, index and OS pid,
+  kills the Python process (SIGKILL), answers every pending caller with
+  `{:error, %VllmBridge.Error{category: :worker}}` saying that the worker
+  stopped answering, and stops; under a pool it is restarted with a fresh
+  Python process, and refs into the old one are stale.
+
+  A call that blocks in Python (a barrier, a sleep) does not make a worker
+  unhealthy: the Python worker reads and answers other requests, the ping
+  included, while calls block. A call that holds Python's GIL for longer than
+  `:health_timeout` does: raise the timeout for such work, or turn the checks
+  off with `health_interval: false`. Until Python has answered anything at
+  all (it is still starting, importing torch), the first ping waits at least
+  60 s.
+
+  On the same tick, the worker forgets pending entries whose caller process
+  has died (a caller killed while Python never answers would otherwise leave
+  its entry behind for good); with `health_interval: false` this sweep still
+  runs every 5000 ms.
 
   ## Which Python
 
@@ -64,6 +95,14 @@ defmodule VllmBridge.Worker do
   alias VllmBridge.{Error, Proto}
 
   @project_root Path.expand("../../..", __DIR__)
+
+  @health_interval 5_000
+  @health_timeout 5_000
+  # the sweep of dead callers' entries when health checks are off
+  @sweep_interval 5_000
+  # the least time a Python process that has not answered anything yet (it is
+  # starting: importing torch) gets to answer the first health ping
+  @startup_grace 60_000
 
   @typedoc "A running worker: its pid or a registered name."
   @type server :: GenServer.server()
@@ -85,6 +124,8 @@ defmodule VllmBridge.Worker do
           | {:pool, atom()}
           | {:index, non_neg_integer()}
           | {:registry, {Registry.registry(), Registry.key()}}
+          | {:health_interval, pos_integer() | false}
+          | {:health_timeout, pos_integer()}
 
   @doc """
   Returns a child specification; `opts` as in `start_link/1`.
@@ -112,12 +153,62 @@ defmodule VllmBridge.Worker do
     * `:registry` - `{registry, key}`, the `Registry` key this worker is
       registered under (through `:name`): the worker stores its
       `t:channel/0` there as the key's value once its port is open
+    * `:health_interval` - ms of silence from Python after which the worker
+      pings it, or `false` for no health checks (default `#{@health_interval}`;
+      see "Health checks")
+    * `:health_timeout` - ms to wait for anything from Python after that ping
+      before the Python process is killed (default `#{@health_timeout}`)
+
+  Invalid health options are `{:error, %VllmBridge.Error{category: :bad_args}}`.
   """
-  @spec start_link([option()]) :: GenServer.on_start()
+  @spec start_link([option()]) :: GenServer.on_start() | {:error, Error.t()}
   def start_link(opts) when is_list(opts) do
-    case Keyword.fetch(opts, :name) do
-      {:ok, name} -> GenServer.start_link(__MODULE__, opts, name: name)
-      :error -> GenServer.start_link(__MODULE__, opts)
+    with :ok <- check_health_options(opts) do
+      case Keyword.fetch(opts, :name) do
+        {:ok, name} -> GenServer.start_link(__MODULE__, opts, name: name)
+        :error -> GenServer.start_link(__MODULE__, opts)
+      end
+    end
+  end
+
+  @doc """
+  Checks the `:health_interval` and `:health_timeout` options of `opts`
+  (the others are ignored): `:ok` or a `:bad_args` error naming the option.
+  `VllmBridge.Pool.start_link/1` checks a pool's options with it.
+
+  ## Examples
+
+      iex> VllmBridge.Worker.check_health_options(health_interval: false)
+      :ok
+
+      iex> {:error, error} = VllmBridge.Worker.check_health_options(health_timeout: 0)
+      iex> error.message
+      ":health_timeout must be a positive integer (ms), got 0"
+  """
+  @spec check_health_options(keyword()) :: :ok | {:error, Error.t()}
+  def check_health_options(opts) when is_list(opts) do
+    interval = Keyword.get(opts, :health_interval, @health_interval)
+    timeout = Keyword.get(opts, :health_timeout, @health_timeout)
+
+    cond do
+      not ((is_integer(interval) and interval > 0) or interval == false) ->
+        {:error,
+         Error.new(
+           :bad_args,
+           ":health_interval must be a positive integer (ms) or false, got #{inspect(interval)}",
+           details: %{health_interval: interval}
+         )}
+
+      not (is_integer(timeout) and timeout > 0) ->
+        {:error,
+         Error.new(
+           :bad_args,
+           ":health_timeout must be a positive integer (ms), got #{inspect(timeout)}",
+           details: %{health_timeout: timeout}
+         )}
+
+      true ->
+        :ok
     end
   end
 
@@ -135,8 +226,9 @@ defmodule VllmBridge.Worker do
 
   Returns `{:ok, reply_binary}`, or an error of category `:timeout` (no reply
   by the deadline; a late reply is dropped), `:worker` (the worker is not
-  running or its Python process died meanwhile) or `:bad_args` (an id that is
-  already in flight, or a frame that is not iodata).
+  running, or its Python process died or was killed for not answering
+  meanwhile; see "Health checks") or `:bad_args` (an id that is already in
+  flight, or a frame that is not iodata).
   """
   @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
@@ -204,8 +296,10 @@ defmodule VllmBridge.Worker do
     end
   end
 
+  # An entry: {id, reply address, caller pid} (the pid lets the worker find
+  # entries whose caller died; see "Health checks").
   defp enter(table, id, tag) do
-    if :ets.insert_new(table, {id, tag}),
+    if :ets.insert_new(table, {id, tag, self()}),
       do: :ok,
       else: {:error, Error.new(:bad_args, "request id #{id} is already in flight")}
   rescue
@@ -286,7 +380,8 @@ defmodule VllmBridge.Worker do
 
   @doc """
   A snapshot of the worker: `:os_pid`, `:python` (the executable), `:pending`
-  (requests in flight), `:pool` and `:index`.
+  (callers' requests in flight; a health ping is not one), `:pool`, `:index`,
+  `:health_interval` and `:health_timeout`.
   """
   @spec info(server()) :: {:ok, map()} | {:error, Error.t()}
   def info(worker) do
@@ -344,18 +439,27 @@ defmodule VllmBridge.Worker do
       {:os_pid, os_pid} = Port.info(port, :os_pid)
       # Calls in flight, request id -> reply address: the caller's alias for
       # a call through the channel, its GenServer `from` for one through here.
+      # Entries are {id, reply address, caller pid}; a health ping's is
+      # {id, :health, nil}.
       table = :ets.new(__MODULE__, [:set, :public, write_concurrency: true])
       publish(opts[:registry], {:channel, self(), port, table})
 
-      {:ok,
-       %{
-         port: port,
-         os_pid: os_pid,
-         python: executable,
-         table: table,
-         pool: opts[:pool],
-         index: opts[:index]
-       }}
+      state = %{
+        port: port,
+        os_pid: os_pid,
+        python: executable,
+        table: table,
+        pool: opts[:pool],
+        index: opts[:index],
+        health_interval: Keyword.get(opts, :health_interval, @health_interval),
+        health_timeout: Keyword.get(opts, :health_timeout, @health_timeout),
+        # the port's count of bytes read from Python at the last look
+        heard: 0,
+        # the health ping in flight, {id, its timeout's timer}, if any
+        health: nil
+      }
+
+      {:ok, schedule_tick(state)}
     rescue
       error in [ErlangError, ArgumentError] ->
         {:stop, {:python_not_started, python, Exception.message(error)}}
@@ -370,10 +474,10 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_call({:request, id, frame}, from, state) do
-    if :ets.insert_new(state.table, {id, from}) do
+  def handle_call({:request, id, frame}, {caller, _} = from, state) do
+    if :ets.insert_new(state.table, {id, from, caller}) do
       try do
-        Port.command(state.port, frame)
+        write(state.port, frame)
         {:noreply, state}
       rescue
         ArgumentError ->
@@ -388,12 +492,20 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_call(:info, _from, state) do
+    health =
+      case state.health do
+        {id, _timer} -> if :ets.member(state.table, id), do: 1, else: 0
+        nil -> 0
+      end
+
     info = %{
       os_pid: state.os_pid,
       python: state.python,
-      pending: :ets.info(state.table, :size),
+      pending: :ets.info(state.table, :size) - health,
       pool: state.pool,
-      index: state.index
+      index: state.index,
+      health_interval: state.health_interval,
+      health_timeout: state.health_timeout
     }
 
     {:reply, info, state}
@@ -417,9 +529,18 @@ defmodule VllmBridge.Worker do
         {:noreply, state}
 
       {:ok, id} ->
-        # No entry: the caller timed out and went away; drop the late reply.
-        with [{_id, to}] <- :ets.take(state.table, id), do: answer(to, {:ok, reply})
-        {:noreply, state}
+        case :ets.take(state.table, id) do
+          [{_id, :health, _}] ->
+            {:noreply, answered(state)}
+
+          [{_id, to, _caller}] ->
+            answer(to, {:ok, reply})
+            {:noreply, state}
+
+          # No entry: the caller timed out and went away; drop the late reply.
+          [] ->
+            {:noreply, state}
+        end
 
       {:error, error} ->
         Logger.warning("#{describe(state)}: unreadable reply: #{error.message}")
@@ -440,7 +561,137 @@ defmodule VllmBridge.Worker do
     {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil}}
   end
 
+  # Every tick: sweep; then, unless checks are off or a ping is in flight,
+  # ping Python if nothing came from it since the last tick.
+  def handle_info(:health_tick, state) do
+    sweep(state.table)
+
+    state =
+      case state do
+        %{health_interval: false} ->
+          state
+
+        %{health: nil} ->
+          case port_input(state.port) do
+            heard when heard != state.heard -> %{state | heard: heard}
+            _same -> health_ping(state)
+          end
+
+        _ping_in_flight ->
+          state
+      end
+
+    {:noreply, schedule_tick(state)}
+  end
+
+  def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
+    :ets.delete(state.table, id)
+
+    case port_input(state.port) do
+      heard when heard != state.heard -> {:noreply, %{state | heard: heard, health: nil}}
+      _same -> unresponsive(state)
+    end
+  end
+
   def handle_info(_other, state), do: {:noreply, state}
+
+  ## Health checks -------------------------------------------------------------
+
+  defp schedule_tick(%{health_interval: false} = state) do
+    Process.send_after(self(), :health_tick, @sweep_interval)
+    state
+  end
+
+  defp schedule_tick(%{health_interval: interval} = state) do
+    Process.send_after(self(), :health_tick, interval)
+    state
+  end
+
+  # Bytes read from the port so far (complete frames: every reply counts).
+  defp port_input(port) do
+    case :erlang.port_info(port, :input) do
+      {:input, bytes} -> bytes
+      :undefined -> :closed
+    end
+  end
+
+  defp health_ping(state) do
+    id = new_id()
+    :ets.insert(state.table, {id, :health, nil})
+    {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
+
+    try do
+      write(state.port, frame)
+    rescue
+      # the port closed: its exit notice is on its way
+      ArgumentError -> :ok
+    end
+
+    timer = Process.send_after(self(), {:health_timeout, id}, ping_wait(state))
+    %{state | health: {id, timer}}
+  end
+
+  # The reply to the health ping: Python is alive; the next tick looks again.
+  defp answered(%{health: {_id, timer}} = state) do
+    Process.cancel_timer(timer)
+    %{state | health: nil, heard: port_input(state.port)}
+  end
+
+  defp answered(state), do: state
+
+  defp unresponsive(state) do
+    waited = ping_wait(state)
+
+    message =
+      "the Python worker (os pid #{state.os_pid}) stopped answering: nothing came from it " <>
+        "for #{waited} ms after a health ping, so it was killed"
+
+    Logger.error("#{describe(state)} (os pid #{state.os_pid}): #{message}")
+    kill(state.os_pid)
+    fail_pending(state, message, %{reason: :unresponsive})
+    {:stop, {:shutdown, :unresponsive}, state}
+  end
+
+  # How long a health ping waits: Python that has not answered anything yet
+  # is still starting.
+  defp ping_wait(%{heard: 0} = state), do: max(state.health_timeout, @startup_grace)
+  defp ping_wait(state), do: state.health_timeout
+
+  # SIGKILL: a stopped or wedged process ignores anything milder. (It cannot
+  # have been reaped yet, so the pid is still its own: the port holds it.)
+  defp kill(os_pid) do
+    _ = :os.cmd(~c"kill -KILL #{os_pid}")
+    :ok
+  end
+
+  # Forgets the entries of callers that died (local ones: a remote caller of
+  # the worker's pid cannot be asked cheaply, and its call times out anyway).
+  defp sweep(table) do
+    for {id, pid} <-
+          :ets.select(table, [{{:"$1", :_, :"$2"}, [{:is_pid, :"$2"}], [{{:"$1", :"$2"}}]}]),
+        node(pid) == node() and not Process.alive?(pid) do
+      :ets.delete(table, id)
+    end
+
+    :ok
+  end
+
+  # This process never waits on a busy port (the pipe to a Python that reads
+  # nothing stays full): it could not run its health checks. A frame that
+  # cannot go at once is written by a process of its own, in the background.
+  defp write(port, frame) do
+    unless Port.command(port, frame, [:nosuspend]) do
+      spawn(fn ->
+        try do
+          Port.command(port, frame)
+        rescue
+          ArgumentError -> :ok
+        end
+      end)
+    end
+
+    true
+  end
 
   @impl true
   def terminate(_reason, %{port: port} = state) do
@@ -457,8 +708,10 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
-  # A reply address is a caller's alias (through the channel) or a `from`.
+  # A reply address is a caller's alias (through the channel), a `from`, or
+  # :health for this process's own health ping (nothing to hand over).
   defp answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
+  defp answer(:health, _result), do: :ok
   defp answer(from, result), do: GenServer.reply(from, result)
 
   defp fail_pending(state, message, details) do
@@ -468,8 +721,8 @@ defmodule VllmBridge.Worker do
       )
 
     # (taken one by one: terminate/2 sweeps again, and each caller hears once)
-    for {id, _to} <- :ets.tab2list(state.table),
-        [{_id, to}] <- [:ets.take(state.table, id)],
+    for {id, _to, _caller} <- :ets.tab2list(state.table),
+        [{_id, to, _caller}] <- [:ets.take(state.table, id)],
         do: answer(to, {:error, error})
 
     :ok

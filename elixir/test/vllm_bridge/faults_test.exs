@@ -7,6 +7,7 @@ defmodule VllmBridge.FaultsTest do
   # a rank that dies inside a collective. Each test has its own pool.
   use ExUnit.Case, async: true
 
+  import Bitwise
   import VllmBridge.PoolHelpers
   import VllmBridge.FaultHelpers
 
@@ -274,7 +275,7 @@ defmodule VllmBridge.FaultsTest do
     me = self()
 
     spawn_link(fn ->
-      [{late_id, _alias}] =
+      [{late_id, _alias, _caller}] =
         eventually(fn -> :ets.tab2list(table) != [] and :ets.tab2list(table) end)
 
       send(me, {:late_id, late_id})
@@ -423,7 +424,11 @@ defmodule VllmBridge.FaultsTest do
   end
 
   @tag timeout: 60_000
-  test "a BEAM killed with SIGKILL leaves no Python worker behind" do
+  # Both workers of the BEAM under test have a call blocked in Python (sleep)
+  # when it is killed, and worker 0's input pipe is held open by another
+  # process as well, so that it never reads end of input: only noticing that
+  # its parent is gone can make it exit.
+  test "a BEAM killed with SIGKILL leaves no Python worker behind, even blocked with stdin held open" do
     elixir = System.find_executable("elixir") || flunk("no elixir executable on PATH")
     ebin = Path.dirname(:code.which(VllmBridge.Pool))
     script = Path.join(__DIR__, "support/orphan_beam.exs")
@@ -438,13 +443,19 @@ defmodule VllmBridge.FaultsTest do
       ])
 
     {:os_pid, launcher} = Port.info(beam, :os_pid)
-    started = %{launcher: launcher, beam: nil, python: []}
+    started = %{launcher: launcher, beam: nil, python: [], holder: nil}
     {:ok, agent} = Agent.start(fn -> started end)
 
     on_exit(fn ->
-      %{launcher: launcher, beam: beam_pid, python: python} = Agent.get(agent, & &1)
+      %{launcher: launcher, beam: beam_pid, python: python, holder: holder} =
+        Agent.get(agent, & &1)
+
       Agent.stop(agent)
-      for pid <- [launcher, beam_pid | python], is_integer(pid), os_alive?(pid), do: kill9(pid)
+
+      for pid <- [launcher, beam_pid, holder | python],
+          is_integer(pid),
+          os_alive?(pid),
+          do: kill9(pid)
     end)
 
     beam_pid = read_line(beam, "BEAM") |> hd()
@@ -452,6 +463,8 @@ defmodule VllmBridge.FaultsTest do
     python = read_line(beam, "PYTHON")
     Agent.update(agent, &%{&1 | python: python})
     assert length(python) == 2 and Enum.all?(python, &os_alive?/1)
+    {holder_port, holder} = hold_input_pipes!(hd(python))
+    Agent.update(agent, &%{&1 | holder: holder})
 
     killed_at = now_ms()
     kill9(beam_pid)
@@ -462,6 +475,43 @@ defmodule VllmBridge.FaultsTest do
              "by more than 2 s"
 
     assert_receive {^beam, {:exit_status, _}}, 5_000
+    assert os_alive?(holder), "the process holding the input pipe open is gone"
+    Port.close(holder_port)
+  end
+
+  # Starts a process that opens, for writing, every pipe the Python process
+  # `os_pid` reads from (its input, the port's pipe, among them), and holds
+  # them open. Returns {port, os pid} once it holds them.
+  defp hold_input_pipes!(os_pid) do
+    fd_dir = "/proc/#{os_pid}/fd"
+
+    paths =
+      for fd <- File.ls!(fd_dir),
+          {:ok, "pipe:" <> _} <- [File.read_link(Path.join(fd_dir, fd))],
+          {:ok, info} <- [File.read("/proc/#{os_pid}/fdinfo/#{fd}")],
+          [_, flags] <- [Regex.run(~r/^flags:\s+([0-7]+)/m, info)],
+          # O_ACCMODE is 0 (O_RDONLY): the read end
+          (String.to_integer(flags, 8) &&& 3) == 0,
+          do: Path.join(fd_dir, fd)
+
+    assert paths != [], "Python #{os_pid} reads from no pipe"
+
+    holder =
+      "import os, sys, time\n" <>
+        "fds = [os.open(path, os.O_WRONLY) for path in sys.argv[1:]]\n" <>
+        "print('HELD', os.getpid(), len(fds), flush=True)\n" <>
+        "time.sleep(120)\n"
+
+    port =
+      Port.open({:spawn_executable, python!()}, [
+        :binary,
+        {:line, 1024},
+        args: ["-c", holder | paths]
+      ])
+
+    [pid, count] = read_line(port, "HELD")
+    assert count == length(paths)
+    {port, pid}
   end
 
   @tag timeout: 60_000

@@ -228,6 +228,162 @@ defmodule VllmBridge.MsgpackTest do
     end
   end
 
+  # `inner` wrapped in `depth` one-element containers made by `wrap`.
+  defp nest(inner, depth, wrap), do: Enum.reduce(1..depth//1, inner, fn _, acc -> wrap.(acc) end)
+
+  # msgpack of a tuple nested `depth` deep, written by hand (the encoder refuses deep ones).
+  defp tuples_bin(depth) do
+    Enum.reduce(1..depth//1, <<1>>, fn _, inner -> ext_bin(4, <<0x91, inner::binary>>) end)
+  end
+
+  defp ext_bin(type, payload) do
+    case byte_size(payload) do
+      n when n in [1, 2, 4, 8, 16] ->
+        code = %{1 => 0xD4, 2 => 0xD5, 4 => 0xD6, 8 => 0xD7, 16 => 0xD8}[n]
+        <<code, type, payload::binary>>
+
+      n when n <= 0xFF ->
+        <<0xC7, n, type, payload::binary>>
+
+      n when n <= 0xFFFF ->
+        <<0xC8, n::16, type, payload::binary>>
+
+      n ->
+        <<0xC9, n::32, type, payload::binary>>
+    end
+  end
+
+  describe "nesting limit" do
+    test "max_depth/0 is 128" do
+      assert Msgpack.max_depth() == 128
+    end
+
+    for name <- [:list, :tuple, :map_value, :map_key] do
+      test "#{name}s nested 128 deep round-trip; 129 deep are refused both ways" do
+        wrap = &wrap(unquote(name), &1)
+        ok = nest(1, 128, wrap)
+        assert roundtrip(ok) == ok
+
+        deep = nest(1, 129, wrap)
+        assert {:error, %Error{category: :bad_args, message: message}} = Msgpack.encode(deep)
+        assert message =~ "nested deeper than 128"
+
+        # the same bytes, written by hand: one more level around the 128-deep value
+        inner = ok |> Msgpack.encode!() |> IO.iodata_to_binary()
+        bytes = deep_bytes(unquote(name), inner)
+
+        assert {:error, %Error{category: :protocol, message: message}} = Msgpack.decode(bytes)
+        assert message =~ "nested deeper than 128"
+      end
+    end
+
+    test "an empty container is one level; scalars, tensors and refs are none" do
+      assert {:ok, _} = Msgpack.encode(nest([], 127, &[&1]))
+      assert {:error, %Error{category: :bad_args}} = Msgpack.encode(nest([], 128, &[&1]))
+      assert {:error, %Error{category: :bad_args}} = Msgpack.encode(nest(%{}, 128, &{&1}))
+      assert {:error, %Error{category: :bad_args}} = Msgpack.encode(nest({}, 128, &%{1 => &1}))
+      assert {:ok, _} = Msgpack.decode(:binary.copy(<<0x91>>, 127) <> <<0x90>>)
+      assert {:error, %Error{}} = Msgpack.decode(:binary.copy(<<0x91>>, 128) <> <<0x90>>)
+      assert {:error, %Error{}} = Msgpack.decode(:binary.copy(<<0x91>>, 128) <> <<0x80>>)
+
+      tensor = %Tensor{type: {:u, 8}, shape: {1}, data: <<7>>}
+
+      for leaf <- [tensor, %Ref{id: 1}, :atom, "str", <<0xFF>>, 1.5, nil] do
+        assert roundtrip(nest(leaf, 128, &[&1])) == nest(leaf, 128, &[&1])
+        assert {:error, %Error{category: :bad_args}} = Msgpack.encode(nest(leaf, 129, &[&1]))
+      end
+    end
+
+    test "the deepest branch counts, wherever it is" do
+      shallow = Enum.to_list(1..10)
+      # a list, a map, then tuples
+      ok = [shallow, %{"a" => shallow, "b" => nest(0, 126, &{&1})}, shallow]
+      assert roundtrip(ok) == ok
+      deep = [shallow, %{"a" => shallow, "b" => nest(0, 127, &{&1})}, shallow]
+      assert {:error, %Error{message: message}} = Msgpack.encode(deep)
+      assert message =~ "nested deeper than 128"
+    end
+
+    test "a tuple nested 300 deep (the issue's 1.4 KB value)" do
+      deep = nest(1, 300, &{&1})
+      assert {:error, %Error{category: :bad_args, message: message}} = Msgpack.encode(deep)
+      assert message =~ "nested deeper than 128"
+
+      bytes = tuples_bin(300)
+      assert byte_size(bytes) < 1500
+      assert {:error, %Error{category: :protocol, message: message}} = Msgpack.decode(bytes)
+      assert message =~ "nested deeper than 128"
+      assert Msgpack.decode(tuples_bin(128)) == {:ok, nest(1, 128, &{&1})}
+    end
+
+    test "a million nested arrays are refused at once, not walked" do
+      bytes = :binary.copy(<<0x91>>, 1_000_000) <> <<0xC0>>
+      {us, result} = :timer.tc(fn -> Msgpack.decode(bytes) end)
+      # (the offset is just past the header of the 129th array)
+      assert {:error, %Error{category: :protocol, details: %{offset: 129}}} = result
+      assert us < 100_000
+    end
+  end
+
+  defp wrap(:list, x), do: [x]
+  defp wrap(:tuple, x), do: {x}
+  defp wrap(:map_value, x), do: %{"k" => x}
+  defp wrap(:map_key, x), do: %{x => 1}
+
+  defp deep_bytes(:list, inner), do: <<0x91, inner::binary>>
+  defp deep_bytes(:tuple, inner), do: ext_bin(4, <<0x91, inner::binary>>)
+  defp deep_bytes(:map_value, inner), do: <<0x81, 0xA1, ?k, inner::binary>>
+  defp deep_bytes(:map_key, inner), do: <<0x81, inner::binary, 1>>
+
+  describe "tensor shapes torch cannot hold" do
+    # the issue's tensor: no data, as its shape says, but strides beyond int64
+    @huge {0, 4_611_686_018_427_387_904, 4}
+
+    test "Tensor.check_shape/1: every dim and the product of the non-zero dims below 2^63" do
+      for shape <- [{}, {0}, {2, 3}, {(1 <<< 63) - 1}, {1 <<< 31, 1 <<< 31, 1}, {0, 1 <<< 62, 1}] do
+        assert Tensor.check_shape(shape) == :ok, inspect(shape)
+      end
+
+      for shape <- [@huge, {1 <<< 63}, {0, 1 <<< 63}, {1 <<< 32, 1 <<< 31}, {1 <<< 64, 0}] do
+        assert {:error, %Error{category: :bad_args, message: message}} = Tensor.check_shape(shape)
+
+        assert message =~ "shape #{inspect(shape)} is too large"
+      end
+
+      for shape <- [{-1}, {1.0}, [2], {1 <<< 63, -1}, nil] do
+        assert {:error, %Error{category: :bad_args, message: message}} = Tensor.check_shape(shape)
+
+        assert message =~ "non-negative integers"
+      end
+    end
+
+    test "validate/1 and the encoder refuse them, naming the shape" do
+      tensor = %Tensor{type: {:f, 32}, shape: @huge, data: <<>>}
+      assert {:error, %Error{category: :bad_args, message: message}} = Tensor.validate(tensor)
+      assert message =~ "{0, 4611686018427387904, 4}"
+      assert {:error, %Error{category: :encode, message: message}} = Msgpack.encode([tensor])
+      assert message =~ "shape {0, 4611686018427387904, 4} is too large"
+    end
+
+    test "the decoder refuses them, naming the shape" do
+      bytes = ext_bin(1, <<?f, 32, 3, 0::64, 1 <<< 62::64, 4::64>>)
+      assert {:error, %Error{category: :protocol, message: message}} = Msgpack.decode(bytes)
+      assert message =~ "shape {0, 4611686018427387904, 4} is too large"
+
+      # 255 dimensions of 2^64 - 1: refused without multiplying them all out
+      dims = :binary.copy(<<0xFFFFFFFFFFFFFFFF::64>>, 255)
+      bytes = ext_bin(1, <<?f, 32, 255, dims::binary>>)
+      assert {:error, %Error{category: :protocol, message: message}} = Msgpack.decode(bytes)
+      assert message =~ "is too large"
+
+      # the largest shape that fits still decodes (when its data is empty)
+      bytes = ext_bin(1, <<?u, 8, 2, 0::64, (1 <<< 63) - 1::64>>)
+
+      assert {:ok, %Tensor{shape: {0, 9_223_372_036_854_775_807}, data: ""}} =
+               Msgpack.decode(bytes)
+    end
+  end
+
   test "agrees with msgpack-python" do
     python = VllmBridge.TestPython.python!()
 
