@@ -14,7 +14,7 @@ def _requirement(name: str) -> Requirement:
 
 def test_torch_versions_whose_weights_only_load_runs_code_are_excluded() -> None:
     # Checkpoints of other ranks are read with torch.load(weights_only=True)
-    # (bridge_py.distributed.distribute_nfs), which could still run code before 2.6.
+    # (bridge_py.distributed.distribute.nfs), which could still run code before 2.6.
     torch = _requirement("torch")
     assert not torch.specifier.contains("2.5.1")
     assert torch.specifier.contains("2.6.0")

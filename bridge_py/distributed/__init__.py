@@ -15,12 +15,12 @@ Names, signatures and behaviour follow vLLM (``vllm.distributed``) and ModelOpt
 (``modelopt.torch.export.distribute``); the module docstrings say where they do better.
 """
 
-from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
-from bridge_py.distributed.store import StoreError
-from bridge_py.distributed.torch_process_group import (
+from bridge_py.distributed.groups.torch_group import (
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
+from bridge_py.distributed.spg.group import StatelessProcessGroup
+from bridge_py.distributed.store import StoreError
 
 # isort: split
 from bridge_py.distributed.communication_op import (

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
-from bridge_py.distributed.torch_process_group import (
+from bridge_py.distributed.groups.torch_group import (
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
+from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = [
     "StatelessProcessGroup",

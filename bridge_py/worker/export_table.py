@@ -64,7 +64,7 @@ def default_exports() -> ExportTable:
         DeviceCommunicatorBase,
     )
     from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-    from bridge_py.distributed.distribute_nfs import NFSWorkspace
+    from bridge_py.distributed.distribute.nfs import NFSWorkspace
 
     def functions(module: object, names: tuple[str, ...]) -> list[ExportedFunction]:
         return [ExportedFunction(name, getattr(module, name), _DISTRIBUTED) for name in names]

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_p2p
+from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators import shm_serialization
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import p2p as spg_p2p
 from tests.distributed.harness import free_port, run_ranks
 
 KEY = b"k" * 32

@@ -19,7 +19,10 @@ from collections.abc import Callable
 import pytest
 from torch.distributed import HashStore
 
-from bridge_py.distributed import StatelessProcessGroup, spg_board, spg_segments, spg_shm
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.shm import segments as spg_segments
+from bridge_py.distributed.spg import board as spg_board
+from bridge_py.distributed.spg import values as spg_shm
 from tests.distributed.harness import free_port, late_barrier, run_ranks
 
 

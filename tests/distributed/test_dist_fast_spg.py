@@ -23,9 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_segments, spg_shm
+from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.device_communicators.shm_wait import process_alive
+from bridge_py.distributed.shm import segments as spg_segments
+from bridge_py.distributed.shm.wait import process_alive
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import values as spg_shm
 from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = [

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.distributed import HashStore
 
-from bridge_py.distributed import StatelessProcessGroup, keys
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.spg import keys
 from tests.distributed.harness import free_port, run_ranks
 
 BIG = bytes(range(256)) * (4 * 1024 * 1024 // 256)  # 4 MiB

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from bridge_py.distributed import StatelessProcessGroup, spg_segments
-from bridge_py.distributed.device_communicators.shm_wait import pid_namespace, process_alive
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.shm import segments as spg_segments
+from bridge_py.distributed.shm.wait import pid_namespace, process_alive
 from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,8 +8,10 @@ import time
 import pytest
 from torch.distributed import TCPStore
 
-from bridge_py.distributed import StatelessProcessGroup, keys, spg_p2p
-from bridge_py.distributed.barrier import Mailbox
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import p2p as spg_p2p
+from bridge_py.distributed.spg.barrier import Mailbox
 from tests.distributed.harness import free_port, run_ranks
 
 

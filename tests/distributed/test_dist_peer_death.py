@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from bridge_py.distributed import StatelessProcessGroup, keys
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.spg import keys
 from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(90)

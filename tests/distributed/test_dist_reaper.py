@@ -11,7 +11,7 @@ import pytest
 from torch.distributed import HashStore, TCPStore
 
 from bridge_py.distributed import StatelessProcessGroup
-from bridge_py.distributed.spg_reaper import KeyReaper
+from bridge_py.distributed.store.reaper import KeyReaper
 from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

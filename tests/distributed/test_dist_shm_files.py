@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from bridge_py.distributed import StatelessProcessGroup, auth, keys, spg_board, spg_shm
+from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-from bridge_py.distributed.shm_files import UntrustedFileError, open_peer_file
-from bridge_py.distributed.spg_segments import SHM_DIR, SegmentOwner
+from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
+from bridge_py.distributed.shm.segments import SHM_DIR, SegmentOwner
+from bridge_py.distributed.spg import board as spg_board
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import values as spg_shm
 
 pytestmark = pytest.mark.timeout(60)
 

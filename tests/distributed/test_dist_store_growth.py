@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from bridge_py.distributed import StatelessProcessGroup, keys
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.spg import keys
 from tests.distributed.harness import free_port, run_ranks
 
 OPERATIONS = 10_000

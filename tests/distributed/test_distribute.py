@@ -23,9 +23,9 @@ from bridge_py.distributed.distribute import (
     get_configs_parallel,
     get_tensors_parallel,
 )
-from bridge_py.distributed.distribute_codec import tensor_header_and_body
-from bridge_py.distributed.distribute_group import as_group_sync
-from bridge_py.distributed.distribute_shm import NAME_PREFIX, ShmChannel, segment_name
+from bridge_py.distributed.distribute.codec import tensor_header_and_body
+from bridge_py.distributed.distribute.group import as_group_sync
+from bridge_py.distributed.distribute.shm import NAME_PREFIX, ShmChannel, segment_name
 from tests.distributed.harness import free_port, run_ranks
 
 SHM = Path("/dev/shm")

@@ -64,7 +64,7 @@ def test_object_paths_work_with_a_key() -> None:
 
 
 def _context(g: GroupCoordinator, tail: str) -> str:
-    """What a sealed object of ``g`` is bound to (see sealed_objects)."""
+    """What a sealed object of ``g`` is bound to (see groups.objects)."""
     ranks = ",".join(map(str, g.ranks))
     return f"gc/{g.cpu_group.group_name}/{ranks}/objects/{tail}"
 

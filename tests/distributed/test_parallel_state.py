@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from bridge_py.distributed import communication_op as ops
 from bridge_py.distributed import parallel_state as ps
-from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
+from bridge_py.distributed.spg.group import StatelessProcessGroup
 from bridge_py.distributed.utils import (
     divide,
     ensure_divisibility,

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from bridge_py.distributed import auth, keys, spg_p2p
+from bridge_py.distributed import auth
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import p2p as spg_p2p
 from bridge_py.distributed.store import open_store
 from bridge_py.worker.codec import RefValue
 from tests.worker.port_client import PortClient, WorkerError

@@ -70,7 +70,7 @@ class All2AllManagerBase:
     def internode(self) -> bool:
         """Whether the group spans several nodes (a collective probe, run on first use)."""
         if self._internode is None:
-            from bridge_py.distributed.parallel_state import in_the_same_node_as
+            from bridge_py.distributed.groups.node import in_the_same_node_as
 
             self._internode = not all(in_the_same_node_as(self.cpu_group, source_rank=0))
         return self._internode
@@ -96,16 +96,6 @@ class All2AllManagerBase:
         """Release the manager's resources."""
 
 
-def _default_use_all2all(unique_name: str) -> bool:
-    """vLLM's rule: expert-parallel groups move tokens when data parallelism is on."""
-    if not unique_name.startswith("ep"):
-        return False
-    from bridge_py.distributed import parallel_state
-
-    dp = parallel_state._DP
-    return dp is not None and dp.world_size > 1
-
-
 class DeviceCommunicatorBase:
     """
     Base class for device-specific communicator.
@@ -121,13 +111,13 @@ class DeviceCommunicatorBase:
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
         *,
-        use_all2all: bool | None = None,
+        use_all2all: bool = False,
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature.
 
         ``use_all2all`` (not in vLLM, which reads its config) asks subclasses for an
-        all-to-all manager so that ``dispatch``/``combine`` move tokens; None applies
-        vLLM's rule (an ``ep`` group while data parallelism is on).
+        all-to-all manager so that ``dispatch``/``combine`` move tokens; GroupCoordinator
+        passes vLLM's rule (an expert-parallel group while data parallelism is on).
         """
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cpu_group = cpu_group
@@ -141,9 +131,7 @@ class DeviceCommunicatorBase:
         self.rank_in_group = dist.get_group_rank(cpu_group, self.global_rank)
         self.backend = str(dist.get_backend(self.device_group))
         self.dist_module: Any = dist
-        self.use_all2all = (
-            _default_use_all2all(unique_name) if use_all2all is None else bool(use_all2all)
-        )
+        self.use_all2all = bool(use_all2all)
         self.all2all_manager: All2AllManagerBase | None = None
         name = f"group {unique_name!r}" if unique_name else "group"
         self.agreement = Agreement(

@@ -56,7 +56,7 @@ class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
         *,
-        use_all2all: bool | None = None,
+        use_all2all: bool = False,
         use_shm: bool | None = None,
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature.

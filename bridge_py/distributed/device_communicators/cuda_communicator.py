@@ -32,7 +32,7 @@ class CudaCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
         *,
-        use_all2all: bool | None = None,
+        use_all2all: bool = False,
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature."""
         if device is None:

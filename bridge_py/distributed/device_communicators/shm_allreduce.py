@@ -85,7 +85,7 @@ from bridge_py.distributed.device_communicators.agreement import (
     Signature,
 )
 from bridge_py.distributed.device_communicators.shm_ring import attach_segment
-from bridge_py.distributed.device_communicators.shm_wait import (
+from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
     fence,

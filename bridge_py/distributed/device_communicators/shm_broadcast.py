@@ -53,7 +53,7 @@ from bridge_py.distributed.device_communicators.shm_ring import (
     ShmRingBuffer,
 )
 from bridge_py.distributed.device_communicators.shm_serialization import pack, unpack
-from bridge_py.distributed.device_communicators.shm_wait import (
+from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
     pid_namespace,

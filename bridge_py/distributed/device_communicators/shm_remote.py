@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 
-from bridge_py.distributed.device_communicators.shm_wait import (
+from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
     remaining,

@@ -42,12 +42,12 @@ from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from bridge_py.distributed.device_communicators.shm_wait import (
+from bridge_py.distributed.shm.files import check_peer_fd
+from bridge_py.distributed.shm.wait import (
     fence,
     pid_namespace,
     process_alive,
 )
-from bridge_py.distributed.shm_files import check_peer_fd
 
 __all__ = [
     "CHUNK_HEADER_BYTES",
@@ -83,7 +83,7 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
     The segment was made by another process: it is checked before anything is read from it
     (``shm_files.check_peer_fd``: this user's regular file, writable by this user only; the
     C library's ``shm_open`` does not follow links). Raises
-    :class:`~bridge_py.distributed.shm_files.UntrustedFileError` (a PermissionError) naming
+    :class:`~bridge_py.distributed.shm.files.UntrustedFileError` (a PermissionError) naming
     the file otherwise.
     """
     segment = _attach_untracked(name)

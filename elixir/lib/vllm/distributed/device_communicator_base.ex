@@ -168,8 +168,8 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   Initialize self. See help(type(self)) for accurate signature.
 
   ``use_all2all`` (not in vLLM, which reads its config) asks subclasses for an
-  all-to-all manager so that ``dispatch``/``combine`` move tokens; None applies
-  vLLM's rule (an ``ep`` group while data parallelism is on).
+  all-to-all manager so that ``dispatch``/``combine`` move tokens; GroupCoordinator
+  passes vLLM's rule (an expert-parallel group while data parallelism is on).
 
   ## Parameters
 
@@ -177,7 +177,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `device` (`String.t() | nil`, default: `None`) (in `args`, position 0)
     * `device_group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
     * `unique_name` (`String.t()`, default: `''`) (in `args`, position 2)
-    * `use_all2all` (`boolean() | nil`, default: `None`) (keyword option `use_all2all:`)
+    * `use_all2all` (`boolean()`, default: `False`) (keyword option `use_all2all:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 

@@ -220,8 +220,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
   objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
-  objects travel on this group's CPU group (vLLM uses the device group); with an auth
-  key, sealed as one list (see the module docstring).
+  objects travel on this group's CPU group (vLLM uses the device group), as one list,
+  sealed when there is an auth key (see ``groups.objects``).
 
   ## Parameters
 
@@ -563,6 +563,10 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Initialize self. See help(type(self)) for accurate signature.
 
+  ``use_all2all``: the device communicator moves tokens between experts
+  (``dispatch``/``combine``); vLLM sets it for expert-parallel groups while data
+  parallelism is on.
+
   Every rank of the world must call this with the same ``group_ranks``: each list
   becomes a device group (``torch_distributed_backend``) and a gloo CPU group, created
   in the same order everywhere; this rank keeps the pair it belongs to.
@@ -575,6 +579,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `use_device_communicator` (`boolean()`)
     * `use_message_queue_broadcaster` (`boolean()`, default: `False`) (in `args`, position 0)
     * `group_name` (`String.t() | nil`, default: `None`) (in `args`, position 1)
+    * `use_all2all` (`boolean()`, default: `False`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 

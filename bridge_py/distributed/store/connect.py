@@ -18,7 +18,7 @@ import time
 
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
-from bridge_py.distributed.waiting import BoundedWaiter
+from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = [
     "StoreError",

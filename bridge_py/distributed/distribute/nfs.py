@@ -26,9 +26,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bridge_py.distributed.distribute_codec import join_config, load_state, save_state
-from bridge_py.distributed.distribute_codec import split_config as _split
-from bridge_py.distributed.distribute_shm import NAME_PREFIX
+from bridge_py.distributed.distribute.codec import join_config, load_state, save_state
+from bridge_py.distributed.distribute.codec import split_config as _split
+from bridge_py.distributed.distribute.shm import NAME_PREFIX
 
 __all__ = ["NFSWorkspace", "NfsChannel"]
 

@@ -25,7 +25,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from bridge_py.distributed.shm_files import check_peer_fd
+from bridge_py.distributed.shm.files import check_peer_fd
 
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
 

@@ -39,15 +39,15 @@ from typing import Any
 
 import torch
 
-from bridge_py.distributed.distribute_codec import (
+from bridge_py.distributed.distribute.codec import (
     config_from_bytes,
     config_to_bytes,
     tensor_from_view,
     tensor_header_and_body,
 )
-from bridge_py.distributed.distribute_group import GroupSync, as_group_sync
-from bridge_py.distributed.distribute_nfs import NfsChannel, NFSWorkspace
-from bridge_py.distributed.distribute_shm import ShmChannel
+from bridge_py.distributed.distribute.group import GroupSync, as_group_sync
+from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
+from bridge_py.distributed.distribute.shm import ShmChannel
 
 __all__ = [
     "NFSWorkspace",

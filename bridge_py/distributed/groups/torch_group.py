@@ -21,7 +21,7 @@ import torch
 from torch.distributed import Backend, PrefixStore, ProcessGroup, TCPStore
 from torch.distributed.distributed_c10d import _get_default_timeout, is_nccl_available
 
-from bridge_py.distributed.stateless_process_group import validate_rank
+from bridge_py.distributed.spg.group import validate_rank
 from bridge_py.distributed.store import format_address, join_group, open_store
 
 __all__ = [

@@ -18,8 +18,11 @@ from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys, spg_board, spg_p2p, spg_shm
-from bridge_py.distributed.waiting import pop_before
+from bridge_py.distributed.spg import board as spg_board
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import p2p as spg_p2p
+from bridge_py.distributed.spg import values as spg_shm
+from bridge_py.distributed.store.waiting import pop_before
 
 __all__ = ["BoardPaths"]
 

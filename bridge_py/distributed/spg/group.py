@@ -41,12 +41,17 @@ from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys, spg_board, spg_p2p, spg_reaper, spg_segments, spg_shm
 from bridge_py.distributed.auth import AuthKey, open_payload, resolve_key, seal_payload
-from bridge_py.distributed.barrier import BarrierHooks, Mailbox, run_barrier, run_board_barrier
-from bridge_py.distributed.spg_board_paths import BoardPaths
-from bridge_py.distributed.spg_waiter import FetchingWaiter
+from bridge_py.distributed.shm import segments as spg_segments
+from bridge_py.distributed.spg import board as spg_board
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg import p2p as spg_p2p
+from bridge_py.distributed.spg import values as spg_shm
+from bridge_py.distributed.spg.barrier import BarrierHooks, Mailbox, run_barrier, run_board_barrier
+from bridge_py.distributed.spg.board_paths import BoardPaths
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
+from bridge_py.distributed.store import reaper as spg_reaper
+from bridge_py.distributed.store.fetching import FetchingWaiter
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 

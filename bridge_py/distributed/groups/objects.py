@@ -1,12 +1,12 @@
-"""Objects between the ranks of a torch CPU (gloo) group, sealed with an auth key.
+"""Objects between the ranks of a torch CPU (gloo) group: GroupCoordinator's object paths.
 
-torch's object collectives (``broadcast_object_list``, ``gather_object``, ...) and a plain
-``pickle.loads`` of received bytes unpickle whatever arrives on the group's connections, so
-whoever can inject into them (gloo has no authentication) runs code in every rank. With an
-auth key, :class:`SealedChannel` replaces them: each object is pickled, sealed with
-:func:`~bridge_py.distributed.auth.seal_payload` and sent as its size, then its bytes (two
-plain tensor operations, which unpickle nothing); the receiver checks the tag with
-:func:`~bridge_py.distributed.auth.open_payload` before ``pickle.loads``.
+torch's object collectives (``broadcast_object_list``, ``gather_object``, ...) unpickle
+whatever arrives on the group's connections, and gloo has no authentication. An
+:class:`ObjectChannel` sends each object as its size, then its bytes (two plain tensor
+operations, which unpickle nothing), as torch's do, and with an auth key seals the bytes
+(:func:`~bridge_py.distributed.auth.seal_payload`) and checks them before ``pickle.loads``
+(:func:`~bridge_py.distributed.auth.open_payload`). Without a key the bytes are plain
+pickles, as in vLLM; a tagged value then is refused rather than unpickled as garbage.
 
 Each tag is bound to a context naming the group (torch's group name, which every rank of a
 torch group shares, and its global ranks), what the channel is for, the operation, the
@@ -15,9 +15,6 @@ gathers: one counter that every rank of the group advances; point to point: one 
 direction). A value replayed from another group, operation, peer or position, or reordered,
 fails its check: AuthenticationError naming what was refused, and nothing unpickled. Sizes
 are not authenticated (a forged one can only make the exchange fail).
-
-Without a key nobody uses this module: the callers keep torch's own object collectives, as
-vLLM does, at the same speed.
 """
 
 from __future__ import annotations
@@ -32,11 +29,11 @@ from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.auth import open_payload, seal_payload
 
-__all__ = ["SealedChannel"]
+__all__ = ["ObjectChannel"]
 
 
-class SealedChannel:
-    """Sealed object transport over one torch CPU group (see the module docstring).
+class ObjectChannel:
+    """Objects over one torch CPU group, sealed when there is a key (see the module docstring).
 
     ``ranks`` are the group's global ranks in group order, ``rank_in_group`` this rank's
     index in them; every method takes group ranks. ``purpose`` names what the channel
@@ -48,7 +45,7 @@ class SealedChannel:
         group: ProcessGroup,
         ranks: Sequence[int],
         rank_in_group: int,
-        key: bytes,
+        key: bytes | None,
         purpose: str = "objects",
     ) -> None:
         self._group = group

@@ -74,13 +74,13 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-from bridge_py.distributed.device_communicators.shm_wait import (
+from bridge_py.distributed.shm.files import open_peer_file
+from bridge_py.distributed.shm.segments import NAME_PREFIX, SHM_DIR, unlink
+from bridge_py.distributed.shm.wait import (
     fence,
     pid_namespace,
     process_alive,
 )
-from bridge_py.distributed.shm_files import open_peer_file
-from bridge_py.distributed.spg_segments import NAME_PREFIX, SHM_DIR, unlink
 
 __all__ = [
     "BOARD_PATTERN",

@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 from torch.distributed import QueueEmptyError, Store
 
-from bridge_py.distributed import keys
-from bridge_py.distributed.waiting import pop_before
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.store.waiting import pop_before
 
 __all__ = ["HEADER", "Inbox", "drop", "frame", "unframe"]
 

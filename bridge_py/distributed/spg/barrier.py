@@ -41,10 +41,10 @@ from collections.abc import Callable, Sequence
 
 from torch.distributed import Store
 
-from bridge_py.distributed import keys
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.spg_board import FAILED, LIVENESS_PERIOD, PASSED, Board, BoardError
-from bridge_py.distributed.waiting import pop_before
+from bridge_py.distributed.spg import keys
+from bridge_py.distributed.spg.board import FAILED, LIVENESS_PERIOD, PASSED, Board, BoardError
+from bridge_py.distributed.store.waiting import pop_before
 
 __all__ = [
     "POISON",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from bridge_py.distributed.stateless_process_group import StatelessProcessGroup
+from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = ["GroupSync", "as_group_sync"]
 

@@ -38,11 +38,11 @@ import struct
 import sys
 from typing import Any
 
-from bridge_py.distributed import spg_segments as segments
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.device_communicators.shm_wait import pid_namespace
-from bridge_py.distributed.shm_files import UntrustedFileError, open_peer_file
-from bridge_py.distributed.spg_segments import SHM_DIR, Segment, SegmentOwner
+from bridge_py.distributed.shm import segments
+from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
+from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
+from bridge_py.distributed.shm.wait import pid_namespace
 
 __all__ = [
     "DESCRIPTOR_MAGIC",

@@ -1,6 +1,6 @@
 """Bounded waits that also fetch: ``multi_get`` of keys once they all exist, in two round trips.
 
-:class:`FetchingWaiter` is a :class:`~bridge_py.distributed.waiting.BoundedWaiter` (waits on a
+:class:`FetchingWaiter` is a :class:`~bridge_py.distributed.store.waiting.BoundedWaiter` (waits on a
 connection of its own, thrown away after a timeout) that can also read the keys it waited for
 on that connection: torch's ``multi_get`` waits for every key (one round trip that returns when
 the last one is written) and then reads them all (one more), so an all_gather reads every other
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch.distributed import DistStoreError, Store
 
-from bridge_py.distributed.waiting import BoundedWaiter
+from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = ["FetchingWaiter"]
 

@@ -46,7 +46,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from bridge_py.distributed.device_communicators.shm_wait import pid_namespace, process_alive
+from bridge_py.distributed.shm.wait import pid_namespace, process_alive
 
 __all__ = [
     "NAME_PATTERN",

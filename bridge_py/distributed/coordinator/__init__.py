@@ -1,0 +1,1 @@
+"""GroupCoordinator's parts below ``parallel_state`` (vLLM's module path, which re-exports)."""

@@ -1,0 +1,774 @@
+"""GroupCoordinator: a group of processes and its collectives, as vLLM's.
+
+The class ``vllm.distributed.parallel_state.GroupCoordinator`` (``parallel_state``
+re-exports it): a device group and a gloo CPU group per list of ranks, a device
+communicator that runs every collective, and the object paths between ranks (sealed with
+the operator's auth key when there is one, see ``groups.objects``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import namedtuple
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Backend, ProcessGroup
+
+from bridge_py.distributed.auth import resolve_key
+from bridge_py.distributed.device_communicators.base_device_communicator import (
+    DeviceCommunicatorBase,
+)
+from bridge_py.distributed.device_communicators.cpu_communicator import CpuCommunicator
+from bridge_py.distributed.groups.node import in_the_same_node_as
+from bridge_py.distributed.groups.objects import ObjectChannel
+
+__all__ = ["GraphCaptureContext", "GroupCoordinator", "TensorMetadata"]
+
+# Message queue broadcaster sizes, as vLLM: 4 MiB chunks, 6 of them.
+_MQ_CHUNK_BYTES = 1 << 22
+_MQ_CHUNKS = 6
+
+
+@dataclass
+class GraphCaptureContext:
+    """The stream a CUDA graph is captured on (None on CPU, where nothing is captured)."""
+
+    stream: Any
+
+
+TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
+
+
+def _split_tensor_dict(
+    tensor_dict: dict[str, Any],
+) -> tuple[list[tuple[str, Any]], list[torch.Tensor]]:
+    """Split a tensor dictionary into (key, value-or-TensorMetadata) pairs and its tensors.
+
+    Only top-level tensor values travel as tensors; anything else (nested containers
+    included) travels pickled in the metadata.
+    """
+    metadata_list: list[tuple[str, Any]] = []
+    tensor_list: list[torch.Tensor] = []
+    for key, value in tensor_dict.items():
+        if isinstance(value, torch.Tensor):
+            # Only the device type: the receiver places the tensor on its own device index.
+            metadata_list.append(
+                (key, TensorMetadata(value.device.type, value.dtype, value.size()))
+            )
+            tensor_list.append(value)
+        else:
+            metadata_list.append((key, value))
+    return metadata_list, tensor_list
+
+
+_group_name_counter: dict[str, int] = {}
+
+
+def _get_unique_name(name: str) -> str:
+    """Get a unique name for the group: ``tp`` -> ``tp:0``, then ``tp:1``, ..."""
+    index = _group_name_counter.get(name, 0)
+    _group_name_counter[name] = index + 1
+    return f"{name}:{index}"
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    """The device a group's tensors live on: CUDA for NCCL groups, else the CPU."""
+    if str(backend) == Backend.NCCL and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _communicator_class(device: torch.device) -> type[DeviceCommunicatorBase]:
+    if device.type == "cuda":
+        from bridge_py.distributed.device_communicators.cuda_communicator import (
+            CudaCommunicator,
+        )
+
+        return CudaCommunicator
+    return CpuCommunicator
+
+
+class GroupCoordinator:
+    """
+    PyTorch ProcessGroup wrapper for a group of processes.
+    PyTorch ProcessGroup is bound to one specific communication backend,
+        e.g. NCCL, Gloo, MPI, etc.
+    GroupCoordinator takes charge of all the communication operations among
+        the processes in the group. It manages both CPU and device
+        communication.
+    """
+
+    # available attributes:
+    rank: int  # global rank
+    ranks: list[int]  # global ranks in the group
+    world_size: int  # size of the group
+    local_rank: int  # local rank used to assign devices
+    rank_in_group: int  # rank inside the group
+    cpu_group: ProcessGroup  # group for CPU communication
+    device_group: ProcessGroup  # group for device communication
+    device_communicator: DeviceCommunicatorBase | None
+    mq_broadcaster: Any | None  # shared memory broadcaster
+
+    def __init__(
+        self,
+        group_ranks: list[list[int]],
+        local_rank: int,
+        torch_distributed_backend: str | Backend,
+        use_device_communicator: bool,
+        use_message_queue_broadcaster: bool = False,
+        group_name: str | None = None,
+        use_all2all: bool = False,
+    ) -> None:
+        """Initialize self. See help(type(self)) for accurate signature.
+
+        ``use_all2all``: the device communicator moves tokens between experts
+        (``dispatch``/``combine``); vLLM sets it for expert-parallel groups while data
+        parallelism is on.
+
+        Every rank of the world must call this with the same ``group_ranks``: each list
+        becomes a device group (``torch_distributed_backend``) and a gloo CPU group, created
+        in the same order everywhere; this rank keeps the pair it belongs to.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "GroupCoordinator needs torch.distributed to be initialized "
+                "(call init_distributed_environment first)"
+            )
+        # The operator's key (None: objects are plain pickles, as in vLLM); read before any
+        # collective, so that a refusal (VLLM_BRIDGE_REQUIRE_AUTH_KEY) leaves nothing behind.
+        self._auth_key = resolve_key(None)
+        self.unique_name = _get_unique_name(group_name or "anonymous")
+        self.rank = dist.get_rank()
+        self.local_rank = local_rank
+        self._check_group_ranks(group_ranks)
+
+        own_device_group: ProcessGroup | None = None
+        own_cpu_group: ProcessGroup | None = None
+        for ranks in group_ranks:
+            ranks = [int(r) for r in ranks]
+            device_group = dist.new_group(ranks, backend=torch_distributed_backend)
+            # A gloo group, so that processes can also coordinate through the CPU.
+            cpu_group = dist.new_group(ranks, backend="gloo")
+            if self.rank in ranks:
+                self.ranks = ranks
+                self.world_size = len(ranks)
+                self.rank_in_group = ranks.index(self.rank)
+                own_device_group, own_cpu_group = device_group, cpu_group
+        if own_device_group is None or own_cpu_group is None:
+            raise ValueError(
+                f"global rank {self.rank} is in none of the group_ranks {group_ranks} "
+                f"of group {self.unique_name!r}"
+            )
+        self.cpu_group = own_cpu_group
+        self.device_group = own_device_group
+        # Objects between ranks travel on the CPU group, sealed when there is a key.
+        self._objects = ObjectChannel(
+            self.cpu_group, self.ranks, self.rank_in_group, self._auth_key
+        )
+        self.device = _device_for(str(torch_distributed_backend), local_rank)
+
+        # Every collective goes through a communicator. vLLM exposes one only when asked
+        # for (and the group has several ranks); the others get a plain torch.distributed
+        # one, kept private, instead of vLLM's "No device communicator found".
+        self.use_device_communicator = use_device_communicator
+        self.device_communicator: DeviceCommunicatorBase | None = None
+        comm_cls = _communicator_class(self.device)
+        if use_device_communicator and self.world_size > 1:
+            self.device_communicator = comm_cls(
+                cpu_group=self.cpu_group,
+                device=self.device,
+                device_group=self.device_group,
+                unique_name=self.unique_name,
+                use_all2all=use_all2all,
+            )
+            self._comm = self.device_communicator
+        else:
+            self._comm = comm_cls(
+                cpu_group=self.cpu_group,
+                device=self.device,
+                device_group=self.device_group,
+                unique_name=self.unique_name,
+                use_all2all=False,
+            )
+
+        self.mq_broadcaster: Any | None = None
+        if use_message_queue_broadcaster and self.world_size > 1:
+            self.mq_broadcaster = self.create_mq_broadcaster()
+
+    @staticmethod
+    def _check_group_ranks(group_ranks: Any) -> None:
+        if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
+            raise ValueError(
+                f"group_ranks must be a non-empty list of rank lists, got {group_ranks!r}"
+            )
+        world = dist.get_world_size()
+        seen: set[int] = set()
+        for ranks in group_ranks:
+            if not isinstance(ranks, (list, tuple)) or not ranks:
+                raise ValueError(
+                    f"each entry of group_ranks must be a non-empty list, got {ranks!r}"
+                )
+            for r in ranks:
+                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+                    raise ValueError(f"rank {r!r} in group_ranks is not in [0, {world})")
+            if len(set(ranks)) != len(ranks) or seen & set(ranks):
+                raise ValueError(f"group_ranks {group_ranks} names a rank twice")
+            seen.update(ranks)
+
+    def _label(self) -> str:
+        return f"group {self.unique_name!r} (global ranks {self.ranks})"
+
+    def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool = True) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise ValueError(
+                f"{op} on rank {self.rank_in_group} (global {self.rank}) of {self._label()}: "
+                f"invalid {name} rank ({peer!r}); the group has ranks 0..{self.world_size - 1}"
+            )
+        if not allow_self and peer == self.rank_in_group:
+            raise ValueError(
+                f"{op} on rank {self.rank_in_group} (global {self.rank}) of {self._label()}: "
+                f"{name} ({peer}) is this rank itself"
+            )
+
+    # ------------------------------------------------------------ message queues
+
+    def create_mq_broadcaster(
+        self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True
+    ) -> Any:
+        """A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
+
+        ``writer_rank`` is the group rank that writes, every other rank reads; with
+        ``blocking`` every rank waits until the queue is connected. With
+        ``external_writer_handle`` (the handle of a queue written by a process outside the
+        group, such as vLLM's executor, with one reader per group rank) group rank
+        ``writer_rank`` passes that handle to the others and every rank reads that queue as
+        reader number ``rank_in_group``; the outside writer joins ``wait_until_ready``, so
+        such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
+        """
+        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        self._check_peer("create_mq_broadcaster", "writer", writer_rank)
+        return MessageQueue.create_from_process_group(
+            self.cpu_group,
+            _MQ_CHUNK_BYTES,
+            _MQ_CHUNKS,
+            writer_rank=writer_rank,
+            external_writer_handle=external_writer_handle,
+            blocking=blocking,
+            auth_key=self._auth_key,
+        )
+
+    def create_single_reader_mq_broadcasters(
+        self, reader_rank_in_group: int = 0, blocking: bool = False
+    ) -> tuple[Any, list[Any]]:
+        """One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
+
+        As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
+        (the reader too) gets a queue it writes, with one reader slot; the writers' handles
+        are gathered on the reader. Returns ``(queue, handles)``: ``handles`` lists every
+        rank's handle (in group rank order) on the reader and is empty elsewhere; the reader
+        opens them with ``MessageQueue.create_from_handle(handle, 0)``. With ``blocking``
+        the other ranks wait until the reader has opened their queue; the reader cannot
+        wait on its own queue before opening it, so it returns at once and calls
+        ``wait_until_ready`` on its queue after opening the handles.
+        """
+        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
+        same_node = in_the_same_node_as(self.cpu_group, source_rank=reader_rank_in_group)
+        queue = MessageQueue(
+            n_reader=1,
+            n_local_reader=1 if same_node[self.rank_in_group] else 0,
+            max_chunk_bytes=_MQ_CHUNK_BYTES,
+            max_chunks=_MQ_CHUNKS,
+            auth_key=self._auth_key,
+        )
+        is_reader = self.rank_in_group == reader_rank_in_group
+        handles = self._objects.gather(queue.export_handle(), reader_rank_in_group)
+        if blocking and not is_reader:
+            queue.wait_until_ready()
+        return queue, list(handles or [])
+
+    # ------------------------------------------------------------------- ranks
+
+    @property
+    def first_rank(self) -> int:
+        """Return the global rank of the first process in the group"""
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        """Return the global rank of the last process in the group"""
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Return whether the caller is the first process in the group"""
+        return self.rank == self.first_rank
+
+    @property
+    def is_last_rank(self) -> bool:
+        """Return whether the caller is the last process in the group"""
+        return self.rank == self.last_rank
+
+    @property
+    def next_rank(self) -> int:
+        """Return the global rank of the process that follows the caller"""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Return the global rank of the process that precedes the caller"""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    @contextmanager
+    def graph_capture(
+        self, graph_capture_context: GraphCaptureContext | None = None
+    ) -> Iterator[GraphCaptureContext]:
+        """Context for capturing a CUDA graph on a side stream; a plain context on CPU.
+
+        On CUDA the capture stream (a new one unless ``graph_capture_context`` gives it)
+        first waits for the current stream, then becomes current inside the block.
+        """
+        if self.device.type != "cuda":
+            yield graph_capture_context or GraphCaptureContext(stream=None)
+            return
+        if graph_capture_context is None:
+            graph_capture_context = GraphCaptureContext(torch.cuda.Stream(device=self.device))
+        stream = graph_capture_context.stream
+        current = torch.cuda.current_stream(self.device)
+        if current != stream:
+            stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield graph_capture_context
+
+    # -------------------------------------------------------------- collectives
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """
+        User-facing all-reduce function before we actually call the
+        all-reduce operation.
+
+        We need this because Dynamo does not support passing an arbitrary
+        object (`self` in this case) to a custom op. We need to pass the
+         group name as a string, and then look up the group coordinator from
+         the group name, dispatch the all-reduce operation to the group
+         coordinator.
+
+        In addition, PyTorch custom ops do not support mutation or returning
+        a new tensor in the same op. So we always make the all-reduce operation
+        out-of-place.
+
+        Here there is no custom op: the sum over the group is returned as a new tensor
+        (``input_`` itself in a group of one, as in vLLM); ``bool`` sums are logical ORs.
+        """
+        if self.world_size == 1:
+            return input_
+        return self._all_reduce_out_place(input_)
+
+    def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
+        """The sum of ``input_`` over the group, as a new tensor."""
+        return self._comm.all_reduce(input_)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim``, in rank order."""
+        if self.world_size == 1:
+            return input_
+        return self._all_gather_out_place(input_, dim)
+
+    def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        """All-gather along ``dim`` into a new tensor."""
+        return self._comm.all_gather(input_, dim)
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather with ``sizes[r]`` entries from rank ``r`` along ``dim``.
+
+        ``input_`` may be a list of tensors sharing ``sizes``; ``sizes=None`` means equal.
+        """
+        return self._comm.all_gatherv(input_, dim, sizes)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Sum over the group, then keep this rank's equal slice along ``dim``."""
+        if self.world_size == 1:
+            return input_
+        return self._reduce_scatter_out_place(input_, dim)
+
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
+        """Sum over the group, then keep this rank's ``sizes[rank]`` entries along ``dim``."""
+        return self._comm.reduce_scatterv(input_, dim, sizes)
+
+    def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        """Reduce-scatter along ``dim`` into a new tensor."""
+        return self._comm.reduce_scatter(input_, dim)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """
+        NOTE: We assume that the input tensor is on the same device across
+        all the ranks.
+        NOTE: `dst` is the local rank of the destination rank.
+
+        Returns the concatenation along ``dim`` on ``dst`` and None elsewhere.
+        """
+        if self.world_size == 1:
+            return input_
+        return self._comm.gather(input_, dst, dim)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast the input tensor.
+        NOTE: `src` is the local rank of the source rank.
+
+        In place: every rank's ``input_`` ends up holding ``src``'s; returns ``input_``.
+        """
+        if self.world_size == 1:
+            self._check_peer("broadcast", "src", src)
+            return input_
+        return self._comm.broadcast(input_, src)
+
+    def broadcast_object(self, obj: Any | None = None, src: int = 0) -> Any:
+        """Broadcast the input object.
+        NOTE: `src` is the local rank of the source rank.
+
+        Objects are pickled: use groups of trusted processes only, or give every rank the
+        same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
+        unpickled (see the module docstring).
+        """
+        self._agree_on_root("broadcast_object", "src", src)
+        if self.world_size == 1:
+            return obj
+        return self._broadcast_object(obj, src)
+
+    def _agree_on_root(self, op: str, name: str, root: Any, error: Exception | None = None) -> None:
+        """Check ``root`` locally, then (with checks on) that every rank passed the same one
+        and no rank has an ``error``, so that a rank with bad input cannot leave the others
+        blocked."""
+        from bridge_py.distributed.device_communicators.agreement import Signature
+
+        try:
+            self._check_peer(op, name, root)
+        except ValueError as exc:
+            error = error or exc
+        code = root if isinstance(root, int) and error is None else -1
+        self._comm.agreement.check(Signature(op, params=(code,), param_names=(name,)), error)
+
+    def _broadcast_object(self, obj: Any, src: int) -> Any:
+        if self.mq_broadcaster is not None:
+            if src != 0:
+                raise ValueError(
+                    f"broadcast_object on {self._label()}: the message queue broadcaster "
+                    f"only supports src=0, got {src}"
+                )
+            return self.mq_broadcaster.broadcast_object(obj)
+        return self._objects.broadcast(obj, src)
+
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
+    ) -> list[Any]:
+        """Broadcast the input object list.
+        NOTE: `src` is the local rank of the source rank.
+
+        In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
+        objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
+        objects travel on this group's CPU group (vLLM uses the device group), as one list,
+        sealed when there is an auth key (see ``groups.objects``).
+        """
+        self._agree_on_root("broadcast_object_list", "src", src)
+        if self.world_size == 1:
+            return obj_list
+        got = self._objects.broadcast(list(obj_list), src)
+        if len(got) != len(obj_list):
+            raise ValueError(
+                f"broadcast_object_list on rank {self.rank_in_group} of {self._label()}: "
+                f"rank {src} sent {len(got)} objects, this rank's obj_list holds {len(obj_list)}"
+            )
+        obj_list[:] = got
+        return obj_list
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send the input object list to the destination rank.
+
+        NOTE: `dst` is the local rank of the destination rank.
+        """
+        self._check_peer("send_object", "dst", dst, allow_self=False)
+        self._objects.send(obj, dst)
+
+    def recv_object(self, src: int) -> Any:
+        """Receive the input object list from the source rank.
+
+        NOTE: `src` is the local rank of the source rank.
+        """
+        self._check_peer("recv_object", "src", src, allow_self=False)
+        return self._objects.recv(src)
+
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: dict[str, Any] | None = None,
+        src: int = 0,
+        group: ProcessGroup | None = None,
+        metadata_group: ProcessGroup | None = None,
+    ) -> dict[str, Any] | None:
+        """Broadcast the input tensor dictionary.
+        NOTE: `src` is the local rank of the source rank.
+
+        The metadata (keys, non-tensor values, tensor shapes) goes as one object; then
+        each non-empty tensor is broadcast, CPU tensors on the CPU group and device tensors
+        on the device group. ``group``/``metadata_group`` are accepted for vLLM's signature
+        and, as in vLLM, unused.
+        """
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor_dict
+        error = None
+        if self.rank_in_group == src and not isinstance(tensor_dict, dict):
+            error = TypeError(
+                f"broadcast_tensor_dict on rank {src} (global {self.rank}) of "
+                f"{self._label()}: expecting a dictionary, got {type(tensor_dict)}"
+            )
+        self._agree_on_root("broadcast_tensor_dict", "src", src, error)
+        if self.rank_in_group == src:
+            assert isinstance(tensor_dict, dict)
+            metadata_list, tensor_list = _split_tensor_dict(tensor_dict)
+            self._broadcast_object(metadata_list, src=src)
+            handles = [
+                self._broadcast_async(tensor, src) for tensor in tensor_list if tensor.numel()
+            ]
+            for handle in handles:
+                handle.wait()
+            return tensor_dict
+        metadata_list = self._broadcast_object(None, src=src)
+        received: dict[str, Any] = {}
+        pending = []
+        for key, value in metadata_list:
+            if isinstance(value, TensorMetadata):
+                tensor = self._empty_like_metadata(value)
+                if tensor.numel():
+                    pending.append(self._broadcast_async(tensor, src))
+                received[key] = tensor
+            else:
+                received[key] = value
+        for handle in pending:
+            handle.wait()
+        return received
+
+    def _empty_like_metadata(self, meta: TensorMetadata) -> torch.Tensor:
+        device = self.device if meta.device == self.device.type else torch.device(meta.device)
+        return torch.empty(meta.size, dtype=meta.dtype, device=device)
+
+    def _tensor_group(self, tensor: torch.Tensor) -> ProcessGroup:
+        return self.cpu_group if tensor.is_cpu else self.device_group
+
+    def _broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
+        from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
+
+        group = self._tensor_group(tensor)
+        wire, _ = for_transport(tensor, str(dist.get_backend(group)))
+        if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
+            raise ValueError("broadcast_tensor_dict needs contiguous tensors")
+        return dist.broadcast(wire, src=self.ranks[src], group=group, async_op=True)
+
+    def _point_to_point(self, tensor: torch.Tensor, peer: int, sending: bool) -> None:
+        from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
+
+        group = self._tensor_group(tensor)
+        wire, restore = for_transport(tensor, str(dist.get_backend(group)))
+        if sending:
+            dist.send(wire, dst=self.ranks[peer], group=group)
+            return
+        dist.recv(wire, src=self.ranks[peer], group=group)
+        if wire.data_ptr() != tensor.data_ptr():
+            tensor.copy_(restore(wire).reshape(tensor.shape))
+
+    @staticmethod
+    def _use_all_gather(
+        key: str,
+        tensor: torch.Tensor,
+        all_gather_group: GroupCoordinator | None,
+        all_gather_tensors: dict[str, bool] | None,
+    ) -> bool:
+        use = all_gather_group is not None and tensor.numel() % all_gather_group.world_size == 0
+        if all_gather_tensors:
+            use = all_gather_tensors.get(key, use)
+        if use and all_gather_group is None:
+            raise ValueError(
+                f"all_gather_tensors asks for {key!r} but no all_gather_group is given"
+            )
+        return use
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: dict[str, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: dict[str, bool] | None = None,
+    ) -> dict[str, Any] | None:
+        """Send the input tensor dictionary.
+        NOTE: `dst` is the local rank of the source rank.
+
+        all_gather_group: The group for the all-gather operation. If provided,
+            an optimization is enabled where each rank in the group sends a
+            slice of a tensor and the receiver reconstructs it using an
+            all-gather, which can improve performance. This is typically the
+            tensor-parallel group.
+        all_gather_tensors: A dictionary to specify which tensors should use
+            the all-gather optimization, which is only effective when
+            `all_gather_group` is provided. By default, this optimization is
+            on for any tensor whose size is divisible by the
+            `all_gather_group`'s world size. However, it should be disabled
+            for tensors that are not fully replicated across the group (e.g.,
+            the residual tensor when sequence parallelism is enabled). This
+            dictionary allows overriding the default behavior on a per-tensor
+            basis.
+        """
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor_dict
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        self._check_peer("send_tensor_dict", "dst", dst, allow_self=False)
+        if not isinstance(tensor_dict, dict):
+            raise TypeError(f"Expecting a dictionary, got {type(tensor_dict)}")
+        ag_size = 1 if all_gather_group is None else all_gather_group.world_size
+        ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
+        metadata_list, _ = _split_tensor_dict(tensor_dict)
+        self.send_object(metadata_list, dst=dst)
+        for key, value in tensor_dict.items():
+            if not isinstance(value, torch.Tensor) or value.numel() == 0:
+                continue
+            tensor = value
+            if self._use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
+                tensor = tensor.reshape(ag_size, -1)[ag_rank]
+            self._point_to_point(tensor, dst, sending=True)
+        return None
+
+    def recv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: dict[str, bool] | None = None,
+    ) -> dict[str, Any] | None:
+        """Recv the input tensor dictionary.
+        NOTE: `src` is the local rank of the source rank.
+
+        all_gather_group: The group for the all-gather operation. If provided,
+            an optimization is enabled where each rank in the group sends a
+            slice of a tensor and the receiver reconstructs it using an
+            all-gather, which can improve performance. This is typically the
+            tensor-parallel group.
+        all_gather_tensors: A dictionary to specify which tensors should use
+            the all-gather optimization, which is only effective when
+            `all_gather_group` is provided. By default, this optimization is
+            on for any tensor whose size is divisible by the
+            `all_gather_group`'s world size. However, it should be disabled
+            for tensors that are not fully replicated across the group (e.g.,
+            the residual tensor when sequence parallelism is enabled). This
+            dictionary allows overriding the default behavior on a per-tensor
+            basis.
+        """
+        if not dist.is_initialized() or self.world_size == 1:
+            return None
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        self._check_peer("recv_tensor_dict", "src", src, allow_self=False)
+        ag_size = 1 if all_gather_group is None else all_gather_group.world_size
+        ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
+        received: dict[str, Any] = {}
+        for key, value in self.recv_object(src=src):
+            if not isinstance(value, TensorMetadata):
+                received[key] = value
+                continue
+            tensor = self._empty_like_metadata(value)
+            if tensor.numel() == 0:
+                received[key] = tensor
+                continue
+            use_all_gather = self._use_all_gather(key, tensor, all_gather_group, all_gather_tensors)
+            if use_all_gather:
+                assert all_gather_group is not None
+                part = torch.empty_like(tensor.reshape(ag_size, -1)[ag_rank])
+                self._point_to_point(part, src, sending=False)
+                tensor = all_gather_group.all_gather(part, dim=0).reshape(tensor.shape)
+            else:
+                self._point_to_point(tensor, src, sending=False)
+            received[key] = tensor
+        return received
+
+    def barrier(self) -> None:
+        """Barrier synchronization among the group.
+        NOTE: don't use `device_group` here! `barrier` in NCCL is
+        terrible because it is internally a broadcast operation with
+        secretly created GPU tensors. It is easy to mess up the current
+        device. Use the CPU group instead.
+        """
+        dist.barrier(group=self.cpu_group)
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Sends a tensor to the destination rank in a blocking way
+
+        NOTE: `dst` is the local rank of the destination rank (default: the next rank).
+        """
+        self._comm.send(tensor, dst)
+
+    def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
+        """Receives a tensor from the source rank.
+
+        NOTE: `src` is the local rank of the source rank (default: the previous rank).
+        """
+        return self._comm.recv(size, dtype, src)
+
+    def destroy(self) -> None:
+        """Destroy the group's process groups, communicator and message queue (idempotent)."""
+        if hasattr(self, "device_group"):
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.device_group)
+            del self.device_group
+        if hasattr(self, "cpu_group"):
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.cpu_group)
+            del self.cpu_group
+        comm = getattr(self, "_comm", None)
+        if comm is not None:
+            comm.destroy()
+        queue, self.mq_broadcaster = getattr(self, "mq_broadcaster", None), None
+        close = getattr(queue, "close", None)
+        if close is not None:  # release the shared memory now rather than at collection
+            with contextlib.suppress(Exception):
+                close()
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Let the device communicator size its buffers for ``model`` (a no-op without one)."""
+        if self.device_communicator is not None:
+            self.device_communicator.prepare_communication_buffer_for_model(model)
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> tuple[Any, ...]:
+        """Move each rank's tokens to the ranks that need them (expert parallelism).
+
+        Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;
+        unchanged unless the device communicator has an all-to-all manager.
+        """
+        if self.device_communicator is not None:
+            return self.device_communicator.dispatch(
+                hidden_states, router_logits, is_sequence_parallel, extra_tensors
+            )
+        if extra_tensors is not None:
+            return hidden_states, router_logits, extra_tensors
+        return hidden_states, router_logits
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        """Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`)."""
+        if self.device_communicator is not None:
+            return self.device_communicator.combine(hidden_states, is_sequence_parallel)
+        return hidden_states

@@ -1,0 +1,21 @@
+"""The TCPStore behind every group: serving and joining it, bounded waits, deferred deletes."""
+
+from bridge_py.distributed.store.connect import (
+    StoreError,
+    bind_listen_socket,
+    format_address,
+    join_group,
+    open_store,
+    remaining,
+    require_queues,
+)
+
+__all__ = [
+    "StoreError",
+    "bind_listen_socket",
+    "format_address",
+    "join_group",
+    "open_store",
+    "remaining",
+    "require_queues",
+]
