@@ -34,7 +34,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import pickle
 import struct
+from typing import Any
 
 __all__ = [
     "ENV_VAR",
@@ -44,9 +46,11 @@ __all__ = [
     "AuthenticationError",
     "is_tagged",
     "key_required",
+    "open_object",
     "open_payload",
     "refuse_tagged",
     "resolve_key",
+    "seal_object",
     "seal_payload",
     "sign",
     "verify",
@@ -170,6 +174,19 @@ def refuse_tagged(data: bytes | bytearray | memoryview, what: str) -> None:
 def seal_payload(key: bytes | None, context: str, payload: bytes) -> bytes:
     """What to store or send: ``sign(key, context, payload)``, or ``payload`` without a key."""
     return payload if key is None else sign(key, context, payload)
+
+
+def seal_object(key: bytes | None, context: str, obj: Any) -> bytes:
+    """``obj`` pickled (highest protocol) and sealed for ``context`` (:func:`seal_payload`)."""
+    return seal_payload(key, context, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def open_object(
+    key: bytes | None, context: str, data: bytes | bytearray | memoryview, what: str
+) -> Any:
+    """The object :func:`seal_object` sealed in ``data``, unpickled only once its tag is
+    right for ``context`` (with a key); AuthenticationError naming ``what`` otherwise."""
+    return pickle.loads(open_payload(key, context, data, what))
 
 
 def open_payload(

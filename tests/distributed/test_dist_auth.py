@@ -20,7 +20,6 @@ import pytest
 
 from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.device_communicators import shm_serialization
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.spg import keys
 from bridge_py.distributed.spg import p2p as spg_p2p
@@ -245,14 +244,18 @@ def test_store_binds_only_the_given_interface() -> None:
 # --- MessageQueue ---------------------------------------------------------------------------
 
 
-def test_queue_serialization_binds_context() -> None:
-    data = shm_serialization.dumps({"m": 1}, KEY, context="mq/t/0")
-    assert shm_serialization.loads(data, KEY, context="mq/t/0") == {"m": 1}
+def test_sealed_objects_are_bound_to_their_context() -> None:
+    key, other = KEY, OTHER_KEY
+    data = auth.seal_object(key, "mq/t/0", {"m": 1})
+    assert auth.open_object(key, "mq/t/0", data, "a message") == {"m": 1}
     with pytest.raises(AuthenticationError, match="refused a message"):
-        shm_serialization.loads(data, KEY, context="mq/t/1")
+        auth.open_object(key, "mq/t/1", data, "a message")
     with pytest.raises(AuthenticationError):
-        shm_serialization.loads(data, OTHER_KEY, context="mq/t/0")
-    assert shm_serialization.loads(shm_serialization.dumps(3)) == 3  # no key: plain pickle
+        auth.open_object(other, "mq/t/0", data, "a message")
+    plain = auth.seal_object(None, "mq/t/0", 3)
+    assert auth.open_object(None, "mq/t/0", plain, "a message") == 3  # no key: a plain pickle
+    with pytest.raises(AuthenticationError, match="no auth key"):
+        auth.open_object(None, "mq/t/0", data, "a message")  # tagged, and no key to check it
 
 
 def test_queue_refuses_messages_without_the_key(evil) -> None:

@@ -2,7 +2,7 @@
 
 Every place that accepts a key goes through ``auth.resolve_key``; these tests call each of
 them (StatelessProcessGroup.create, its ``auth_key`` setter and constructor, MessageQueue's
-constructor and both of its factories, shm_serialization) with a key other than the
+constructor and both of its factories) with a key other than the
 operator's, and without any key under the require switch (GroupCoordinator, which takes
 its key from the environment only, under the switch). Real stores, queues and gloo groups;
 the worker-level attack is in tests/worker/test_auth_policy.py.
@@ -19,7 +19,6 @@ import pytest
 
 from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.device_communicators import shm_serialization
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from tests.distributed.harness import free_port, run_ranks
 
@@ -64,8 +63,6 @@ def _refusals(writer: MessageQueue) -> dict[str, Callable[[Any], Any]]:
         "create_from_process_group": lambda key: MessageQueue.create_from_process_group(
             served, 4096, 2, auth_key=key
         ),
-        "dumps": lambda key: shm_serialization.dumps("x", key),
-        "loads": lambda key: shm_serialization.loads(shm_serialization.dumps("x", OPERATOR), key),
     }
 
 
@@ -113,8 +110,7 @@ def test_every_entry_point_refuses_a_key_other_than_the_operators(
         with pytest.raises(AuthenticationError) as info:
             _close(attempt(OTHER))
         message = str(info.value)
-        param = "key" if name in ("dumps", "loads") else "auth_key"  # the parameter's name
-        assert f"refused {param}:" in message and auth.ENV_VAR in message, (name, message)
+        assert "refused auth_key:" in message and auth.ENV_VAR in message, (name, message)
         assert OPERATOR not in message and OTHER.decode() not in message, name
     # The operator's key, given explicitly or not at all, is accepted everywhere.
     for name, attempt in refusals.items():

@@ -236,5 +236,5 @@ def test_a_keyed_queue_over_a_torch_group_refuses_an_injected_probe(tmp_path: Pa
     marker = tmp_path / "pwned"
     _, message = run_ranks(_queue_probe_attacked, 2, free_port(), str(marker), timeout=90)
     assert not marker.exists(), "the queue's probe unpickled an injected object"
-    assert message.startswith("AuthenticationError: refused an object from rank 0"), message
+    assert message.startswith("AuthenticationError: refused broadcast 0 from rank 0"), message
     assert "not authenticated" in message, message

@@ -20,12 +20,12 @@ from bridge_py.distributed import (
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
+from bridge_py.distributed.auth import seal_object
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.device_communicators.shm_ring import (
     CHUNK_HEADER_BYTES,
     orphaned_segments,
 )
-from bridge_py.distributed.device_communicators.shm_serialization import dumps
 from tests.distributed.harness import free_port, run_ranks
 
 CHUNK = 4096
@@ -48,7 +48,7 @@ def no_leftover_segments() -> Iterator[None]:
 def _exactly(size: int) -> bytes:
     """A bytes object whose serialized form is exactly ``size`` bytes long."""
     for n in range(size - 64, size):
-        if len(dumps(b"m" * n)) == size:
+        if len(seal_object(None, "", b"m" * n)) == size:
             return b"m" * n
     raise AssertionError(f"no bytes object serializes to {size} bytes")
 

@@ -167,9 +167,7 @@ class GroupCoordinator:
         self.cpu_group = own_cpu_group
         self.device_group = own_device_group
         # Objects between ranks travel on the CPU group, sealed when there is a key.
-        self._objects = ObjectChannel(
-            self.cpu_group, self.ranks, self.rank_in_group, self._auth_key
-        )
+        self._objects = ObjectChannel(self.cpu_group, self._auth_key, ranks=self.ranks)
         self.device = _device_for(str(torch_distributed_backend), local_rank)
 
         # Every collective goes through a communicator. vLLM exposes one only when asked

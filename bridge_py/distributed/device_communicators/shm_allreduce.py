@@ -84,7 +84,7 @@ from bridge_py.distributed.device_communicators.agreement import (
     CollectiveMismatchError,
     Signature,
 )
-from bridge_py.distributed.device_communicators.shm_ring import attach_segment
+from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
@@ -366,9 +366,7 @@ class ShmCollectives:
     ) -> tuple[shared_memory.SharedMemory, bytes]:
         _, size = _layout(world_size, slot_bytes)
         token = secrets.token_bytes(16)
-        shm = shared_memory.SharedMemory(
-            name=NAME_PREFIX + secrets.token_hex(8), create=True, size=size
-        )
+        shm = posix.create(NAME_PREFIX + secrets.token_hex(8), size)
         try:
             fd = getattr(shm, "_fd", -1)
             if fd >= 0 and hasattr(os, "posix_fallocate"):
@@ -391,7 +389,7 @@ class ShmCollectives:
             return None, 0, "rank 0 has no segment"
         try:
             name, token_hex = handle.decode().split(":")
-            shm = attach_segment(name)
+            shm = posix.attach(name)
         except (OSError, ValueError) as exc:
             return None, 0, f"cannot open rank 0's segment (another node?): {exc}"
         try:

@@ -19,7 +19,7 @@ Readers on the writer's node read from a shared-memory ring (:class:`ShmRingBuff
 * :meth:`MessageQueue.close` (and garbage collection, and interpreter exit) unlinks the
   segment; segment names carry a random token; readers never unlink.
 
-Messages are pickled (``shm_serialization.py``): connect only processes that trust each other,
+Messages are pickled (``auth.seal_object``): connect only processes that trust each other,
 or give the writer and every reader the same ``auth_key`` (or ``$VLLM_BRIDGE_AUTH_KEY``): each
 message then carries an HMAC-SHA256 tag bound to the queue's token and the message's number,
 checked before unpickling (``auth.py``), and so does the handle exchanged by
@@ -38,8 +38,7 @@ import socket
 import threading
 from typing import Any
 
-from bridge_py.distributed.auth import AuthKey, resolve_key
-from bridge_py.distributed.device_communicators.shm_group import object_group, same_node_as
+from bridge_py.distributed.auth import AuthKey, open_object, resolve_key, seal_object
 from bridge_py.distributed.device_communicators.shm_remote import (
     KIND_DATA,
     KIND_READY,
@@ -52,7 +51,8 @@ from bridge_py.distributed.device_communicators.shm_ring import (
     SLOT_EMPTY,
     ShmRingBuffer,
 )
-from bridge_py.distributed.device_communicators.shm_serialization import pack, unpack
+from bridge_py.distributed.groups.node import same_node_as
+from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
@@ -368,7 +368,7 @@ class MessageQueue:
         deadline = deadline_after(timeout)
         with self._lock:
             self._flush(deadline)  # a message an earlier timeout interrupted
-            payload = pack(obj, self._auth_key, self._context(self._sent))
+            payload = seal_object(self._auth_key, self._context(self._sent), obj)
             self._sent += 1
             per_chunk = (
                 self.buffer.max_chunk_bytes - CHUNK_HEADER_BYTES if self.buffer is not None else 1
@@ -485,7 +485,7 @@ class MessageQueue:
         seq = self._received
         self._received += 1  # consumed, whether or not it passes the check
         what = f"message {seq} of the queue written on {self.handle.writer_host!r}"
-        return unpack(data, self._auth_key, self._context(seq), what)
+        return open_object(self._auth_key, self._context(seq), data, what)
 
     def _wait_readable(
         self,
@@ -620,7 +620,7 @@ class MessageQueue:
                 # fails with the reason instead of waiting for a handle that never comes.
                 is_handle = isinstance(external_writer_handle, Handle)
                 handle = external_writer_handle if is_handle else None
-            group.broadcast_obj(pack((external, handle), key, context), writer_rank)
+            group.broadcast_obj(seal_object(key, context, (external, handle)), writer_rank)
         else:
             data = group.broadcast_obj(None, writer_rank)
             if not isinstance(data, bytes):
@@ -628,8 +628,8 @@ class MessageQueue:
                     f"expected the serialized queue handle from rank {writer_rank}, got "
                     f"{type(data).__name__}: is the writer running another version?"
                 )
-            external, handle = unpack(
-                data, key, context, f"the queue handle from writer rank {writer_rank}"
+            external, handle = open_object(
+                key, context, data, f"the queue handle from writer rank {writer_rank}"
             )
         if external:
             if handle is None:

@@ -25,8 +25,7 @@ Segment layout (all integers little-endian, regions aligned to 64 bytes)::
 The writer creates the segment (its name is ``vbmq_`` and 12 random hex digits) and alone
 unlinks it: on :meth:`ShmRingBuffer.close`, when garbage-collected, or at interpreter exit;
 a killed writer's segment is removed by multiprocessing's resource tracker. Readers attach
-without registering the segment with their resource tracker (Python < 3.13 would otherwise
-unlink it when the reader exits) and never unlink it.
+through ``shm.posix.attach`` (checked, and never the tracker's) and never unlink it.
 """
 
 from __future__ import annotations
@@ -35,14 +34,12 @@ import contextlib
 import os
 import secrets
 import struct
-import sys
-import threading
 import weakref
 from collections.abc import Iterator
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
-from bridge_py.distributed.shm.files import check_peer_fd
+from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
     fence,
     pid_namespace,
@@ -53,7 +50,6 @@ __all__ = [
     "CHUNK_HEADER_BYTES",
     "NAME_PREFIX",
     "ShmRingBuffer",
-    "attach_segment",
     "orphaned_segments",
 ]
 
@@ -70,43 +66,9 @@ CHUNK_HEADER_BYTES = _CHUNK.size
 
 SLOT_EMPTY, SLOT_ATTACHED, SLOT_DETACHED = 0, 1, 2
 
-_attach_lock = threading.Lock()
-
 
 def _align(offset: int) -> int:
     return (offset + 63) // 64 * 64
-
-
-def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Open an existing segment without handing it to this process's resource tracker.
-
-    The segment was made by another process: it is checked before anything is read from it
-    (``shm_files.check_peer_fd``: this user's regular file, writable by this user only; the
-    C library's ``shm_open`` does not follow links). Raises
-    :class:`~bridge_py.distributed.shm.files.UntrustedFileError` (a PermissionError) naming
-    the file otherwise.
-    """
-    segment = _attach_untracked(name)
-    try:
-        check_peer_fd(segment._fd, f"/dev/shm/{name.lstrip('/')}")  # type: ignore[attr-defined]
-    except BaseException:
-        segment.close()
-        raise
-    return segment
-
-
-def _attach_untracked(name: str) -> shared_memory.SharedMemory:
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)
-    # Before 3.13 attaching always registers the segment, and the tracker would unlink it when
-    # this process exits (python/cpython#82300): skip the registration while attaching.
-    with _attach_lock:
-        register = resource_tracker.register
-        resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
-        try:
-            return shared_memory.SharedMemory(name=name)
-        finally:
-            resource_tracker.register = register  # type: ignore[assignment]
 
 
 def orphaned_segments(directory: str = "/dev/shm") -> list[str]:
@@ -188,7 +150,7 @@ class ShmRingBuffer:
         if name is None:
             self.shared_memory, token = self._create()
         else:
-            self.shared_memory = attach_segment(name)
+            self.shared_memory = posix.attach(name)
             token = self._validate(name)
         self.token = token
         self.name = self.shared_memory.name
@@ -201,11 +163,7 @@ class ShmRingBuffer:
         while True:
             token = secrets.token_bytes(16)
             try:
-                shm = shared_memory.SharedMemory(
-                    name=NAME_PREFIX + token[:6].hex(),
-                    create=True,
-                    size=self.total_bytes_of_buffer,
-                )
+                shm = posix.create(NAME_PREFIX + token[:6].hex(), self.total_bytes_of_buffer)
                 break
             except FileExistsError:  # pragma: no cover - 48 random bits collided
                 continue

@@ -11,56 +11,30 @@ and unlinks the name at once. Removal is idempotent, so on any failure a writer 
 own segment and the reader removes every writer's, whoever is left standing: a rank that dies
 leaves nothing behind once the others have finished.
 
-Python's resource tracker is kept out of it (``track=False`` on 3.13+, an immediate
-unregister before): it would otherwise unlink segments that another process still needs when
-a process exits, and warn about "leaked" segments that the protocol removes itself.
+Python's resource tracker is kept out of it (``shm.posix``, untracked): it would otherwise
+unlink segments that another process still needs when a process exits, and warn about
+"leaked" segments that the protocol removes itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import sys
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from bridge_py.distributed.shm.files import check_peer_fd
+from bridge_py.distributed.shm import posix
 
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
 
 NAME_PREFIX = "bpd"
 _ALIGN = 64
 _LEN_BYTES = 8
-_TRACK_PARAM = sys.version_info >= (3, 13)
 
 
 def segment_name(token: int, rank: int) -> str:
     """The name (without the leading slash) of ``rank``'s segment in the call ``token``."""
     return f"{NAME_PREFIX}{token:016x}r{rank}"
-
-
-def _open(name: str, size: int = 0) -> SharedMemory:
-    """Create (``size > 0``, exclusively) or attach to ``name``, untracked by the tracker."""
-    create = size > 0
-    if _TRACK_PARAM:
-        return SharedMemory(name=name, create=create, size=size, track=False)  # type: ignore[call-arg]
-    shm = SharedMemory(name=name, create=create, size=size)
-    # 3.10-3.12 register every segment, even one only attached to.
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
-
-
-def _unlink(shm: SharedMemory) -> None:
-    """Remove ``shm``'s name; the memory goes when the last mapping of it is closed."""
-    if _TRACK_PARAM:
-        shm.unlink()
-        return
-    # SharedMemory.unlink would unregister the name a second time (the tracker then prints a
-    # KeyError), so call the primitive it uses.
-    from multiprocessing.shared_memory import _posixshmem  # type: ignore[attr-defined]
-
-    _posixshmem.shm_unlink(shm._name)  # type: ignore[attr-defined]
 
 
 def _data_offset(header_len: int) -> int:
@@ -88,7 +62,7 @@ class ShmChannel:
         header = {**header, "nbytes": body_view.nbytes}
         head = json.dumps(header).encode()
         offset = _data_offset(len(head))
-        shm = _open(self.name(rank), offset + body_view.nbytes)
+        shm = posix.create(self.name(rank), offset + body_view.nbytes, tracked=False)
         try:
             buf = shm.buf
             buf[:_LEN_BYTES] = len(head).to_bytes(_LEN_BYTES, "little")
@@ -97,7 +71,7 @@ class ShmChannel:
             del buf
         except BaseException:
             with contextlib.suppress(OSError):
-                _unlink(shm)
+                posix.unlink(shm, tracked=False)
             raise
         finally:
             shm.close()
@@ -111,15 +85,14 @@ class ShmChannel:
         that only this user may write.
         """
         try:
-            shm = _open(self.name(rank))
+            # Made by rank ``rank``: read only if it is this user's, writable by it alone.
+            shm = posix.attach(self.name(rank))
         except FileNotFoundError:
             raise RuntimeError(
                 f"shared-memory segment {self.name(rank)!r} of rank {rank} is missing"
             ) from None
         try:
-            _unlink(shm)
-            # Made by rank ``rank``: read only if it is this user's, writable by it alone.
-            check_peer_fd(shm._fd, f"/dev/shm/{self.name(rank)}")  # type: ignore[attr-defined]
+            posix.unlink(shm, tracked=False)
             return self._read(shm, rank, read_body)
         finally:
             shm.close()
@@ -141,11 +114,11 @@ class ShmChannel:
     def remove(self, rank: int) -> None:
         """Unlink ``rank``'s segment if it still exists (idempotent)."""
         try:
-            shm = _open(self.name(rank))
-        except FileNotFoundError:
-            return
+            shm = posix.attach(self.name(rank))
+        except (FileNotFoundError, PermissionError):
+            return  # gone, or not one of ours to remove
         try:
-            _unlink(shm)
+            posix.unlink(shm, tracked=False)
         except FileNotFoundError:
             pass
         finally:

@@ -1,97 +1,82 @@
-"""``in_the_same_node_as``: which ranks of a group share this node's memory, as vLLM's."""
+"""Which ranks of a group share one node's shared memory: one probe for everything that asks.
+
+The rank asked about creates a small segment holding a random token and tells the others
+its name; every rank tries to open it (``shm.posix.attach``: this user's file only) and
+compares the token; an all-gather tells everyone the answers. GroupCoordinator's
+``in_the_same_node_as`` (vLLM's name and signature), the device communicators and
+``MessageQueue.create_from_process_group`` all ask through :func:`same_node_as`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from multiprocessing import shared_memory
+import secrets
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.auth import resolve_key
-from bridge_py.distributed.device_communicators.shm_ring import attach_segment
-from bridge_py.distributed.groups.objects import ObjectChannel
-from bridge_py.distributed.spg.group import StatelessProcessGroup
+from bridge_py.distributed.groups.objects import ObjectGroup, object_group
+from bridge_py.distributed.shm import posix
 
-__all__ = ["in_the_same_node_as"]
+__all__ = ["in_the_same_node_as", "same_node_as"]
 
-
-def _group_info(pg: ProcessGroup | StatelessProcessGroup) -> tuple[int, int, list[int]]:
-    if isinstance(pg, ProcessGroup):
-        if dist.get_backend(pg) == Backend.NCCL:
-            raise ValueError("in_the_same_node_as should be tested with a non-NCCL group.")
-        return (
-            dist.get_rank(group=pg),
-            dist.get_world_size(group=pg),
-            dist.get_process_group_ranks(pg),
-        )
-    return pg.rank, pg.world_size, list(range(pg.world_size))
+PROBE_PREFIX = "vbprobe_"
 
 
-def in_the_same_node_as(
-    pg: ProcessGroup | StatelessProcessGroup, source_rank: int = 0
-) -> list[bool]:
+def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
+    """For every rank of ``group`` (group ranks), whether it can open shared memory that
+    ``src`` created. A collective: every rank calls it with the same ``src``."""
+    if group.rank == src:
+        token = secrets.token_bytes(16)
+        try:
+            probe = posix.create(PROBE_PREFIX + secrets.token_hex(8), len(token))
+        except OSError:  # no shared memory here: nobody shares it with this rank
+            group.broadcast_obj(None, src)
+            return [bool(x) for x in group.all_gather_obj(True)]
+        try:
+            probe.buf[: len(token)] = token
+            group.broadcast_obj((probe.name, token), src)
+            return [bool(x) for x in group.all_gather_obj(True)]
+        finally:
+            probe.close()
+            with contextlib.suppress(FileNotFoundError):
+                posix.unlink(probe)
+    shared = group.broadcast_obj(None, src)
+    same = False
+    if isinstance(shared, tuple) and len(shared) == 2:
+        name, token = shared
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            segment = posix.attach(str(name))
+            try:
+                same = bytes(segment.buf[: len(token)]) == token
+            finally:
+                segment.close()
+    return [bool(x) for x in group.all_gather_obj(same)]
+
+
+def in_the_same_node_as(pg: ProcessGroup | Any, source_rank: int = 0) -> list[bool]:
     """
     This is a collective operation that returns if each rank is in the same node
     as the source rank. It tests if processes are attached to the same
     memory system (shared access to shared memory).
 
-    ``source_rank`` and the result's indices are ranks of ``pg``.
+    ``pg`` is a gloo ProcessGroup or a StatelessProcessGroup; ``source_rank`` and the
+    result's indices are its ranks.
     """
-    rank, world_size, ranks = _group_info(pg)
-    if not 0 <= source_rank < world_size:
-        raise ValueError(f"source_rank must be in [0, {world_size}), got {source_rank}")
-    flags = torch.zeros(world_size, dtype=torch.int32)
-    magic = b"magic_message"
-    shm: shared_memory.SharedMemory | None = None
+    if isinstance(pg, ProcessGroup) and _backend(pg) == Backend.NCCL:
+        raise ValueError("in_the_same_node_as should be tested with a non-NCCL group.")
+    # Over a torch group the probe's name travels sealed with the operator's key; a
+    # StatelessProcessGroup seals with its own.
+    group = object_group(pg, resolve_key(None), purpose="same_node")
+    if not 0 <= source_rank < group.world_size:
+        raise ValueError(f"source_rank must be in [0, {group.world_size}), got {source_rank}")
+    return same_node_as(group, source_rank)
 
-    # The probe's name travels like any object (sealed with the operator's key); a
-    # StatelessProcessGroup uses its own key.
-    channel = (
-        ObjectChannel(pg, ranks, rank, resolve_key(None), "same_node")
-        if isinstance(pg, ProcessGroup)
-        else None
-    )
 
-    def share(name: str | None) -> str | None:
-        if channel is not None:
-            result: str | None = channel.broadcast(name, source_rank)
-            return result
-        return pg.broadcast_obj(name, src=source_rank)
-
+def _backend(pg: ProcessGroup) -> str:
     try:
-        if rank == source_rank:
-            try:
-                shm = shared_memory.SharedMemory(create=True, size=128)
-                shm.buf[: len(magic)] = magic
-                name = shm.name
-            except OSError:
-                name = None
-            share(name)
-            flags[rank] = 1
-        else:
-            name = share(None)
-            if name is not None:
-                with contextlib.suppress(OSError):
-                    shm = attach_segment(name)  # checked: this user's file only
-                    if bytes(shm.buf[: len(magic)]) == magic:
-                        flags[rank] = 1
-    finally:
-        if shm is not None:
-            shm.close()
-    if isinstance(pg, ProcessGroup):
-        dist.barrier(group=pg)
-    else:
-        pg.barrier()
-    if rank == source_rank and shm is not None:
-        with contextlib.suppress(OSError):
-            shm.unlink()
-    if isinstance(pg, ProcessGroup):
-        dist.all_reduce(flags, group=pg)
-        total = flags
-    else:
-        total = torch.zeros_like(flags)
-        for i in range(world_size):
-            total += pg.broadcast_obj(flags, src=i)
-    return [bool(x == 1) for x in total.tolist()]
+        return str(dist.get_backend(pg))
+    except (RuntimeError, ValueError):  # a group unknown to torch's global state
+        return str(pg.name())

@@ -1,87 +1,131 @@
-"""Objects between the ranks of a torch CPU (gloo) group: GroupCoordinator's object paths.
+"""Objects between the ranks of a torch CPU (gloo) group, sealed when there is an auth key.
 
 torch's object collectives (``broadcast_object_list``, ``gather_object``, ...) unpickle
 whatever arrives on the group's connections, and gloo has no authentication. An
 :class:`ObjectChannel` sends each object as its size, then its bytes (two plain tensor
 operations, which unpickle nothing), as torch's do, and with an auth key seals the bytes
-(:func:`~bridge_py.distributed.auth.seal_payload`) and checks them before ``pickle.loads``
-(:func:`~bridge_py.distributed.auth.open_payload`). Without a key the bytes are plain
-pickles, as in vLLM; a tagged value then is refused rather than unpickled as garbage.
+(:func:`~bridge_py.distributed.auth.seal_object`), checked before they are unpickled. Without
+a key they are plain pickles, as in vLLM (a tagged value is then refused rather than
+unpickled as garbage). It is what GroupCoordinator's object paths, the same-node probe and
+``MessageQueue.create_from_process_group`` use.
 
-Each tag is bound to a context naming the group (torch's group name, which every rank of a
-torch group shares, and its global ranks), what the channel is for, the operation, the
-sender, the receiver or root, and a sequence number per operation kind (broadcasts and
-gathers: one counter that every rank of the group advances; point to point: one per pair and
-direction). A value replayed from another group, operation, peer or position, or reordered,
-fails its check: AuthenticationError naming what was refused, and nothing unpickled. Sizes
-are not authenticated (a forged one can only make the exchange fail).
+It calls the group's own methods (``pg.broadcast``, ``pg.send``, ...), with group ranks, so
+groups unknown to torch's global state (``stateless_init_torch_distributed_process_group``)
+work too.
+
+Each tag is bound to a context naming the group (torch's group name and the ranks the
+caller gives), what the channel is for, the operation, the sender, the receiver or root, and
+a sequence number per operation kind (collectives: one counter that every rank of the group
+advances; point to point: one per pair and direction). A value replayed from another group,
+operation, peer or position, or reordered, fails its check: AuthenticationError naming what
+was refused, and nothing unpickled. Sizes are not authenticated (a forged one can only make
+the exchange fail).
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
+from torch.distributed import GatherOptions, ProcessGroup
 
-from bridge_py.distributed.auth import open_payload, seal_payload
+from bridge_py.distributed.auth import open_object, seal_object
 
-__all__ = ["ObjectChannel"]
+__all__ = ["ObjectChannel", "ObjectGroup", "object_group"]
+
+
+class ObjectGroup(Protocol):
+    """Object collectives under StatelessProcessGroup's names: its size, our rank, two calls.
+
+    A StatelessProcessGroup is one; so is an :class:`ObjectChannel`.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast_obj(self, obj: Any | None, src: int) -> Any: ...
+
+    def all_gather_obj(self, obj: Any) -> list[Any]: ...
 
 
 class ObjectChannel:
-    """Objects over one torch CPU group, sealed when there is a key (see the module docstring).
+    """Objects over one torch CPU group (see the module docstring); group ranks throughout.
 
-    ``ranks`` are the group's global ranks in group order, ``rank_in_group`` this rank's
-    index in them; every method takes group ranks. ``purpose`` names what the channel
-    carries, so that two channels on one group never accept each other's values.
+    ``ranks`` (default: the group ranks) and ``purpose`` go into every tag, so that two
+    channels on one group, or on groups of other ranks, never accept each other's values.
     """
 
     def __init__(
         self,
         group: ProcessGroup,
-        ranks: Sequence[int],
-        rank_in_group: int,
         key: bytes | None,
+        *,
+        ranks: Sequence[int] | None = None,
         purpose: str = "objects",
     ) -> None:
         self._group = group
-        self._ranks = list(ranks)
-        self._me = rank_in_group
         self._key = key
+        self.rank = group.rank()
+        self.world_size = group.size()
+        members = range(self.world_size) if ranks is None else ranks
         name = getattr(group, "group_name", "")
-        self._prefix = f"gc/{name}/{','.join(map(str, self._ranks))}/{purpose}"
-        self._broadcasts = 0
-        self._gathers = 0
-        self._sent = [0] * len(self._ranks)
-        self._received = [0] * len(self._ranks)
+        self._prefix = f"gc/{name}/{','.join(map(str, members))}/{purpose}"
+        self._collectives = 0
+        self._sent = [0] * self.world_size
+        self._received = [0] * self.world_size
 
-    # --- broadcast ---
+    # --- collectives ---
 
     def broadcast(self, obj: Any, src: int) -> Any:
         """``obj`` on ``src``; on the other ranks, ``src``'s object, checked and unpickled."""
-        seq = self._broadcasts
-        self._broadcasts = seq + 1
+        seq = self._next()
         context = f"{self._prefix}/bcast/{src}/{seq}"
-        if self._me == src:
-            self._broadcast_bytes(self._seal(obj, context), src)
+        if self.rank == src:
+            data = seal_object(self._key, context, obj)
+            self._broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
+            self._broadcast(_tensor(data), src)
             return obj
-        data = self._broadcast_bytes(None, src)
-        return self._open(data, context, f"broadcast {seq} from rank {src}")
-
-    def _broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        root = self._ranks[src]
-        size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=root, group=self._group)
-        if data is not None:
-            dist.broadcast(_tensor(data), src=root, group=self._group)
-            return data
+        size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size, src)
         buffer = torch.empty(self._size(size, f"broadcast from rank {src}"), dtype=torch.uint8)
-        dist.broadcast(buffer, src=root, group=self._group)
-        return buffer.numpy().tobytes()
+        self._broadcast(buffer, src)
+        return self._open(buffer, context, f"broadcast {seq} from rank {src}")
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's object, in group rank order."""
+        context = f"{self._prefix}/all_gather/{self._next()}"
+        parts, lengths = self._exchange(seal_object(self._key, f"{context}/{self.rank}", obj))
+        return [
+            obj
+            if r == self.rank
+            else self._open(parts[r][: lengths[r]], f"{context}/{r}", f"the value of rank {r}")
+            for r in range(self.world_size)
+        ]
+
+    def gather(self, obj: Any, dst: int) -> list[Any] | None:
+        """Every rank's object on group rank ``dst`` (in group order), None elsewhere."""
+        context = f"{self._prefix}/gather/{dst}/{self._next()}"
+        data = seal_object(self._key, f"{context}/{self.rank}", obj)
+        sizes = self._all_gather([torch.tensor([len(data)], dtype=torch.int64)])
+        lengths = [self._size(size, f"gather from rank {r}") for r, size in enumerate(sizes)]
+        mine = _padded(data, max(lengths))
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        options = GatherOptions()
+        options.rootRank = dst
+        outputs = [parts] if self.rank == dst else []
+        self._group.gather(outputs, [mine], options).wait()
+        if self.rank != dst:
+            return None
+        return [
+            obj
+            if r == self.rank
+            else self._open(parts[r][: lengths[r]], f"{context}/{r}", f"the value of rank {r}")
+            for r in range(self.world_size)
+        ]
 
     # --- point to point ---
 
@@ -89,62 +133,55 @@ class ObjectChannel:
         """Send ``obj`` to group rank ``dst`` (its size, then its sealed bytes)."""
         seq = self._sent[dst]
         self._sent[dst] = seq + 1
-        data = self._seal(obj, f"{self._prefix}/p2p/{self._me}/{dst}/{seq}")
-        peer = self._ranks[dst]
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=peer, group=self._group)
-        dist.send(_tensor(data), dst=peer, group=self._group)
+        data = seal_object(self._key, f"{self._prefix}/p2p/{self.rank}/{dst}/{seq}", obj)
+        self._group.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0).wait()
+        self._group.send([_tensor(data)], dst, 0).wait()
 
     def recv(self, src: int) -> Any:
         """The next object from group rank ``src``, checked and unpickled."""
         seq = self._received[src]
         self._received[src] = seq + 1  # consumed, whether or not it passes the check
-        peer = self._ranks[src]
         size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src=peer, group=self._group)
+        self._group.recv([size], src, 0).wait()
         buffer = torch.empty(self._size(size, f"object from rank {src}"), dtype=torch.uint8)
-        dist.recv(buffer, src=peer, group=self._group)
-        context = f"{self._prefix}/p2p/{src}/{self._me}/{seq}"
-        return self._open(buffer.numpy().tobytes(), context, f"object {seq} from rank {src}")
+        self._group.recv([buffer], src, 0).wait()
+        context = f"{self._prefix}/p2p/{src}/{self.rank}/{seq}"
+        return self._open(buffer, context, f"object {seq} from rank {src}")
 
-    # --- gather ---
+    # --- ObjectGroup's names ---
 
-    def gather(self, obj: Any, dst: int) -> list[Any] | None:
-        """Every rank's object on group rank ``dst`` (in group order), None elsewhere."""
-        seq = self._gathers
-        self._gathers = seq + 1
-        context = f"{self._prefix}/gather/{dst}/{seq}"
-        data = self._seal(obj, f"{context}/{self._me}")
-        world = len(self._ranks)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        mine_size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.all_gather(sizes, mine_size, group=self._group)
-        lengths = [self._size(sizes[r], f"gather from rank {r}") for r in range(world)]
-        longest = max(lengths)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = _tensor(data)
-        root = self._ranks[dst]
-        if self._me != dst:
-            dist.gather(mine, None, dst=root, group=self._group)
-            return None
-        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        dist.gather(mine, parts, dst=root, group=self._group)
-        result = []
-        for r, part in enumerate(parts):
-            if r == self._me:
-                result.append(obj)
-                continue
-            raw = part[: lengths[r]].numpy().tobytes()
-            result.append(self._open(raw, f"{context}/{r}", f"gather {seq} value of rank {r}"))
-        return result
+    def broadcast_obj(self, obj: Any | None, src: int) -> Any:
+        """:meth:`broadcast` (StatelessProcessGroup's name)."""
+        return self.broadcast(obj, src)
 
-    # --- sealing ---
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        """:meth:`all_gather` (StatelessProcessGroup's name)."""
+        return self.all_gather(obj)
 
-    def _seal(self, obj: Any, context: str) -> bytes:
-        return seal_payload(self._key, context, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    # --- plumbing ---
 
-    def _open(self, data: bytes, context: str, what: str) -> Any:
+    def _next(self) -> int:
+        seq = self._collectives
+        self._collectives = seq + 1
+        return seq
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._group.broadcast(tensor, src).wait()
+
+    def _all_gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = [torch.empty_like(inputs[0]) for _ in range(self.world_size)]
+        self._group.allgather([outputs], inputs).wait()
+        return outputs
+
+    def _exchange(self, data: bytes) -> tuple[list[torch.Tensor], list[int]]:
+        """Every rank's bytes (padded to the longest) and their lengths."""
+        sizes = self._all_gather([torch.tensor([len(data)], dtype=torch.int64)])
+        lengths = [self._size(size, f"all_gather from rank {r}") for r, size in enumerate(sizes)]
+        return self._all_gather([_padded(data, max(lengths))]), lengths
+
+    def _open(self, data: torch.Tensor, context: str, what: str) -> Any:
         """The object in ``data``, unpickled only once its tag is right for ``context``."""
-        return pickle.loads(open_payload(self._key, context, data, f"the {what} on {self._prefix}"))
+        return open_object(self._key, context, data.numpy().tobytes(), f"{what} on {self._prefix}")
 
     def _size(self, size: torch.Tensor, what: str) -> int:
         value = int(size.item())
@@ -156,5 +193,29 @@ class ObjectChannel:
         return value
 
 
+def object_group(pg: Any, key: bytes | None = None, *, purpose: str = "objects") -> ObjectGroup:
+    """``pg`` as an :class:`ObjectGroup`: a StatelessProcessGroup (or anything with its
+    ``rank``, ``world_size``, ``broadcast_obj`` and ``all_gather_obj``) as it is, a torch
+    ProcessGroup through an :class:`ObjectChannel` sealed with ``key``, a GroupCoordinator
+    through its CPU group. TypeError for anything else."""
+    if hasattr(pg, "cpu_group"):
+        return object_group(pg.cpu_group, key, purpose=purpose)
+    if isinstance(pg, ProcessGroup):
+        return ObjectChannel(pg, key, purpose=purpose)
+    if all(hasattr(pg, name) for name in ("rank", "world_size", "broadcast_obj", "all_gather_obj")):
+        group: ObjectGroup = pg
+        return group
+    raise TypeError(
+        "expected a StatelessProcessGroup, a torch ProcessGroup or an object with a "
+        f"cpu_group, got {type(pg).__name__}"
+    )
+
+
 def _tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _padded(data: bytes, length: int) -> torch.Tensor:
+    out = torch.zeros(length, dtype=torch.uint8)
+    out[: len(data)] = _tensor(data)
+    return out

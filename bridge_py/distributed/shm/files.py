@@ -25,7 +25,9 @@ import errno
 import os
 import stat
 
-__all__ = ["UntrustedFileError", "check_peer_fd", "open_peer_file"]
+__all__ = ["SHM_DIR", "UntrustedFileError", "check_peer_fd", "open_peer_file"]
+
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 
 _SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
 

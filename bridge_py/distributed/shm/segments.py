@@ -46,6 +46,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from bridge_py.distributed.shm.files import SHM_DIR
 from bridge_py.distributed.shm.wait import pid_namespace, process_alive
 
 __all__ = [
@@ -65,7 +66,6 @@ __all__ = [
     "write_mark",
 ]
 
-SHM_DIR = "/dev/shm"
 NAME_PREFIX = "vbspg_"
 NAME_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_[0-9]+\Z")
 POOL_SIZE = 4

@@ -364,11 +364,12 @@ defmodule Vllm.Distributed do
   as the source rank. It tests if processes are attached to the same
   memory system (shared access to shared memory).
 
-  ``source_rank`` and the result's indices are ranks of ``pg``.
+  ``pg`` is a gloo ProcessGroup or a StatelessProcessGroup; ``source_rank`` and the
+  result's indices are its ranks.
 
   ## Parameters
 
-    * `pg` (`VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t()`)
+    * `pg` (`term()`)
     * `source_rank` (`integer()`, default: `0`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -377,11 +378,8 @@ defmodule Vllm.Distributed do
 
     * `[boolean()]`
   """
-  @spec in_the_same_node_as(
-          VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t(),
-          [term()],
-          keyword()
-        ) :: {:ok, [boolean()]} | {:error, VllmBridge.Error.t()}
+  @spec in_the_same_node_as(term(), [term()], keyword()) ::
+          {:ok, [boolean()]} | {:error, VllmBridge.Error.t()}
   def in_the_same_node_as(pg, args, opts \\ []) do
     VllmBridge.Runtime.call_function("in_the_same_node_as", [pg], [{:__args__, args} | opts])
   end

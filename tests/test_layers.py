@@ -1,0 +1,67 @@
+"""The layers of bridge_py/distributed: imports flow one way, from a layer to those below.
+
+Every import of the package, also one inside a function, is checked against the order
+below (docs/architecture.md draws it). A module may import from its own layer and from
+lower ones; an upward import, or one that names a module nobody has placed, fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bridge_py" / "distributed"
+
+# Lowest first. Each entry is a folder or a module of bridge_py/distributed.
+LAYERS: list[set[str]] = [
+    {"auth", "errors"},
+    {"shm", "store"},
+    {"spg"},
+    {"groups"},
+    {"device_communicators"},
+    {"coordinator"},
+    {"parallel_state", "communication_op", "utils"},
+    {"distribute"},
+    {"__init__"},
+]
+
+
+def _layer(part: str) -> int:
+    for index, members in enumerate(LAYERS):
+        if part in members:
+            return index
+    raise AssertionError(f"bridge_py.distributed.{part} is in no layer: add it to LAYERS")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, top-level part)`` of every ``bridge_py.distributed`` import in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "bridge_py.distributed":
+                names = [f"bridge_py.distributed.{alias.name}" for alias in node.names]
+            else:
+                names = [node.module]
+        for name in names:
+            if name.startswith("bridge_py.distributed."):
+                found.append((node.lineno, name.split(".")[2]))
+    return found
+
+
+def test_imports_flow_down_the_layers() -> None:
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        own = relative.parts[0].removesuffix(".py")
+        for line, part in _imports(path):
+            if _layer(part) > _layer(own):
+                upward.append(f"{relative}:{line} imports {part} (a higher layer than {own})")
+    assert not upward, "\n".join(upward)
+
+
+def test_at_most_twelve_modules_directly_in_the_package() -> None:
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= 12, modules
