@@ -184,7 +184,7 @@ def inline(text: str, resolve: Resolver = _no_resolver) -> str:
 
 
 def _fence(lines: list[str], language: str = "") -> list[str]:
-    body = textwrap.dedent("\n".join(lines)).splitlines()
+    body = textwrap.dedent("\n".join(lines)).strip("\n").splitlines()
     fence = "```"
     while any(line.lstrip().startswith(fence) for line in body):
         fence += "`"
