@@ -64,7 +64,10 @@ class Board:
     """A board."""
 
     def post(self, value: int) -> None:
-        """Post ``value``."""
+        """Post ``value``.
+
+        It goes in a slot of the shared-memory board.
+        """
 
 
 @dataclass

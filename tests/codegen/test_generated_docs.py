@@ -140,3 +140,17 @@ def test_a_docstring_without_a_markdown_rendering_fails_generation_naming_it() -
         DocstringError, match=r"Sample\.Bad\.f: the directive '\.\. autofunction::'"
     ):
         build(bad)
+
+
+def test_the_audit_points_at_the_python_docstring_lines() -> None:
+    from bridge_py.codegen.audit import findings
+
+    found = findings(build(sample_table()))
+    source = (ROOT / "tests" / "codegen" / "sample_docs.py").read_text().splitlines()
+    post = [f for f in found if f.member == "Sample.Docs.Board.post/3"]
+    assert len(post) == 1 and post[0].labels == ("board", "slot or ring")
+    path, line = post[0].where.split(":")
+    assert path == "tests/codegen/sample_docs.py"
+    assert source[int(line) - 1].strip() == "It goes in a slot of the shared-memory board."
+    # Implementation paragraphs never reach the Elixir docs, so they are not reported.
+    assert not [f for f in found if f.member.startswith("Sample.Docs.Queue")]
