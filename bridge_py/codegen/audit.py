@@ -140,8 +140,9 @@ def findings(modules: list[Module]) -> list[Finding]:
         out += _located(module.name, origin, raw, module.moduledoc)
         for fn in module.functions:
             member = f"{module.name}.{fn.name}/{fn.arity}"
-            obj = _documented(fn.origin, cls, fn.python_name)
-            out += _located(member, obj, inspect.getdoc(obj) or "", _markdown(fn))
+            obj = _documented(fn.origin, cls, fn.python_name) if fn.python_doc else None
+            raw = inspect.getdoc(obj) or "" if obj is not None else ""
+            out += _located(member, obj, raw, _markdown(fn))
     return out
 
 

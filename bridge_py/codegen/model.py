@@ -289,7 +289,7 @@ def _class_module(entry: ExportedClass, exported: dict[type, str]) -> Module:
             spec = typespec(class_hints.get(name, Any), exported)
             doc, fallback = "", f"The `{name}` field of a `{entry.name}`."
         module.functions.append(
-            Function(name, "getter", name, [], spec, doc, fallback, origin=member)
+            Function(name, "getter", name, [], spec, doc, fallback, origin=member if doc else None)
         )
     return module
 
