@@ -3,6 +3,15 @@
 ``python -m bridge_py.codegen`` regenerates ``elixir/lib/vllm/**``; ``--check`` exits
 non-zero when the checked-in files differ from a fresh generation. Layers:
 ``model`` (the export table and Python signatures -> plain descriptions of Elixir
-functions), ``typespecs`` (annotations -> typespecs), ``render`` (descriptions ->
-Elixir source), ``__main__`` (files, formatting, the check).
+functions), ``typespecs`` (annotations -> typespecs), ``docstrings`` (the Python
+docstrings' reST-ish dialect -> ExDoc Markdown), ``references`` (Python names in
+docstrings -> the Elixir modules and functions generated for them), ``render``
+(descriptions -> Elixir source), ``__main__`` (files, formatting, the check).
+``python -m bridge_py.codegen.audit`` (``audit``) reports the generated docs that
+still mention implementation details, by Python docstring line.
+
+Docstrings say what a function does and promises; how it does it is for comments
+and docs/architecture.md. The one convention for notes that must stay in a
+docstring: a paragraph that begins with ``Implementation:`` (with any more indented
+lines after it) is left out of the Elixir docs.
 """

@@ -26,14 +26,23 @@ def _heredoc(text: str) -> str:
     return f'~S"""\n{body}\n"""'
 
 
+def _item(head: str, text: str | None) -> str:
+    """A list item: ``head``, then ``text`` (Markdown) after a dash, indented under it."""
+    if not text:
+        return head
+    lines = text.split("\n")
+    body = "\n".join(f"    {line}" if line else "" for line in lines[1:])
+    return f"{head} - {lines[0]}" + (f"\n{body}" if body else "")
+
+
 def _param_line(p: Param, position: int | None) -> str:
-    default = f", default: `{p.default}`" if p.default is not None else ""
+    default = f", default: {p.default}" if p.default is not None else ""
     where = {
         "positional": "",
         "args": f" (in `args`, position {position})",
         "opts": f" (keyword option `{p.name}:`)",
     }[p.where]
-    return f"  * `{p.name}` (`{p.spec}`{default}){where}"
+    return _item(f"  * `{p.name}` (`{p.spec}`{default}){where}", p.doc)
 
 
 def _doc(fn: Function) -> str:
@@ -56,7 +65,13 @@ def _doc(fn: Function) -> str:
             "`opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, "
             "timeout:, session:]` (see `VllmBridge.Runtime`)."
         )
-    parts.append(f"## Returns\n\n  * `{fn.returns}`")
+    parts.append("## Returns\n\n" + _item(f"  * `{fn.returns}`", fn.returns_doc))
+    if fn.errors:
+        items = "\n".join(_item(f"  * `{name}`", text) for name, text in fn.errors)
+        parts.append(
+            "## Errors\n\nPython exceptions come back as `{:error, %VllmBridge.Error{}}` "
+            "with category `:python` and `python_type` the exception's name:\n\n" + items
+        )
     return "\n\n".join(parts)
 
 

@@ -5,19 +5,19 @@ defmodule Vllm.Distributed do
   @moduledoc ~S"""
   vLLM's distributed primitives, without vLLM (and ModelOpt's cross-rank gathers).
 
-  * ``StatelessProcessGroup`` exchanges picklable metadata between ranks through a
-    TCPStore; ``stateless_init_torch_distributed_process_group`` builds a real torch
+  * `StatelessProcessGroup` exchanges picklable metadata between ranks through a
+    TCPStore; `stateless_init_torch_distributed_process_group` builds a real torch
     ProcessGroup (gloo on CPU, nccl on CUDA) without touching torch.distributed's global
     state.
-  * ``GroupCoordinator`` and the ``parallel_state`` functions (``init_distributed_environment``,
-    ``initialize_model_parallel``, ``get_tp_group`` ...) run a model's collectives on
-    torch.distributed, through the device communicators; ``MessageQueue`` broadcasts
+  * `GroupCoordinator` and the `parallel_state` functions (`init_distributed_environment`,
+    `initialize_model_parallel`, `get_tp_group` ...) run a model's collectives on
+    torch.distributed, through the device communicators; `MessageQueue` broadcasts
     objects through shared memory.
-  * ``NFSWorkspace``, ``get_configs_parallel`` and ``get_tensors_parallel`` gather configs
+  * `NFSWorkspace`, `get_configs_parallel` and `get_tensors_parallel` gather configs
     and tensors on one rank, through shared memory or a shared directory.
 
-  Names, signatures and behaviour follow vLLM (``vllm.distributed``) and ModelOpt
-  (``modelopt.torch.export.distribute``); the module docstrings say where they do better.
+  Names, signatures and behaviour follow vLLM (`vllm.distributed`) and ModelOpt
+  (`modelopt.torch.export.distribute`); the module docstrings say where they do better.
   """
 
   @doc ~S"""
@@ -26,7 +26,7 @@ defmodule Vllm.Distributed do
 
   ## Parameters
 
-    * `tensor_dict` (`%{optional(term()) => term()} | nil`, default: `None`) (in `args`, position 0)
+    * `tensor_dict` (`%{optional(term()) => term()} | nil`, default: `nil`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -44,7 +44,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Destroy the world group and torch.distributed's default group.
 
-  Afterwards :func:`init_distributed_environment` may be called again.
+  Afterwards `init_distributed_environment/2` may be called again.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -95,7 +95,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Ensure that numerator is divisible by the denominator.
 
-  Raises ValueError (vLLM asserts) so that the check survives ``python -O``.
+  Raises ValueError (vLLM asserts) so that the check survives `python -O`.
 
   ## Parameters
 
@@ -123,7 +123,7 @@ defmodule Vllm.Distributed do
 
     * `tensor_model_parallel_size` (`integer()`)
     * `pipeline_model_parallel_size` (`integer()`)
-    * `backend` (`String.t() | nil`, default: `None`) (in `args`, position 0)
+    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -150,16 +150,16 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Gathers the layer config across distributed processes using shm or NFS.
 
-  :func:`get_configs_parallel` as a plain call: returns the list it yields (the configs of
-  all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+  `get_configs_parallel/5` as a plain call: returns the list it yields (the configs of
+  all `ranks` on the first of them, `[]` elsewhere) once every resource is released.
 
   ## Parameters
 
     * `config` (`term()`)
     * `ranks` (`[integer()]`)
     * `group` (`term()`)
-    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (in `args`, position 0)
-    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (in `args`, position 0)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -176,7 +176,7 @@ defmodule Vllm.Distributed do
   end
 
   @doc ~S"""
-  ``tcp://ip:port`` (IPv6 addresses in brackets), for ``distributed_init_method``.
+  `tcp://ip:port` (IPv6 addresses in brackets), for `distributed_init_method`.
 
   ## Parameters
 
@@ -246,8 +246,8 @@ defmodule Vllm.Distributed do
   If the number of layers is not divisible by the number of partitions, the remaining
   layers are spread one each over the partitions just before the last one (the last
   partition often holds an extra norm layer, so it is spared). The environment variable
-  ``VLLM_PP_LAYER_PARTITION`` ("4,4,5,3") overrides the split, as in vLLM. Returns the
-  half-open range ``(start_layer, end_layer)`` of ``pp_rank``.
+  `VLLM_PP_LAYER_PARTITION` ("4,4,5,3") overrides the split, as in vLLM. Returns the
+  half-open range `(start_layer, end_layer)` of `pp_rank`.
 
   ## Parameters
 
@@ -304,16 +304,16 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Gathers the tensors across distributed processes using shm.
 
-  :func:`get_tensors_parallel` as a plain call: returns the list it yields (the tensors of
-  all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+  `get_tensors_parallel/4` as a plain call: returns the list it yields (the tensors of
+  all `ranks` on the first of them, `[]` elsewhere) once every resource is released.
   Every tensor is a copy: none points into shared memory or aliases the caller's tensor.
 
   ## Parameters
 
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `ranks` (`[integer()]`)
-    * `group` (`term()`, default: `None`) (in `args`, position 0)
-    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+    * `group` (`term()`, default: `nil`) (in `args`, position 0)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -345,7 +345,7 @@ defmodule Vllm.Distributed do
   end
 
   @doc ~S"""
-  The group of every process (after :func:`init_distributed_environment`).
+  The group of every process (after `init_distributed_environment/2`).
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -364,7 +364,7 @@ defmodule Vllm.Distributed do
   as the source rank. It tests if processes are attached to the same
   memory system (shared access to shared memory).
 
-  ``pg`` is a gloo ProcessGroup or a StatelessProcessGroup; ``source_rank`` and the
+  `pg` is a gloo ProcessGroup or a StatelessProcessGroup; `source_rank` and the
   result's indices are its ranks.
 
   ## Parameters
@@ -387,18 +387,18 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Initialize torch.distributed's default group (if needed) and the world group.
 
-  ``backend`` falls back to gloo when NCCL or CUDA is unavailable, as in vLLM, so the
-  default works on CPU machines. ``local_rank=-1`` means ``LOCAL_RANK`` from the
-  environment with ``env://``, else ``rank``.
+  `backend` falls back to gloo when NCCL or CUDA is unavailable, as in vLLM, so the
+  default works on CPU machines. `local_rank=-1` means `LOCAL_RANK` from the
+  environment with `env://`, else `rank`.
 
   ## Parameters
 
     * `world_size` (`integer()`, default: `-1`) (in `args`, position 0)
     * `rank` (`integer()`, default: `-1`) (in `args`, position 1)
-    * `distributed_init_method` (`String.t()`, default: `'env://'`) (in `args`, position 2)
+    * `distributed_init_method` (`String.t()`, default: `"env://"`) (in `args`, position 2)
     * `local_rank` (`integer()`, default: `-1`) (in `args`, position 3)
-    * `backend` (`String.t()`, default: `'nccl'`) (in `args`, position 4)
-    * `timeout` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 5)
+    * `backend` (`String.t()`, default: `"nccl"`) (in `args`, position 4)
+    * `timeout` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 5)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -417,26 +417,20 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Initialize model parallel groups.
 
-  Arguments:
-      tensor_model_parallel_size: number of GPUs used for tensor model
-          parallelism.
-      pipeline_model_parallel_size: number of GPUs used for pipeline model
-          parallelism.
-      backend: name of torch distributed communication backend (default: the world
-          group's).
-      data_parallel_size: number of data parallel replicas that run together (vLLM
-          reads it from its config).
-
   The ranks are laid out as ExternalDP x DP x PP x TP (TP fastest). With 8 ranks, TP 2
   and PP 4: TP groups [0, 1], [2, 3], [4, 5], [6, 7]; PP groups [0, 2, 4, 6],
   [1, 3, 5, 7]. The expert parallel group of a rank spans DP x TP at its pipeline stage.
 
   ## Parameters
 
-    * `tensor_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 0)
-    * `pipeline_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 1)
-    * `backend` (`String.t() | nil`, default: `None`) (in `args`, position 2)
-    * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
+    * `tensor_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 0) - number of GPUs used for tensor model
+      parallelism.
+    * `pipeline_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 1) - number of GPUs used for pipeline model
+      parallelism.
+    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 2) - name of torch distributed communication backend (default: the world
+      group's).
+    * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`) - number of data parallel replicas that run together (vLLM
+      reads it from its config).
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -468,26 +462,18 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Split a tensor along its last dimension.
 
-  Arguments:
-      tensor: input tensor.
-      num_partitions: number of partitions to split the tensor
-      contiguous_split_chunks: If True, make each chunk contiguous
-                               in memory.
-
-  Returns:
-      A list of Tensors (views of ``tensor`` unless ``contiguous_split_chunks``).
-
   ## Parameters
 
-    * `tensor` (`VllmBridge.Tensor.t()`)
-    * `num_partitions` (`integer()`)
-    * `contiguous_split_chunks` (`boolean()`, default: `False`) (in `args`, position 0)
+    * `tensor` (`VllmBridge.Tensor.t()`) - input tensor.
+    * `num_partitions` (`integer()`) - number of partitions to split the tensor
+    * `contiguous_split_chunks` (`boolean()`, default: `false`) (in `args`, position 0) - If True, make each chunk contiguous
+      in memory.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `[VllmBridge.Tensor.t()]`
+    * `[VllmBridge.Tensor.t()]` - A list of Tensors (views of `tensor` unless `contiguous_split_chunks`).
   """
   @spec split_tensor_along_last_dim(VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
           {:ok, [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
@@ -502,7 +488,7 @@ defmodule Vllm.Distributed do
   stateless_init_torch_distributed_process_group().
 
   Shuts its backend down; the store (rank 0: its server) goes when the last reference to
-  ``pg`` does.
+  `pg` does.
 
   ## Parameters
 
@@ -529,12 +515,12 @@ defmodule Vllm.Distributed do
   pollute the global state.
 
   The created ProcessGroup object can be used for operations called on it, such as
-  ``pg.allreduce([tensor]).wait()``, with ranks of this group. Rank 0 serves the group's
-  store on ``host:port`` (or on ``listen_socket``, already bound); every rank returns once
-  all ``world_size`` ranks have joined, or raises ``StoreError`` (a RuntimeError) saying
-  why not. ``timeout`` (a timedelta or seconds; torch's default for the backend when None)
+  `pg.allreduce([tensor]).wait()`, with ranks of this group. Rank 0 serves the group's
+  store on `host:port` (or on `listen_socket`, already bound); every rank returns once
+  all `world_size` ranks have joined, or raises `StoreError` (a RuntimeError) saying
+  why not. `timeout` (a timedelta or seconds; torch's default for the backend when None)
   bounds joining and every collective. Release the group with
-  :func:`stateless_destroy_torch_distributed_process_group`.
+  `stateless_destroy_torch_distributed_process_group/2`.
 
   ## Parameters
 
@@ -542,9 +528,9 @@ defmodule Vllm.Distributed do
     * `port` (`integer()`)
     * `rank` (`integer()`)
     * `world_size` (`integer()`)
-    * `backend` (`String.t()`, default: `'gloo'`) (in `args`, position 0)
-    * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `None`) (keyword option `timeout:`)
-    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `None`) (keyword option `listen_socket:`)
+    * `backend` (`String.t()`, default: `"gloo"`) (in `args`, position 0)
+    * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `nil`) (keyword option `timeout:`)
+    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `listen_socket:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 

@@ -12,7 +12,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
-  Concatenate every rank's ``input_`` along ``dim``, in rank order.
+  Concatenate every rank's `input_` along `dim`, in rank order.
 
   ## Parameters
 
@@ -32,17 +32,17 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  All-gather where rank ``r`` contributes ``sizes[r]`` entries along ``dim``.
+  All-gather where rank `r` contributes `sizes[r]` entries along `dim`.
 
-  ``input_`` may be a list of tensors (each gathered with the same ``sizes``; a list
-  comes back). ``sizes=None`` means every rank has the same size. vLLM supports only
-  ``dim=0``; any dim works here.
+  `input_` may be a list of tensors (each gathered with the same `sizes`; a list
+  comes back). `sizes=None` means every rank has the same size. vLLM supports only
+  `dim=0`; any dim works here.
 
   ## Parameters
 
     * `input_` (`VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]`)
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -57,9 +57,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  Sum ``input_`` over the group; returns a new tensor (the input is not modified).
+  Sum `input_` over the group; returns a new tensor (the input is not modified).
 
-  ``bool`` tensors come back as the logical OR over the ranks.
+  `bool` tensors come back as the logical OR over the ranks.
 
   ## Parameters
 
@@ -84,7 +84,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   ## Parameters
 
     * `hidden_states` (`VllmBridge.Tensor.t()`)
-    * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
+    * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -116,14 +116,14 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   Dispatch the hidden states and router logits to the appropriate device.
   This is a no-op in the base class.
 
-  Returns ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
+  Returns `(hidden_states, router_logits)`, plus `extra_tensors` when given.
 
   ## Parameters
 
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `router_logits` (`VllmBridge.Tensor.t()`)
-    * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
-    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `None`) (in `args`, position 1)
+    * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
+    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -142,9 +142,10 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   NOTE: We assume that the input tensor is on the same device across
   all the ranks.
+
   NOTE: `dst` is the local rank of the destination rank.
 
-  Returns the concatenation along ``dim`` on ``dst`` and None on the other ranks.
+  Returns the concatenation along `dim` on `dst` and None on the other ranks.
 
   ## Parameters
 
@@ -165,19 +166,17 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  Initialize self. See help(type(self)) for accurate signature.
-
-  ``use_all2all`` (not in vLLM, which reads its config) asks subclasses for an
-  all-to-all manager so that ``dispatch``/``combine`` move tokens; GroupCoordinator
+  `use_all2all` (not in vLLM, which reads its config) asks subclasses for an
+  all-to-all manager so that `dispatch`/`combine` move tokens; GroupCoordinator
   passes vLLM's rule (an expert-parallel group while data parallelism is on).
 
   ## Parameters
 
     * `cpu_group` (`VllmBridge.Ref.t()`)
-    * `device` (`String.t() | nil`, default: `None`) (in `args`, position 0)
-    * `device_group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
-    * `unique_name` (`String.t()`, default: `''`) (in `args`, position 2)
-    * `use_all2all` (`boolean()`, default: `False`) (keyword option `use_all2all:`)
+    * `device` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
+    * `device_group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `unique_name` (`String.t()`, default: `""`) (in `args`, position 2)
+    * `use_all2all` (`boolean()`, default: `false`) (keyword option `use_all2all:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -213,7 +212,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  The `rank` field of a DeviceCommunicatorBase.
+  The `rank` field of a `DeviceCommunicatorBase`.
 
   ## Returns
 
@@ -225,7 +224,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  The `rank_in_group` field of a DeviceCommunicatorBase.
+  The `rank_in_group` field of a `DeviceCommunicatorBase`.
 
   ## Returns
 
@@ -237,7 +236,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  The `ranks` field of a DeviceCommunicatorBase.
+  The `ranks` field of a `DeviceCommunicatorBase`.
 
   ## Returns
 
@@ -252,14 +251,14 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   Receives a tensor from the source rank.
 
   NOTE: `src` is the local rank of the source rank (default: the previous rank).
-  With checks on, a tensor whose shape or dtype differs from ``size``/``dtype`` is
+  With checks on, a tensor whose shape or dtype differs from `size`/`dtype` is
   received, dropped, and reported with a ValueError (the pair stays in step).
 
   ## Parameters
 
     * `size` (`tuple()`)
     * `dtype` (`VllmBridge.Tensor.type()`)
-    * `src` (`integer() | nil`, default: `None`) (in `args`, position 0)
+    * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -274,7 +273,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  Sum ``input_`` over the group and keep this rank's equal slice along ``dim``.
+  Sum `input_` over the group and keep this rank's equal slice along `dim`.
 
   ## Parameters
 
@@ -294,16 +293,16 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  Reduce-scatter where rank ``r`` keeps ``sizes[r]`` entries along ``dim``.
+  Reduce-scatter where rank `r` keeps `sizes[r]` entries along `dim`.
 
-  ``input_`` has ``sum(sizes)`` entries along ``dim`` on every rank; ``sizes=None``
-  means equal slices (as :meth:`reduce_scatter`).
+  `input_` has `sum(sizes)` entries along `dim` on every rank; `sizes=None`
+  means equal slices (as `reduce_scatter/4`).
 
   ## Parameters
 
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -325,7 +324,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   ## Parameters
 
     * `tensor` (`VllmBridge.Tensor.t()`)
-    * `dst` (`integer() | nil`, default: `None`) (in `args`, position 0)
+    * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -340,7 +339,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  The `unique_name` field of a DeviceCommunicatorBase.
+  The `unique_name` field of a `DeviceCommunicatorBase`.
 
   ## Returns
 
@@ -352,7 +351,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  The `world_size` field of a DeviceCommunicatorBase.
+  The `world_size` field of a `DeviceCommunicatorBase`.
 
   ## Returns
 

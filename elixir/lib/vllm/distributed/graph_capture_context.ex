@@ -9,7 +9,7 @@ defmodule Vllm.Distributed.GraphCaptureContext do
   @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
-  Initialize self.  See help(type(self)) for accurate signature.
+  Constructs a `GraphCaptureContext`.
 
   ## Parameters
 
@@ -27,7 +27,7 @@ defmodule Vllm.Distributed.GraphCaptureContext do
   end
 
   @doc ~S"""
-  The `stream` field of a GraphCaptureContext.
+  The `stream` field of a `GraphCaptureContext`.
 
   ## Returns
 

@@ -14,7 +14,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
-  All-gather along ``dim`` into a new tensor.
+  All-gather along `dim` into a new tensor.
 
   ## Parameters
 
@@ -34,7 +34,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The sum of ``input_`` over the group, as a new tensor.
+  The sum of `input_` over the group, as a new tensor.
 
   ## Parameters
 
@@ -53,7 +53,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Reduce-scatter along ``dim`` into a new tensor.
+  Reduce-scatter along `dim` into a new tensor.
 
   ## Parameters
 
@@ -73,7 +73,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Concatenate every rank's ``input_`` along ``dim``, in rank order.
+  Concatenate every rank's `input_` along `dim`, in rank order.
 
   ## Parameters
 
@@ -93,15 +93,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  All-gather with ``sizes[r]`` entries from rank ``r`` along ``dim``.
+  All-gather with `sizes[r]` entries from rank `r` along `dim`.
 
-  ``input_`` may be a list of tensors sharing ``sizes``; ``sizes=None`` means equal.
+  `input_` may be a list of tensors sharing `sizes`; `sizes=None` means equal.
 
   ## Parameters
 
     * `input_` (`VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]`)
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -130,7 +130,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   out-of-place.
 
   Here there is no custom op: the sum over the group is returned as a new tensor
-  (``input_`` itself in a group of one, as in vLLM); ``bool`` sums are logical ORs.
+  (`input_` itself in a group of one, as in vLLM); `bool` sums are logical ORs.
 
   ## Parameters
 
@@ -150,6 +150,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Barrier synchronization among the group.
+
   NOTE: don't use `device_group` here! `barrier` in NCCL is
   terrible because it is internally a broadcast operation with
   secretly created GPU tensors. It is easy to mess up the current
@@ -168,9 +169,10 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Broadcast the input tensor.
+
   NOTE: `src` is the local rank of the source rank.
 
-  In place: every rank's ``input_`` ends up holding ``src``'s; returns ``input_``.
+  In place: every rank's `input_` ends up holding `src`'s; returns `input_`.
 
   ## Parameters
 
@@ -191,15 +193,16 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Broadcast the input object.
+
   NOTE: `src` is the local rank of the source rank.
 
   Objects are pickled: use groups of trusted processes only, or give every rank the
-  same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
+  same `VLLM_BRIDGE_AUTH_KEY`, so that objects are sealed and checked before they are
   unpickled (see the module docstring).
 
   ## Parameters
 
-    * `obj` (`term()`, default: `None`) (in `args`, position 0)
+    * `obj` (`term()`, default: `nil`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -216,18 +219,19 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Broadcast the input object list.
+
   NOTE: `src` is the local rank of the source rank.
 
-  In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
-  objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
+  In place: `obj_list` (the same length on every rank) ends up holding `src`'s
+  objects; returns it. `group` is accepted for vLLM's signature and unused: the
   objects travel on this group's CPU group (vLLM uses the device group), as one list,
-  sealed when there is an auth key (see ``groups.objects``).
+  sealed when there is an auth key (see `groups.objects`).
 
   ## Parameters
 
     * `obj_list` (`[term()]`)
     * `src` (`integer()`, default: `0`) (in `args`, position 0)
-    * `group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
+    * `group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -245,19 +249,20 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Broadcast the input tensor dictionary.
+
   NOTE: `src` is the local rank of the source rank.
 
   The metadata (keys, non-tensor values, tensor shapes) goes as one object; then
   each non-empty tensor is broadcast, CPU tensors on the CPU group and device tensors
-  on the device group. ``group``/``metadata_group`` are accepted for vLLM's signature
+  on the device group. `group`/`metadata_group` are accepted for vLLM's signature
   and, as in vLLM, unused.
 
   ## Parameters
 
-    * `tensor_dict` (`%{optional(String.t()) => term()} | nil`, default: `None`) (in `args`, position 0)
+    * `tensor_dict` (`%{optional(String.t()) => term()} | nil`, default: `nil`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
-    * `group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 2)
-    * `metadata_group` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 3)
+    * `group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 2)
+    * `metadata_group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 3)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -272,12 +277,12 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`).
+  Bring processed tokens back to their ranks (the inverse of `dispatch/5`).
 
   ## Parameters
 
     * `hidden_states` (`VllmBridge.Tensor.t()`)
-    * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
+    * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -292,7 +297,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `cpu_group` field of a GroupCoordinator.
+  The `cpu_group` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -304,21 +309,21 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
+  A shared-memory `MessageQueue` over this group's CPU group (a collective).
 
-  ``writer_rank`` is the group rank that writes, every other rank reads; with
-  ``blocking`` every rank waits until the queue is connected. With
-  ``external_writer_handle`` (the handle of a queue written by a process outside the
+  `writer_rank` is the group rank that writes, every other rank reads; with
+  `blocking` every rank waits until the queue is connected. With
+  `external_writer_handle` (the handle of a queue written by a process outside the
   group, such as vLLM's executor, with one reader per group rank) group rank
-  ``writer_rank`` passes that handle to the others and every rank reads that queue as
-  reader number ``rank_in_group``; the outside writer joins ``wait_until_ready``, so
-  such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
+  `writer_rank` passes that handle to the others and every rank reads that queue as
+  reader number `rank_in_group`; the outside writer joins `wait_until_ready`, so
+  such callers pass `blocking=False` and call `wait_until_ready` on the queue later.
 
   ## Parameters
 
     * `writer_rank` (`integer()`, default: `0`) (in `args`, position 0)
-    * `external_writer_handle` (`term()`, default: `None`) (in `args`, position 1)
-    * `blocking` (`boolean()`, default: `True`) (in `args`, position 2)
+    * `external_writer_handle` (`term()`, default: `nil`) (in `args`, position 1)
+    * `blocking` (`boolean()`, default: `true`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -333,21 +338,21 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
+  One queue per rank, all read by the rank `reader_rank_in_group` (a collective).
 
-  As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
+  As vLLM's `MessageQueue.create_from_process_group_single_reader`: every rank
   (the reader too) gets a queue it writes, with one reader slot; the writers' handles
-  are gathered on the reader. Returns ``(queue, handles)``: ``handles`` lists every
+  are gathered on the reader. Returns `(queue, handles)`: `handles` lists every
   rank's handle (in group rank order) on the reader and is empty elsewhere; the reader
-  opens them with ``MessageQueue.create_from_handle(handle, 0)``. With ``blocking``
+  opens them with `MessageQueue.create_from_handle(handle, 0)`. With `blocking`
   the other ranks wait until the reader has opened their queue; the reader cannot
   wait on its own queue before opening it, so it returns at once and calls
-  ``wait_until_ready`` on its queue after opening the handles.
+  `wait_until_ready` on its queue after opening the handles.
 
   ## Parameters
 
     * `reader_rank_in_group` (`integer()`, default: `0`) (in `args`, position 0)
-    * `blocking` (`boolean()`, default: `False`) (in `args`, position 1)
+    * `blocking` (`boolean()`, default: `false`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -378,7 +383,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `device` field of a GroupCoordinator.
+  The `device` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -390,7 +395,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `device_communicator` field of a GroupCoordinator.
+  The `device_communicator` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -404,7 +409,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `device_group` field of a GroupCoordinator.
+  The `device_group` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -418,15 +423,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Move each rank's tokens to the ranks that need them (expert parallelism).
 
-  Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;
+  Returns `(hidden_states, router_logits)`, plus the extra tensors when given;
   unchanged unless the device communicator has an all-to-all manager.
 
   ## Parameters
 
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `router_logits` (`VllmBridge.Tensor.t()`)
-    * `is_sequence_parallel` (`boolean()`, default: `False`) (in `args`, position 0)
-    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `None`) (in `args`, position 1)
+    * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
+    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -457,9 +462,10 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   NOTE: We assume that the input tensor is on the same device across
   all the ranks.
+
   NOTE: `dst` is the local rank of the destination rank.
 
-  Returns the concatenation along ``dim`` on ``dst`` and None elsewhere.
+  Returns the concatenation along `dim` on `dst` and None elsewhere.
 
   ## Parameters
 
@@ -482,12 +488,12 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Context for capturing a CUDA graph on a side stream; a plain context on CPU.
 
-  On CUDA the capture stream (a new one unless ``graph_capture_context`` gives it)
+  On CUDA the capture stream (a new one unless `graph_capture_context` gives it)
   first waits for the current stream, then becomes current inside the block.
 
   ## Parameters
 
-    * `graph_capture_context` (`Vllm.Distributed.GraphCaptureContext.t() | nil`, default: `None`) (in `args`, position 0)
+    * `graph_capture_context` (`Vllm.Distributed.GraphCaptureContext.t() | nil`, default: `nil`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -537,7 +543,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `local_rank` field of a GroupCoordinator.
+  The `local_rank` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -549,7 +555,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `mq_broadcaster` field of a GroupCoordinator.
+  The `mq_broadcaster` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -561,14 +567,12 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Initialize self. See help(type(self)) for accurate signature.
-
-  ``use_all2all``: the device communicator moves tokens between experts
-  (``dispatch``/``combine``); vLLM sets it for expert-parallel groups while data
+  `use_all2all`: the device communicator moves tokens between experts
+  (`dispatch`/`combine`); vLLM sets it for expert-parallel groups while data
   parallelism is on.
 
-  Every rank of the world must call this with the same ``group_ranks``: each list
-  becomes a device group (``torch_distributed_backend``) and a gloo CPU group, created
+  Every rank of the world must call this with the same `group_ranks`: each list
+  becomes a device group (`torch_distributed_backend`) and a gloo CPU group, created
   in the same order everywhere; this rank keeps the pair it belongs to.
 
   ## Parameters
@@ -577,9 +581,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `local_rank` (`integer()`)
     * `torch_distributed_backend` (`String.t() | VllmBridge.Ref.t()`)
     * `use_device_communicator` (`boolean()`)
-    * `use_message_queue_broadcaster` (`boolean()`, default: `False`) (in `args`, position 0)
-    * `group_name` (`String.t() | nil`, default: `None`) (in `args`, position 1)
-    * `use_all2all` (`boolean()`, default: `False`) (in `args`, position 2)
+    * `use_message_queue_broadcaster` (`boolean()`, default: `false`) (in `args`, position 0)
+    * `group_name` (`String.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `use_all2all` (`boolean()`, default: `false`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -623,7 +627,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Let the device communicator size its buffers for ``model`` (a no-op without one).
+  Let the device communicator size its buffers for `model` (a no-op without one).
 
   ## Parameters
 
@@ -654,7 +658,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `rank` field of a GroupCoordinator.
+  The `rank` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -666,7 +670,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `rank_in_group` field of a GroupCoordinator.
+  The `rank_in_group` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -678,7 +682,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `ranks` field of a GroupCoordinator.
+  The `ranks` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -698,7 +702,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `size` (`tuple()`)
     * `dtype` (`VllmBridge.Tensor.type()`)
-    * `src` (`integer() | nil`, default: `None`) (in `args`, position 0)
+    * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -734,6 +738,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Recv the input tensor dictionary.
+
   NOTE: `src` is the local rank of the source rank.
 
   all_gather_group: The group for the all-gather operation. If provided,
@@ -753,9 +758,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   ## Parameters
 
-    * `src` (`integer() | nil`, default: `None`) (in `args`, position 0)
-    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `None`) (in `args`, position 1)
-    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `None`) (in `args`, position 2)
+    * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0)
+    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `nil`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -770,7 +775,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Sum over the group, then keep this rank's equal slice along ``dim``.
+  Sum over the group, then keep this rank's equal slice along `dim`.
 
   ## Parameters
 
@@ -790,13 +795,13 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Sum over the group, then keep this rank's ``sizes[rank]`` entries along ``dim``.
+  Sum over the group, then keep this rank's `sizes[rank]` entries along `dim`.
 
   ## Parameters
 
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `None`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -818,7 +823,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Parameters
 
     * `tensor` (`VllmBridge.Tensor.t()`)
-    * `dst` (`integer() | nil`, default: `None`) (in `args`, position 0)
+    * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -856,6 +861,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   @doc ~S"""
   Send the input tensor dictionary.
+
   NOTE: `dst` is the local rank of the source rank.
 
   all_gather_group: The group for the all-gather operation. If provided,
@@ -876,9 +882,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Parameters
 
     * `tensor_dict` (`%{optional(String.t()) => term()}`)
-    * `dst` (`integer() | nil`, default: `None`) (in `args`, position 0)
-    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `None`) (in `args`, position 1)
-    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `None`) (in `args`, position 2)
+    * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0)
+    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `nil`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -895,7 +901,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `unique_name` field of a GroupCoordinator.
+  The `unique_name` field of a `GroupCoordinator`.
 
   ## Returns
 
@@ -907,7 +913,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The `world_size` field of a GroupCoordinator.
+  The `world_size` field of a `GroupCoordinator`.
 
   ## Returns
 

@@ -5,20 +5,20 @@ defmodule Vllm.Distributed.MessageQueue do
   @moduledoc ~S"""
   A one-writer, many-reader queue of picklable objects (shared memory, and TCP).
 
-  The writer constructs it and hands :meth:`export_handle` to the readers, who call
-  :meth:`create_from_handle`; everyone then calls :meth:`wait_until_ready`. Or every rank
-  of a group calls :meth:`create_from_process_group`, which does all of that.
+  The writer constructs it and hands `export_handle/2` to the readers, who call
+  `create_from_handle/4`; everyone then calls `wait_until_ready/3`. Or every rank
+  of a group calls `create_from_process_group/6`, which does all of that.
   """
   @typedoc "A `MessageQueue` held by a Python worker."
   @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
-  The writer enqueues ``obj`` and returns it; readers return what they dequeue.
+  The writer enqueues `obj` and returns it; readers return what they dequeue.
 
   ## Parameters
 
-    * `obj` (`term()`, default: `None`) (in `args`, position 0)
-    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+    * `obj` (`term()`, default: `nil`) (in `args`, position 0)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -50,18 +50,18 @@ defmodule Vllm.Distributed.MessageQueue do
   end
 
   @doc ~S"""
-  A reader's end of the queue that ``handle`` describes, as reader ``rank``.
+  A reader's end of the queue that `handle` describes, as reader `rank`.
 
-  ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
-  must then be on this host), else connects over TCP as a remote reader. ``auth_key``
-  (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) must be the writer's; the
-  operator's policy applies (see ``auth.resolve_key``).
+  `rank` reads shared memory if it is in `handle.local_reader_ranks` (the writer
+  must then be on this host), else connects over TCP as a remote reader. `auth_key`
+  (None: `$VLLM_BRIDGE_AUTH_KEY` if set, read now) must be the writer's; the
+  operator's policy applies (see `auth.resolve_key`).
 
   ## Parameters
 
     * `handle` (`VllmBridge.Ref.t()`)
     * `rank` (`integer()`)
-    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
@@ -81,21 +81,21 @@ defmodule Vllm.Distributed.MessageQueue do
   Creates a MessageQueue for a distributed process group with one writer and
   multiple readers.
 
-  A collective over ``pg`` (a StatelessProcessGroup, a torch ProcessGroup with a CPU
-  backend, or anything with a ``cpu_group``): group rank ``writer_rank`` becomes the
+  A collective over `pg` (a StatelessProcessGroup, a torch ProcessGroup with a CPU
+  backend, or anything with a `cpu_group`): group rank `writer_rank` becomes the
   writer, every other rank a reader, local if it shares the writer's shared memory,
-  else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
-  ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
-  ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
+  else remote (over TCP to `connect_ip`). The writer's handle is broadcast over
+  `pg`. With `blocking` every rank also calls `wait_until_ready/3`.
+  `auth_key` (None: `$VLLM_BRIDGE_AUTH_KEY` if set) authenticates the handle and
   every message; all ranks must give the same key, and the operator's policy applies
-  (see ``auth.resolve_key``).
+  (see `auth.resolve_key`).
 
-  With ``external_writer_handle`` (the :meth:`export_handle` of a queue written by a
-  process outside the group, made for ``pg.world_size`` readers) no rank writes:
-  group rank ``writer_rank`` is given that handle, passes it on over ``pg``, and every
-  rank joins that queue as reader number ``group rank``. The outside writer takes part
-  in :meth:`wait_until_ready`, so it is usually called with ``blocking=False`` and
-  ``wait_until_ready`` later, once the writer is waiting too.
+  With `external_writer_handle` (the `export_handle/2` of a queue written by a
+  process outside the group, made for `pg.world_size` readers) no rank writes:
+  group rank `writer_rank` is given that handle, passes it on over `pg`, and every
+  rank joins that queue as reader number `group rank`. The outside writer takes part
+  in `wait_until_ready/3`, so it is usually called with `blocking=False` and
+  `wait_until_ready` later, once the writer is waiting too.
 
   ## Parameters
 
@@ -103,10 +103,10 @@ defmodule Vllm.Distributed.MessageQueue do
     * `max_chunk_bytes` (`integer()`)
     * `max_chunks` (`integer()`)
     * `writer_rank` (`integer()`, default: `0`) (in `args`, position 0)
-    * `external_writer_handle` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
-    * `blocking` (`boolean()`, default: `True`) (in `args`, position 2)
-    * `connect_ip` (`String.t() | nil`, default: `None`) (keyword option `connect_ip:`)
-    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
+    * `external_writer_handle` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `blocking` (`boolean()`, default: `true`) (in `args`, position 2)
+    * `connect_ip` (`String.t() | nil`, default: `nil`) (keyword option `connect_ip:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
@@ -130,17 +130,17 @@ defmodule Vllm.Distributed.MessageQueue do
   @doc ~S"""
   Read from message queue with optional timeout (in seconds).
 
-  Raises TimeoutError after ``timeout`` seconds (a message partly received by then is
+  Raises TimeoutError after `timeout` seconds (a message partly received by then is
   kept and completed by the next call), RuntimeError("cancelled") soon after
-  ``cancel`` is set, and PeerGoneError once the writer has closed the queue or exited
-  and every message it wrote has been read. With ``timeout=None`` it waits as long as
-  the writer lives; ``indefinite`` only silences the periodic "still waiting" log.
+  `cancel` is set, and PeerGoneError once the writer has closed the queue or exited
+  and every message it wrote has been read. With `timeout=None` it waits as long as
+  the writer lives; `indefinite` only silences the periodic "still waiting" log.
 
   ## Parameters
 
-    * `timeout` (`float() | nil`, default: `None`) (in `args`, position 0)
-    * `cancel` (`VllmBridge.Ref.t() | nil`, default: `None`) (in `args`, position 1)
-    * `indefinite` (`boolean()`, default: `False`) (in `args`, position 2)
+    * `timeout` (`float() | nil`, default: `nil`) (in `args`, position 0)
+    * `cancel` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `indefinite` (`boolean()`, default: `false`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -157,15 +157,15 @@ defmodule Vllm.Distributed.MessageQueue do
   Write to message queue with optional timeout (in seconds).
 
   Waits while the ring is full (every chunk not yet read by some local reader) and
-  while remote readers' sockets are full. ``timeout`` bounds the whole call: on
-  TimeoutError, a message already partly written is finished by the next ``enqueue``
-  (it is never torn) and ``obj`` was not sent if the interrupted message was an
+  while remote readers' sockets are full. `timeout` bounds the whole call: on
+  TimeoutError, a message already partly written is finished by the next `enqueue`
+  (it is never torn) and `obj` was not sent if the interrupted message was an
   earlier one. Raises PeerGoneError when a reader it waits for has exited or closed.
 
   ## Parameters
 
     * `obj` (`term()`)
-    * `timeout` (`float() | nil`, default: `None`) (in `args`, position 0)
+    * `timeout` (`float() | nil`, default: `nil`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -179,7 +179,7 @@ defmodule Vllm.Distributed.MessageQueue do
   end
 
   @doc ~S"""
-  The handle readers pass to :meth:`create_from_handle` (picklable).
+  The handle readers pass to `create_from_handle/4` (picklable).
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -194,27 +194,27 @@ defmodule Vllm.Distributed.MessageQueue do
   end
 
   @doc ~S"""
-  The writer's end: ``n_reader`` readers, ``n_local_reader`` of them on this node.
+  The writer's end: `n_reader` readers, `n_local_reader` of them on this node.
 
-  ``local_reader_ranks`` (default ``range(n_local_reader)``) are the ranks that read
-  the ring; the others connect over TCP to ``connect_ip`` (default: ``VLLM_HOST_IP``
-  from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
-  after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
-  may connect. Ranks are those readers pass to :meth:`create_from_handle`.
-  ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every
+  `local_reader_ranks` (default `range(n_local_reader)`) are the ranks that read
+  the ring; the others connect over TCP to `connect_ip` (default: `VLLM_HOST_IP`
+  from the environment, else 127.0.0.1). `remote_reader_ranks` (default: the ranks
+  after the local ones when `local_reader_ranks` is None, else any rank) limits who
+  may connect. Ranks are those readers pass to `create_from_handle/4`.
+  `auth_key` (None: `$VLLM_BRIDGE_AUTH_KEY` if set, read now) authenticates every
   message; readers must be given the same key. Raises AuthenticationError when the
-  operator's policy refuses the key (see ``auth.resolve_key``).
+  operator's policy refuses the key (see `auth.resolve_key`).
 
   ## Parameters
 
     * `n_reader` (`integer()`)
     * `n_local_reader` (`integer()`)
-    * `local_reader_ranks` (`[integer()] | nil`, default: `None`) (in `args`, position 0)
+    * `local_reader_ranks` (`[integer()] | nil`, default: `nil`) (in `args`, position 0)
     * `max_chunk_bytes` (`integer()`, default: `10485760`) (in `args`, position 1)
     * `max_chunks` (`integer()`, default: `10`) (in `args`, position 2)
-    * `connect_ip` (`String.t() | nil`, default: `None`) (in `args`, position 3)
-    * `remote_reader_ranks` (`[integer()] | nil`, default: `None`) (keyword option `remote_reader_ranks:`)
-    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
+    * `connect_ip` (`String.t() | nil`, default: `nil`) (in `args`, position 3)
+    * `remote_reader_ranks` (`[integer()] | nil`, default: `nil`) (keyword option `remote_reader_ranks:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -236,7 +236,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
   The writer waits for every local reader to attach and every remote reader to
   connect, then tells them all to go; readers wait for that. Raises TimeoutError
-  after ``timeout`` seconds (None: no limit) naming who is missing. Once it has
+  after `timeout` seconds (None: no limit) naming who is missing. Once it has
   returned, later calls return at once.
 
   ## Parameters

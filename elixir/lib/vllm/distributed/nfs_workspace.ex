@@ -9,14 +9,8 @@ defmodule Vllm.Distributed.NFSWorkspace do
   communication nor barrier. It is users' responsibility to synchronize all ranks (local
   and remote processes).
 
-  This implementation uses ``torch.save`` and ``torch.load`` (with ``weights_only=True``)
+  This implementation uses `torch.save` and `torch.load` (with `weights_only=True`)
   for serialization.
-
-  Args:
-      workspace_path: the path to the NFS directory for postprocess cross rank
-          communication. If not provided, SharedMemory will be used instead.
-      rank: the rank that names this process's state file (keyword only, an extension);
-          by default torch.distributed's rank when it is initialized, else 0.
   """
   @typedoc "A `NFSWorkspace` held by a Python worker."
   @type t :: VllmBridge.Ref.t()
@@ -38,8 +32,10 @@ defmodule Vllm.Distributed.NFSWorkspace do
 
   ## Parameters
 
-    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (in `args`, position 0)
-    * `rank` (`integer() | nil`, default: `None`) (keyword option `rank:`)
+    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (in `args`, position 0) - the path to the NFS directory for postprocess cross rank
+      communication. If not provided, SharedMemory will be used instead.
+    * `rank` (`integer() | nil`, default: `nil`) (keyword option `rank:`) - the rank that names this process's state file (keyword only, an extension);
+      by default torch.distributed's rank when it is initialized, else 0.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -55,22 +51,16 @@ defmodule Vllm.Distributed.NFSWorkspace do
   @doc ~S"""
   All ranks read the target_rank state file.
 
-  Args:
-      target_rank: the target rank
-
-  Returns:
-      the model/module config and the weights; ``(None, None)`` when that rank has no
-      state file.
-
   ## Parameters
 
-    * `target_rank` (`integer()`)
+    * `target_rank` (`integer()`) - the target rank
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `{%{optional(String.t()) => term()} | nil, %{optional(String.t()) => term()} | nil}`
+    * `{%{optional(String.t()) => term()} | nil, %{optional(String.t()) => term()} | nil}` - the model/module config and the weights; `(None, None)` when that rank has no
+      state file.
   """
   @spec read_configs_and_weights_from_rank(t(), integer(), keyword()) ::
           {:ok,
@@ -85,14 +75,10 @@ defmodule Vllm.Distributed.NFSWorkspace do
 
   The file is replaced atomically: readers see the previous state or this one, whole.
 
-  Args:
-      config_json: model or module config in json
-      weights: module weights in torch's state_dict format
-
   ## Parameters
 
-    * `config_json` (`%{optional(String.t()) => term()}`)
-    * `weights` (`%{optional(String.t()) => term()}`)
+    * `config_json` (`%{optional(String.t()) => term()}`) - model or module config in json
+    * `weights` (`%{optional(String.t()) => term()}`) - module weights in torch's state_dict format
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 

@@ -8,7 +8,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   For data-plane communication, create NCCL-related objects.
 
   Objects are pickled between ranks: only form groups with processes you trust, or give
-  every rank the same ``auth_key`` (see :attr:`auth_key`), so that values written by anyone
+  every rank the same `auth_key` (see `auth_key`), so that values written by anyone
   without the key are refused before they are unpickled.
   """
   @typedoc "A `StatelessProcessGroup` held by a Python worker."
@@ -18,7 +18,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   All gather an object from all ranks.
 
   Returns the objects of all ranks in rank order. Each rank writes its object once, then
-  reads all the others' in one request (``multi_get``, which waits for all of them), so
+  reads all the others' in one request (`multi_get`, which waits for all of them), so
   an all_gather costs every rank the same few round trips whatever the world size. The
   counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
   value once it knows every rank has read it (when its next all_gather completes, or at
@@ -26,7 +26,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   other on store queues, which receiving empties. Ranks that all run on one node,
   without an auth key, use no store at all once they know it (after the first
   all_gather or barrier): each posts its object on its shared-memory board and rings
-  the others' doorbells (``spg_board``). Waits at most the store's timeout, then raises
+  the others' doorbells (`spg_board`). Waits at most the store's timeout, then raises
   RuntimeError naming the ranks whose values are missing (or, over the boards, that
   exited).
 
@@ -60,29 +60,29 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
      that all ranks have departed the barrier first.
 
   Every rank must call barrier in the same order (barriers are numbered, not named).
-  Each phase waits at most ``timeout`` seconds, whatever the store's own timeout is;
+  Each phase waits at most `timeout` seconds, whatever the store's own timeout is;
   if any rank gives up, every rank of that barrier fails, so the next barrier starts
   cleanly. The barrier's keys are deleted once all ranks have left. Ranks that all
   run on one node (known after the first all_gather or barrier) meet on their
   shared-memory boards instead of the store, and a rank that exits fails the barrier
   within a second.
 
-  Args:
-      timeout: Maximum time in seconds to wait for each phase (in seconds)
-
-  Raises:
-      RuntimeError: If coordination fails or times out, naming the rank, the phase and
-          how many of world_size ranks arrived.
-
   ## Parameters
 
-    * `timeout` (`float()`, default: `30.0`) (in `args`, position 0)
+    * `timeout` (`float()`, default: `30.0`) (in `args`, position 0) - Maximum time in seconds to wait for each phase (in seconds)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
     * `nil`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `RuntimeError` - If coordination fails or times out, naming the rank, the phase and
+      how many of world_size ranks arrived.
   """
   @spec barrier(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def barrier(ref, args, opts \\ []) do
@@ -92,22 +92,22 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Broadcast an object from a source rank to all other ranks.
 
-  Returns ``obj`` on ``src`` and the received object on the other ranks. Unlike vLLM's,
+  Returns `obj` on `src` and the received object on the other ranks. Unlike vLLM's,
   which does not clean up after all ranks have received the object, the last receiver
   deletes it from the store (at its next store operation), so it can be used any number
-  of times. Receivers wait at most ``timeout`` seconds (None: the store's timeout) and
-  raise as ``recv_obj`` does. On one node (once known, see ``spg_shm``) a large pickle
-  travels through shared memory (a segment ``src`` reuses once every receiver has read
+  of times. Receivers wait at most `timeout` seconds (None: the store's timeout) and
+  raise as `recv_obj` does. On one node (once known, see `spg_shm`) a large pickle
+  travels through shared memory (a segment `src` reuses once every receiver has read
   it). When every rank is on one node and there is no auth key, the value goes into a
-  slot of ``src``'s shared-memory board instead of the store, and the receivers'
-  doorbells are rung (``spg_board``); one whose slot some rank has not read yet, or too
-  large for a slot, still takes the store. ``src`` never waits for the receivers.
+  slot of `src`'s shared-memory board instead of the store, and the receivers'
+  doorbells are rung (`spg_board`); one whose slot some rank has not read yet, or too
+  large for a slot, still takes the store. `src` never waits for the receivers.
 
   ## Parameters
 
     * `obj` (`term()`)
     * `src` (`integer()`)
-    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -122,7 +122,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `broadcast_recv_src_counter` field of a StatelessProcessGroup.
+  The `broadcast_recv_src_counter` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -135,7 +135,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `broadcast_send_counter` field of a StatelessProcessGroup.
+  The `broadcast_send_counter` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -162,18 +162,18 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   can call `StatelessProcessGroup.create` to form a group, and then process A, B,
   C, and D can call `StatelessProcessGroup.create` to form another group.
 
-  Rank 0 serves the store on ``host:port`` only (IPv4 or IPv6), or on
-  ``listen_socket``, a socket it has already bound (port 0 avoids port races).
-  Every rank returns once all ``world_size`` ranks have joined, or raises
-  ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds saying how many
+  Rank 0 serves the store on `host:port` only (IPv4 or IPv6), or on
+  `listen_socket`, a socket it has already bound (port 0 avoids port races).
+  Every rank returns once all `world_size` ranks have joined, or raises
+  `StoreError` (a RuntimeError) within `store_timeout` seconds saying how many
   ranks joined, that the port is in use, or which address could not be reached.
 
-  ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
+  `auth_key` (bytes, or a str taken as UTF-8; None: `$VLLM_BRIDGE_AUTH_KEY`, if
   set) authenticates every value the group stores: all ranks must give the same key.
-  When the environment sets ``$VLLM_BRIDGE_AUTH_KEY`` (the operator's key), an
-  ``auth_key`` that differs from it raises AuthenticationError (a RuntimeError) before
+  When the environment sets `$VLLM_BRIDGE_AUTH_KEY` (the operator's key), an
+  `auth_key` that differs from it raises AuthenticationError (a RuntimeError) before
   anything is served or joined; so does creating a group without any key when
-  ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``.
+  `$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`.
 
   ## Parameters
 
@@ -183,8 +183,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `world_size` (`integer()`)
     * `data_expiration_seconds` (`integer()`, default: `3600`) (in `args`, position 0)
     * `store_timeout` (`integer()`, default: `300`) (in `args`, position 1)
-    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `None`) (keyword option `listen_socket:`)
-    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `None`) (keyword option `auth_key:`)
+    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `listen_socket:`)
+    * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
@@ -206,7 +206,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `data_expiration_seconds` field of a StatelessProcessGroup.
+  The `data_expiration_seconds` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -220,7 +220,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Expire data that is older than data_expiration_seconds seconds.
 
-  Deletes the keys this rank wrote more than ``data_expiration_seconds`` ago (whether or
+  Deletes the keys this rank wrote more than `data_expiration_seconds` ago (whether or
   not they were received), and removes from their queues the objects it sent that long
   ago that are still unreceived, so that values nobody reads do not stay in the store,
   and unlinks the shared-memory segments it created that long ago.
@@ -237,7 +237,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  Initialize self.  See help(type(self)) for accurate signature.
+  Constructs a `StatelessProcessGroup`.
 
   ## Parameters
 
@@ -246,11 +246,11 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `store` (`VllmBridge.Ref.t()`)
     * `socket` (`VllmBridge.Ref.t() | nil`)
     * `data_expiration_seconds` (`integer()`, default: `3600`) (in `args`, position 0)
-    * `send_dst_counter` (`%{optional(integer()) => integer()}`, default: `<factory>`) (in `args`, position 1)
-    * `recv_src_counter` (`%{optional(integer()) => integer()}`, default: `<factory>`) (in `args`, position 2)
+    * `send_dst_counter` (`%{optional(integer()) => integer()}`, default: `%{}`) (in `args`, position 1)
+    * `recv_src_counter` (`%{optional(integer()) => integer()}`, default: `%{}`) (in `args`, position 2)
     * `broadcast_send_counter` (`integer()`, default: `0`) (in `args`, position 3)
-    * `broadcast_recv_src_counter` (`%{optional(integer()) => integer()}`, default: `<factory>`) (in `args`, position 4)
-    * `entries` (`term()`, default: `<factory>`) (in `args`, position 5)
+    * `broadcast_recv_src_counter` (`%{optional(integer()) => integer()}`, default: `%{}`) (in `args`, position 4)
+    * `entries` (`term()`, default: a new `deque`) (in `args`, position 5)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -273,7 +273,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `rank` field of a StatelessProcessGroup.
+  The `rank` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -287,20 +287,20 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Receive an object from a source rank.
 
-  Blocks until ``src`` has sent its next object, then returns it; receiving removes it
-  from the store (it is popped from the queue ``src`` pushed it on). Waits at most
-  ``timeout`` seconds (None: the store's timeout), then raises RuntimeError naming this
-  rank, ``src``, the object (``p2p/<src>/<dst>/<number>``) and the time waited; the
+  Blocks until `src` has sent its next object, then returns it; receiving removes it
+  from the store (it is popped from the queue `src` pushed it on). Waits at most
+  `timeout` seconds (None: the store's timeout), then raises RuntimeError naming this
+  rank, `src`, the object (`p2p/<src>/<dst>/<number>`) and the time waited; the
   object is then still expected, so a later call may receive it. With an auth key, a
   value that fails its check raises AuthenticationError (a RuntimeError) naming the
-  object and ``src``, and is dropped without being unpickled. Over the shared-memory
-  boards (every rank on one node, no auth key; see ``send_obj``) the wait sleeps on this
-  rank's doorbell, and a ``src`` that exits is reported within a second.
+  object and `src`, and is dropped without being unpickled. Over the shared-memory
+  boards (every rank on one node, no auth key; see `send_obj`) the wait sleeps on this
+  rank's doorbell, and a `src` that exits is reported within a second.
 
   ## Parameters
 
     * `src` (`integer()`)
-    * `timeout` (`float() | nil`, default: `None`) (keyword option `timeout:`)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -314,7 +314,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `recv_src_counter` field of a StatelessProcessGroup.
+  The `recv_src_counter` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -327,7 +327,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `send_dst_counter` field of a StatelessProcessGroup.
+  The `send_dst_counter` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -343,12 +343,12 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Send an object to a destination rank.
 
   The object is pickled and pushed, numbered per pair, onto the store queue from this
-  rank to ``dst`` (``spg_p2p``), without waiting for a reply; ``dst`` removes it by
-  receiving it. On one node (once known, see ``spg_shm``) a large pickle travels
-  through shared memory (a segment this rank reuses once ``dst`` has read it). When
+  rank to `dst` (`spg_p2p`), without waiting for a reply; `dst` removes it by
+  receiving it. On one node (once known, see `spg_shm`) a large pickle travels
+  through shared memory (a segment this rank reuses once `dst` has read it). When
   every rank is on one node and there is no auth key, the message goes instead into a
-  slot of this rank's shared-memory board and ``dst``'s doorbell is rung
-  (``spg_board``); one whose slot ``dst`` has not read yet, or too large for a slot,
+  slot of this rank's shared-memory board and `dst`'s doorbell is rung
+  (`spg_board`); one whose slot `dst` has not read yet, or too large for a slot,
   still takes the store queue. Sending never waits for the receiver.
 
   ## Parameters
@@ -368,7 +368,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `store` field of a StatelessProcessGroup.
+  The `store` field of a `StatelessProcessGroup`.
 
   ## Returns
 
@@ -380,7 +380,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
-  The `world_size` field of a StatelessProcessGroup.
+  The `world_size` field of a `StatelessProcessGroup`.
 
   ## Returns
 

@@ -3,13 +3,13 @@
 # `make codegen` (or `mix vllm_bridge.gen`).
 defmodule Vllm.Distributed.TensorMetadata do
   @moduledoc ~S"""
-  TensorMetadata(device, dtype, size)
+  A Python `TensorMetadata`, held by a worker.
   """
   @typedoc "A `TensorMetadata` held by a Python worker."
   @type t :: VllmBridge.Ref.t()
 
   @doc ~S"""
-  The `device` field of a TensorMetadata.
+  The `device` field of a `TensorMetadata`.
 
   ## Returns
 
@@ -21,7 +21,7 @@ defmodule Vllm.Distributed.TensorMetadata do
   end
 
   @doc ~S"""
-  The `dtype` field of a TensorMetadata.
+  The `dtype` field of a `TensorMetadata`.
 
   ## Returns
 
@@ -33,7 +33,7 @@ defmodule Vllm.Distributed.TensorMetadata do
   end
 
   @doc ~S"""
-  Initialize self.  See help(type(self)) for accurate signature.
+  Constructs a `TensorMetadata`.
 
   ## Parameters
 
@@ -53,7 +53,7 @@ defmodule Vllm.Distributed.TensorMetadata do
   end
 
   @doc ~S"""
-  The `size` field of a TensorMetadata.
+  The `size` field of a `TensorMetadata`.
 
   ## Returns
 
