@@ -38,6 +38,8 @@ import pickle
 import struct
 from typing import Any
 
+from bridge_py.distributed.errors import AuthenticationError
+
 __all__ = [
     "ENV_VAR",
     "MAGIC",
@@ -65,10 +67,6 @@ _LABEL = b"vllm_bridge.auth.v1\x00"
 _HEADER_BYTES = len(MAGIC) + TAG_BYTES
 
 AuthKey = bytes | bytearray | str
-
-
-class AuthenticationError(RuntimeError):
-    """A value whose tag is missing or wrong: forged, tampered with, replayed or foreign."""
 
 
 def key_required() -> bool:

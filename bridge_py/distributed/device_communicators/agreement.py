@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
+from bridge_py.distributed.errors import CollectiveMismatchError
 
 __all__ = [
     "CHECK_ENV",
@@ -66,10 +67,6 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.complex64,
     torch.complex128,
 )
-
-
-class CollectiveMismatchError(ValueError):
-    """Ranks of a group called a collective with arguments that do not fit together."""
 
 
 def checks_enabled(device: torch.device) -> bool:

@@ -49,9 +49,9 @@ data. :class:`ShmAgreement` runs the communicator's pre-collective argument chec
 these rows (one shared-memory phase instead of a gloo all-gather), and the all-reduce fuses
 the check into its data phase.
 
-Waiting spins on ``sched_yield`` for 2 ms, then naps (``shm_wait.wait_until``), checks every
+Waiting spins on ``sched_yield`` for 2 ms, then naps (``shm.wait.wait_until``), checks every
 0.2 s that the ranks it waits for are alive, and gives up at the group's timeout. A dead or
-stuck peer raises :class:`ShmCollectiveError` naming the rank and the group, and the
+stuck peer raises ``PeerGoneError`` or ``GroupTimeout`` naming the rank and the group, and the
 transport is then unusable (the ranks are out of step); set-up falls back to gloo when any
 rank cannot open the segment (another node, no ``/dev/shm``, no space).
 
@@ -84,9 +84,9 @@ from bridge_py.distributed.device_communicators.agreement import (
     CollectiveMismatchError,
     Signature,
 )
+from bridge_py.distributed.errors import DistributedError, GroupTimeout, PeerGoneError
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
-    PeerGoneError,
     deadline_after,
     fence,
     pid_namespace,
@@ -100,7 +100,6 @@ __all__ = [
     "NAME_PREFIX",
     "TIMEOUT_ENV",
     "ShmAgreement",
-    "ShmCollectiveError",
     "ShmCollectives",
     "ShmDistModule",
     "shm_enabled",
@@ -137,10 +136,6 @@ _ALIGN = 64  # slices handed to ranks start on cache lines
 assert _ROW_AT[1] + _ROW_BYTES <= _PID_AT and _PID_AT + _PID.size <= _CTRL_BYTES
 
 Judge = Callable[[list[bytes]], None]
-
-
-class ShmCollectiveError(RuntimeError):
-    """A shared-memory collective could not complete: a peer died, or timed out."""
 
 
 def shm_enabled() -> bool:
@@ -440,9 +435,12 @@ class ShmCollectives:
                     deadline_after(self.timeout),
                     check=lambda: self._check_peers(phase),
                 )
-            except (TimeoutError, PeerGoneError) as exc:
+            except TimeoutError as exc:
                 self._broken = self._failure(phase, what, exc)
-                raise ShmCollectiveError(self._broken) from exc
+                raise GroupTimeout(self._broken) from exc
+            except PeerGoneError as exc:
+                self._broken = self._failure(phase, what, exc)
+                raise PeerGoneError(self._broken) from exc
             except BaseException:
                 self._broken = f"{what} was interrupted on rank {self.rank} of {self.label}"
                 raise
@@ -471,7 +469,7 @@ class ShmCollectives:
 
     def _enter(self) -> None:
         if self._broken is not None:
-            raise ShmCollectiveError(
+            raise DistributedError(
                 f"shared-memory collectives of {self.label} are unusable on rank "
                 f"{self.rank}: {self._broken}"
             )

@@ -51,6 +51,7 @@ from bridge_py.distributed.device_communicators.shm_ring import (
     SLOT_EMPTY,
     ShmRingBuffer,
 )
+from bridge_py.distributed.errors import GroupTimeout
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.shm.wait import (
@@ -331,7 +332,7 @@ class MessageQueue:
                         for i in readers
                         if buffer.reader_state(i)[0] == SLOT_EMPTY
                     ]
-                    raise TimeoutError(f"{exc}: local reader ranks {missing} did not") from None
+                    raise GroupTimeout(f"{exc}: local reader ranks {missing} did not") from None
             if self._publisher is not None:
                 self._publisher.accept(deadline)
                 self._publisher.publish(KIND_READY, b"")
@@ -410,7 +411,7 @@ class MessageQueue:
             )
         except TimeoutError as exc:
             lagging = [self.handle.local_reader_ranks[i] for i in buffer.unread_by(idx)]
-            raise TimeoutError(f"{exc}: local reader ranks {lagging} have not read it") from None
+            raise GroupTimeout(f"{exc}: local reader ranks {lagging} have not read it") from None
 
     def _check_readers(self, idx: int) -> None:
         """Raise PeerGoneError if a reader that has not read chunk ``idx`` is gone."""

@@ -23,6 +23,7 @@ import socket
 import struct
 import threading
 
+from bridge_py.distributed.errors import GroupTimeout
 from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
@@ -116,7 +117,7 @@ class RemotePublisher:
             left = remaining(deadline)
             if left == 0:
                 expected = "" if self._ranks is None else f" of ranks {self._ranks}"
-                raise TimeoutError(
+                raise GroupTimeout(
                     f"timed out waiting for remote readers to connect to {self.address}: "
                     f"{len(self._peers)} of {self._n_reader}{expected} connected "
                     f"({sorted(self._peers)})"
@@ -175,7 +176,7 @@ class RemotePublisher:
                 while busy:
                     left = remaining(deadline)
                     if left == 0:
-                        raise TimeoutError(
+                        raise GroupTimeout(
                             f"timed out sending a message to remote readers {sorted(busy)}"
                         )
                     for key, _ in selector.select(left):
@@ -244,7 +245,7 @@ class RemoteSubscriber:
         while True:
             left = remaining(deadline)
             if left == 0:
-                raise TimeoutError(
+                raise GroupTimeout(
                     f"timed out waiting for {what} from the writer at {self.address}"
                 )
             if cancel is not None:

@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from bridge_py.distributed.errors import GroupTimeout, PeerGoneError
+
 __all__ = [
     "PeerGoneError",
     "deadline_after",
@@ -44,10 +46,6 @@ CHECK_INTERVAL_SECONDS = 0.2
 LOG_INTERVAL_SECONDS = 60.0
 
 _fence_lock = threading.Lock()
-
-
-class PeerGoneError(RuntimeError):
-    """The process on the other side of the queue exited or closed its end."""
 
 
 def fence() -> None:
@@ -81,8 +79,8 @@ def wait_until(
 ) -> None:
     """Return once ``ready()`` is true; spin, then sleep, between tries.
 
-    Raises TimeoutError (naming ``what``) at ``deadline``, RuntimeError("cancelled") when
-    ``cancel`` is set, and whatever ``check()`` raises (it runs every
+    Raises GroupTimeout (a TimeoutError, naming ``what``) at ``deadline``,
+    RuntimeError("cancelled") when ``cancel`` is set, and whatever ``check()`` raises (it runs every
     ``CHECK_INTERVAL_SECONDS`` once sleeping, to notice a dead peer). With ``log``, a wait
     longer than ``LOG_INTERVAL_SECONDS`` is logged at that interval.
     """
@@ -98,7 +96,7 @@ def wait_until(
         if cancel is not None and cancel.is_set():
             raise RuntimeError("cancelled")
         if deadline is not None and now >= deadline:
-            raise TimeoutError(f"timed out after {now - start:.3g} s waiting for {what}")
+            raise GroupTimeout(f"timed out after {now - start:.3g} s waiting for {what}")
         if now < spin_until:
             os.sched_yield()
             continue

@@ -41,7 +41,11 @@ from collections.abc import Callable, Sequence
 
 from torch.distributed import Store
 
-from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.errors import (
+    AuthenticationError,
+    BarrierFailure,
+    BarrierTimeout,
+)
 from bridge_py.distributed.spg import keys
 from bridge_py.distributed.spg.board import FAILED, LIVENESS_PERIOD, PASSED, Board, BoardError
 from bridge_py.distributed.store.waiting import pop_before
@@ -50,6 +54,7 @@ __all__ = [
     "POISON",
     "BarrierFailure",
     "BarrierHooks",
+    "BarrierTimeout",
     "Mailbox",
     "run_barrier",
     "run_board_barrier",
@@ -62,12 +67,8 @@ _ITEM = struct.Struct(">QBI")
 _ALL_ARRIVED, _LEFT, _ARRIVED_AND_LEFT, _FAILED = 1, 2, 3, 4
 
 
-class BarrierFailure(RuntimeError):
-    """A barrier that failed (a rank timed out): the message names the rank and the phase."""
-
-
-def _store_failure(barrier_id: int, rank: int, phase: str, exc: Exception) -> RuntimeError:
-    return RuntimeError(
+def _store_failure(barrier_id: int, rank: int, phase: str, exc: Exception) -> BarrierFailure:
+    return BarrierFailure(
         f"barrier {barrier_id} failed on rank {rank} in phase {phase}: store error: {exc}"
     )
 
@@ -135,7 +136,8 @@ def run_barrier(
     timeout: float,
     hooks: BarrierHooks | None = None,
 ) -> None:
-    """Run barrier ``barrier_id`` for ``rank``; raise RuntimeError on timeout or store failure."""
+    """Run barrier ``barrier_id`` for ``rank``; BarrierTimeout when a rank does not arrive or
+    leave in time, BarrierFailure when another rank gave up or the store failed."""
     arrivals = keys.barrier_arrivals(barrier_id)
     hooks = _NO_HOOKS if hooks is None else hooks
     left = 0  # ranks known to have left (rank 0 may hear of some while it waits in phase 1)
@@ -191,7 +193,7 @@ def run_barrier(
     except RuntimeError as exc:
         raise _store_failure(barrier_id, rank, "3 (departure)", exc) from exc
     if gone < world_size:
-        raise BarrierFailure(
+        raise BarrierTimeout(
             f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
             f"phase 3 (departure): {gone} of {world_size} ranks departed"
         )
@@ -231,7 +233,7 @@ def _wait_for_all(
     for dst in range(world_size):
         if dst != rank:
             mailbox.send(dst, barrier_id, _FAILED, verdict.encode())
-    raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
+    raise BarrierTimeout(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
 
 
 def _verdict_of_others(mailbox: Mailbox, barrier_id: int, rank: int, timeout: float) -> str:
@@ -278,6 +280,7 @@ def run_board_barrier(
     check_at = start + LIVENESS_PERIOD
     board.arrive(barrier_id)
     waited = False
+    failure: type[BarrierFailure] = BarrierFailure  # what this rank raises if it fails
     while True:
         missing = board.not_arrived(barrier_id)
         if not missing:
@@ -297,6 +300,7 @@ def run_board_barrier(
                 f"{world_size - len(missing)} of {world_size} ranks arrived"
             )
             outcome, verdict = board.decide(barrier_id, FAILED, verdict)
+            failure = BarrierTimeout
             break
         if now >= check_at:
             check_at = now + LIVENESS_PERIOD
@@ -307,7 +311,7 @@ def run_board_barrier(
                 break
         board.wait(min(deadline, check_at) - now)
     if outcome != PASSED:
-        raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
+        raise failure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
     if hooks.all_arrived is not None:
         hooks.all_arrived()
     board.depart(barrier_id)
@@ -317,7 +321,7 @@ def run_board_barrier(
     while missing := board.not_departed(barrier_id):
         now = time.monotonic()
         if now >= deadline:
-            raise BarrierFailure(
+            raise BarrierTimeout(
                 f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
                 f"phase 3 (departure): {world_size - len(missing)} of {world_size} ranks "
                 "departed"

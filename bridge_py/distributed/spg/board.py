@@ -74,6 +74,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
+from bridge_py.distributed.errors import DistributedError
 from bridge_py.distributed.shm.files import open_peer_file
 from bridge_py.distributed.shm.segments import NAME_PREFIX, SHM_DIR, unlink
 from bridge_py.distributed.shm.wait import (
@@ -162,7 +163,7 @@ class Layout:
         return self.broadcast_at(BROADCAST_RING - 1) + _MESSAGE_SLOT
 
 
-class BoardError(RuntimeError):
+class BoardError(DistributedError):
     """A board could not be made or opened, or a peer's board is not what it should be."""
 
 

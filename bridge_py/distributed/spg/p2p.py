@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from torch.distributed import QueueEmptyError, Store
 
+from bridge_py.distributed.errors import is_store_timeout
 from bridge_py.distributed.spg import keys
 from bridge_py.distributed.store.waiting import pop_before
 
@@ -143,7 +144,7 @@ class Inbox:
         except QueueEmptyError:
             return None  # woken, but the sender expired the message first
         except RuntimeError as exc:
-            if "timeout" in str(exc).lower():
+            if is_store_timeout(exc):
                 raise _WaitTimedOut from None
             raise
         if got == seq:

@@ -18,6 +18,7 @@ import time
 
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
+from bridge_py.distributed.errors import StoreError
 from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = [
@@ -29,10 +30,6 @@ __all__ = [
     "remaining",
     "require_queues",
 ]
-
-
-class StoreError(RuntimeError):
-    """The store of a group could not be served, reached or joined."""
 
 
 def require_queues(store: Store) -> None:

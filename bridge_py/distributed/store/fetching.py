@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from torch.distributed import DistStoreError, Store
 
+from bridge_py.distributed.errors import is_store_timeout
 from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = ["FetchingWaiter"]
@@ -51,7 +52,7 @@ class FetchingWaiter(BoundedWaiter):
                     return connection.multi_get(list(keys))
             except DistStoreError as exc:
                 self._connection = None  # may still receive the abandoned wait's answer
-                if "timeout" not in str(exc).lower():
+                if not is_store_timeout(exc):
                     raise
                 return None
             except BaseException:

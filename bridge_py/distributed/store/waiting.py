@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 from torch.distributed import DistStoreError, QueueEmptyError, Store, TCPStore
 
+from bridge_py.distributed.errors import is_store_timeout
+
 __all__ = ["BoundedWaiter", "pop_before"]
 
 
@@ -72,7 +74,7 @@ class BoundedWaiter:
                 connection.wait(list(keys), _seconds(deadline - time.monotonic()))
             except DistStoreError as exc:
                 self._connection = None  # may still receive the abandoned wait's answer
-                if "timeout" not in str(exc).lower():
+                if not is_store_timeout(exc):
                     raise
                 return False
             except BaseException:
@@ -102,7 +104,7 @@ def pop_before(store: Store, queue: str, deadline: float) -> bytes | None:
             except QueueEmptyError:
                 continue
             except RuntimeError as exc:
-                if "timeout" not in str(exc).lower():
+                if not is_store_timeout(exc):
                     raise
     finally:
         store.set_timeout(original)

@@ -1,0 +1,82 @@
+"""What bridge_py.distributed raises when ranks cannot work together, in one hierarchy.
+
+Every class is a ``RuntimeError``, as what vLLM and torch.distributed raise in the same
+situations is, so code written for them keeps working; the subclasses say what happened::
+
+    DistributedError (RuntimeError)
+    ├── GroupTimeout (also TimeoutError)      a wait ran out: a peer did not send, arrive or read
+    │   └── BarrierTimeout (also BarrierFailure)
+    ├── PeerGoneError                         a peer exited, or closed its end
+    ├── StoreError                            the store could not be served, reached or joined
+    ├── AuthenticationError                   a value whose tag is missing or wrong
+    ├── BarrierFailure                        a barrier failed (every rank of it fails)
+    ├── CollectiveMismatchError (also ValueError)  ranks called different collectives
+    └── SharedMemoryError                     a shared-memory file is missing, short or changed
+
+Messages name this rank, the peer and the key or operation that was waited for, so that one
+line of a log says who was waiting for whom.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import DistStoreError
+
+__all__ = [
+    "AuthenticationError",
+    "BarrierFailure",
+    "BarrierTimeout",
+    "CollectiveMismatchError",
+    "DistributedError",
+    "GroupTimeout",
+    "PeerGoneError",
+    "SharedMemoryError",
+    "StoreError",
+    "is_store_timeout",
+]
+
+
+class DistributedError(RuntimeError):
+    """Ranks of a group could not complete an operation together."""
+
+
+class GroupTimeout(DistributedError, TimeoutError):
+    """A wait for another rank ran out (a RuntimeError, as vLLM's, and a TimeoutError)."""
+
+
+class PeerGoneError(DistributedError):
+    """The rank on the other side exited, or closed its end of the group or queue."""
+
+
+class StoreError(DistributedError):
+    """The store of a group could not be served, reached or joined, or was lost."""
+
+
+class AuthenticationError(DistributedError):
+    """A value whose tag is missing or wrong: forged, tampered with, replayed or foreign;
+    or a key that the operator's policy refuses."""
+
+
+class BarrierFailure(DistributedError):
+    """A barrier failed: the message names the rank, the phase and who did not arrive."""
+
+
+class BarrierTimeout(BarrierFailure, GroupTimeout):
+    """A barrier failed because some rank did not arrive (or leave) within the timeout."""
+
+
+class CollectiveMismatchError(DistributedError, ValueError):
+    """The ranks of a group called different collectives, or one with bad arguments: raised
+    on every rank, before any data moves."""
+
+
+class SharedMemoryError(DistributedError):
+    """A shared-memory file another rank named is missing, too short, or changed while read."""
+
+
+def is_store_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a torch store request that ran out of time.
+
+    torch raises ``DistStoreError`` both for a timeout and for a lost connection; only its
+    message tells them apart, so this is the one place that reads it.
+    """
+    return isinstance(exc, DistStoreError) and "timeout" in str(exc).lower()
