@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
 import socket
 import time
@@ -131,3 +132,19 @@ def late_barrier(group: Any, late: bool, delay: float, timeout: float) -> dict:
     result["gathered"] = group.all_gather_obj(group.rank)
     group.barrier(timeout=30)
     return result
+
+
+# The two transports of a StatelessProcessGroup made by create() on one machine: shared
+# memory (the default there), and the store (what ranks on several machines use).
+TRANSPORTS = ("shm", "store")
+
+
+def use_transport(transport: str) -> None:
+    """In a rank's process, before it creates its group: make create() choose ``transport``
+    (the store: as if the ranks were on several machines)."""
+    os.environ["VLLM_BRIDGE_SPG_SHM"] = "0" if transport == "store" else "1"
+
+
+def transport_of(group: Any) -> str:
+    """Which transport a StatelessProcessGroup uses: "shm" or "store"."""
+    return "shm" if type(group._transport).__name__ == "ShmTransport" else "store"

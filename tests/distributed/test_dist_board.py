@@ -23,7 +23,7 @@ from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.shm import segments as spg_segments
 from bridge_py.distributed.spg import board as spg_board
 from bridge_py.distributed.spg import values as spg_shm
-from tests.distributed.harness import free_port, late_barrier, run_ranks
+from tests.distributed.harness import free_port, late_barrier, run_ranks, transport_of
 
 
 def _create(rank: int, port: int, world_size: int, timeout: int = 30) -> StatelessProcessGroup:
@@ -47,8 +47,8 @@ def _error_of(operation: Callable[[], object]) -> dict:
 
 def _gathers(rank: int, port: int, world_size: int) -> dict:
     group = _create(rank, port, world_size)
-    pids = group.all_gather_obj(os.getpid())  # the probe: through the store
-    assert group._board_names is not None, "all ranks are on this node: boards expected"
+    pids = group.all_gather_obj(os.getpid())
+    assert transport_of(group) == "shm", "all ranks are on this node: boards expected"
     # The gathers below do not touch the store: give the group an empty one, where a value
     # written would show and a value waited for would never come.
     store, empty = group.store, HashStore()
@@ -95,11 +95,11 @@ def _sizes(rank: int, port: int) -> dict:
     big = bytes([rank]) * (spg_board.CAPACITY + 1000)
     got = group.all_gather_obj(big)
     ok = [got == [bytes([r]) * (spg_board.CAPACITY + 1000) for r in range(3)]]
-    overflow = group.store.check([spg_board.overflow_key(rank, 1)])
+    overflow = group.store.check([spg_board.overflow_key(rank, 2)])
     got = group.all_gather_obj(rank)  # the overflow key of the last gather goes now
     ok.append(got == [0, 1, 2])
     group.barrier(timeout=10)
-    gone = not group.store.check([spg_board.overflow_key(rank, 1)])
+    gone = not group.store.check([spg_board.overflow_key(rank, 2)])
     group.barrier(timeout=10)
     return {"ok": ok, "overflow": overflow, "gone": gone}
 
@@ -164,25 +164,25 @@ def _no_shm(rank: int, port: int, off_rank: int) -> dict:
     if rank == off_rank:
         os.environ[spg_shm.ENV_VAR] = "0"
     group = _create(rank, port, 2)
-    group.barrier(timeout=10)  # the probe, this time in a barrier
     got = [group.all_gather_obj((rank, i)) for i in range(5)]
     group.barrier(timeout=10)  # rank 0 serves the store: nobody is still using it after this
-    return {"boards": group._board_names, "ok": got == [[(0, i), (1, i)] for i in range(5)]}
+    return {
+        "boards": transport_of(group) == "shm",
+        "ok": got == [[(0, i), (1, i)] for i in range(5)],
+    }
 
 
 def test_boards_need_every_rank() -> None:
     # One rank may not use shared memory: nobody gathers over boards, nobody keeps one.
     for result in run_ranks(_no_shm, 2, free_port(), 1, timeout=60):
-        assert result == {"boards": None, "ok": True}
+        assert result == {"boards": False, "ok": True}
 
 
 def _messages(rank: int, port: int) -> dict:
     group = _create(rank, port, 2)
     peer = 1 - rank
-    # Sent before the ranks know they share the node: through the store queue.
+    assert transport_of(group) == "shm"
     group.send_obj(("early", rank), peer)
-    group.all_gather_obj(None)  # the probe
-    assert group._board_names is not None
     # Both ranks send more than a ring holds before receiving anything (sending never
     # waits), in sizes for a slot, for the store queue, and for a segment.
     sizes = [10, 70_000, 10, 300_000] + [5] * (2 * spg_board.RING)
@@ -203,14 +203,14 @@ def _messages(rank: int, port: int) -> dict:
     left = group.store.queue_len(f"p2p/{peer}/{rank}") if rank == 0 else 0
     left += group.store.queue_len(f"p2p/{rank}/{peer}") if rank == 0 else 0
     group.barrier(timeout=10)
-    return {"ok": got == expected, "left": left, "spilled": group._queue_sent[peer]}
+    return {"ok": got == expected, "left": left, "spilled": group._transport._queue_sent[peer]}
 
 
 def test_messages_over_the_boards_keep_their_order_whichever_way_they_go() -> None:
     for result in run_ranks(_messages, 2, free_port(), timeout=90):
         assert result["ok"]
         assert result["left"] == 0  # every message that took a store queue was received
-        assert result["spilled"] >= 2  # the early one and the 70 KB one at least
+        assert result["spilled"] >= 2  # the 70 KB one, and those a full ring turned away
 
 
 def test_a_closing_board_hands_over_its_unreceived_messages() -> None:
@@ -235,7 +235,7 @@ def test_a_closing_board_hands_over_its_unreceived_messages() -> None:
 def _barriers(rank: int, port: int, world_size: int) -> dict:
     group = _create(rank, port, world_size, timeout=300)
     group.barrier(timeout=10)  # the probe
-    assert group._board_names is not None
+    assert transport_of(group) == "shm"
     # Barriers over the boards make no store request (an empty store would show writes and
     # never answer a wait).
     store, empty = group.store, HashStore()
@@ -283,8 +283,8 @@ def test_a_rank_that_exits_fails_a_board_barrier_at_once() -> None:
 
 def _no_room(rank: int, port: int) -> dict:
     group = _create(rank, port, 2)
-    group.all_gather_obj(None)  # the probe: the boards are made and opened
-    board = group._board
+    group.all_gather_obj(None)
+    board = group._transport.board
     # Writes past 300 KiB into a file now fail (EFBIG, as ENOSPC would on a full /dev/shm):
     # the second gather slot and every message slot lie beyond.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -305,7 +305,7 @@ def _no_room(rank: int, port: int) -> dict:
     return {
         "gathered": gathered == expected,
         "messages": got == [(peer, i) for i in range(3)],
-        "queued": group._queue_sent[peer],
+        "queued": group._transport._queue_sent[peer],
     }
 
 
@@ -316,7 +316,7 @@ def test_no_room_on_dev_shm_sends_values_through_the_store() -> None:
 
 def _broadcasts(rank: int, port: int, world_size: int) -> dict:
     group = _create(rank, port, world_size)
-    group.all_gather_obj(None)  # the probe
+    group.all_gather_obj(None)
     # Small broadcasts from every rank in turn: no store request at all.
     store, empty = group.store, HashStore()
     empty.set_timeout(datetime.timedelta(seconds=5))

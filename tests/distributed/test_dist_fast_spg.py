@@ -29,6 +29,7 @@ from bridge_py.distributed.shm import segments as spg_segments
 from bridge_py.distributed.shm.wait import process_alive
 from bridge_py.distributed.spg import keys
 from bridge_py.distributed.spg import values as spg_shm
+from bridge_py.distributed.spg.store_transport import StoreTransport
 from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = [
@@ -79,14 +80,14 @@ def _large_values(rank: int, port: int, disabled_rank: int | None) -> dict:
     # through the store: nobody knows yet).
     group.all_gather_obj(os.getpid())
     result["gather"] = group.all_gather_obj(_big(rank)) == [_big(r) for r in range(3)]
-    result["segments_after_gather"] = group._segments._generation
+    result["segments_after_gather"] = group._values.segments._generation
     result["bcast"] = group.broadcast_obj(BIG if rank == 0 else None, src=0) == BIG
-    result["segments_after_bcast"] = group._segments._generation
+    result["segments_after_bcast"] = group._values.segments._generation
     if rank == 0:
         group.send_obj(BIG, dst=2)
     if rank == 2:
         result["p2p"] = group.recv_obj(0, timeout=10) == BIG
-    result["segments_after_p2p"] = group._segments._generation
+    result["segments_after_p2p"] = group._values.segments._generation
     tensor = torch.arange(100_000, dtype=torch.float32)
     got = group.broadcast_obj(tensor if rank == 1 else None, src=1)
     result["tensor"] = torch.equal(got, tensor)
@@ -310,13 +311,17 @@ def keyed_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple]:
         StatelessProcessGroup(rank=r, world_size=2, store=served.store, socket=None)
         for r in range(2)
     )
-    node = spg_shm.node_identity()
     for group in pair:
         group.auth_key = KEY
-        group._learn_nodes([node, node])
+        # What create() would choose for ranks of one node that have no boards: the store,
+        # with large values in segments.
+        group._store_transport = StoreTransport(
+            group.store, group.rank, 2, group._values, group.entries, [True, True]
+        )
+        group._transport = group._store_transport
     yield pair
     for group in pair:
-        group._segments.release()
+        group._values.segments.release()
     served.socket.close()
 
 
@@ -339,7 +344,7 @@ def test_keyed_shared_memory_values_are_checked(keyed_pair) -> None:
     rank1.broadcast_obj(BIG[::-1], src=1)
     assert rank0.broadcast_obj(None, src=1, timeout=5) == BIG[::-1]
     assert _segments_of(os.getpid()) == [name]
-    assert rank1._segments._count == 1
+    assert rank1._values.segments._count == 1
 
 
 def test_a_segment_holding_another_value_is_refused(keyed_pair) -> None:
@@ -383,7 +388,7 @@ def _reuse(rank: int, port: int, world_size: int) -> dict:
         elif rank == 1:
             ok.append(group.recv_obj(0, timeout=10) == _value(100 + i))
             group.send_obj("read", dst=0)
-    created = group._segments._count
+    created = group._values.segments._count
     files = _segments_of(os.getpid())
     group.barrier(timeout=10)
     return {"ok": ok, "created": created, "files": files, "pid": os.getpid()}
@@ -410,7 +415,7 @@ def _flood(rank: int, port: int) -> dict:
     if rank == 0:
         for i in range(count):
             group.send_obj(_value(i), dst=1)
-        result["created"] = group._segments._count
+        result["created"] = group._values.segments._count
     group.barrier(timeout=10)  # all sent before any is read
     if rank == 1:
         result["ok"] = [group.recv_obj(0, timeout=20) == _value(i) for i in range(count)]

@@ -12,7 +12,13 @@ from torch.distributed import HashStore
 
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.spg import keys
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import (
+    TRANSPORTS,
+    free_port,
+    run_ranks,
+    transport_of,
+    use_transport,
+)
 
 BIG = bytes(range(256)) * (4 * 1024 * 1024 // 256)  # 4 MiB
 OBJECTS = [
@@ -32,8 +38,13 @@ OBJECTS = [
 ]
 
 
-def _create(rank: int, port: int, world_size: int, **kwargs: object) -> StatelessProcessGroup:
-    return StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, **kwargs)
+def _create(
+    rank: int, port: int, world_size: int, transport: str, **kwargs: object
+) -> StatelessProcessGroup:
+    use_transport(transport)
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, **kwargs)
+    assert transport_of(group) == transport
+    return group
 
 
 def _same(a: object, b: object) -> bool:
@@ -42,8 +53,8 @@ def _same(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _send_recv(rank: int, port: int) -> dict:
-    group = _create(rank, port, 2, store_timeout=30)
+def _send_recv(rank: int, port: int, transport: str) -> dict:
+    group = _create(rank, port, 2, transport, store_timeout=30)
     peer = 1 - rank
     if rank == 0:
         for obj in OBJECTS:
@@ -62,8 +73,9 @@ def _send_recv(rank: int, port: int) -> dict:
     }
 
 
-def test_send_recv_objects_of_several_types() -> None:
-    results = run_ranks(_send_recv, 2, free_port())
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_send_recv_objects_of_several_types(transport: str) -> None:
+    results = run_ranks(_send_recv, 2, free_port(), transport)
     n = len(OBJECTS)
     for rank, result in enumerate(results):
         assert all(result["same"]), result["same"]
@@ -73,8 +85,8 @@ def test_send_recv_objects_of_several_types() -> None:
     assert results[0]["keys"] == 2
 
 
-def _two_senders(rank: int, port: int) -> list | None:
-    group = _create(rank, port, 3, store_timeout=30)
+def _two_senders(rank: int, port: int, transport: str) -> list | None:
+    group = _create(rank, port, 3, transport, store_timeout=30)
     if rank == 0:
         group.barrier()  # both senders have sent everything before anything is read
         from_2 = [group.recv_obj(src=2) for _ in range(5)]
@@ -86,14 +98,15 @@ def _two_senders(rank: int, port: int) -> list | None:
     return None
 
 
-def test_two_senders_to_one_receiver_do_not_collide() -> None:
-    from_1, from_2 = run_ranks(_two_senders, 3, free_port())[0]
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_senders_to_one_receiver_do_not_collide(transport: str) -> None:
+    from_1, from_2 = run_ranks(_two_senders, 3, free_port(), transport)[0]
     assert from_1 == [(1, i) for i in range(5)]
     assert from_2 == [(2, i) for i in range(5)]
 
 
-def _broadcast_each(rank: int, port: int) -> dict:
-    group = _create(rank, port, 3, store_timeout=30)
+def _broadcast_each(rank: int, port: int, transport: str) -> dict:
+    group = _create(rank, port, 3, transport, store_timeout=30)
     received = []
     for round_ in range(2):
         for src in range(3):
@@ -110,8 +123,9 @@ def _broadcast_each(rank: int, port: int) -> dict:
     }
 
 
-def test_broadcast_from_each_src() -> None:
-    results = run_ranks(_broadcast_each, 3, free_port())
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_broadcast_from_each_src(transport: str) -> None:
+    results = run_ranks(_broadcast_each, 3, free_port(), transport)
     expected = [
         {"src": src, "round": r, "data": [src * 10 + r] * 3} for r in range(2) for src in range(3)
     ]
@@ -122,8 +136,8 @@ def test_broadcast_from_each_src() -> None:
     assert results[0]["keys"] == 2
 
 
-def _all_gather(rank: int, port: int) -> dict:
-    group = _create(rank, port, 4, store_timeout=30)
+def _all_gather(rank: int, port: int, transport: str) -> dict:
+    group = _create(rank, port, 4, transport, store_timeout=30)
     first = group.all_gather_obj(rank * rank)
     second = group.all_gather_obj({"rank": rank, "t": torch.full((2,), float(rank))})
     group.barrier()
@@ -138,8 +152,9 @@ def _all_gather(rank: int, port: int) -> dict:
     }
 
 
-def test_all_gather_obj_returns_rank_order() -> None:
-    results = run_ranks(_all_gather, 4, free_port())
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_gather_obj_returns_rank_order(transport: str) -> None:
+    results = run_ranks(_all_gather, 4, free_port(), transport)
     for rank, result in enumerate(results):
         assert result["first"] == [0, 1, 4, 9]
         assert result["second"] == [(r, [float(r)] * 2) for r in range(4)]
@@ -149,8 +164,8 @@ def test_all_gather_obj_returns_rank_order() -> None:
     assert results[0]["keys"] == 2
 
 
-def _barrier_sync(rank: int, port: int) -> tuple[float, float]:
-    group = _create(rank, port, 3, store_timeout=30)
+def _barrier_sync(rank: int, port: int, transport: str) -> tuple[float, float]:
+    group = _create(rank, port, 3, transport, store_timeout=30)
     if rank == 2:
         time.sleep(0.5)
     entered = time.time()
@@ -160,8 +175,9 @@ def _barrier_sync(rank: int, port: int) -> tuple[float, float]:
     return entered, left
 
 
-def test_barrier_waits_for_the_last_rank() -> None:
-    times = run_ranks(_barrier_sync, 3, free_port())
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_barrier_waits_for_the_last_rank(transport: str) -> None:
+    times = run_ranks(_barrier_sync, 3, free_port(), transport)
     last_entry = max(entered for entered, _ in times)
     assert all(left >= last_entry for _, left in times)
 
@@ -177,8 +193,8 @@ def _data_keys(group: StatelessProcessGroup) -> list[str]:
     return sorted(found + [keys.p2p_value(0, 1, n) for n in range(queued)])
 
 
-def _expire(rank: int, port: int) -> dict:
-    group = _create(rank, port, 2, data_expiration_seconds=1, store_timeout=30)
+def _expire(rank: int, port: int, transport: str) -> dict:
+    group = _create(rank, port, 2, transport, data_expiration_seconds=1, store_timeout=30)
     written = []
     if rank == 0:
         for i in range(3):
@@ -199,7 +215,8 @@ def _expire(rank: int, port: int) -> dict:
 
 
 def test_expire_data_deletes_old_keys() -> None:
-    results = run_ranks(_expire, 2, free_port())
+    # What expire_data deletes is in the store: ranks on several machines.
+    results = run_ranks(_expire, 2, free_port(), "store")
     assert len(results[0]["written"]) == 5  # 3 sends, a broadcast value and its ack counter
     join_keys = ["join/count", "join/done"]
     unreceived = [f"p2p/0/1/{i}" for i in range(3)]
@@ -269,8 +286,8 @@ def test_single_rank_group_in_process() -> None:
     assert group.store.num_keys() == 2
 
 
-def _gather_alone(rank: int, port: int) -> dict:
-    group = _create(rank, port, 2, store_timeout=2)
+def _gather_alone(rank: int, port: int, transport: str) -> dict:
+    group = _create(rank, port, 2, transport, store_timeout=2)
     result: dict = {}
     group.barrier(timeout=10)  # the first barrier learns where the ranks run
     if rank == 0:
@@ -289,8 +306,11 @@ def _gather_alone(rank: int, port: int) -> dict:
     return result
 
 
-def test_all_gather_times_out_within_the_store_timeout_naming_the_missing_rank() -> None:
-    results = run_ranks(_gather_alone, 2, free_port(), timeout=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_gather_times_out_within_the_store_timeout_naming_the_missing_rank(
+    transport: str,
+) -> None:
+    results = run_ranks(_gather_alone, 2, free_port(), transport, timeout=60)
     error = results[0]["error"]
     assert "all_gather_obj on rank 0 timed out" in error and "ranks [1]" in error, error
     assert results[0]["elapsed"] < 2 * 2, results[0]  # one wait of the store timeout, not two

@@ -3,7 +3,9 @@
 A doomed rank is a real process started here (not by ``run_ranks``, which fails when one of
 its ranks dies): it joins the group, then exits with ``os._exit`` or SIGKILLs itself at a
 chosen point. The survivors run under ``run_ranks`` with a large ``store_timeout`` (300 s)
-and must get a clear RuntimeError within their own, much smaller, timeout.
+and must get a clear RuntimeError within their own, much smaller, timeout: over the store,
+a GroupTimeout at that timeout; on one machine (shared memory), a PeerGoneError as soon as
+the rank is seen gone, within about a second.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.spg import keys
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import TRANSPORTS, free_port, run_ranks, use_transport
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,7 +48,8 @@ def doomed(target: Callable[..., None], *args: Any) -> Iterator[multiprocessing.
         proc.join(5)
 
 
-def _join_then_die(rank: int, world_size: int, port: int, how: str) -> None:
+def _join_then_die(rank: int, world_size: int, port: int, how: str, transport: str) -> None:
+    use_transport(transport)
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=60)
     if how == "arrive_then_kill":  # dies inside barrier 0, having arrived first in phase 1
         group.store.add(keys.barrier_arrivals(0), 1)
@@ -66,7 +69,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[str, float]:
     raise AssertionError("expected a RuntimeError")
 
 
-def _survivor_of_silent_sender(rank: int, port: int) -> dict:
+def _survivor_of_silent_sender(rank: int, port: int, transport: str) -> dict:
+    use_transport(transport)
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=300)
     result: dict = {}
     if rank == 1:
@@ -85,39 +89,49 @@ def _survivor_of_silent_sender(rank: int, port: int) -> dict:
     return result
 
 
-def test_waits_for_a_dead_sender_end_within_their_timeout() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_waits_for_a_dead_sender_end_within_their_timeout(transport: str) -> None:
     port = free_port()
-    with doomed(_join_then_die, 2, 3, port, "exit"):
-        results = run_ranks(_survivor_of_silent_sender, 3, port, ranks=[0, 1], timeout=60)
+    with doomed(_join_then_die, 2, 3, port, "exit", transport):
+        results = run_ranks(
+            _survivor_of_silent_sender, 3, port, transport, ranks=[0, 1], timeout=60
+        )
+    # Over the store the wait runs out; on one machine the dead rank is seen gone at once.
+    gone = "timed out" if transport == "store" else "rank 2 exited"
     message, elapsed = results[1]["recv"]
     assert elapsed < BOUND, message
-    for part in ("recv_obj on rank 1", "timed out", "'p2p/2/1/0'", "from rank 2", "timeout 3 s"):
+    for part in ("recv_obj on rank 1", gone, "'p2p/2/1/0'"):
         assert part in message
+    if transport == "store":
+        assert "from rank 2" in message and "timeout 3 s" in message
     message, elapsed = results[0]["bcast"]
     assert elapsed < BOUND, message
-    for part in ("broadcast_obj on rank 0", "'bcast/2/0'", "from rank 2"):
+    for part in ("broadcast_obj on rank 0", "'bcast/2/0'", gone):
         assert part in message
     assert results[0]["after"] == "back"
     assert results[1]["after"] == "still here"
     assert results[1]["bcast_after"] == {"x": 1}
 
 
-def _survivor_default_timeout(rank: int, port: int) -> dict:
+def _survivor_default_timeout(rank: int, port: int, transport: str) -> dict:
     # No timeout argument: the store's timeout bounds the wait, as in vLLM.
+    use_transport(transport)
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=3)
     return {"recv": _timed(lambda: group.recv_obj(1))}
 
 
 def test_default_timeout_is_the_stores() -> None:
+    # Over the store, where a dead rank shows only as silence (on one machine it is seen gone).
     port = free_port()
-    with doomed(_join_then_die, 1, 2, port, "exit"):
-        (result,) = run_ranks(_survivor_default_timeout, 2, port, ranks=[0], timeout=60)
+    with doomed(_join_then_die, 1, 2, port, "exit", "store"):
+        (result,) = run_ranks(_survivor_default_timeout, 2, port, "store", ranks=[0], timeout=60)
     message, elapsed = result["recv"]
     assert 2.5 < elapsed < BOUND, message
     assert "timeout 3 s" in message and "'p2p/1/0/0'" in message
 
 
-def _survivor_of_barrier_death(rank: int, port: int) -> dict:
+def _survivor_of_barrier_death(rank: int, port: int, transport: str) -> dict:
+    use_transport(transport)
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=300)
     result: dict = {}
     # Rank 2 arrived at barrier 0 and was killed: everyone arrived, so rank 1 passes, but
@@ -141,9 +155,10 @@ def _survivor_of_barrier_death(rank: int, port: int) -> dict:
 
 
 def test_a_rank_killed_inside_a_barrier() -> None:
+    # The store's barrier (test_dist_board has the boards'): rank 2 adds its arrival itself.
     port = free_port()
-    with doomed(_join_then_die, 2, 3, port, "arrive_then_kill") as proc:
-        results = run_ranks(_survivor_of_barrier_death, 3, port, ranks=[0, 1], timeout=60)
+    with doomed(_join_then_die, 2, 3, port, "arrive_then_kill", "store") as proc:
+        results = run_ranks(_survivor_of_barrier_death, 3, port, "store", ranks=[0, 1], timeout=60)
         assert proc.exitcode == -signal.SIGKILL
     message, elapsed = results[0]["first"]
     assert elapsed < BOUND, message
@@ -159,16 +174,18 @@ def test_a_rank_killed_inside_a_barrier() -> None:
     assert results[0]["after"] == "ok too"
 
 
-def _survivor_of_store_owner(rank: int, port: int) -> tuple[str, float]:
+def _survivor_of_store_owner(rank: int, port: int, transport: str) -> tuple[str, float]:
+    use_transport(transport)
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=300)
     return _timed(lambda: group.recv_obj(0, timeout=TIMEOUT))
 
 
-def test_the_store_owner_killed_while_others_wait() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_store_owner_killed_while_others_wait(transport: str) -> None:
     port = free_port()
-    with doomed(_join_then_die, 0, 3, port, "kill_later"):
-        results = run_ranks(_survivor_of_store_owner, 3, port, ranks=[1, 2], timeout=60)
+    with doomed(_join_then_die, 0, 3, port, "kill_later", transport):
+        results = run_ranks(_survivor_of_store_owner, 3, port, transport, ranks=[1, 2], timeout=60)
     for rank, (message, elapsed) in zip((1, 2), results, strict=True):
         assert elapsed < BOUND, message
         assert f"recv_obj on rank {rank}" in message
-        assert f"'p2p/0/{rank}/0' from rank 0" in message
+        assert f"'p2p/0/{rank}/0'" in message and "rank 0" in message

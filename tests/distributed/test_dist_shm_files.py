@@ -10,7 +10,6 @@ node and the board to open) is refused before the group acts on it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueu
 from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, SegmentOwner
 from bridge_py.distributed.spg import board as spg_board
-from bridge_py.distributed.spg import keys
 from bridge_py.distributed.spg import values as spg_shm
+from tests.distributed.harness import transport_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,16 +202,16 @@ def test_a_queue_ring_is_checked_before_a_reader_attaches() -> None:
 
 @pytest.fixture
 def keyed_rank0(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatelessProcessGroup]:
-    """Rank 0 of a keyed 2-rank group over a real store, whose rank 1 is the test itself."""
+    """Rank 0 of a keyed 2-rank group over a real store, whose rank 1 is the test itself:
+    rank 0's side of ``create`` learning where the ranks run is ``_choose_transport``."""
     monkeypatch.delenv(auth.ENV_VAR, raising=False)
     served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=10)
     rank0 = StatelessProcessGroup(rank=0, world_size=2, store=served.store, socket=None)
     rank0.auth_key = KEY
     yield rank0
-    with contextlib.suppress(Exception):
-        if rank0._board is not None:
-            rank0._board.close()
-    rank0._segments.release()
+    if transport_of(rank0) == "shm":
+        rank0._transport.board.close()
+    rank0._values.segments.release()
     served.socket.close()
 
 
@@ -221,44 +220,24 @@ def _forged_card(board: spg_board.Board) -> bytes:
     return spg_shm.node_identity() + b"\n" + board.name.encode()
 
 
-def test_a_forged_node_card_is_refused_in_the_first_gather(keyed_rank0) -> None:
-    store = keyed_rank0.store
+def test_a_forged_node_card_is_refused(keyed_rank0) -> None:
     foreign = spg_board.Board(1, 2)  # a real board: the card would be believed and opened
     try:
-        store.set(keys.broadcast_value(1, 0), auth.sign(KEY, "spg/bcast/1/0", pickle.dumps(1)))
-        store.set(keys.gather_node(1, 0), _forged_card(foreign))
+        keyed_rank0.store.set("node/1", _forged_card(foreign))
         with pytest.raises(AuthenticationError) as info:
-            keyed_rank0.all_gather_obj(0)
-        assert "the node card 'bcast/1/0/node' of rank 1" in str(info.value)
-        assert keyed_rank0._nodes is None and keyed_rank0._board_names is None
-    finally:
-        foreign.close()
-
-
-def test_a_forged_node_card_is_refused_in_the_first_barrier(keyed_rank0) -> None:
-    store = keyed_rank0.store
-    foreign = spg_board.Board(1, 2)
-    try:
-        store.add(keys.barrier_arrivals(0), 1)  # rank 1 has arrived
-        store.set(keys.barrier_node(0, 1), _forged_card(foreign))
-        with pytest.raises(AuthenticationError) as info:
-            keyed_rank0.barrier(timeout=5)
-        assert "the node card 'barrier/0/node/1' of rank 1" in str(info.value)
-        assert keyed_rank0._nodes is None and keyed_rank0._board_names is None
+            keyed_rank0._choose_transport()
+        assert "the node card 'node/1' of rank 1" in str(info.value)
+        assert transport_of(keyed_rank0) == "store"
     finally:
         foreign.close()
 
 
 def test_sealed_node_cards_are_believed(keyed_rank0) -> None:
-    store = keyed_rank0.store
     peer = spg_board.Board(1, 2)
     try:
-        store.set(keys.broadcast_value(1, 0), auth.sign(KEY, "spg/bcast/1/0", pickle.dumps(1)))
-        card = auth.sign(KEY, "spg/bcast/1/0/node", _forged_card(peer))
-        store.set(keys.gather_node(1, 0), card)
-        assert keyed_rank0.all_gather_obj(0) == [0, 1]
-        assert keyed_rank0._nodes == [spg_shm.node_identity()] * 2
-        assert keyed_rank0._board_names is not None  # both boards open (for barriers)
+        keyed_rank0.store.set("node/1", auth.sign(KEY, "spg/node/1", _forged_card(peer)))
+        keyed_rank0._choose_transport()
+        assert transport_of(keyed_rank0) == "shm"  # both boards open, values sealed on them
     finally:
         peer.close()
 
@@ -270,33 +249,21 @@ def plain_rank0(monkeypatch: pytest.MonkeyPatch) -> Iterator[StatelessProcessGro
     served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=10)
     rank0 = StatelessProcessGroup(rank=0, world_size=2, store=served.store, socket=None)
     yield rank0
-    if rank0._board is not None:
-        rank0._board.close()
-    rank0._segments.release()
+    rank0._values.segments.release()
     served.socket.close()
 
 
-@pytest.mark.parametrize("first", ["all_gather_obj", "barrier"])
-def test_a_group_refuses_a_board_others_may_write(plain_rank0, first: str) -> None:
-    store = plain_rank0.store
+def test_a_group_refuses_a_board_others_may_write(plain_rank0) -> None:
     peer = spg_board.Board(1, 2)  # rank 1's board, then opened up to everyone
     path = SHM / peer.name
     path.chmod(0o666)
     try:
-        card = _forged_card(peer)
-        if first == "all_gather_obj":
-            store.set(keys.broadcast_value(1, 0), pickle.dumps(1))
-            store.set(keys.gather_node(1, 0), card)
-            call = lambda: plain_rank0.all_gather_obj(0)  # noqa: E731
-        else:
-            store.add(keys.barrier_arrivals(0), 1)
-            store.set(keys.barrier_node(0, 1), card)
-            call = lambda: plain_rank0.barrier(timeout=5)  # noqa: E731
+        plain_rank0.store.set("node/1", _forged_card(peer))
         with pytest.raises(spg_board.BoardError) as info:
-            call()
+            plain_rank0._choose_transport()
         message = str(info.value)
         assert "rank 0 could not join the boards" in message and str(path) in message, message
         assert "mode 666" in message, message
-        assert plain_rank0._board_names is None  # nothing goes over the boards
+        assert transport_of(plain_rank0) == "store"  # nothing goes over the boards
     finally:
         peer.close()

@@ -5,7 +5,8 @@ A worker (``python -m bridge_py.worker``, the shipped export table) runs with th
 worker: it serves its own TCPStore, plants an object whose unpickling writes a marker file,
 signed with the attacker's own key, and asks the worker to join that store with
 ``StatelessProcessGroup.create(..., auth_key=<attacker's key>)`` and then to ``recv_obj`` it.
-The worker must refuse the foreign key (or, without an explicit key, the foreign signature)
+The worker must refuse the foreign key (or, without an explicit key, the foreign signature of
+the first value it reads, the attacker's node card)
 with a clear error, and the marker must never appear. A worker run with
 ``VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`` and no key refuses to form groups and queues at all.
 """
@@ -87,6 +88,8 @@ def planted(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     assert sock is not None
     try:
         store.add(JOIN_COUNT, 1)  # rank 0 (the attacker) has joined; the worker makes two
+        # Rank 0's node card, as a group's create() exchanges them: on another machine.
+        store.set("node/0", auth.sign(ATTACKER_KEY.encode(), "spg/node/0", b"-"))
         context = "spg/" + keys.p2p_value(0, 1, 0)  # what StatelessProcessGroup's tags bind
         sealed = auth.sign(ATTACKER_KEY.encode(), context, pickle.dumps(Evil(target)))
         store.queue_push(keys.p2p_queue(0, 1), spg_p2p.frame(0, sealed))
@@ -136,14 +139,13 @@ def test_with_the_operators_key_a_foreign_signature_is_never_unpickled(
     operated: PortClient, planted: tuple[int, Path]
 ) -> None:
     port, target = planted
-    group = operated.function(
-        "StatelessProcessGroup.create", "127.0.0.1", port, 1, 2, store_timeout=10
-    )
+    # The attacker's first signed value is its node card, exchanged in create: refused there.
     with pytest.raises(WorkerError) as info:
-        operated.call(group, "recv_obj", 0, timeout=10)
+        operated.function("StatelessProcessGroup.create", "127.0.0.1", port, 1, 2, store_timeout=10)
     message = info.value.error.message
-    assert "refused the value of message 'p2p/0/1/0' from rank 0" in message, message
+    assert "refused the node card 'node/0' of rank 0" in message, message
     assert "HMAC does not match" in message, message
+    assert info.value.error.python_type.endswith("AuthenticationError"), info.value.error
     assert not target.exists(), "the worker unpickled the attacker's object"
     _no_key_in(info.value)
 

@@ -182,14 +182,14 @@ def _release(mapping: mmap.mmap, views: dict[Any, Any]) -> None:
         mapping.close()
 
 
-def _own_mapping(shm: shared_memory.SharedMemory) -> mmap.mmap:
+def _own_mapping(shm: shared_memory.SharedMemory | posix.Attached) -> mmap.mmap:
     """A mapping of ``shm``'s segment owned by us, and ``shm`` closed.
 
     ``SharedMemory.close`` (also run by its ``__del__``) fails while torch tensors view its
     buffer; a plain mmap is simply unmapped once its last view is gone.
     """
     try:
-        return mmap.mmap(shm._fd, shm.size)  # type: ignore[attr-defined]
+        return mmap.mmap(posix.fileno(shm), shm.size)
     finally:
         shm.close()
 

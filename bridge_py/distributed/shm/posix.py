@@ -11,21 +11,24 @@ so a reader that exits would remove the writer's segment from under everyone els
   that a creator killed before it removes its segment still leaves nothing behind (for
   segments only their creator removes); ``tracked=False`` is for segments another process
   removes.
-* :func:`attach` opens another process's segment, never registered, and checked before
-  anything is read from it (``files.check_peer_fd``: this user's regular file, writable by
-  this user only; ``shm_open`` does not follow links).
+* :func:`attach` opens another process's segment itself (an :class:`Attached`: the same
+  names as SharedMemory's), so the tracker never hears of it, and checks it before anything
+  is read from it (``files.open_peer_file``: not a link, this user's regular file, writable
+  by this user only).
 * :func:`unlink` removes a segment's name (the memory goes with its last mapping).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
-from bridge_py.distributed.shm.files import SHM_DIR, check_peer_fd
+from bridge_py.distributed.shm.files import SHM_DIR, open_peer_file
 
-__all__ = ["attach", "create", "unlink"]
+__all__ = ["Attached", "attach", "create", "fileno", "unlink"]
 
 # Python 3.13 lets a segment stay out of the tracker (``track=False``).
 _HAS_TRACK = sys.version_info >= (3, 13)
@@ -41,30 +44,61 @@ def create(name: str, size: int, *, tracked: bool = True) -> SharedMemory:
     return segment
 
 
-def attach(name: str) -> SharedMemory:
-    """Open the existing segment ``name`` that another process made, without the resource
-    tracker claiming it; UntrustedFileError (a PermissionError) naming the file when it is
-    not this user's own, or others may write it."""
-    if _HAS_TRACK:
-        segment = SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    else:
-        segment = SharedMemory(name=name)
-        _untrack(segment)
-    try:
-        check_peer_fd(segment._fd, f"{SHM_DIR}/{name.lstrip('/')}")  # type: ignore[attr-defined]
-    except BaseException:
-        segment.close()
-        raise
-    return segment
+class Attached:
+    """Another process's segment, opened and mapped: what ``SharedMemory(name)`` gives
+    (``name``, ``size``, ``buf``, ``close``, ``unlink``), without its resource tracker."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name.lstrip("/")
+        path = f"{SHM_DIR}/{self.name}"
+        self._fd = open_peer_file(path, os.O_RDWR)  # checked: this user's file only
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self._mmap = mmap.mmap(self._fd, self.size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.buf: memoryview = memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap and close (BufferError while a view of ``buf`` is still held)."""
+        if self._fd < 0:
+            return
+        self.buf.release()
+        self._mmap.close()
+        os.close(self._fd)
+        self._fd = -1
+
+    def unlink(self) -> None:
+        """Remove the segment's name (FileNotFoundError if it is gone already)."""
+        os.unlink(f"{SHM_DIR}/{self.name}")
+
+    def fileno(self) -> int:
+        """The open file descriptor of the segment."""
+        return self._fd
 
 
-def unlink(segment: SharedMemory, *, tracked: bool = True) -> None:
+def attach(name: str) -> Attached:
+    """Open the existing segment ``name`` that another process made, never telling the
+    resource tracker; UntrustedFileError (a PermissionError) naming the file when it is not
+    this user's own regular file, or others may write it, or it is a link."""
+    return Attached(name)
+
+
+def fileno(segment: SharedMemory | Attached) -> int:
+    """The file descriptor of a segment from :func:`create` or :func:`attach`."""
+    if isinstance(segment, Attached):
+        return segment.fileno()
+    return int(segment._fd)  # type: ignore[attr-defined]  # SharedMemory keeps it private
+
+
+def unlink(segment: SharedMemory | Attached, *, tracked: bool = True) -> None:
     """Remove ``segment``'s name; FileNotFoundError if it is gone already.
 
     ``tracked`` says how it was made (or False for one from :func:`attach`): an untracked
     segment is removed without telling the tracker, which does not know it.
     """
-    if tracked or _HAS_TRACK:
+    if tracked or _HAS_TRACK or isinstance(segment, Attached):
         segment.unlink()
         return
     from multiprocessing.shared_memory import _posixshmem  # type: ignore[attr-defined]

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 __all__ = [
     "barrier_arrivals",
-    "barrier_node",
     "barrier_queue",
     "broadcast_acks",
     "broadcast_value",
-    "gather_node",
-    "gather_queue",
     "p2p_queue",
     "p2p_value",
 ]
@@ -47,16 +44,6 @@ def broadcast_acks(src: int, seq: int) -> str:
     return f"bcast/{src}/{seq}/acks"
 
 
-def gather_node(src: int, seq: int) -> str:
-    """``src``'s node identity, written with its value of the group's first all_gather."""
-    return f"bcast/{src}/{seq}/node"
-
-
-def gather_queue(src: int, dst: int) -> str:
-    """The store queue of ``src``'s all_gather values for ``dst`` (two ranks; see spg_p2p)."""
-    return f"gx/{src}/{dst}"
-
-
 def barrier_arrivals(barrier_id: int) -> str:
     """Counter of ranks that reached barrier ``barrier_id`` (phase 1); deleted by rank 0."""
     return f"barrier/{barrier_id}/arrivals"
@@ -65,8 +52,3 @@ def barrier_arrivals(barrier_id: int) -> str:
 def barrier_queue(rank: int) -> str:
     """The store queue of barrier messages to ``rank`` (popped, so removed, by ``rank``)."""
     return f"barrier/queue/{rank}"
-
-
-def barrier_node(barrier_id: int, rank: int) -> str:
-    """``rank``'s node identity, written at the group's first barrier (deleted with it)."""
-    return f"barrier/{barrier_id}/node/{rank}"

@@ -38,7 +38,7 @@ import struct
 import sys
 from typing import Any
 
-from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
@@ -51,6 +51,7 @@ __all__ = [
     "THRESHOLD",
     "THRESHOLD_ENV_VAR",
     "SharedValue",
+    "Values",
     "dump",
     "dump_pickled",
     "enabled",
@@ -350,3 +351,90 @@ def open_descriptor(
         generation=generation,
         rank=rank,
     )
+
+
+class Values:
+    """How one rank of a group turns objects into what it sends, and back.
+
+    An object becomes its pickle, or, when every reader shares this node (``readers``
+    given) and the pickle is large, a descriptor of a segment holding it; the result is
+    sealed for its name (``auth.seal_payload``: with the group's key, an HMAC bound to
+    ``spg/<name>``). Reading checks the seal before anything is unpickled.
+    """
+
+    def __init__(self, rank: int, world_size: int, key: bytes | None) -> None:
+        self.rank = rank
+        self.key = key
+        self.segments = SegmentOwner(world_size)
+        self._threshold = threshold()  # read once: the environment lookup costs
+        # Whether the last value for shared memory was large: pickle the next into a segment.
+        self._spilled = False
+
+    def pack(
+        self, name: str, obj: Any, readers: list[int] | None = None
+    ) -> tuple[bytes, str | None]:
+        """What to send for ``obj`` under ``name``, and the segment it named (or None).
+
+        ``readers``: the ranks that will read it, when all share this node (else None: no
+        segment). A large pickle then goes to a segment, reused once they all marked it read.
+        """
+        limit = self._threshold
+        keyed = self.key is not None
+        if readers and (self._spilled or sys.getsizeof(obj) > limit):
+            # Looks large (or the last value was): pickle straight into a segment.
+            payload = dump(obj, self.segments, keyed, readers)
+        else:
+            # Pickling into a spill file costs several times a plain pickle, so small objects
+            # (most) are pickled plainly, and copied to a segment only if that was wrong.
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            if not readers or len(payload) <= limit:
+                return seal_payload(self.key, _context(name), payload), None
+            payload = dump_pickled(payload, self.segments, keyed, readers)
+        segment = segment_name(payload)
+        self._spilled = segment is not None
+        return seal_payload(self.key, _context(name), payload), segment
+
+    def open(self, name: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
+        """The checked payload of ``data`` (``name``, from ``src``): bytes, or an open
+        :class:`SharedValue`. ``label`` says what ``name`` is in error messages."""
+        what = f"the value of {label} {name!r} from rank {src} (received by rank {self.rank})"
+        payload = open_payload(self.key, _context(name), data, what)
+        if is_descriptor(payload):
+            return open_descriptor(payload, self.key is not None, what, self.rank)
+        return payload
+
+    @staticmethod
+    def load(payload: Any) -> Any:
+        """The object in a payload from :meth:`open`."""
+        if isinstance(payload, SharedValue):
+            return payload.load()
+        return pickle.loads(payload)
+
+    def unpack(
+        self, name: str, data: bytes | memoryview, src: int, last: bool = True, label: str = "key"
+    ) -> Any:
+        """The object in ``data`` (``name``, from ``src``), checked, then unpickled.
+
+        ``last``: this rank is the value's last reader (a one-shot segment is unlinked once
+        open). Without a key a plain pickle (it starts with the PROTO opcode, which neither
+        a tag nor a descriptor does) is unpickled at once.
+        """
+        if self.key is None and data[:1] == b"\x80":
+            return pickle.loads(data)
+        payload = self.open(name, data, src, label)
+        if last and isinstance(payload, SharedValue):
+            payload.retire()
+        return self.load(payload)
+
+    def seal(self, name: str, data: bytes) -> bytes:
+        """``data`` (not a pickle: a node card) sealed for ``name``."""
+        return seal_payload(self.key, _context(name), data)
+
+    def unseal(self, name: str, data: bytes, what: str) -> bytes:
+        """The inverse of :meth:`seal`; AuthenticationError naming ``what`` if forged."""
+        return bytes(open_payload(self.key, _context(name), data, what))
+
+
+def _context(name: str) -> str:
+    """What a value's tag is bound to: its name, which names sender, receiver and number."""
+    return f"spg/{name}"

@@ -8,7 +8,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   For data-plane communication, create NCCL-related objects.
 
   Objects are pickled between ranks: only form groups with processes you trust, or give
-  every rank the same `auth_key` (see `auth_key`), so that values written by anyone
+  every rank the same auth key (see `create/7`), so that values written by anyone
   without the key are refused before they are unpickled.
   """
   @typedoc "A `StatelessProcessGroup` held by a Python worker."
@@ -17,18 +17,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   All gather an object from all ranks.
 
-  Returns the objects of all ranks in rank order. Each rank writes its object once, then
-  reads all the others' in one request (`multi_get`, which waits for all of them), so
-  an all_gather costs every rank the same few round trips whatever the world size. The
-  counters advance as for vLLM's (one broadcast from every rank). A rank deletes its
-  value once it knows every rank has read it (when its next all_gather completes, or at
-  the next barrier). Two ranks without an auth key instead push their objects to each
-  other on store queues, which receiving empties. Ranks that all run on one node,
-  without an auth key, use no store at all once they know it (after the first
-  all_gather or barrier): each posts its object on its shared-memory board and rings
-  the others' doorbells (`spg_board`). Waits at most the store's timeout, then raises
-  RuntimeError naming the ranks whose values are missing (or, over the boards, that
-  exited).
+  Returns the objects of all ranks in rank order. The counters advance as for vLLM's
+  (one broadcast from every rank). Waits at most the store's timeout, then raises
+  GroupTimeout naming the ranks whose values are missing, or PeerGoneError naming
+  those that exited.
 
   ## Parameters
 
@@ -62,10 +54,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Every rank must call barrier in the same order (barriers are numbered, not named).
   Each phase waits at most `timeout` seconds, whatever the store's own timeout is;
   if any rank gives up, every rank of that barrier fails, so the next barrier starts
-  cleanly. The barrier's keys are deleted once all ranks have left. Ranks that all
-  run on one node (known after the first all_gather or barrier) meet on their
-  shared-memory boards instead of the store, and a rank that exits fails the barrier
-  within a second.
+  cleanly. On one machine a rank that exits fails the barrier within a second.
 
   ## Parameters
 
@@ -81,7 +70,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
 
-    * `RuntimeError` - If coordination fails or times out, naming the rank, the phase and
+    * `RuntimeError` - BarrierTimeout (also a TimeoutError) when a rank did not arrive in
+      time, BarrierFailure otherwise; the message names the rank, the phase and
       how many of world_size ranks arrived.
   """
   @spec barrier(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
@@ -93,15 +83,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Broadcast an object from a source rank to all other ranks.
 
   Returns `obj` on `src` and the received object on the other ranks. Unlike vLLM's,
-  which does not clean up after all ranks have received the object, the last receiver
-  deletes it from the store (at its next store operation), so it can be used any number
-  of times. Receivers wait at most `timeout` seconds (None: the store's timeout) and
-  raise as `recv_obj` does. On one node (once known, see `spg_shm`) a large pickle
-  travels through shared memory (a segment `src` reuses once every receiver has read
-  it). When every rank is on one node and there is no auth key, the value goes into a
-  slot of `src`'s shared-memory board instead of the store, and the receivers'
-  doorbells are rung (`spg_board`); one whose slot some rank has not read yet, or too
-  large for a slot, still takes the store. `src` never waits for the receivers.
+  which does not clean up after all ranks have received the object, the value is
+  deleted once every receiver has it, so it can be used any number of times. `src`
+  never waits for the receivers; they wait at most `timeout` seconds (None: the
+  store's timeout) and raise as `recv_obj` does.
 
   ## Parameters
 
@@ -166,7 +151,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   `listen_socket`, a socket it has already bound (port 0 avoids port races).
   Every rank returns once all `world_size` ranks have joined, or raises
   `StoreError` (a RuntimeError) within `store_timeout` seconds saying how many
-  ranks joined, that the port is in use, or which address could not be reached.
+  ranks joined, that the port is in use, or which address could not be reached. When
+  all ranks run on one machine, the group then passes objects through shared memory
+  instead of the store.
 
   `auth_key` (bytes, or a str taken as UTF-8; None: `$VLLM_BRIDGE_AUTH_KEY`, if
   set) authenticates every value the group stores: all ranks must give the same key.
@@ -220,10 +207,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Expire data that is older than data_expiration_seconds seconds.
 
-  Deletes the keys this rank wrote more than `data_expiration_seconds` ago (whether or
-  not they were received), and removes from their queues the objects it sent that long
-  ago that are still unreceived, so that values nobody reads do not stay in the store,
-  and unlinks the shared-memory segments it created that long ago.
+  Deletes the values this rank wrote more than `data_expiration_seconds` ago (whether
+  or not they were received), objects it sent that long ago that are still unreceived
+  included, so that values nobody reads do not stay behind.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -287,15 +273,13 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Receive an object from a source rank.
 
-  Blocks until `src` has sent its next object, then returns it; receiving removes it
-  from the store (it is popped from the queue `src` pushed it on). Waits at most
-  `timeout` seconds (None: the store's timeout), then raises RuntimeError naming this
-  rank, `src`, the object (`p2p/<src>/<dst>/<number>`) and the time waited; the
-  object is then still expected, so a later call may receive it. With an auth key, a
-  value that fails its check raises AuthenticationError (a RuntimeError) naming the
-  object and `src`, and is dropped without being unpickled. Over the shared-memory
-  boards (every rank on one node, no auth key; see `send_obj`) the wait sleeps on this
-  rank's doorbell, and a `src` that exits is reported within a second.
+  Blocks until `src` has sent its next object, then returns it. Waits at most
+  `timeout` seconds (None: the store's timeout), then raises GroupTimeout (a
+  RuntimeError and a TimeoutError) naming this rank, `src` and the object; the object
+  is then still expected, so a later call may receive it. When `src` is known to have
+  exited, raises PeerGoneError. With an auth key, a value that fails its check raises
+  AuthenticationError (a RuntimeError) naming the object and `src`, and is dropped
+  without being unpickled.
 
   ## Parameters
 
@@ -342,14 +326,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   Send an object to a destination rank.
 
-  The object is pickled and pushed, numbered per pair, onto the store queue from this
-  rank to `dst` (`spg_p2p`), without waiting for a reply; `dst` removes it by
-  receiving it. On one node (once known, see `spg_shm`) a large pickle travels
-  through shared memory (a segment this rank reuses once `dst` has read it). When
-  every rank is on one node and there is no auth key, the message goes instead into a
-  slot of this rank's shared-memory board and `dst`'s doorbell is rung
-  (`spg_board`); one whose slot `dst` has not read yet, or too large for a slot,
-  still takes the store queue. Sending never waits for the receiver.
+  The object is pickled and sent, numbered per pair, without waiting for the receiver
+  to take it; `dst` receives objects in the order they were sent.
 
   ## Parameters
 

@@ -1,0 +1,381 @@
+"""A StatelessProcessGroup's operations through its TCPStore: one path per operation.
+
+The transport of ranks on several nodes (and of a group made from a store it was given); the
+shared-memory transport also sends through it what does not fit its boards. Keys and queues
+are named in ``keys``:
+
+* ``send``/``recv``: the object goes on the store queue of its (sender, receiver) pair
+  (``p2p``), numbered per pair; receiving pops it, so nothing is left to delete;
+* ``broadcast``: the source sets ``bcast/<src>/<n>``; each receiver reads it and, with more
+  than one receiver, counts itself in ``.../acks``; the last one deletes both;
+* ``all_gather``: each rank sets its value, then reads every other rank's in one request
+  (``multi_get``, which waits for all of them); a rank deletes its value once every rank
+  has read it (when its next all_gather completes, or at the next barrier);
+* ``barrier``: the three phases of ``barrier.run_barrier``.
+
+Reads of values that are no longer needed are deleted by the reaper, on its own thread
+(``store.reaper``), so that no operation waits for them. Waits are bounded by the call's
+timeout, or the store's, and fail with GroupTimeout naming this rank, the peer and the key;
+a store that goes away is a StoreError naming them too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed import Store
+
+from bridge_py.distributed.errors import GroupTimeout, StoreError, is_store_timeout
+from bridge_py.distributed.spg import keys, p2p
+from bridge_py.distributed.spg.barrier import BarrierHooks, Mailbox, run_barrier
+from bridge_py.distributed.spg.values import SharedValue, Values
+from bridge_py.distributed.store.fetching import FetchingWaiter
+from bridge_py.distributed.store.reaper import KeyReaper
+
+__all__ = ["StoreTransport"]
+
+# compare_set's expected value for "read without waiting": no stored value is ever this (no
+# pickle, tag or descriptor starts with "\x00a"), so the value is returned unchanged.
+_ABSENT = b"\x00absent"
+# After a value was not there yet, wait this many times before asking without waiting again.
+_EAGER_BACKOFF = 4
+
+
+class StoreTransport:
+    """One rank's side of a group's store traffic (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        values: Values,
+        entries: deque[tuple[str, float]],
+        local: list[bool] | None = None,
+    ) -> None:
+        """``entries`` is the group's record of the keys it wrote (vLLM's field), appended
+        to here; ``local`` says which ranks share this node (their large values then go
+        through shared memory; None: none does)."""
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.values = values
+        self.entries = entries
+        self.local = local if local is not None else [False] * world_size
+        self._all_local = world_size > 1 and all(self.local)
+        self._others = [r for r in range(world_size) if r != rank]
+        self._outbox = [keys.p2p_queue(rank, dst) for dst in range(world_size)]
+        self._inbox = p2p.Inbox(store, rank, world_size)
+        self._mailbox = Mailbox(store, rank)
+        self._waiter = FetchingWaiter(store)
+        # Keys this rank has read and may delete, handed at its next store operation (after
+        # a write, or before a wait) to the reaper, which deletes them on its own thread.
+        self._trash: list[str] = []
+        self._reaper = KeyReaper(store)
+        # This rank's values (and segments) of its last all_gather, until all ranks read them.
+        self._own_gather: list[tuple[str, str | None]] = []
+        # Fetches left before trying to read a value without waiting first (per kind, src).
+        self._eager_skips: dict[tuple[str, int], int] = {}
+
+    # --- timeouts -----------------------------------------------------------------------
+
+    def default_timeout(self) -> float:
+        """The store's timeout, in seconds (300 when it has none)."""
+        timeout = getattr(self.store, "timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout.total_seconds()
+        return 300.0
+
+    def limit(self, timeout: float | None) -> float:
+        """``timeout`` (None: the store's), checked to be a positive number of seconds."""
+        limit = self.default_timeout() if timeout is None else timeout
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return limit
+
+    # --- deferred deletes -----------------------------------------------------------------
+
+    def discard(self, names: list[str]) -> None:
+        """Delete ``names`` at this rank's next store operation (by the reaper)."""
+        self._trash += names
+
+    def flush(self) -> None:
+        """Hand the keys in the trash to the reaper (nothing waits for them)."""
+        if self._trash:
+            self._reaper.delete(self._trash)
+            self._trash.clear()
+
+    def flush_now(self) -> None:
+        """Delete the trash and wait until every key handed to the reaper is gone."""
+        self.flush()
+        self._reaper.drain(self.default_timeout())
+
+    def release_own_gather(self) -> None:
+        """Every rank has read this rank's last all_gather value: drop it (and its segment)."""
+        for name, segment in self._own_gather:
+            if name:
+                self._trash.append(name)
+            if segment is not None:
+                self.values.segments.discard(segment)
+        self._own_gather = []
+
+    def keep_own_gather(self, name: str, segment: str | None) -> None:
+        """This rank's value of the all_gather just completed: released at the next one."""
+        self.release_own_gather()  # every rank has read the one before
+        if name or segment is not None:
+            self._own_gather = [(name, segment)]
+
+    # --- point to point -------------------------------------------------------------------
+
+    def send(self, dst: int, seq: int, obj: Any) -> None:
+        """Push object ``seq`` for ``dst`` on their queue (no reply is awaited)."""
+        name = keys.p2p_value(self.rank, dst, seq)
+        local = self.local[dst] and dst != self.rank
+        self.push(dst, seq, self.values.pack(name, obj, [dst] if local else None)[0], name)
+
+    def push(self, dst: int, seq: int, value: bytes, name: str) -> None:
+        """Push the packed message ``seq`` (named ``name``) on the queue to ``dst``."""
+        self.store.queue_push(self._outbox[dst], p2p.frame(seq, value))
+        self.entries.append((name, time.time()))
+        self.flush()
+
+    def recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
+        """Receive object ``seq`` from ``src``, waiting at most ``timeout`` (None: the
+        store's); returns what loads it (once received, it is consumed whether or not it
+        loads)."""
+        data = self.pop(src, seq, timeout)
+        name = keys.p2p_value(src, self.rank, seq)
+        return lambda: self.values.unpack(name, data, src, label="message")
+
+    def pop(self, src: int, seq: int, timeout: float | None) -> memoryview:
+        """The packed message ``seq`` from ``src``, popped from its queue."""
+        self.flush()
+        start = time.monotonic()
+        name = keys.p2p_value(src, self.rank, seq)
+        try:
+            data = self._inbox.receive(src, seq, timeout)
+        except RuntimeError as exc:
+            raise self.lost("recv_obj", repr(name), src, start, exc) from exc
+        if data is None:
+            raise self.late("recv_obj", repr(name), src, start, self.limit(timeout))
+        return data
+
+    def take_early(self, src: int) -> dict[int, memoryview]:
+        """Messages from ``src`` popped before their turn (for a transport taking over)."""
+        return self._inbox.take_early(src)
+
+    # --- broadcast ------------------------------------------------------------------------
+
+    def broadcast_send(self, seq: int, obj: Any) -> None:
+        """This rank's broadcast ``seq``: set under ``bcast/<rank>/<seq>``."""
+        key = keys.broadcast_value(self.rank, seq)
+        value = self.values.pack(key, obj, self._others if self._all_local else None)[0]
+        self.set_broadcast(seq, value)
+
+    def set_broadcast(self, seq: int, value: bytes) -> None:
+        """Set the packed broadcast ``seq`` of this rank."""
+        key = keys.broadcast_value(self.rank, seq)
+        self.store.set(key, value)
+        now = time.time()
+        # The ack counter is the receivers' key, but if they never all read the value it is
+        # this rank's expire_data that must remove it.
+        self.entries.extend(((key, now), (keys.broadcast_acks(self.rank, seq), now)))
+        self.flush()
+
+    def broadcast_recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
+        """A receiver's side of broadcast ``seq`` of ``src``: waits for it, then returns
+        what loads it (see :meth:`recv`)."""
+        key = keys.broadcast_value(src, seq)
+        data = self._await(key, src, "broadcast_obj", timeout)
+        if self.world_size == 2:  # the only receiver is the last
+            self._trash.append(key)
+            return lambda: self.values.unpack(key, data, src)
+        acks = keys.broadcast_acks(src, seq)
+
+        def load() -> Any:
+            payload = None
+            try:
+                payload = self.values.open(key, data, src)  # a segment is open before the ack
+            finally:
+                if self.store.add(acks, 1) >= self.world_size - 1:
+                    self._trash += (key, acks)
+                    if isinstance(payload, SharedValue):
+                        payload.retire()
+            return self.values.load(payload)
+
+        return load
+
+    def _peek(self, key: str) -> bytes | None:
+        """The value of ``key`` if it exists, in one round trip (``get`` takes two)."""
+        value = self.store.compare_set(key, _ABSENT, _ABSENT)
+        return None if value == _ABSENT else value
+
+    def _await(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
+        """The value of ``key`` (written by ``src``), waiting at most ``timeout`` seconds.
+
+        When the last few values of this kind from ``src`` were already there when asked
+        for, ask without waiting first (one round trip). Otherwise the wait runs on the
+        waiter's own connection; only then is the value read on the main connection, which
+        therefore never holds a wait that might be abandoned.
+        """
+        limit = self.limit(timeout)
+        slot = (op, src)
+        skips = self._eager_skips.get(slot, 0)
+        if skips == 0:
+            value = self._peek(key)
+            if value is not None:
+                return value
+            self._eager_skips[slot] = _EAGER_BACKOFF
+        else:
+            self._eager_skips[slot] = skips - 1
+        self.flush()
+        start = time.monotonic()
+        deadline = start + limit
+        while True:
+            try:
+                arrived = self._waiter.wait([key], max(deadline - time.monotonic(), 0.001))
+            except RuntimeError as exc:
+                raise self.lost(op, f"key {key!r}", src, start, exc) from exc
+            if not arrived:
+                raise self.late(op, f"key {key!r}", src, start, limit)
+            value = self._peek(key)
+            if value is not None:
+                return value
+            # Woken without the key: the server also wakes the waiters of a key when another
+            # rank asks for it with compare_set (our read without waiting). Wait again.
+
+    # --- all_gather -----------------------------------------------------------------------
+
+    def all_gather(self, seq: int, seqs: list[int], obj: Any) -> list[Any]:
+        """Every rank's object: this rank's as ``bcast/<rank>/<seq>``, rank ``r``'s read
+        from ``bcast/<r>/<seqs[r]>``."""
+        key = keys.broadcast_value(self.rank, seq)
+        value, segment = self.values.pack(key, obj, self._others if self._all_local else None)
+        self.store.set(key, value)
+        self.entries.append((key, time.time()))
+        self.flush()
+        wanted = [keys.broadcast_value(src, seqs[src]) for src in self._others]
+        got = self.gather(wanted, self._others, "all_gather_obj")
+        # Every rank has written this gather's value, so it has read this rank's earlier one.
+        self.keep_own_gather(key, segment)
+        result = [
+            self.values.unpack(name, data, src, last=False)
+            for name, data, src in zip(wanted, got, self._others, strict=True)
+        ]
+        result.insert(self.rank, obj)
+        return result
+
+    def gather(self, wanted: list[str], others: list[int], op: str) -> list[bytes]:
+        """The values of ``wanted`` (the values of ``others``, in order), once all exist;
+        GroupTimeout naming the ranks that did not write theirs within the store's timeout."""
+        limit = self.default_timeout()
+        start = time.monotonic()
+        try:
+            got = self.store.multi_get(wanted)
+        except RuntimeError as exc:
+            if not is_store_timeout(exc):
+                raise self.lost(op, f"the values of ranks {others}", -1, start, exc) from exc
+            raise self._gather_late(wanted, others, start, limit, op) from None
+        if all(got):
+            return list(got)
+        # Woken early (see _await): fetch what is missing on the waiter's connection.
+        missing = [i for i, value in enumerate(got) if not value]
+        deadline = start + limit
+        while missing:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
+            except RuntimeError as exc:
+                raise self.lost(op, f"the values of ranks {others}", -1, start, exc) from exc
+            if fetched is None:
+                raise self._gather_late(wanted, others, start, limit, op)
+            for i, value in zip(missing, fetched, strict=True):
+                got[i] = value
+            missing = [i for i in missing if not got[i]]
+        return list(got)
+
+    def _gather_late(
+        self, wanted: list[str], others: list[int], start: float, limit: float, op: str
+    ) -> GroupTimeout:
+        late = [src for src, key in zip(others, wanted, strict=False) if not self._has(key)]
+        return GroupTimeout(
+            f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
+            f"(timeout {limit:g} s) waiting for the values of ranks {late} (keys "
+            f"{[wanted[others.index(r)] for r in late]}): they did not call {op} (did they "
+            "exit, or call something else?)"
+        )
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self._peek(key) is not None
+        except RuntimeError:
+            return False
+
+    # --- barrier --------------------------------------------------------------------------
+
+    def hooks(self) -> BarrierHooks:
+        """Deferred deletes while waiting; once all arrived, every read value can go."""
+
+        def all_arrived() -> None:
+            self.release_own_gather()
+            self.flush_now()
+
+        # No hook once all arrived when there is nothing to do then: the barrier is shorter
+        # (see barrier.py, phase 2).
+        busy = self._own_gather or self._trash or self._reaper.pending
+        return BarrierHooks(while_waiting=self.flush, all_arrived=all_arrived if busy else None)
+
+    def barrier(self, barrier_id: int, timeout: float) -> None:
+        """Barrier ``barrier_id`` over the store (``barrier.run_barrier``)."""
+        run_barrier(
+            self.store,
+            self._mailbox,
+            self.rank,
+            self.world_size,
+            barrier_id,
+            timeout,
+            self.hooks(),
+        )
+
+    # --- expiry ---------------------------------------------------------------------------
+
+    def expire(self, max_age: float, sent: list[int] | None) -> None:
+        """Delete the keys this rank wrote more than ``max_age`` seconds ago (a message
+        still unreceived is removed from its queue). ``sent``: how many messages went to
+        each rank, when all of them went through the queues (None: only some did)."""
+        now = time.time()
+        entries = self.entries
+        while entries:
+            key, written = entries[0]
+            if now - written <= max_age:
+                break
+            if key.startswith("p2p/"):
+                src, dst, seq = (int(part) for part in key.split("/")[1:])
+                count = seq + 1 if sent is None else sent[dst]
+                p2p.drop(self.store, keys.p2p_queue(src, dst), seq, count)
+            else:
+                self.store.delete_key(key)
+            entries.popleft()
+
+    # --- errors ---------------------------------------------------------------------------
+
+    def late(self, op: str, what: str, src: int, start: float, limit: float) -> GroupTimeout:
+        """The error of a wait for ``what`` from ``src`` that ran out."""
+        return GroupTimeout(
+            f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
+            f"(timeout {limit:g} s) waiting for {what} from rank {src}: rank {src} did not "
+            "send it (did it exit, or call something else?)"
+        )
+
+    def lost(self, op: str, what: str, src: int, start: float, exc: Exception) -> StoreError:
+        """The error of a wait for ``what`` (from ``src``; -1: several) that lost the store."""
+        source = "" if src < 0 else f" from rank {src}"
+        return StoreError(
+            f"{op} on rank {self.rank} lost the store after {time.monotonic() - start:.1f} s "
+            f"while waiting for {what}{source} (did rank 0, which serves the store, exit?): "
+            f"{exc}"
+        )
