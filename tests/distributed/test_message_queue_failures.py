@@ -90,11 +90,11 @@ def _timeouts(rank: int, port: int) -> dict:
 def test_timeouts_are_prompt_and_resumable() -> None:
     writer, local, remote = run_ranks(_timeouts, 3, free_port(), timeout=60)
     message, seconds = writer["full"]
-    assert message.startswith("TimeoutError") and "local reader ranks [0]" in message
+    assert message.startswith("GroupTimeout") and "local reader ranks [0]" in message
     assert 0.3 <= seconds < 2.0
     for reader in (local, remote):
         message, seconds = reader["empty"]
-        assert message.startswith("TimeoutError") and "waiting for a message" in message
+        assert message.startswith("GroupTimeout") and "waiting for a message" in message
         assert 0.3 <= seconds < 2.0
         message, seconds = reader["cancelled"]
         assert message == "RuntimeError: cancelled" and seconds < 2.0

@@ -260,7 +260,7 @@ class DeviceCommunicatorBase:
         """
         op = "all_gatherv"
         single = isinstance(input_, torch.Tensor)
-        tensors: list[Any] = [input_] if single else list(input_)  # type: ignore[arg-type]
+        tensors: list[Any] = [input_] if isinstance(input_, torch.Tensor) else list(input_)
         error: Exception | None = None
         dims: list[int] = []
         if not tensors:

@@ -340,9 +340,9 @@ class MessageQueue:
             if buffer is not None:
                 buffer.set_ready()
         elif self._is_local_reader:
-            buffer = self._ring()
+            ring = self._ring()
             wait_until(
-                buffer.is_ready,
+                ring.is_ready,
                 "the writer to see every reader join (wait_until_ready)",
                 deadline,
                 check=lambda: self._check_writer(None),
@@ -632,16 +632,20 @@ class MessageQueue:
             external, handle = open_object(
                 key, context, data, f"the queue handle from writer rank {writer_rank}"
             )
-        if external:
-            if handle is None:
+        if external and handle is None:
+            raise TypeError(
+                f"create_from_process_group on rank {group.rank}: the "
+                f"external_writer_handle given to rank {writer_rank} is not the Handle of a "
+                "MessageQueue (its export_handle())"
+            )
+        if external or group.rank != writer_rank:
+            # With an outside writer every rank, writer_rank too, reads its queue.
+            if not isinstance(handle, Handle):
                 raise TypeError(
-                    f"create_from_process_group on rank {group.rank}: the "
-                    f"external_writer_handle given to rank {writer_rank} is not the Handle of a "
-                    "MessageQueue (its export_handle())"
+                    f"create_from_process_group on rank {group.rank}: writer rank "
+                    f"{writer_rank} sent {type(handle).__name__}, not the Handle of a "
+                    "MessageQueue: is the writer running another version?"
                 )
-            # Every rank, writer_rank too, reads the outside writer's queue.
-            queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
-        elif group.rank != writer_rank:
             queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
         if blocking:
             queue.wait_until_ready()

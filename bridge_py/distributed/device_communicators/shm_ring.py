@@ -102,8 +102,8 @@ def _release(shm: shared_memory.SharedMemory, creator: bool, slot: list[int], pi
     """
     owner = os.getpid() == pid
     if owner:
-        with contextlib.suppress(Exception):
-            buf = shm.buf
+        with contextlib.suppress(Exception):  # closed already, or unmapped: nothing to mark
+            buf = posix.view(shm)
             if creator:
                 buf[_CLOSED_AT] = 1
             elif slot:
@@ -154,7 +154,7 @@ class ShmRingBuffer:
             token = self._validate(name)
         self.token = token
         self.name = self.shared_memory.name
-        self._buf = self.shared_memory.buf
+        self._buf: memoryview = posix.view(self.shared_memory)
         self._finalizer = weakref.finalize(
             self, _release, self.shared_memory, self.is_creator, self._slot, os.getpid()
         )
@@ -169,7 +169,7 @@ class ShmRingBuffer:
                 continue
         # A new segment is zero-filled: no chunk written, no reader attached, not ready.
         _HEADER.pack_into(
-            shm.buf, 0, _MAGIC, _VERSION, 0, self.n_reader, self.max_chunks,
+            posix.view(shm), 0, _MAGIC, _VERSION, 0, self.n_reader, self.max_chunks,
             self.max_chunk_bytes, token, os.getpid(), 0, pid_namespace(),
         )  # fmt: skip
         return shm, token
@@ -180,7 +180,7 @@ class ShmRingBuffer:
             if shm.size < self.total_bytes_of_buffer:
                 raise ValueError(f"shared memory segment {name!r} is smaller than the handle says")
             magic, version, _, n_reader, chunks, chunk_bytes, token, *_ = _HEADER.unpack_from(
-                shm.buf, 0
+                posix.view(shm), 0
             )
             if magic != _MAGIC or not name.endswith(token[:6].hex()):
                 raise ValueError(f"shared memory segment {name!r} is not a MessageQueue's")
@@ -336,7 +336,8 @@ class ShmRingBuffer:
 
         Idempotent; also run when the object is garbage-collected or the interpreter exits.
         """
-        self._buf = None  # type: ignore[assignment]
+        # Dropped so that the mapping can go; any later use fails at once (a TypeError).
+        self._buf = None  # type: ignore[assignment]  # a closed ring has no memory
         self._finalizer()
 
     @property

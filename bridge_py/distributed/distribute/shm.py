@@ -64,7 +64,7 @@ class ShmChannel:
         offset = _data_offset(len(head))
         shm = posix.create(self.name(rank), offset + body_view.nbytes, tracked=False)
         try:
-            buf = shm.buf
+            buf = posix.view(shm)
             buf[:_LEN_BYTES] = len(head).to_bytes(_LEN_BYTES, "little")
             buf[_LEN_BYTES : _LEN_BYTES + len(head)] = head
             buf[offset : offset + body_view.nbytes] = body_view
@@ -98,17 +98,18 @@ class ShmChannel:
             shm.close()
 
     def _read(self, shm: SharedMemory, rank: int, read_body: Any) -> Any:
-        with shm.buf[:_LEN_BYTES] as raw_len:
+        buf = posix.view(shm)
+        with buf[:_LEN_BYTES] as raw_len:
             head_len = int.from_bytes(raw_len, "little")
         offset = _data_offset(head_len)
         if offset > shm.size:
             raise RuntimeError(f"shared-memory segment of rank {rank} is truncated")
-        with shm.buf[_LEN_BYTES : _LEN_BYTES + head_len] as raw_head:
+        with buf[_LEN_BYTES : _LEN_BYTES + head_len] as raw_head:
             header = json.loads(bytes(raw_head))
         nbytes = int(header["nbytes"])
         if offset + nbytes > shm.size:
             raise RuntimeError(f"shared-memory segment of rank {rank} is truncated")
-        with shm.buf[offset : offset + nbytes] as view:
+        with buf[offset : offset + nbytes] as view:
             return read_body(header, view)
 
     def remove(self, rank: int) -> None:

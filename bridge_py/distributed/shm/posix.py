@@ -15,6 +15,7 @@ so a reader that exits would remove the writer's segment from under everyone els
   anything is read from it (``files.check_peer_fd``: this user's regular file, writable by
   this user only; ``shm_open`` does not follow links).
 * :func:`unlink` removes a segment's name (the memory goes with its last mapping).
+* :func:`view` is a segment's memory, typed: ``SharedMemory.buf`` is None once closed.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR, check_peer_fd
 
-__all__ = ["attach", "create", "unlink"]
+__all__ = ["attach", "create", "unlink", "view"]
 
 # Python 3.13 lets a segment stay out of the tracker (``track=False``).
 _HAS_TRACK = sys.version_info >= (3, 13)
@@ -34,6 +36,7 @@ _HAS_TRACK = sys.version_info >= (3, 13)
 def create(name: str, size: int, *, tracked: bool = True) -> SharedMemory:
     """A new segment ``name`` of ``size`` bytes (FileExistsError if the name is taken)."""
     if _HAS_TRACK:
+        # mypy checks against Python 3.10 (pyproject), whose SharedMemory has no ``track``.
         return SharedMemory(name=name, create=True, size=size, track=tracked)  # type: ignore[call-arg]
     segment = SharedMemory(name=name, create=True, size=size)
     if not tracked:
@@ -46,12 +49,13 @@ def attach(name: str) -> SharedMemory:
     tracker claiming it; UntrustedFileError (a PermissionError) naming the file when it is
     not this user's own, or others may write it."""
     if _HAS_TRACK:
-        segment = SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+        segment = SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # 3.13+, as above
     else:
         segment = SharedMemory(name=name)
         _untrack(segment)
     try:
-        check_peer_fd(segment._fd, f"{SHM_DIR}/{name.lstrip('/')}")  # type: ignore[attr-defined]
+        fd: int = segment._fd  # type: ignore[attr-defined]  # private: the open descriptor
+        check_peer_fd(fd, f"{SHM_DIR}/{name.lstrip('/')}")
     except BaseException:
         segment.close()
         raise
@@ -67,12 +71,21 @@ def unlink(segment: SharedMemory, *, tracked: bool = True) -> None:
     if tracked or _HAS_TRACK:
         segment.unlink()
         return
-    from multiprocessing.shared_memory import _posixshmem  # type: ignore[attr-defined]
+    from multiprocessing.shared_memory import _posixshmem  # type: ignore[attr-defined]  # private
 
-    _posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]
+    _posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]  # private: "/" + name
 
 
 def _untrack(segment: SharedMemory) -> None:
     # Before 3.13 the constructor registered the segment; the tracker reads its requests in
     # order, so this undoes it.
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    name: str = segment._name  # type: ignore[attr-defined]  # private: the name with its "/"
+    resource_tracker.unregister(name, "shared_memory")
+
+
+def view(segment: SharedMemory) -> memoryview:
+    """The memory of ``segment``; SharedMemoryError naming it once it has been closed."""
+    buf = segment.buf
+    if buf is None:
+        raise SharedMemoryError(f"shared-memory segment {segment.name!r} is closed")
+    return buf
