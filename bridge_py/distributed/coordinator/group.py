@@ -24,6 +24,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.cpu_communicator import CpuCommunicator
+from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from bridge_py.distributed.groups.node import in_the_same_node_as
 from bridge_py.distributed.groups.objects import ObjectChannel
 
@@ -112,7 +113,7 @@ class GroupCoordinator:
     cpu_group: ProcessGroup  # group for CPU communication
     device_group: ProcessGroup  # group for device communication
     device_communicator: DeviceCommunicatorBase | None
-    mq_broadcaster: Any | None  # shared memory broadcaster
+    mq_broadcaster: MessageQueue | None  # shared memory broadcaster
 
     def __init__(
         self,
@@ -194,7 +195,7 @@ class GroupCoordinator:
                 use_all2all=False,
             )
 
-        self.mq_broadcaster: Any | None = None
+        self.mq_broadcaster: MessageQueue | None = None
         if use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 
@@ -236,8 +237,11 @@ class GroupCoordinator:
     # ------------------------------------------------------------ message queues
 
     def create_mq_broadcaster(
-        self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True
-    ) -> Any:
+        self,
+        writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
+        blocking: bool = True,
+    ) -> MessageQueue:
         """A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
 
         ``writer_rank`` is the group rank that writes, every other rank reads; with
@@ -248,8 +252,6 @@ class GroupCoordinator:
         reader number ``rank_in_group``; the outside writer joins ``wait_until_ready``, so
         such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
         """
-        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-
         self._check_peer("create_mq_broadcaster", "writer", writer_rank)
         return MessageQueue.create_from_process_group(
             self.cpu_group,
@@ -263,7 +265,7 @@ class GroupCoordinator:
 
     def create_single_reader_mq_broadcasters(
         self, reader_rank_in_group: int = 0, blocking: bool = False
-    ) -> tuple[Any, list[Any]]:
+    ) -> tuple[MessageQueue, list[Handle]]:
         """One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
 
         As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
@@ -275,8 +277,6 @@ class GroupCoordinator:
         wait on its own queue before opening it, so it returns at once and calls
         ``wait_until_ready`` on its queue after opening the handles.
         """
-        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-
         self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
         same_node = in_the_same_node_as(self.cpu_group, source_rank=reader_rank_in_group)
         queue = MessageQueue(
@@ -765,7 +765,9 @@ class GroupCoordinator:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`)."""
         if self.device_communicator is not None:
             return self.device_communicator.combine(hidden_states, is_sequence_parallel)

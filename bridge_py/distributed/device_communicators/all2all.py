@@ -66,7 +66,9 @@ class NaiveAll2AllManager(All2AllManagerBase):
             return gathered[0], gathered[1], list(gathered[2:])
         return gathered[0], gathered[1]
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Sum ``hidden_states`` over the ranks and keep the rows of this rank's tokens."""
         if self._sizes is None:
             raise RuntimeError("combine called before dispatch: the token counts are unknown")
@@ -107,7 +109,9 @@ class All2AllDispatchMixin(DeviceCommunicatorBase):
             hidden_states, router_logits, is_sequence_parallel, extra_tensors
         )
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """
         Combine the hidden states and router logits from the appropriate device.
         Without an all-to-all manager this is a no-op, as in the base class.

@@ -85,7 +85,9 @@ class All2AllManagerBase:
         """Send each rank's tokens to the ranks that need them."""
         raise NotImplementedError
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Bring the processed tokens back to the ranks they came from."""
         raise NotImplementedError
 
@@ -569,7 +571,9 @@ class DeviceCommunicatorBase:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """
         Combine the hidden states and router logits from the appropriate device.
         This is a no-op in the base class.
