@@ -403,12 +403,13 @@ class DeviceCommunicatorBase:
         return restore(out)[:mine].movedim(0, dim).contiguous()
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
-        """
+        """Gather every rank's ``input_`` on rank ``dst``, concatenated along ``dim``.
+
         NOTE: We assume that the input tensor is on the same device across
         all the ranks.
         NOTE: `dst` is the local rank of the destination rank.
 
-        Returns the concatenation along ``dim`` on ``dst`` and None on the other ranks.
+        Returns the concatenation (in rank order) on ``dst`` and None on the other ranks.
         """
         op = "gather"
         error = self._tensor_error(op, input_) or self._peer_error(op, "dst", dst, True)

@@ -284,8 +284,35 @@ def gather_configs(
 ) -> list[Any]:
     """Gathers the layer config across distributed processes using shm or NFS.
 
-    :func:`get_configs_parallel` as a plain call: returns the list it yields (the configs of
-    all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+    What ModelOpt's ``get_configs_parallel`` context manager yields, as a plain call that
+    returns once every resource of the gather is released. A collective: every rank of
+    ``group`` calls it, in the same order.
+
+    Args:
+        config: the config (nullable) that each rank want to pass to the first rank: ``None``
+            or a dict of plain data (None, bool, int, float, str, list, tuple, dict) and
+            tensors.
+        ranks: the ranks (ranks in ``group``) that contribute a config; the first of them
+            receives them all. Ranks of the group not listed only synchronize.
+        group: the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+            GroupCoordinator, or None (torch.distributed's default group if initialized).
+        workspace_path: a directory that every rank of ``ranks`` shares (NFS); None: the
+            ranks share one node's memory instead.
+        timeout: (keyword only, an extension) seconds each barrier of a
+            StatelessProcessGroup may wait (default 30).
+
+    Returns:
+        On the first rank of ``ranks``, the configs of all ``ranks`` in their order
+        (``None`` included); ``[]`` on every other rank.
+
+    Raises:
+        ValueError: ``ranks`` is empty, names a rank twice or one outside the group.
+        TypeError: ``ranks`` holds something else than ints, or (on the rank whose config
+            it is) a config that is not plain data.
+        DistributedError: a rank failed at a step of the gather, or a config is missing
+            on the first rank (the message names the gather, the rank and the step);
+            GroupTimeout, PeerGoneError and the like when that is what happened. Every
+            rank fails within the group's timeout; none is left waiting.
     """
     with get_configs_parallel(config, ranks, group, workspace_path, timeout=timeout) as got:
         return list(got)
@@ -300,9 +327,31 @@ def gather_tensors(
 ) -> list[torch.Tensor]:
     """Gathers the tensors across distributed processes using shm.
 
-    :func:`get_tensors_parallel` as a plain call: returns the list it yields (the tensors of
-    all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
-    Every tensor is a copy: none points into shared memory or aliases the caller's tensor.
+    What ModelOpt's ``get_tensors_parallel`` context manager yields, as a plain call that
+    returns once every resource of the gather is released. A collective: every rank of
+    ``group`` calls it, in the same order; the ranks of ``ranks`` must share one node.
+
+    Args:
+        tensor: the tensor that each rank want to pass to the first rank. Unlike ModelOpt's,
+            the tensors may differ in dtype and shape across the ranks.
+        ranks: the ranks (ranks in ``group``) that contribute a tensor; the first of them
+            receives them all. Ranks of the group not listed only synchronize.
+        group: the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+            GroupCoordinator, or None (torch.distributed's default group if initialized).
+        timeout: (keyword only, an extension) seconds each barrier of a
+            StatelessProcessGroup may wait (default 30).
+
+    Returns:
+        On the first rank of ``ranks``, the tensors of all ``ranks`` in their order, as new
+        CPU tensors (none shares memory with anything else); ``[]`` on every other rank.
+
+    Raises:
+        ValueError: ``ranks`` is empty, names a rank twice or one outside the group.
+        TypeError: ``tensor`` is not a tensor, or ``ranks`` holds something else than ints.
+        DistributedError: a rank failed at a step of the gather, or a tensor is missing
+            on the first rank (the message names the gather, the rank and the step);
+            GroupTimeout, PeerGoneError and the like when that is what happened. Every
+            rank fails within the group's timeout; none is left waiting.
     """
     with get_tensors_parallel(tensor, ranks, group, timeout=timeout) as got:
         return [t.clone() for t in got]
