@@ -51,7 +51,7 @@ from bridge_py.distributed.device_communicators.shm_ring import (
     SLOT_EMPTY,
     ShmRingBuffer,
 )
-from bridge_py.distributed.errors import GroupTimeout
+from bridge_py.distributed.errors import DistributedError, GroupTimeout, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.shm.wait import (
@@ -299,7 +299,7 @@ class MessageQueue:
         try:
             self.buffer = ShmRingBuffer(*handle.buffer_handle)
         except FileNotFoundError:
-            raise RuntimeError(
+            raise SharedMemoryError(
                 f"rank {rank} is a local reader of a queue whose writer runs on "
                 f"{handle.writer_host!r}, but its shared memory {name!r} does not exist on "
                 f"this host ({socket.gethostname()!r}): readers on another node must be "
@@ -472,7 +472,10 @@ class MessageQueue:
             if self._is_remote_reader:
                 kind, body = self._remote().recv_frame(deadline, cancel)
                 if kind != KIND_DATA:
-                    raise RuntimeError(f"unexpected frame kind {kind} from the writer")
+                    raise DistributedError(
+                        f"remote reader rank {self._remote().rank} expected a message from "
+                        f"the writer at {self._remote().address}, got a frame of kind {kind}"
+                    )
                 return self._loads(body)
             return self._read_local(deadline, cancel, not indefinite)
 
@@ -485,7 +488,10 @@ class MessageQueue:
             incoming = self._incoming
             expected = 0 if incoming is None else incoming.part
             if part != expected:
-                raise RuntimeError(f"chunk {idx} holds part {part}, expected part {expected}")
+                raise SharedMemoryError(
+                    f"local reader {self.local_reader_rank} of segment {buffer.name!r}: chunk "
+                    f"{idx} holds part {part} of a message, expected part {expected}"
+                )
             if incoming is None and size == total:
                 data = buffer.read_chunk(idx)
                 self._advance(buffer, idx)

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
     fence,
@@ -268,7 +269,11 @@ class ShmRingBuffer:
             self._buf, self.data_offset + idx * self.max_chunk_bytes
         )
         if size > self.max_chunk_bytes - CHUNK_HEADER_BYTES or size > total:
-            raise RuntimeError(f"chunk {idx} of segment {self.name!r} is corrupt")
+            raise SharedMemoryError(
+                f"chunk {idx} of segment {self.name!r} is corrupt: it holds {size} bytes "
+                f"of a {total}-byte message (at most {self.max_chunk_bytes - CHUNK_HEADER_BYTES} "
+                "fit in a chunk)"
+            )
         return total, part, size
 
     def read_chunk(self, idx: int) -> bytes:
@@ -281,7 +286,10 @@ class ShmRingBuffer:
         """Copy the part in readable chunk ``idx`` to ``into[offset:]``; its size."""
         _, _, size = self.chunk_header(idx)
         if offset + size > len(into):
-            raise RuntimeError(f"chunk {idx} of segment {self.name!r} overflows its message")
+            raise SharedMemoryError(
+                f"chunk {idx} of segment {self.name!r} overflows its message: {size} more "
+                f"bytes after {offset} of {len(into)}"
+            )
         begin = self.data_offset + idx * self.max_chunk_bytes + CHUNK_HEADER_BYTES
         into[offset : offset + size] = self._buf[begin : begin + size]
         return size

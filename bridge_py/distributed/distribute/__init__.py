@@ -24,8 +24,9 @@ global ranks, which are the same for the world group and for ``group=None``. The
 
 Cleanup does not depend on the happy path: on any failure a writer removes its own segment
 and the reader removes all of them (removal is idempotent), so a rank that dies leaves no
-segment once the others have finished; they fail with a RuntimeError naming the step, within
-the group's timeout (for a StatelessProcessGroup, the ``timeout`` keyword, default 30 s).
+segment once the others have finished; they fail with a DistributedError naming the step (a
+GroupTimeout, PeerGoneError, ... when the group's error says which), within the group's
+timeout (for a StatelessProcessGroup, the ``timeout`` keyword, default 30 s).
 A rank whose value cannot be written (say, a config that is not plain data) or, for the
 reader, read, still joins both barriers, then raises; the others are not kept waiting.
 """
@@ -48,6 +49,17 @@ from bridge_py.distributed.distribute.codec import (
 from bridge_py.distributed.distribute.group import GroupSync, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
 from bridge_py.distributed.distribute.shm import ShmChannel
+from bridge_py.distributed.errors import (
+    AuthenticationError,
+    BarrierFailure,
+    BarrierTimeout,
+    CollectiveMismatchError,
+    DistributedError,
+    GroupTimeout,
+    PeerGoneError,
+    SharedMemoryError,
+    StoreError,
+)
 
 __all__ = [
     "NFSWorkspace",
@@ -73,12 +85,28 @@ def _check_ranks(ranks: Sequence[int], size: int) -> list[int]:
     return checked
 
 
+# What a failed step raises: the first of these that the group's error is (most specific
+# first), else DistributedError.
+_STEP_ERRORS: tuple[type[DistributedError], ...] = (
+    BarrierTimeout,
+    GroupTimeout,
+    BarrierFailure,
+    PeerGoneError,
+    StoreError,
+    AuthenticationError,
+    CollectiveMismatchError,
+    SharedMemoryError,
+)
+
+
 def _step(sync: GroupSync, what: str, name: str, action: Callable[[], Any]) -> Any:
-    """Run a group operation; say which gather, rank and step failed if it does."""
+    """Run a group operation; if it fails, a DistributedError of the same kind (a timeout
+    stays a GroupTimeout) that says which gather, rank and step failed."""
     try:
         return action()
     except Exception as exc:
-        raise RuntimeError(f"{name}: rank {sync.rank} failed at {what}: {exc}") from exc
+        kind = next((k for k in _STEP_ERRORS if isinstance(exc, k)), DistributedError)
+        raise kind(f"{name}: rank {sync.rank} failed at {what}: {exc}") from exc
 
 
 class _Channel:
