@@ -22,6 +22,7 @@ from multiprocessing import shared_memory
 import pytest
 
 from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.auth import seal_object
 from bridge_py.distributed.device_communicators.shm_broadcast import (
     Handle,
     MessageQueue,
@@ -30,6 +31,7 @@ from bridge_py.distributed.device_communicators.shm_broadcast import (
 from bridge_py.distributed.device_communicators.shm_remote import KIND_DATA, KIND_READY
 from bridge_py.distributed.device_communicators.shm_ring import NAME_PREFIX, orphaned_segments
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
+from bridge_py.distributed.groups.node import same_node_as
 from tests.distributed.harness import free_port, run_ranks
 
 TIMEOUT = 30.0
@@ -350,3 +352,27 @@ def test_a_writer_that_breaks_the_stream_is_a_distributed_error() -> None:
         finally:
             reader.close()
             writer.join(TIMEOUT)
+
+
+def _handle_of_another_version(rank: int, port: int) -> str:
+    """Rank 0 plays a writer that sends something else than a Handle, in the right frame."""
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2)
+    outcome = ""
+    if rank == 0:
+        same_node_as(pg, 0)  # the probe every rank of create_from_process_group takes part in
+        pg.broadcast_obj(seal_object(None, "mq/handle/0", (False, "not a handle")), 0)
+    else:
+        try:
+            MessageQueue.create_from_process_group(pg, 1024, 2, writer_rank=0)
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    pg.barrier(TIMEOUT)  # rank 0 serves the store: it stays until rank 1 is done
+    return outcome
+
+
+def test_a_writer_that_sends_no_handle_is_reported() -> None:
+    _, message = run_ranks(_handle_of_another_version, 2, free_port(), timeout=60)
+    assert message == (
+        "TypeError: create_from_process_group on rank 1: writer rank 0 sent str, not the "
+        "Handle of a MessageQueue: is the writer running another version?"
+    )
