@@ -12,7 +12,8 @@
   and tensors on one rank, through shared memory or a shared directory.
 
 Names, signatures and behaviour follow vLLM (``vllm.distributed``) and ModelOpt
-(``modelopt.torch.export.distribute``); the module docstrings say where they do better.
+(``modelopt.torch.export.distribute``); where a caller would notice a difference, the
+function's documentation says so.
 """
 
 from bridge_py.distributed.groups.torch_group import (

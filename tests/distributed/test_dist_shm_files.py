@@ -20,6 +20,8 @@ import pytest
 from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+from bridge_py.distributed.errors import SharedMemoryError
+from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, SegmentOwner
 from bridge_py.distributed.spg import board as spg_board
@@ -267,3 +269,15 @@ def test_a_group_refuses_a_board_others_may_write(plain_rank0) -> None:
         assert transport_of(plain_rank0) == "store"  # nothing goes over the boards
     finally:
         peer.close()
+
+
+def test_a_closed_segment_has_no_memory_to_view() -> None:
+    segment = posix.create(f"vbtest_view_{os.getpid()}", 16, tracked=False)
+    try:
+        posix.view(segment)[:4] = b"abcd"
+        assert bytes(posix.view(segment)[:4]) == b"abcd"
+        segment.close()
+        with pytest.raises(SharedMemoryError, match=r"segment 'vbtest_view_\d+' is closed"):
+            posix.view(segment)
+    finally:
+        posix.unlink(segment, tracked=False)

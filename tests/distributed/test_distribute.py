@@ -26,6 +26,7 @@ from bridge_py.distributed.distribute import (
 from bridge_py.distributed.distribute.codec import tensor_header_and_body
 from bridge_py.distributed.distribute.group import as_group_sync
 from bridge_py.distributed.distribute.shm import NAME_PREFIX, ShmChannel, segment_name
+from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from tests.distributed.harness import free_port, run_ranks
 
 SHM = Path("/dev/shm")
@@ -227,15 +228,16 @@ def _dying_rank(rank: int, port: int, world_size: int, ranks: list[int], token_f
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _survivor(rank: int, port: int, world_size: int, ranks: list[int]) -> tuple[str, float]:
+def _survivor(rank: int, port: int, world_size: int, ranks: list[int]) -> tuple[str, float, str]:
+    """``(message, seconds, error class)`` of the failed gather."""
     group = _group("spg", rank, world_size, port)
     start = time.monotonic()
     try:
         with get_tensors_parallel(torch.ones(1024) * rank, ranks, group, timeout=3):
             pass
-    except RuntimeError as exc:
-        return str(exc), time.monotonic() - start
-    return "no error", time.monotonic() - start
+    except DistributedError as exc:
+        return str(exc), time.monotonic() - start, type(exc).__name__
+    return "no error", time.monotonic() - start, ""
 
 
 @pytest.mark.parametrize("dies", ["writer", "reader"])
@@ -255,9 +257,11 @@ def test_killed_rank_leaves_no_segment(dies: str, tmp_path: Path) -> None:
         if dying.is_alive():
             dying.kill()
     assert dying.exitcode == -signal.SIGKILL
-    for message, elapsed in results:
+    for message, elapsed, kind in results:
         assert "get_tensors_parallel" in message and "barrier" in message, message
         assert elapsed < 15, elapsed
+        # The group's own error class, not a bare DistributedError: a timeout stays one.
+        assert kind in ("BarrierTimeout", "BarrierFailure", "PeerGoneError", "StoreError"), kind
     # Rank 0 sees rank 2 exit (a barrier over the boards; rank 1 too, once it has failed and
     # left) or times out (over the store); rank 1 too, or it sees rank 0's store go away when
     # rank 0 exits (whatever the socket says then: closed, reset, a short read).
@@ -269,13 +273,13 @@ def test_killed_rank_leaves_no_segment(dies: str, tmp_path: Path) -> None:
     assert not [r for r in range(world_size) if (SHM / segment_name(token, r)).exists()]
 
 
-def _bad_config_job(rank: int, port: int, world_size: int) -> str:
+def _bad_config_job(rank: int, port: int, world_size: int, workspace: str | None) -> str:
     group = _group("spg", rank, world_size, port)
     config = {1: "not a str key"} if rank == 1 else {"rank": rank}
     start = time.monotonic()
     try:
-        got = gather_configs(config, [0, 1, 2], group, timeout=TIMEOUT)
-    except (TypeError, RuntimeError) as exc:
+        got = gather_configs(config, [0, 1, 2], group, workspace, timeout=TIMEOUT)
+    except (TypeError, DistributedError) as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     else:
         outcome = f"got {len(got)}"
@@ -283,9 +287,15 @@ def _bad_config_job(rank: int, port: int, world_size: int) -> str:
     return outcome
 
 
-def test_a_config_that_cannot_be_written_fails_without_a_hang() -> None:
-    results = run_ranks(_bad_config_job, 3, free_port(), 3)
-    assert "segment" in results[0] and "of rank 1 is missing" in results[0], results[0]
+@pytest.mark.parametrize("through", ["shm", "nfs"])
+def test_a_config_that_cannot_be_written_fails_without_a_hang(through: str, tmp_path: Path) -> None:
+    workspace = str(tmp_path) if through == "nfs" else None
+    results = run_ranks(_bad_config_job, 3, free_port(), 3, workspace)
+    if through == "shm":
+        assert results[0].startswith("SharedMemoryError: shared-memory segment "), results[0]
+        assert "of rank 1 is missing" in results[0], results[0]
+    else:
+        assert results[0].startswith("DistributedError: rank 1 left no state file"), results[0]
     assert results[1].startswith("TypeError: config key 1"), results[1]
     assert results[2] == "got 0"
 
@@ -318,3 +328,13 @@ def _coordinator_job(rank: int, port: int) -> list[int]:
 def test_group_coordinator_and_default_group() -> None:
     results = run_ranks(_coordinator_job, 4, free_port())
     assert results == [[0, 0], [2, 0], [0, 0], [2, 2]]
+
+
+def test_a_truncated_segment_is_a_shared_memory_error() -> None:
+    channel = ShmChannel(0x5EED)
+    channel.publish(1, *tensor_header_and_body(torch.ones(1024)))
+    path = SHM / segment_name(0x5EED, 1)
+    os.truncate(path, 100)  # the header is there, the 4 KiB body is not
+    with pytest.raises(SharedMemoryError, match=r"segment 'bpd[0-9a-f]+r1' of rank 1 is trunc"):
+        channel.take(1, lambda header, view: bytes(view))
+    assert not path.exists()  # taken: unlinked even though unreadable

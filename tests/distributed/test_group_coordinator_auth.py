@@ -30,6 +30,7 @@ from bridge_py.distributed.device_communicators.agreement import CHECK_ENV, Sign
 from bridge_py.distributed.device_communicators.shm_allreduce import ENABLE_ENV
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
+from bridge_py.distributed.errors import DistributedError
 from bridge_py.distributed.parallel_state import GroupCoordinator, in_the_same_node_as
 from tests.distributed import test_group_coordinator_mq, test_group_coordinator_p2p
 from tests.distributed.harness import free_port, run_ranks
@@ -238,3 +239,35 @@ def test_a_keyed_queue_over_a_torch_group_refuses_an_injected_probe(tmp_path: Pa
     assert not marker.exists(), "the queue's probe unpickled an injected object"
     assert message.startswith("AuthenticationError: refused broadcast 0 from rank 0"), message
     assert "not authenticated" in message, message
+
+
+def _negative_size(rank: int, port: int) -> str:
+    """Rank 1 announces an object of size -5 where rank 0 waits for one (no key)."""
+    os.environ.pop(auth.ENV_VAR, None)
+    os.environ[CHECK_ENV] = "0"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    g = GroupCoordinator([[0, 1]], rank, "gloo", False, group_name="sizes")
+    message = ""
+    if rank == 1:
+        dist.send(torch.tensor([-5], dtype=torch.int64), dst=0, group=g.cpu_group)
+    else:
+        try:
+            g.recv_object(src=1)
+        except DistributedError as exc:
+            message = f"{type(exc).__name__}: {exc}"
+    assert g.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]  # the group goes on
+    g.destroy()
+    dist.destroy_process_group()
+    return message
+
+
+def test_a_negative_object_size_is_a_distributed_error() -> None:
+    message, _ = run_ranks(_negative_size, 2, free_port(), timeout=90)
+    assert message.startswith("DistributedError: refused the object from rank 1 on gc/"), message
+    assert "its size -5 is negative" in message, message

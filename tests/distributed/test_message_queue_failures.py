@@ -12,6 +12,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,11 +22,16 @@ from multiprocessing import shared_memory
 import pytest
 
 from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.auth import seal_object
 from bridge_py.distributed.device_communicators.shm_broadcast import (
+    Handle,
     MessageQueue,
     PeerGoneError,
 )
+from bridge_py.distributed.device_communicators.shm_remote import KIND_DATA, KIND_READY
 from bridge_py.distributed.device_communicators.shm_ring import NAME_PREFIX, orphaned_segments
+from bridge_py.distributed.errors import DistributedError, SharedMemoryError
+from bridge_py.distributed.groups.node import same_node_as
 from tests.distributed.harness import free_port, run_ranks
 
 TIMEOUT = 30.0
@@ -256,7 +263,116 @@ def test_misuse_is_reported_clearly() -> None:
             buffer_handle=(*handle.buffer_handle[:3], NAME_PREFIX + "000000000000"),
             writer_host="far-away",
         )
-        with pytest.raises(RuntimeError, match="must be remote readers"):
+        with pytest.raises(SharedMemoryError, match=r"rank 0 .* must be remote readers"):
             MessageQueue.create_from_handle(elsewhere, 0)
         with pytest.raises(TimeoutError, match=r"remote readers to connect.*ranks \[1\]"):
             writer.wait_until_ready(timeout=0.2)
+
+
+def _local_pair() -> tuple[MessageQueue, MessageQueue]:
+    """A writer and its one local reader (this process), both ready; chunks of 64 bytes."""
+    writer = MessageQueue(1, 1, max_chunk_bytes=64, max_chunks=4)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready(TIMEOUT)
+    reader.wait_until_ready(TIMEOUT)
+    return writer, reader
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("chunks", "words"),
+    [
+        # (total message length, part index, payload) per chunk, as a writer would write them
+        ([(3, 0, b"abcdef")], "chunk 0 of segment .* is corrupt: it holds 6 bytes of a 3-byte"),
+        ([(10, 1, b"ab")], "local reader 0 of segment .* chunk 0 holds part 1 .* expected part 0"),
+        ([(10, 0, b"abcdefgh"), (10, 1, b"abcdefgh")], "chunk 1 of segment .* overflows its"),
+    ],
+    ids=["longer than its message", "out of order", "overflowing"],
+)
+def test_a_corrupt_chunk_is_a_shared_memory_error(
+    chunks: list[tuple[int, int, bytes]], words: str
+) -> None:
+    writer, reader = _local_pair()
+    try:
+        ring = writer.buffer
+        assert ring is not None
+        for idx, (total, part, payload) in enumerate(chunks):
+            ring.write_chunk(idx, total, part, memoryview(payload))
+        with pytest.raises(SharedMemoryError, match=words):
+            reader.dequeue(timeout=TIMEOUT)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def _fake_writer(listener: socket.socket, frames: list[tuple[int, bytes]]) -> None:
+    """Accept one remote reader, read its hello, send ``frames``, keep the line open."""
+    with listener:
+        conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(TIMEOUT)
+        hello = b""
+        while len(hello) < 24:  # magic, the queue's token, the reader's rank
+            hello += conn.recv(24 - len(hello))
+        for kind, payload in frames:
+            conn.sendall(struct.pack("!BQ", kind, len(payload)) + payload)
+        conn.recv(1)  # until the reader closes
+
+
+def _remote_reader_of(frames: list[tuple[int, bytes]]) -> tuple[MessageQueue, threading.Thread]:
+    """Reader rank 3 of a queue whose "writer" is a plain socket sending ``frames``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    thread = threading.Thread(target=_fake_writer, args=(listener, frames), daemon=True)
+    thread.start()
+    handle = Handle(
+        local_reader_ranks=[],
+        remote_subscribe_addr=f"tcp://127.0.0.1:{port}",
+        remote_reader_ranks=None,
+        token=b"t" * 16,
+    )
+    return MessageQueue.create_from_handle(handle, 3), thread
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_that_breaks_the_stream_is_a_distributed_error() -> None:
+    ready = (KIND_READY, b"")
+    cases = [  # the frames the writer sends, whether the reader gets ready first, the error
+        ([(9, b"")], False, r"remote reader rank 3 received a corrupt frame \(kind 9, 0 bytes\)"),
+        ([(KIND_DATA, b"x")], False, r"rank 3 expected the READY signal from .* of kind 2"),
+        ([ready, ready], True, r"rank 3 expected a message from .* of kind 1"),
+    ]
+    for frames, ready_first, words in cases:
+        reader, writer = _remote_reader_of(frames)
+        try:
+            if ready_first:
+                reader.wait_until_ready(TIMEOUT)
+            with pytest.raises(DistributedError, match=words):
+                reader.dequeue(timeout=TIMEOUT) if ready_first else reader.wait_until_ready(TIMEOUT)
+        finally:
+            reader.close()
+            writer.join(TIMEOUT)
+
+
+def _handle_of_another_version(rank: int, port: int) -> str:
+    """Rank 0 plays a writer that sends something else than a Handle, in the right frame."""
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2)
+    outcome = ""
+    if rank == 0:
+        same_node_as(pg, 0)  # the probe every rank of create_from_process_group takes part in
+        pg.broadcast_obj(seal_object(None, "mq/handle/0", (False, "not a handle")), 0)
+    else:
+        try:
+            MessageQueue.create_from_process_group(pg, 1024, 2, writer_rank=0)
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    pg.barrier(TIMEOUT)  # rank 0 serves the store: it stays until rank 1 is done
+    return outcome
+
+
+def test_a_writer_that_sends_no_handle_is_reported() -> None:
+    _, message = run_ranks(_handle_of_another_version, 2, free_port(), timeout=60)
+    assert message == (
+        "TypeError: create_from_process_group on rank 1: writer rank 0 sent str, not the "
+        "Handle of a MessageQueue: is the writer running another version?"
+    )

@@ -24,6 +24,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.cpu_communicator import CpuCommunicator
+from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from bridge_py.distributed.groups.node import in_the_same_node_as
 from bridge_py.distributed.groups.objects import ObjectChannel
 
@@ -112,7 +113,7 @@ class GroupCoordinator:
     cpu_group: ProcessGroup  # group for CPU communication
     device_group: ProcessGroup  # group for device communication
     device_communicator: DeviceCommunicatorBase | None
-    mq_broadcaster: Any | None  # shared memory broadcaster
+    mq_broadcaster: MessageQueue | None  # shared memory broadcaster
 
     def __init__(
         self,
@@ -194,7 +195,7 @@ class GroupCoordinator:
                 use_all2all=False,
             )
 
-        self.mq_broadcaster: Any | None = None
+        self.mq_broadcaster: MessageQueue | None = None
         if use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 
@@ -236,8 +237,11 @@ class GroupCoordinator:
     # ------------------------------------------------------------ message queues
 
     def create_mq_broadcaster(
-        self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True
-    ) -> Any:
+        self,
+        writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
+        blocking: bool = True,
+    ) -> MessageQueue:
         """A shared-memory ``MessageQueue`` over this group's CPU group (a collective).
 
         ``writer_rank`` is the group rank that writes, every other rank reads; with
@@ -248,8 +252,6 @@ class GroupCoordinator:
         reader number ``rank_in_group``; the outside writer joins ``wait_until_ready``, so
         such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
         """
-        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-
         self._check_peer("create_mq_broadcaster", "writer", writer_rank)
         return MessageQueue.create_from_process_group(
             self.cpu_group,
@@ -263,20 +265,19 @@ class GroupCoordinator:
 
     def create_single_reader_mq_broadcasters(
         self, reader_rank_in_group: int = 0, blocking: bool = False
-    ) -> tuple[Any, list[Any]]:
+    ) -> tuple[MessageQueue, list[Handle]]:
         """One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
 
         As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
-        (the reader too) gets a queue it writes, with one reader slot; the writers' handles
-        are gathered on the reader. Returns ``(queue, handles)``: ``handles`` lists every
-        rank's handle (in group rank order) on the reader and is empty elsewhere; the reader
-        opens them with ``MessageQueue.create_from_handle(handle, 0)``. With ``blocking``
-        the other ranks wait until the reader has opened their queue; the reader cannot
-        wait on its own queue before opening it, so it returns at once and calls
-        ``wait_until_ready`` on its queue after opening the handles.
+        (the reader too) gets a queue that it writes and that only the reader reads; the
+        queues' handles are gathered on the reader. Returns ``(queue, handles)``:
+        ``handles`` lists every rank's handle (in group rank order) on the reader and is
+        empty elsewhere; the reader opens them with
+        ``MessageQueue.create_from_handle(handle, 0)``. With ``blocking`` the other ranks
+        wait until the reader has opened their queue; the reader cannot wait on its own
+        queue before opening it, so it returns at once and calls ``wait_until_ready`` on
+        its queue after opening the handles.
         """
-        from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-
         self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
         same_node = in_the_same_node_as(self.cpu_group, source_rank=reader_rank_in_group)
         queue = MessageQueue(
@@ -352,19 +353,20 @@ class GroupCoordinator:
         User-facing all-reduce function before we actually call the
         all-reduce operation.
 
-        We need this because Dynamo does not support passing an arbitrary
-        object (`self` in this case) to a custom op. We need to pass the
-         group name as a string, and then look up the group coordinator from
-         the group name, dispatch the all-reduce operation to the group
-         coordinator.
+        Returns the sum of every rank's ``input_`` as a new tensor and leaves ``input_``
+        unchanged, as vLLM's (which is always out of place); in a group of one it returns
+        ``input_`` itself, as vLLM's does. ``bool`` tensors sum to the logical OR.
 
-        In addition, PyTorch custom ops do not support mutation or returning
-        a new tensor in the same op. So we always make the all-reduce operation
-        out-of-place.
-
-        Here there is no custom op: the sum over the group is returned as a new tensor
-        (``input_`` itself in a group of one, as in vLLM); ``bool`` sums are logical ORs.
+        Raises:
+            TypeError: ``input_`` is not a tensor, or its dtype cannot be summed.
+            ValueError: ``input_`` is not on this group's device.
+            CollectiveMismatchError: another rank passed a different dtype or shape, or
+                bad arguments (with argument checks on, the default on CPU: then every
+                rank raises, before any data moves).
         """
+        # vLLM's is out of place because it runs as a torch custom op, which may not both
+        # mutate and return (Dynamo cannot pass ``self`` to a custom op, hence vLLM's
+        # lookup by group name). There is no custom op here; the result is new all the same.
         if self.world_size == 1:
             return input_
         return self._all_reduce_out_place(input_)
@@ -412,12 +414,14 @@ class GroupCoordinator:
         return self._comm.reduce_scatter(input_, dim)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
-        """
+        """Gather every rank's ``input_`` on rank ``dst``, concatenated along ``dim``.
+
         NOTE: We assume that the input tensor is on the same device across
         all the ranks.
         NOTE: `dst` is the local rank of the destination rank.
 
-        Returns the concatenation along ``dim`` on ``dst`` and None elsewhere.
+        Returns the concatenation (in rank order) on ``dst`` and None elsewhere; in a
+        group of one, ``input_`` itself.
         """
         if self.world_size == 1:
             return input_
@@ -438,9 +442,17 @@ class GroupCoordinator:
         """Broadcast the input object.
         NOTE: `src` is the local rank of the source rank.
 
-        Objects are pickled: use groups of trusted processes only, or give every rank the
-        same ``VLLM_BRIDGE_AUTH_KEY``, so that objects are sealed and checked before they are
-        unpickled (see the module docstring).
+        Returns ``obj`` on ``src`` and ``src``'s object on the other ranks. Objects are
+        pickled, as in vLLM: use groups of trusted processes only, or give every rank the
+        same ``VLLM_BRIDGE_AUTH_KEY``, so that every receiver authenticates an object
+        before it unpickles it. A group made with ``use_message_queue_broadcaster``
+        broadcasts through its message queue, from ``src=0`` only.
+
+        Raises:
+            ValueError: ``src`` is not a rank of the group (on every rank, with argument
+                checks on), or is not 0 in a group with a message queue.
+            AuthenticationError: with an auth key, an object that fails authentication
+                (nothing is unpickled).
         """
         self._agree_on_root("broadcast_object", "src", src)
         if self.world_size == 1:
@@ -477,9 +489,15 @@ class GroupCoordinator:
         NOTE: `src` is the local rank of the source rank.
 
         In place: ``obj_list`` (the same length on every rank) ends up holding ``src``'s
-        objects; returns it. ``group`` is accepted for vLLM's signature and unused: the
-        objects travel on this group's CPU group (vLLM uses the device group), as one list,
-        sealed when there is an auth key (see ``groups.objects``).
+        objects; returns it. ``group`` is accepted for vLLM's signature and ignored. With
+        an auth key the objects are authenticated as by :meth:`broadcast_object`.
+
+        Raises:
+            ValueError: ``src`` is not a rank of the group, or ``obj_list`` has another
+                length than on ``src``.
+
+        Implementation: the objects travel as one pickled list on the group's CPU group
+            (vLLM's go over the device group), through ``groups.objects``.
         """
         self._agree_on_root("broadcast_object_list", "src", src)
         if self.world_size == 1:
@@ -519,10 +537,21 @@ class GroupCoordinator:
         """Broadcast the input tensor dictionary.
         NOTE: `src` is the local rank of the source rank.
 
-        The metadata (keys, non-tensor values, tensor shapes) goes as one object; then
-        each non-empty tensor is broadcast, CPU tensors on the CPU group and device tensors
-        on the device group. ``group``/``metadata_group`` are accepted for vLLM's signature
-        and, as in vLLM, unused.
+        Returns ``tensor_dict`` on ``src``; on the other ranks a new dictionary with
+        ``src``'s keys, its top-level tensors received into new tensors (device tensors on
+        this group's device, CPU tensors on the CPU) and its other values as ``src`` had
+        them (pickled, and authenticated as by :meth:`broadcast_object`). A group of one,
+        or torch.distributed not initialized, returns ``tensor_dict``.
+        ``group``/``metadata_group`` are accepted for vLLM's signature and, as in vLLM,
+        unused.
+
+        Raises:
+            TypeError: ``tensor_dict`` on ``src`` is not a dict (on every rank).
+            ValueError: ``src`` is not a rank of the group.
+
+        Implementation: the metadata (keys, non-tensor values, tensor shapes) goes as one
+            object; then each non-empty tensor is broadcast, CPU tensors on the CPU group
+            and device tensors on the device group.
         """
         if not dist.is_initialized() or self.world_size == 1:
             return tensor_dict
@@ -610,22 +639,36 @@ class GroupCoordinator:
         all_gather_tensors: dict[str, bool] | None = None,
     ) -> dict[str, Any] | None:
         """Send the input tensor dictionary.
-        NOTE: `dst` is the local rank of the source rank.
+        NOTE: `dst` is the local rank of the destination rank.
 
-        all_gather_group: The group for the all-gather operation. If provided,
-            an optimization is enabled where each rank in the group sends a
-            slice of a tensor and the receiver reconstructs it using an
-            all-gather, which can improve performance. This is typically the
-            tensor-parallel group.
-        all_gather_tensors: A dictionary to specify which tensors should use
-            the all-gather optimization, which is only effective when
-            `all_gather_group` is provided. By default, this optimization is
-            on for any tensor whose size is divisible by the
-            `all_gather_group`'s world size. However, it should be disabled
-            for tensors that are not fully replicated across the group (e.g.,
-            the residual tensor when sequence parallelism is enabled). This
-            dictionary allows overriding the default behavior on a per-tensor
-            basis.
+        Args:
+            tensor_dict: the dictionary to send: its top-level tensors travel as tensors,
+                its other values pickled.
+            dst: the group rank to send to (default: the next rank).
+            all_gather_group: The group for the all-gather operation. If provided,
+                an optimization is enabled where each rank in the group sends a
+                slice of a tensor and the receiver reconstructs it using an
+                all-gather, which can improve performance. This is typically the
+                tensor-parallel group.
+            all_gather_tensors: A dictionary to specify which tensors should use
+                the all-gather optimization, which is only effective when
+                `all_gather_group` is provided. By default, this optimization is
+                on for any tensor whose size is divisible by the
+                `all_gather_group`'s world size. However, it should be disabled
+                for tensors that are not fully replicated across the group (e.g.,
+                the residual tensor when sequence parallelism is enabled). This
+                dictionary allows overriding the default behavior on a per-tensor
+                basis.
+
+        Returns:
+            None (``tensor_dict`` itself in a group of one, or when torch.distributed is
+            not initialized).
+
+        Raises:
+            TypeError: ``tensor_dict`` is not a dict.
+            ValueError: ``dst`` is not another rank of the group, or
+                ``all_gather_tensors`` asks for the all-gather without an
+                ``all_gather_group``.
         """
         if not dist.is_initialized() or self.world_size == 1:
             return tensor_dict
@@ -656,20 +699,32 @@ class GroupCoordinator:
         """Recv the input tensor dictionary.
         NOTE: `src` is the local rank of the source rank.
 
-        all_gather_group: The group for the all-gather operation. If provided,
-            an optimization is enabled where each rank in the group sends a
-            slice of a tensor and the receiver reconstructs it using an
-            all-gather, which can improve performance. This is typically the
-            tensor-parallel group.
-        all_gather_tensors: A dictionary to specify which tensors should use
-            the all-gather optimization, which is only effective when
-            `all_gather_group` is provided. By default, this optimization is
-            on for any tensor whose size is divisible by the
-            `all_gather_group`'s world size. However, it should be disabled
-            for tensors that are not fully replicated across the group (e.g.,
-            the residual tensor when sequence parallelism is enabled). This
-            dictionary allows overriding the default behavior on a per-tensor
-            basis.
+        Args:
+            src: the group rank to receive from (default: the previous rank).
+            all_gather_group: The group for the all-gather operation. If provided,
+                an optimization is enabled where each rank in the group sends a
+                slice of a tensor and the receiver reconstructs it using an
+                all-gather, which can improve performance. This is typically the
+                tensor-parallel group.
+            all_gather_tensors: A dictionary to specify which tensors should use
+                the all-gather optimization, which is only effective when
+                `all_gather_group` is provided. By default, this optimization is
+                on for any tensor whose size is divisible by the
+                `all_gather_group`'s world size. However, it should be disabled
+                for tensors that are not fully replicated across the group (e.g.,
+                the residual tensor when sequence parallelism is enabled). This
+                dictionary allows overriding the default behavior on a per-tensor
+                basis.
+
+        Returns:
+            The dictionary ``src`` sent: its tensors in new tensors (device tensors on this
+            group's device), its other values as sent. None in a group of one, or when
+            torch.distributed is not initialized.
+
+        Raises:
+            ValueError: ``src`` is not another rank of the group, or
+                ``all_gather_tensors`` asks for the all-gather without an
+                ``all_gather_group``.
         """
         if not dist.is_initialized() or self.world_size == 1:
             return None
@@ -700,11 +755,13 @@ class GroupCoordinator:
 
     def barrier(self) -> None:
         """Barrier synchronization among the group.
-        NOTE: don't use `device_group` here! `barrier` in NCCL is
-        terrible because it is internally a broadcast operation with
-        secretly created GPU tensors. It is easy to mess up the current
-        device. Use the CPU group instead.
+
+        Returns once every rank of the group has called it; it leaves the current CUDA
+        device and stream alone, on any backend.
         """
+        # As vLLM: "don't use `device_group` here! `barrier` in NCCL is terrible because it
+        # is internally a broadcast operation with secretly created GPU tensors. It is easy
+        # to mess up the current device. Use the CPU group instead."
         dist.barrier(group=self.cpu_group)
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
@@ -765,7 +822,9 @@ class GroupCoordinator:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`)."""
         if self.device_communicator is not None:
             return self.device_communicator.combine(hidden_states, is_sequence_parallel)

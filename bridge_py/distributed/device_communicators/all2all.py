@@ -14,19 +14,15 @@ when it has one and keeps the base class's no-op otherwise.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     All2AllManagerBase,
+    DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
-
-if TYPE_CHECKING:
-    from bridge_py.distributed.device_communicators.base_device_communicator import (
-        DeviceCommunicatorBase,
-    )
 
 __all__ = ["AgRsAll2AllManager", "All2AllDispatchMixin", "NaiveAll2AllManager"]
 
@@ -70,7 +66,9 @@ class NaiveAll2AllManager(All2AllManagerBase):
             return gathered[0], gathered[1], list(gathered[2:])
         return gathered[0], gathered[1]
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Sum ``hidden_states`` over the ranks and keep the rows of this rank's tokens."""
         if self._sizes is None:
             raise RuntimeError("combine called before dispatch: the token counts are unknown")
@@ -85,10 +83,12 @@ class NaiveAll2AllManager(All2AllManagerBase):
 AgRsAll2AllManager = NaiveAll2AllManager
 
 
-class All2AllDispatchMixin:
-    """``dispatch``/``combine`` through ``self.all2all_manager`` when there is one."""
+class All2AllDispatchMixin(DeviceCommunicatorBase):
+    """``dispatch``/``combine`` through ``self.all2all_manager`` when there is one.
 
-    all2all_manager: All2AllManagerBase | None
+    Mixed in before :class:`DeviceCommunicatorBase` (a subclass of it, so that ``super()``
+    reaches the base class's no-ops).
+    """
 
     def dispatch(
         self,
@@ -102,18 +102,20 @@ class All2AllDispatchMixin:
         Without an all-to-all manager this is a no-op, as in the base class.
         """
         if self.all2all_manager is None:
-            return super().dispatch(  # type: ignore[misc]
+            return super().dispatch(
                 hidden_states, router_logits, is_sequence_parallel, extra_tensors
             )
         return self.all2all_manager.dispatch(
             hidden_states, router_logits, is_sequence_parallel, extra_tensors
         )
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """
         Combine the hidden states and router logits from the appropriate device.
         Without an all-to-all manager this is a no-op, as in the base class.
         """
         if self.all2all_manager is None:
-            return super().combine(hidden_states, is_sequence_parallel)  # type: ignore[misc]
+            return super().combine(hidden_states, is_sequence_parallel)
         return self.all2all_manager.combine(hidden_states, is_sequence_parallel)

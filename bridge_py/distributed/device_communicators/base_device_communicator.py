@@ -85,7 +85,9 @@ class All2AllManagerBase:
         """Send each rank's tokens to the ranks that need them."""
         raise NotImplementedError
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """Bring the processed tokens back to the ranks they came from."""
         raise NotImplementedError
 
@@ -260,7 +262,7 @@ class DeviceCommunicatorBase:
         """
         op = "all_gatherv"
         single = isinstance(input_, torch.Tensor)
-        tensors: list[Any] = [input_] if single else list(input_)  # type: ignore[arg-type]
+        tensors: list[Any] = [input_] if isinstance(input_, torch.Tensor) else list(input_)
         error: Exception | None = None
         dims: list[int] = []
         if not tensors:
@@ -401,12 +403,13 @@ class DeviceCommunicatorBase:
         return restore(out)[:mine].movedim(0, dim).contiguous()
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
-        """
+        """Gather every rank's ``input_`` on rank ``dst``, concatenated along ``dim``.
+
         NOTE: We assume that the input tensor is on the same device across
         all the ranks.
         NOTE: `dst` is the local rank of the destination rank.
 
-        Returns the concatenation along ``dim`` on ``dst`` and None on the other ranks.
+        Returns the concatenation (in rank order) on ``dst`` and None on the other ranks.
         """
         op = "gather"
         error = self._tensor_error(op, input_) or self._peer_error(op, "dst", dst, True)
@@ -569,7 +572,9 @@ class DeviceCommunicatorBase:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
 
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
         """
         Combine the hidden states and router logits from the appropriate device.
         This is a no-op in the base class.

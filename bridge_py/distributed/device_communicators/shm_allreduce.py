@@ -339,7 +339,8 @@ class ShmCollectives:
                 shm.unlink()  # every rank has it mapped (or gave up): remove the name now
         if int(flag.item()) == 1:
             dist.barrier(group=cpu_group)  # ... so that no rank returns before it is gone
-        if int(flag.item()) == 0 or mapping is None:
+        # (``shm`` is set whenever ``mapping`` is: tested for the type checker's sake.)
+        if int(flag.item()) == 0 or mapping is None or shm is None:
             if mapping is not None:
                 mapping.close()
             if why:
@@ -367,7 +368,9 @@ class ShmCollectives:
             if fd >= 0 and hasattr(os, "posix_fallocate"):
                 # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS later.
                 os.posix_fallocate(fd, 0, size)
-            _HEADER.pack_into(shm.buf, 0, _MAGIC, _VERSION, 0, world_size, slot_bytes, token)
+            _HEADER.pack_into(
+                posix.view(shm), 0, _MAGIC, _VERSION, 0, world_size, slot_bytes, token
+            )
             fence()
         except BaseException:
             shm.close()
@@ -388,7 +391,7 @@ class ShmCollectives:
         except (OSError, ValueError) as exc:
             return None, 0, f"cannot open rank 0's segment (another node?): {exc}"
         try:
-            magic, version, _, size, slot_bytes, token = _HEADER.unpack_from(shm.buf, 0)
+            magic, version, _, size, slot_bytes, token = _HEADER.unpack_from(posix.view(shm), 0)
             if (magic, version, size) != (_MAGIC, _VERSION, world_size) or token.hex() != (
                 token_hex
             ):
@@ -405,7 +408,7 @@ class ShmCollectives:
         self._broken = self._broken or "the transport was closed"
         self._counters.release()
         self._data = torch.empty(0, dtype=torch.uint8)
-        self._buf = None  # type: ignore[assignment]
+        self._buf = None  # type: ignore[assignment]  # closed: any later use fails at once
         self._finalizer()
 
     @property

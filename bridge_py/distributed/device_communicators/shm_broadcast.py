@@ -51,7 +51,7 @@ from bridge_py.distributed.device_communicators.shm_ring import (
     SLOT_EMPTY,
     ShmRingBuffer,
 )
-from bridge_py.distributed.errors import GroupTimeout
+from bridge_py.distributed.errors import DistributedError, GroupTimeout, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.shm.wait import (
@@ -149,13 +149,23 @@ class MessageQueue:
         """The writer's end: ``n_reader`` readers, ``n_local_reader`` of them on this node.
 
         ``local_reader_ranks`` (default ``range(n_local_reader)``) are the ranks that read
-        the ring; the others connect over TCP to ``connect_ip`` (default: ``VLLM_HOST_IP``
-        from the environment, else 127.0.0.1). ``remote_reader_ranks`` (default: the ranks
-        after the local ones when ``local_reader_ranks`` is None, else any rank) limits who
-        may connect. Ranks are those readers pass to :meth:`create_from_handle`.
-        ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every
-        message; readers must be given the same key. Raises AuthenticationError when the
-        operator's policy refuses the key (see ``auth.resolve_key``).
+        through shared memory, on this node; the others connect over TCP to ``connect_ip``
+        (default: ``VLLM_HOST_IP`` from the environment, else 127.0.0.1).
+        ``remote_reader_ranks`` (default: the ranks after the local ones when
+        ``local_reader_ranks`` is None, else any rank) limits who may connect. Ranks are
+        those readers pass to :meth:`create_from_handle`. The queue holds ``max_chunks``
+        chunks of ``max_chunk_bytes`` bytes for the local readers (a message larger than a
+        chunk spans several); :meth:`enqueue` waits while they all hold messages some local
+        reader has not read. ``auth_key`` (None:
+        ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every message; readers
+        must be given the same key.
+
+        Raises:
+            ValueError: reader counts or ranks that do not fit together (the message says
+                which).
+            AuthenticationError: the operator's policy refuses the key: one that differs
+                from ``$VLLM_BRIDGE_AUTH_KEY``, or none at all while
+                ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY`` is set.
         """
         if not 0 <= n_local_reader <= n_reader:
             raise ValueError(
@@ -238,8 +248,15 @@ class MessageQueue:
 
         ``rank`` reads shared memory if it is in ``handle.local_reader_ranks`` (the writer
         must then be on this host), else connects over TCP as a remote reader. ``auth_key``
-        (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) must be the writer's; the
-        operator's policy applies (see ``auth.resolve_key``).
+        (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) must be the writer's.
+
+        Raises:
+            ValueError: ``rank`` is not a reader of this queue.
+            SharedMemoryError: ``rank`` is a local reader, but the queue's shared memory
+                is not on this host (the writer runs on another node, or closed the queue).
+            AuthenticationError: the operator's policy refuses the key: one that differs
+                from ``$VLLM_BRIDGE_AUTH_KEY``, or none at all while
+                ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY`` is set.
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
@@ -282,7 +299,7 @@ class MessageQueue:
         try:
             self.buffer = ShmRingBuffer(*handle.buffer_handle)
         except FileNotFoundError:
-            raise RuntimeError(
+            raise SharedMemoryError(
                 f"rank {rank} is a local reader of a queue whose writer runs on "
                 f"{handle.writer_host!r}, but its shared memory {name!r} does not exist on "
                 f"this host ({socket.gethostname()!r}): readers on another node must be "
@@ -309,9 +326,10 @@ class MessageQueue:
         readers and the writer) should call this function.
 
         The writer waits for every local reader to attach and every remote reader to
-        connect, then tells them all to go; readers wait for that. Raises TimeoutError
-        after ``timeout`` seconds (None: no limit) naming who is missing. Once it has
-        returned, later calls return at once.
+        connect, then tells them all to go; readers wait for that. Raises GroupTimeout (a
+        TimeoutError) after ``timeout`` seconds (None: no limit) naming who is missing, and
+        PeerGoneError on a reader when the writer has closed the queue or exited. Once it
+        has returned, later calls return at once.
         """
         if self._ready:
             return
@@ -340,9 +358,9 @@ class MessageQueue:
             if buffer is not None:
                 buffer.set_ready()
         elif self._is_local_reader:
-            buffer = self._ring()
+            ring = self._ring()
             wait_until(
-                buffer.is_ready,
+                ring.is_ready,
                 "the writer to see every reader join (wait_until_ready)",
                 deadline,
                 check=lambda: self._check_writer(None),
@@ -356,11 +374,14 @@ class MessageQueue:
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Write to message queue with optional timeout (in seconds).
 
-        Waits while the ring is full (every chunk not yet read by some local reader) and
-        while remote readers' sockets are full. ``timeout`` bounds the whole call: on
-        TimeoutError, a message already partly written is finished by the next ``enqueue``
-        (it is never torn) and ``obj`` was not sent if the interrupted message was an
-        earlier one. Raises PeerGoneError when a reader it waits for has exited or closed.
+        Waits while the queue is full (local readers have not yet read the earlier messages
+        that fill it) and while remote readers' connections are backed up. ``timeout``
+        bounds the whole call: on GroupTimeout (a TimeoutError, naming the readers that
+        lag), a message already partly written is finished by the next ``enqueue`` (it is
+        never torn) and ``obj`` was not sent if the interrupted message was an earlier one.
+        Raises PeerGoneError when a reader it waits for has exited or closed its end, and
+        RuntimeError on a reader's end, or before :meth:`wait_until_ready` when there are
+        remote readers.
         """
         if not self._is_writer:
             raise RuntimeError("Only writers can enqueue")
@@ -437,11 +458,12 @@ class MessageQueue:
     ) -> Any:
         """Read from message queue with optional timeout (in seconds).
 
-        Raises TimeoutError after ``timeout`` seconds (a message partly received by then is
-        kept and completed by the next call), RuntimeError("cancelled") soon after
-        ``cancel`` is set, and PeerGoneError once the writer has closed the queue or exited
-        and every message it wrote has been read. With ``timeout=None`` it waits as long as
-        the writer lives; ``indefinite`` only silences the periodic "still waiting" log.
+        Raises GroupTimeout (a TimeoutError) after ``timeout`` seconds (a message partly
+        received by then is kept and completed by the next call), RuntimeError("cancelled")
+        soon after ``cancel`` is set, and PeerGoneError once the writer has closed the queue
+        or exited and every message it wrote has been read. With ``timeout=None`` it waits
+        as long as the writer lives; ``indefinite`` only silences the periodic "still
+        waiting" log.
         """
         if self._is_writer:
             raise RuntimeError("Only readers can dequeue")
@@ -450,7 +472,10 @@ class MessageQueue:
             if self._is_remote_reader:
                 kind, body = self._remote().recv_frame(deadline, cancel)
                 if kind != KIND_DATA:
-                    raise RuntimeError(f"unexpected frame kind {kind} from the writer")
+                    raise DistributedError(
+                        f"remote reader rank {self._remote().rank} expected a message from "
+                        f"the writer at {self._remote().address}, got a frame of kind {kind}"
+                    )
                 return self._loads(body)
             return self._read_local(deadline, cancel, not indefinite)
 
@@ -463,7 +488,10 @@ class MessageQueue:
             incoming = self._incoming
             expected = 0 if incoming is None else incoming.part
             if part != expected:
-                raise RuntimeError(f"chunk {idx} holds part {part}, expected part {expected}")
+                raise SharedMemoryError(
+                    f"local reader {self.local_reader_rank} of segment {buffer.name!r}: chunk "
+                    f"{idx} holds part {part} of a message, expected part {expected}"
+                )
             if incoming is None and size == total:
                 data = buffer.read_chunk(idx)
                 self._advance(buffer, idx)
@@ -584,8 +612,9 @@ class MessageQueue:
         else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
         ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
         ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
-        every message; all ranks must give the same key, and the operator's policy applies
-        (see ``auth.resolve_key``).
+        every message; all ranks must give the same key. The operator's policy refuses a
+        key that differs from ``$VLLM_BRIDGE_AUTH_KEY``, or none at all while
+        ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY`` is set (AuthenticationError).
 
         With ``external_writer_handle`` (the :meth:`export_handle` of a queue written by a
         process outside the group, made for ``pg.world_size`` readers) no rank writes:
@@ -632,16 +661,20 @@ class MessageQueue:
             external, handle = open_object(
                 key, context, data, f"the queue handle from writer rank {writer_rank}"
             )
-        if external:
-            if handle is None:
+        if external and handle is None:
+            raise TypeError(
+                f"create_from_process_group on rank {group.rank}: the "
+                f"external_writer_handle given to rank {writer_rank} is not the Handle of a "
+                "MessageQueue (its export_handle())"
+            )
+        if external or group.rank != writer_rank:
+            # With an outside writer every rank, writer_rank too, reads its queue.
+            if not isinstance(handle, Handle):
                 raise TypeError(
-                    f"create_from_process_group on rank {group.rank}: the "
-                    f"external_writer_handle given to rank {writer_rank} is not the Handle of a "
-                    "MessageQueue (its export_handle())"
+                    f"create_from_process_group on rank {group.rank}: writer rank "
+                    f"{writer_rank} sent {type(handle).__name__}, not the Handle of a "
+                    "MessageQueue: is the writer running another version?"
                 )
-            # Every rank, writer_rank too, reads the outside writer's queue.
-            queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
-        elif group.rank != writer_rank:
             queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
         if blocking:
             queue.wait_until_ready()

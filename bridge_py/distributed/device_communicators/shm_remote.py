@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 
-from bridge_py.distributed.errors import GroupTimeout
+from bridge_py.distributed.errors import DistributedError, GroupTimeout
 from bridge_py.distributed.shm.wait import (
     PeerGoneError,
     deadline_after,
@@ -220,6 +220,7 @@ class RemoteSubscriber:
 
     def __init__(self, address: str, token: bytes, rank: int, timeout: float | None) -> None:
         self.address = address
+        self.rank = rank
         host, port = parse_tcp_address(address)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -275,7 +276,10 @@ class RemoteSubscriber:
             self._header_filled += self._fill(view, deadline, cancel, what)
         kind, size = _FRAME.unpack(self._header)
         if kind not in (KIND_READY, KIND_DATA) or size > _MAX_FRAME_BYTES:
-            raise RuntimeError(f"corrupt frame from the writer at {self.address}")
+            raise DistributedError(
+                f"remote reader rank {self.rank} received a corrupt frame (kind {kind}, "
+                f"{size} bytes) while waiting for {what} from the writer at {self.address}"
+            )
         if self._body is None:
             self._body = bytearray(size)
         while self._body_filled < size:
@@ -291,7 +295,10 @@ class RemoteSubscriber:
         """Wait for the writer's READY frame (sent once every reader has connected)."""
         kind, _ = self.recv_frame(deadline_after(timeout), what="the READY signal")
         if kind != KIND_READY:
-            raise RuntimeError(f"expected READY from the writer at {self.address}, got {kind}")
+            raise DistributedError(
+                f"remote reader rank {self.rank} expected the READY signal from the writer "
+                f"at {self.address}, got a frame of kind {kind}"
+            )
 
     def close(self) -> None:
         """Close the connection."""

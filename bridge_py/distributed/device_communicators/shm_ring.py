@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
     fence,
@@ -102,8 +103,8 @@ def _release(shm: shared_memory.SharedMemory, creator: bool, slot: list[int], pi
     """
     owner = os.getpid() == pid
     if owner:
-        with contextlib.suppress(Exception):
-            buf = shm.buf
+        with contextlib.suppress(Exception):  # closed already, or unmapped: nothing to mark
+            buf = posix.view(shm)
             if creator:
                 buf[_CLOSED_AT] = 1
             elif slot:
@@ -154,7 +155,7 @@ class ShmRingBuffer:
             token = self._validate(name)
         self.token = token
         self.name = self.shared_memory.name
-        self._buf = self.shared_memory.buf
+        self._buf: memoryview = posix.view(self.shared_memory)
         self._finalizer = weakref.finalize(
             self, _release, self.shared_memory, self.is_creator, self._slot, os.getpid()
         )
@@ -169,7 +170,7 @@ class ShmRingBuffer:
                 continue
         # A new segment is zero-filled: no chunk written, no reader attached, not ready.
         _HEADER.pack_into(
-            shm.buf, 0, _MAGIC, _VERSION, 0, self.n_reader, self.max_chunks,
+            posix.view(shm), 0, _MAGIC, _VERSION, 0, self.n_reader, self.max_chunks,
             self.max_chunk_bytes, token, os.getpid(), 0, pid_namespace(),
         )  # fmt: skip
         return shm, token
@@ -180,7 +181,7 @@ class ShmRingBuffer:
             if shm.size < self.total_bytes_of_buffer:
                 raise ValueError(f"shared memory segment {name!r} is smaller than the handle says")
             magic, version, _, n_reader, chunks, chunk_bytes, token, *_ = _HEADER.unpack_from(
-                shm.buf, 0
+                posix.view(shm), 0
             )
             if magic != _MAGIC or not name.endswith(token[:6].hex()):
                 raise ValueError(f"shared memory segment {name!r} is not a MessageQueue's")
@@ -268,7 +269,11 @@ class ShmRingBuffer:
             self._buf, self.data_offset + idx * self.max_chunk_bytes
         )
         if size > self.max_chunk_bytes - CHUNK_HEADER_BYTES or size > total:
-            raise RuntimeError(f"chunk {idx} of segment {self.name!r} is corrupt")
+            raise SharedMemoryError(
+                f"chunk {idx} of segment {self.name!r} is corrupt: it holds {size} bytes "
+                f"of a {total}-byte message (at most {self.max_chunk_bytes - CHUNK_HEADER_BYTES} "
+                "fit in a chunk)"
+            )
         return total, part, size
 
     def read_chunk(self, idx: int) -> bytes:
@@ -281,7 +286,10 @@ class ShmRingBuffer:
         """Copy the part in readable chunk ``idx`` to ``into[offset:]``; its size."""
         _, _, size = self.chunk_header(idx)
         if offset + size > len(into):
-            raise RuntimeError(f"chunk {idx} of segment {self.name!r} overflows its message")
+            raise SharedMemoryError(
+                f"chunk {idx} of segment {self.name!r} overflows its message: {size} more "
+                f"bytes after {offset} of {len(into)}"
+            )
         begin = self.data_offset + idx * self.max_chunk_bytes + CHUNK_HEADER_BYTES
         into[offset : offset + size] = self._buf[begin : begin + size]
         return size
@@ -336,7 +344,8 @@ class ShmRingBuffer:
 
         Idempotent; also run when the object is garbage-collected or the interpreter exits.
         """
-        self._buf = None  # type: ignore[assignment]
+        # Dropped so that the mapping can go; any later use fails at once (a TypeError).
+        self._buf = None  # type: ignore[assignment]  # a closed ring has no memory
         self._finalizer()
 
     @property

@@ -24,8 +24,9 @@ global ranks, which are the same for the world group and for ``group=None``. The
 
 Cleanup does not depend on the happy path: on any failure a writer removes its own segment
 and the reader removes all of them (removal is idempotent), so a rank that dies leaves no
-segment once the others have finished; they fail with a RuntimeError naming the step, within
-the group's timeout (for a StatelessProcessGroup, the ``timeout`` keyword, default 30 s).
+segment once the others have finished; they fail with a DistributedError naming the step (a
+GroupTimeout, PeerGoneError, ... when the group's error says which), within the group's
+timeout (for a StatelessProcessGroup, the ``timeout`` keyword, default 30 s).
 A rank whose value cannot be written (say, a config that is not plain data) or, for the
 reader, read, still joins both barriers, then raises; the others are not kept waiting.
 """
@@ -48,6 +49,17 @@ from bridge_py.distributed.distribute.codec import (
 from bridge_py.distributed.distribute.group import GroupSync, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
 from bridge_py.distributed.distribute.shm import ShmChannel
+from bridge_py.distributed.errors import (
+    AuthenticationError,
+    BarrierFailure,
+    BarrierTimeout,
+    CollectiveMismatchError,
+    DistributedError,
+    GroupTimeout,
+    PeerGoneError,
+    SharedMemoryError,
+    StoreError,
+)
 
 __all__ = [
     "NFSWorkspace",
@@ -73,12 +85,28 @@ def _check_ranks(ranks: Sequence[int], size: int) -> list[int]:
     return checked
 
 
+# What a failed step raises: the first of these that the group's error is (most specific
+# first), else DistributedError.
+_STEP_ERRORS: tuple[type[DistributedError], ...] = (
+    BarrierTimeout,
+    GroupTimeout,
+    BarrierFailure,
+    PeerGoneError,
+    StoreError,
+    AuthenticationError,
+    CollectiveMismatchError,
+    SharedMemoryError,
+)
+
+
 def _step(sync: GroupSync, what: str, name: str, action: Callable[[], Any]) -> Any:
-    """Run a group operation; say which gather, rank and step failed if it does."""
+    """Run a group operation; if it fails, a DistributedError of the same kind (a timeout
+    stays a GroupTimeout) that says which gather, rank and step failed."""
     try:
         return action()
     except Exception as exc:
-        raise RuntimeError(f"{name}: rank {sync.rank} failed at {what}: {exc}") from exc
+        kind = next((k for k in _STEP_ERRORS if isinstance(exc, k)), DistributedError)
+        raise kind(f"{name}: rank {sync.rank} failed at {what}: {exc}") from exc
 
 
 class _Channel:
@@ -284,8 +312,35 @@ def gather_configs(
 ) -> list[Any]:
     """Gathers the layer config across distributed processes using shm or NFS.
 
-    :func:`get_configs_parallel` as a plain call: returns the list it yields (the configs of
-    all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
+    What ModelOpt's ``get_configs_parallel`` context manager yields, as a plain call that
+    returns once every resource of the gather is released. A collective: every rank of
+    ``group`` calls it, in the same order.
+
+    Args:
+        config: the config (nullable) that each rank want to pass to the first rank: ``None``
+            or a dict of plain data (None, bool, int, float, str, list, tuple, dict) and
+            tensors.
+        ranks: the ranks (ranks in ``group``) that contribute a config; the first of them
+            receives them all. Ranks of the group not listed only synchronize.
+        group: the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+            GroupCoordinator, or None (torch.distributed's default group if initialized).
+        workspace_path: a directory that every rank of ``ranks`` shares (NFS); None: the
+            ranks share one node's memory instead.
+        timeout: (keyword only, an extension) seconds each barrier of a
+            StatelessProcessGroup may wait (default 30).
+
+    Returns:
+        On the first rank of ``ranks``, the configs of all ``ranks`` in their order
+        (``None`` included); ``[]`` on every other rank.
+
+    Raises:
+        ValueError: ``ranks`` is empty, names a rank twice or one outside the group.
+        TypeError: ``ranks`` holds something else than ints, or (on the rank whose config
+            it is) a config that is not plain data.
+        DistributedError: a rank failed at a step of the gather, or a config is missing
+            on the first rank (the message names the gather, the rank and the step);
+            GroupTimeout, PeerGoneError and the like when that is what happened. Every
+            rank fails within the group's timeout; none is left waiting.
     """
     with get_configs_parallel(config, ranks, group, workspace_path, timeout=timeout) as got:
         return list(got)
@@ -300,9 +355,31 @@ def gather_tensors(
 ) -> list[torch.Tensor]:
     """Gathers the tensors across distributed processes using shm.
 
-    :func:`get_tensors_parallel` as a plain call: returns the list it yields (the tensors of
-    all ``ranks`` on the first of them, ``[]`` elsewhere) once every resource is released.
-    Every tensor is a copy: none points into shared memory or aliases the caller's tensor.
+    What ModelOpt's ``get_tensors_parallel`` context manager yields, as a plain call that
+    returns once every resource of the gather is released. A collective: every rank of
+    ``group`` calls it, in the same order; the ranks of ``ranks`` must share one node.
+
+    Args:
+        tensor: the tensor that each rank want to pass to the first rank. Unlike ModelOpt's,
+            the tensors may differ in dtype and shape across the ranks.
+        ranks: the ranks (ranks in ``group``) that contribute a tensor; the first of them
+            receives them all. Ranks of the group not listed only synchronize.
+        group: the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+            GroupCoordinator, or None (torch.distributed's default group if initialized).
+        timeout: (keyword only, an extension) seconds each barrier of a
+            StatelessProcessGroup may wait (default 30).
+
+    Returns:
+        On the first rank of ``ranks``, the tensors of all ``ranks`` in their order, as new
+        CPU tensors (none shares memory with anything else); ``[]`` on every other rank.
+
+    Raises:
+        ValueError: ``ranks`` is empty, names a rank twice or one outside the group.
+        TypeError: ``tensor`` is not a tensor, or ``ranks`` holds something else than ints.
+        DistributedError: a rank failed at a step of the gather, or a tensor is missing
+            on the first rank (the message names the gather, the rank and the step);
+            GroupTimeout, PeerGoneError and the like when that is what happened. Every
+            rank fails within the group's timeout; none is left waiting.
     """
     with get_tensors_parallel(tensor, ranks, group, timeout=timeout) as got:
         return [t.clone() for t in got]

@@ -142,5 +142,5 @@ def tensor_from_view(header: Mapping[str, Any], view: memoryview) -> torch.Tenso
     if not isinstance(dtype, torch.dtype):
         raise RuntimeError(f"unknown dtype {header['dtype']!r} in a gathered tensor")
     raw = torch.empty(view.nbytes, dtype=torch.uint8)
-    memoryview(raw.numpy())[:] = view
+    raw.numpy().data[:] = view
     return raw.view(dtype).reshape(header["shape"])

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from bridge_py.distributed.distribute.codec import join_config, load_state, save_state
 from bridge_py.distributed.distribute.codec import split_config as _split
 from bridge_py.distributed.distribute.shm import NAME_PREFIX
+from bridge_py.distributed.errors import DistributedError
 
 __all__ = ["NFSWorkspace", "NfsChannel"]
 
@@ -176,7 +177,7 @@ class NfsChannel:
         path = self.workspace._get_state_path(rank)
         config_json, weights = self.workspace.read_configs_and_weights_from_rank(rank)
         if config_json is None or weights is None:
-            raise RuntimeError(
+            raise DistributedError(
                 f"rank {rank} left no state file in {self.folder}: it failed to write it, or "
                 "the workspace is not shared by all ranks of the group"
             )

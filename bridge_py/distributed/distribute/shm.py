@@ -23,6 +23,7 @@ import json
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import posix
 
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
@@ -64,7 +65,7 @@ class ShmChannel:
         offset = _data_offset(len(head))
         shm = posix.create(self.name(rank), offset + body_view.nbytes, tracked=False)
         try:
-            buf = shm.buf
+            buf = posix.view(shm)
             buf[:_LEN_BYTES] = len(head).to_bytes(_LEN_BYTES, "little")
             buf[_LEN_BYTES : _LEN_BYTES + len(head)] = head
             buf[offset : offset + body_view.nbytes] = body_view
@@ -80,15 +81,15 @@ class ShmChannel:
         """Read ``rank``'s message, unlink its segment, and return ``read_body(header, view)``.
 
         ``view`` is a memoryview of the body, valid only during the call: ``read_body`` must
-        copy what it keeps. Raises RuntimeError when the segment is missing or truncated, and
-        ``shm_files.UntrustedFileError`` (naming it) when it is not a file of this user's
-        that only this user may write.
+        copy what it keeps. Raises SharedMemoryError when the segment is missing or
+        truncated, and ``UntrustedFileError`` (naming it) when it is not a file of this
+        user's that only this user may write.
         """
         try:
             # Made by rank ``rank``: read only if it is this user's, writable by it alone.
             shm = posix.attach(self.name(rank))
         except FileNotFoundError:
-            raise RuntimeError(
+            raise SharedMemoryError(
                 f"shared-memory segment {self.name(rank)!r} of rank {rank} is missing"
             ) from None
         try:
@@ -98,18 +99,25 @@ class ShmChannel:
             shm.close()
 
     def _read(self, shm: SharedMemory, rank: int, read_body: Any) -> Any:
-        with shm.buf[:_LEN_BYTES] as raw_len:
+        buf = posix.view(shm)
+        with buf[:_LEN_BYTES] as raw_len:
             head_len = int.from_bytes(raw_len, "little")
         offset = _data_offset(head_len)
         if offset > shm.size:
-            raise RuntimeError(f"shared-memory segment of rank {rank} is truncated")
-        with shm.buf[_LEN_BYTES : _LEN_BYTES + head_len] as raw_head:
+            raise self._truncated(shm, rank, offset)
+        with buf[_LEN_BYTES : _LEN_BYTES + head_len] as raw_head:
             header = json.loads(bytes(raw_head))
         nbytes = int(header["nbytes"])
         if offset + nbytes > shm.size:
-            raise RuntimeError(f"shared-memory segment of rank {rank} is truncated")
-        with shm.buf[offset : offset + nbytes] as view:
+            raise self._truncated(shm, rank, offset + nbytes)
+        with buf[offset : offset + nbytes] as view:
             return read_body(header, view)
+
+    def _truncated(self, shm: SharedMemory, rank: int, needed: int) -> SharedMemoryError:
+        return SharedMemoryError(
+            f"shared-memory segment {self.name(rank)!r} of rank {rank} is truncated: "
+            f"{shm.size} bytes, its header needs {needed}"
+        )
 
     def remove(self, rank: int) -> None:
         """Unlink ``rank``'s segment if it still exists (idempotent)."""

@@ -36,7 +36,7 @@ def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
             group.broadcast_obj(None, src)
             return [bool(x) for x in group.all_gather_obj(True)]
         try:
-            probe.buf[: len(token)] = token
+            posix.view(probe)[: len(token)] = token
             group.broadcast_obj((probe.name, token), src)
             return [bool(x) for x in group.all_gather_obj(True)]
         finally:
@@ -50,7 +50,7 @@ def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
         with contextlib.suppress(OSError, ValueError, TypeError):
             segment = posix.attach(str(name))
             try:
-                same = bytes(segment.buf[: len(token)]) == token
+                same = bytes(posix.view(segment)[: len(token)]) == token
             finally:
                 segment.close()
     return [bool(x) for x in group.all_gather_obj(same)]

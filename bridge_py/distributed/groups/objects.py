@@ -31,6 +31,7 @@ import torch
 from torch.distributed import GatherOptions, ProcessGroup
 
 from bridge_py.distributed.auth import open_object, seal_object
+from bridge_py.distributed.errors import DistributedError
 
 __all__ = ["ObjectChannel", "ObjectGroup", "object_group"]
 
@@ -186,7 +187,7 @@ class ObjectChannel:
     def _size(self, size: torch.Tensor, what: str) -> int:
         value = int(size.item())
         if value < 0:
-            raise RuntimeError(
+            raise DistributedError(
                 f"refused the {what} on {self._prefix}: its size {value} is negative (the "
                 "group's connection carries something other than this channel's values)"
             )

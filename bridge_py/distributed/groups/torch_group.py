@@ -135,9 +135,9 @@ def stateless_destroy_torch_distributed_process_group(pg: ProcessGroup) -> None:
     if shutdown is not None:
         shutdown()
     else:  # torch < 2.7
-        from torch.distributed.distributed_c10d import _shutdown_backend
+        from torch.distributed import distributed_c10d
 
-        _shutdown_backend(pg)
+        distributed_c10d._shutdown_backend(pg)  # type: ignore[attr-defined]  # gone in 2.7
     if pg.group_name:  # only groups registered by name are in torch's registry
         from torch.distributed.distributed_c10d import _unregister_process_group
 

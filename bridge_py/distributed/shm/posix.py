@@ -26,9 +26,10 @@ import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR, open_peer_file
 
-__all__ = ["Attached", "attach", "create", "fileno", "unlink"]
+__all__ = ["Attached", "attach", "create", "fileno", "unlink", "view"]
 
 # Python 3.13 lets a segment stay out of the tracker (``track=False``).
 _HAS_TRACK = sys.version_info >= (3, 13)
@@ -58,13 +59,14 @@ class Attached:
         except BaseException:
             os.close(self._fd)
             raise
-        self.buf: memoryview = memoryview(self._mmap)
+        self.buf: memoryview | None = memoryview(self._mmap)
 
     def close(self) -> None:
         """Unmap and close (BufferError while a view of ``buf`` is still held)."""
-        if self._fd < 0:
+        if self._fd < 0 or self.buf is None:
             return
         self.buf.release()
+        self.buf = None
         self._mmap.close()
         os.close(self._fd)
         self._fd = -1
@@ -110,3 +112,11 @@ def _untrack(segment: SharedMemory) -> None:
     # Before 3.13 the constructor registered the segment; the tracker reads its requests in
     # order, so this undoes it.
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+def view(segment: SharedMemory | Attached) -> memoryview:
+    """The memory of ``segment``; SharedMemoryError naming it once it has been closed."""
+    buf = segment.buf
+    if buf is None:
+        raise SharedMemoryError(f"shared-memory segment {segment.name!r} is closed")
+    return buf

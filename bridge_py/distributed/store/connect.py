@@ -19,6 +19,7 @@ import time
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.errors import StoreError
+from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = [
@@ -203,7 +204,7 @@ def join_group(
     try:
         joined = store.add(_JOIN_COUNT, 1)
         if joined == world_size:
-            store.set(_JOIN_DONE, b"1")
+            set_bytes(store, _JOIN_DONE, b"1")
             return
         if joined < world_size:
             wait_for = timeout if deadline is None else remaining(deadline)

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 
 from torch.distributed import Store, TCPStore
 
+from bridge_py.distributed.store.torch_api import uses_libuv
+
 __all__ = ["KeyReaper"]
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,8 @@ class KeyReaper:
         (each time after a failure), in seconds."""
         self._store = store
         self._connect_timeout = connect_timeout
-        self._threaded = isinstance(store, TCPStore)
+        # The server the thread connects to; None: deletes run on the caller's thread.
+        self._tcp = store if isinstance(store, TCPStore) else None
         self._work = _Work()
         self._pid = -1  # the process whose thread runs (none yet)
         weakref.finalize(self, self._work.stop)
@@ -84,12 +87,13 @@ class KeyReaper:
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` soon (now, on this thread, for a store that is not a TCPStore)."""
-        if not self._threaded:
+        tcp = self._tcp
+        if tcp is None:
             for key in keys:
                 self._store.delete_key(key)
             return
         if self._pid != os.getpid():  # no thread yet, or this is a forked child
-            self._start()
+            self._start(tcp)
         work = self._work
         with work.cond:
             if work.add(keys):
@@ -108,16 +112,15 @@ class KeyReaper:
                 work.cond.wait(left)
         return True
 
-    def _start(self) -> None:
+    def _start(self, store: TCPStore) -> None:
         if self._pid != -1:
             # A forked child: the parent's thread is not here, and its lock may be held.
             self._work = _Work()
             weakref.finalize(self, self._work.stop)
         self._pid = os.getpid()
-        store = self._store
         threading.Thread(
             target=_reap,
-            args=(self._work, store.host, store.port, store.libuvBackend, self._connect_timeout),
+            args=(self._work, store.host, store.port, uses_libuv(store), self._connect_timeout),
             name="spg-key-reaper",
             daemon=True,
         ).start()

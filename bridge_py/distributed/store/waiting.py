@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from torch.distributed import DistStoreError, QueueEmptyError, Store, TCPStore
 
 from bridge_py.distributed.errors import is_store_timeout
+from bridge_py.distributed.store.torch_api import clone, timeout_of, uses_libuv
 
 __all__ = ["BoundedWaiter", "pop_before"]
 
@@ -52,11 +53,11 @@ class BoundedWaiter:
                     False,
                     timeout=_seconds(deadline - time.monotonic()),
                     wait_for_workers=False,
-                    use_libuv=store.libuvBackend,
+                    use_libuv=uses_libuv(store),
                 )
             else:
                 try:
-                    self._connection = store.clone()
+                    self._connection = clone(store)
                 except (AttributeError, NotImplementedError):
                     # A custom store without clone(): wait on the store itself.
                     self._connection = store
@@ -92,7 +93,7 @@ def pop_before(store: Store, queue: str, deadline: float) -> bytes | None:
     The store's timeout is restored afterwards. Store failures other than the timeout
     propagate.
     """
-    original = store.timeout
+    original = timeout_of(store)
     try:
         while True:
             left = deadline - time.monotonic()

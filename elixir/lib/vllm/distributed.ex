@@ -17,7 +17,8 @@ defmodule Vllm.Distributed do
     and tensors on one rank, through shared memory or a shared directory.
 
   Names, signatures and behaviour follow vLLM (`vllm.distributed`) and ModelOpt
-  (`modelopt.torch.export.distribute`); the module docstrings say where they do better.
+  (`modelopt.torch.export.distribute`); where a caller would notice a difference, the
+  function's documentation says so.
   """
 
   @doc ~S"""
@@ -150,22 +151,42 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Gathers the layer config across distributed processes using shm or NFS.
 
-  `get_configs_parallel/5` as a plain call: returns the list it yields (the configs of
-  all `ranks` on the first of them, `[]` elsewhere) once every resource is released.
+  What ModelOpt's `get_configs_parallel` context manager yields, as a plain call that
+  returns once every resource of the gather is released. A collective: every rank of
+  `group` calls it, in the same order.
 
   ## Parameters
 
-    * `config` (`term()`)
-    * `ranks` (`[integer()]`)
-    * `group` (`term()`)
-    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (in `args`, position 0)
-    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
+    * `config` (`term()`) - the config (nullable) that each rank want to pass to the first rank: `None`
+      or a dict of plain data (None, bool, int, float, str, list, tuple, dict) and
+      tensors.
+    * `ranks` (`[integer()]`) - the ranks (ranks in `group`) that contribute a config; the first of them
+      receives them all. Ranks of the group not listed only synchronize.
+    * `group` (`term()`) - the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+      GroupCoordinator, or None (torch.distributed's default group if initialized).
+    * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (in `args`, position 0) - a directory that every rank of `ranks` shares (NFS); None: the
+      ranks share one node's memory instead.
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`) - (keyword only, an extension) seconds each barrier of a
+      StatelessProcessGroup may wait (default 30).
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `[term()]`
+    * `[term()]` - On the first rank of `ranks`, the configs of all `ranks` in their order
+      (`None` included); `[]` on every other rank.
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - `ranks` is empty, names a rank twice or one outside the group.
+    * `TypeError` - `ranks` holds something else than ints, or (on the rank whose config
+      it is) a config that is not plain data.
+    * `DistributedError` - a rank failed at a step of the gather, or a config is missing
+      on the first rank (the message names the gather, the rank and the step);
+      GroupTimeout, PeerGoneError and the like when that is what happened. Every
+      rank fails within the group's timeout; none is left waiting.
   """
   @spec get_configs_parallel(term(), [integer()], term(), [term()], keyword()) ::
           {:ok, [term()]} | {:error, VllmBridge.Error.t()}
@@ -304,22 +325,38 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Gathers the tensors across distributed processes using shm.
 
-  `get_tensors_parallel/4` as a plain call: returns the list it yields (the tensors of
-  all `ranks` on the first of them, `[]` elsewhere) once every resource is released.
-  Every tensor is a copy: none points into shared memory or aliases the caller's tensor.
+  What ModelOpt's `get_tensors_parallel` context manager yields, as a plain call that
+  returns once every resource of the gather is released. A collective: every rank of
+  `group` calls it, in the same order; the ranks of `ranks` must share one node.
 
   ## Parameters
 
-    * `tensor` (`VllmBridge.Tensor.t()`)
-    * `ranks` (`[integer()]`)
-    * `group` (`term()`, default: `nil`) (in `args`, position 0)
-    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
+    * `tensor` (`VllmBridge.Tensor.t()`) - the tensor that each rank want to pass to the first rank. Unlike ModelOpt's,
+      the tensors may differ in dtype and shape across the ranks.
+    * `ranks` (`[integer()]`) - the ranks (ranks in `group`) that contribute a tensor; the first of them
+      receives them all. Ranks of the group not listed only synchronize.
+    * `group` (`term()`, default: `nil`) (in `args`, position 0) - the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+      GroupCoordinator, or None (torch.distributed's default group if initialized).
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`) - (keyword only, an extension) seconds each barrier of a
+      StatelessProcessGroup may wait (default 30).
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `[VllmBridge.Tensor.t()]`
+    * `[VllmBridge.Tensor.t()]` - On the first rank of `ranks`, the tensors of all `ranks` in their order, as new
+      CPU tensors (none shares memory with anything else); `[]` on every other rank.
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - `ranks` is empty, names a rank twice or one outside the group.
+    * `TypeError` - `tensor` is not a tensor, or `ranks` holds something else than ints.
+    * `DistributedError` - a rank failed at a step of the gather, or a tensor is missing
+      on the first rank (the message names the gather, the rank and the step);
+      GroupTimeout, PeerGoneError and the like when that is what happened. Every
+      rank fails within the group's timeout; none is left waiting.
   """
   @spec get_tensors_parallel(VllmBridge.Tensor.t(), [integer()], [term()], keyword()) ::
           {:ok, [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}

@@ -90,10 +90,10 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
   ## Returns
 
-    * `term()`
+    * `VllmBridge.Tensor.t()`
   """
   @spec combine(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
-          {:ok, term()} | {:error, VllmBridge.Error.t()}
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
   def combine(ref, hidden_states, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "combine", [hidden_states], [{:__args__, args} | opts])
   end
@@ -140,12 +140,14 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
+  Gather every rank's `input_` on rank `dst`, concatenated along `dim`.
+
   NOTE: We assume that the input tensor is on the same device across
   all the ranks.
 
   NOTE: `dst` is the local rank of the destination rank.
 
-  Returns the concatenation along `dim` on `dst` and None on the other ranks.
+  Returns the concatenation (in rank order) on `dst` and None on the other ranks.
 
   ## Parameters
 

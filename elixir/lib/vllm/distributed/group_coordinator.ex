@@ -119,18 +119,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   User-facing all-reduce function before we actually call the
   all-reduce operation.
 
-  We need this because Dynamo does not support passing an arbitrary
-  object (`self` in this case) to a custom op. We need to pass the
-   group name as a string, and then look up the group coordinator from
-   the group name, dispatch the all-reduce operation to the group
-   coordinator.
-
-  In addition, PyTorch custom ops do not support mutation or returning
-  a new tensor in the same op. So we always make the all-reduce operation
-  out-of-place.
-
-  Here there is no custom op: the sum over the group is returned as a new tensor
-  (`input_` itself in a group of one, as in vLLM); `bool` sums are logical ORs.
+  Returns the sum of every rank's `input_` as a new tensor and leaves `input_`
+  unchanged, as vLLM's (which is always out of place); in a group of one it returns
+  `input_` itself, as vLLM's does. `bool` tensors sum to the logical OR.
 
   ## Parameters
 
@@ -141,6 +132,16 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Returns
 
     * `VllmBridge.Tensor.t()`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `TypeError` - `input_` is not a tensor, or its dtype cannot be summed.
+    * `ValueError` - `input_` is not on this group's device.
+    * `CollectiveMismatchError` - another rank passed a different dtype or shape, or
+      bad arguments (with argument checks on, the default on CPU: then every
+      rank raises, before any data moves).
   """
   @spec all_reduce(t(), VllmBridge.Tensor.t(), keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
@@ -151,10 +152,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Barrier synchronization among the group.
 
-  NOTE: don't use `device_group` here! `barrier` in NCCL is
-  terrible because it is internally a broadcast operation with
-  secretly created GPU tensors. It is easy to mess up the current
-  device. Use the CPU group instead.
+  Returns once every rank of the group has called it; it leaves the current CUDA
+  device and stream alone, on any backend.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -196,9 +195,11 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   NOTE: `src` is the local rank of the source rank.
 
-  Objects are pickled: use groups of trusted processes only, or give every rank the
-  same `VLLM_BRIDGE_AUTH_KEY`, so that objects are sealed and checked before they are
-  unpickled (see the module docstring).
+  Returns `obj` on `src` and `src`'s object on the other ranks. Objects are
+  pickled, as in vLLM: use groups of trusted processes only, or give every rank the
+  same `VLLM_BRIDGE_AUTH_KEY`, so that every receiver authenticates an object
+  before it unpickles it. A group made with `use_message_queue_broadcaster`
+  broadcasts through its message queue, from `src=0` only.
 
   ## Parameters
 
@@ -210,6 +211,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Returns
 
     * `term()`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - `src` is not a rank of the group (on every rank, with argument
+      checks on), or is not 0 in a group with a message queue.
+    * `AuthenticationError` - with an auth key, an object that fails authentication
+      (nothing is unpickled).
   """
   @spec broadcast_object(t(), [term()], keyword()) ::
           {:ok, term()} | {:error, VllmBridge.Error.t()}
@@ -223,9 +233,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
   NOTE: `src` is the local rank of the source rank.
 
   In place: `obj_list` (the same length on every rank) ends up holding `src`'s
-  objects; returns it. `group` is accepted for vLLM's signature and unused: the
-  objects travel on this group's CPU group (vLLM uses the device group), as one list,
-  sealed when there is an auth key (see `groups.objects`).
+  objects; returns it. `group` is accepted for vLLM's signature and ignored. With
+  an auth key the objects are authenticated as by `broadcast_object/3`.
 
   ## Parameters
 
@@ -238,6 +247,13 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Returns
 
     * `[term()]`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - `src` is not a rank of the group, or `obj_list` has another
+      length than on `src`.
   """
   @spec broadcast_object_list(t(), [term()], [term()], keyword()) ::
           {:ok, [term()]} | {:error, VllmBridge.Error.t()}
@@ -252,10 +268,13 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   NOTE: `src` is the local rank of the source rank.
 
-  The metadata (keys, non-tensor values, tensor shapes) goes as one object; then
-  each non-empty tensor is broadcast, CPU tensors on the CPU group and device tensors
-  on the device group. `group`/`metadata_group` are accepted for vLLM's signature
-  and, as in vLLM, unused.
+  Returns `tensor_dict` on `src`; on the other ranks a new dictionary with
+  `src`'s keys, its top-level tensors received into new tensors (device tensors on
+  this group's device, CPU tensors on the CPU) and its other values as `src` had
+  them (pickled, and authenticated as by `broadcast_object/3`). A group of one,
+  or torch.distributed not initialized, returns `tensor_dict`.
+  `group`/`metadata_group` are accepted for vLLM's signature and, as in vLLM,
+  unused.
 
   ## Parameters
 
@@ -269,6 +288,13 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Returns
 
     * `%{optional(String.t()) => term()} | nil`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `TypeError` - `tensor_dict` on `src` is not a dict (on every rank).
+    * `ValueError` - `src` is not a rank of the group.
   """
   @spec broadcast_tensor_dict(t(), [term()], keyword()) ::
           {:ok, %{optional(String.t()) => term()} | nil} | {:error, VllmBridge.Error.t()}
@@ -288,10 +314,10 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   ## Returns
 
-    * `term()`
+    * `VllmBridge.Tensor.t()`
   """
   @spec combine(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
-          {:ok, term()} | {:error, VllmBridge.Error.t()}
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
   def combine(ref, hidden_states, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "combine", [hidden_states], [{:__args__, args} | opts])
   end
@@ -322,17 +348,17 @@ defmodule Vllm.Distributed.GroupCoordinator do
   ## Parameters
 
     * `writer_rank` (`integer()`, default: `0`) (in `args`, position 0)
-    * `external_writer_handle` (`term()`, default: `nil`) (in `args`, position 1)
+    * `external_writer_handle` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
     * `blocking` (`boolean()`, default: `true`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `term()`
+    * `Vllm.Distributed.MessageQueue.t()`
   """
   @spec create_mq_broadcaster(t(), [term()], keyword()) ::
-          {:ok, term()} | {:error, VllmBridge.Error.t()}
+          {:ok, Vllm.Distributed.MessageQueue.t()} | {:error, VllmBridge.Error.t()}
   def create_mq_broadcaster(ref, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "create_mq_broadcaster", [], [{:__args__, args} | opts])
   end
@@ -341,13 +367,14 @@ defmodule Vllm.Distributed.GroupCoordinator do
   One queue per rank, all read by the rank `reader_rank_in_group` (a collective).
 
   As vLLM's `MessageQueue.create_from_process_group_single_reader`: every rank
-  (the reader too) gets a queue it writes, with one reader slot; the writers' handles
-  are gathered on the reader. Returns `(queue, handles)`: `handles` lists every
-  rank's handle (in group rank order) on the reader and is empty elsewhere; the reader
-  opens them with `MessageQueue.create_from_handle(handle, 0)`. With `blocking`
-  the other ranks wait until the reader has opened their queue; the reader cannot
-  wait on its own queue before opening it, so it returns at once and calls
-  `wait_until_ready` on its queue after opening the handles.
+  (the reader too) gets a queue that it writes and that only the reader reads; the
+  queues' handles are gathered on the reader. Returns `(queue, handles)`:
+  `handles` lists every rank's handle (in group rank order) on the reader and is
+  empty elsewhere; the reader opens them with
+  `MessageQueue.create_from_handle(handle, 0)`. With `blocking` the other ranks
+  wait until the reader has opened their queue; the reader cannot wait on its own
+  queue before opening it, so it returns at once and calls `wait_until_ready` on
+  its queue after opening the handles.
 
   ## Parameters
 
@@ -358,10 +385,11 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   ## Returns
 
-    * `{term(), [term()]}`
+    * `{Vllm.Distributed.MessageQueue.t(), [VllmBridge.Ref.t()]}`
   """
   @spec create_single_reader_mq_broadcasters(t(), [term()], keyword()) ::
-          {:ok, {term(), [term()]}} | {:error, VllmBridge.Error.t()}
+          {:ok, {Vllm.Distributed.MessageQueue.t(), [VllmBridge.Ref.t()]}}
+          | {:error, VllmBridge.Error.t()}
   def create_single_reader_mq_broadcasters(ref, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "create_single_reader_mq_broadcasters", [], [
       {:__args__, args} | opts
@@ -460,12 +488,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
+  Gather every rank's `input_` on rank `dst`, concatenated along `dim`.
+
   NOTE: We assume that the input tensor is on the same device across
   all the ranks.
 
   NOTE: `dst` is the local rank of the destination rank.
 
-  Returns the concatenation along `dim` on `dst` and None elsewhere.
+  Returns the concatenation (in rank order) on `dst` and None elsewhere; in a
+  group of one, `input_` itself.
 
   ## Parameters
 
@@ -559,9 +590,10 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   ## Returns
 
-    * `term()`
+    * `Vllm.Distributed.MessageQueue.t() | nil`
   """
-  @spec mq_broadcaster(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec mq_broadcaster(t()) ::
+          {:ok, Vllm.Distributed.MessageQueue.t() | nil} | {:error, VllmBridge.Error.t()}
   def mq_broadcaster(ref) do
     VllmBridge.Runtime.get_attr(ref, "mq_broadcaster")
   end
@@ -741,12 +773,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   NOTE: `src` is the local rank of the source rank.
 
-  all_gather_group: The group for the all-gather operation. If provided,
+  ## Parameters
+
+    * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0) - the group rank to receive from (default: the previous rank).
+    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 1) - The group for the all-gather operation. If provided,
       an optimization is enabled where each rank in the group sends a
       slice of a tensor and the receiver reconstructs it using an
       all-gather, which can improve performance. This is typically the
       tensor-parallel group.
-  all_gather_tensors: A dictionary to specify which tensors should use
+    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `nil`) (in `args`, position 2) - A dictionary to specify which tensors should use
       the all-gather optimization, which is only effective when
       `all_gather_group` is provided. By default, this optimization is
       on for any tensor whose size is divisible by the
@@ -756,17 +791,21 @@ defmodule Vllm.Distributed.GroupCoordinator do
       dictionary allows overriding the default behavior on a per-tensor
       basis.
 
-  ## Parameters
-
-    * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0)
-    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 1)
-    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `nil`) (in `args`, position 2)
-
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `%{optional(String.t()) => term()} | nil`
+    * `%{optional(String.t()) => term()} | nil` - The dictionary `src` sent: its tensors in new tensors (device tensors on this
+      group's device), its other values as sent. None in a group of one, or when
+      torch.distributed is not initialized.
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - `src` is not another rank of the group, or
+      `all_gather_tensors` asks for the all-gather without an
+      `all_gather_group`.
   """
   @spec recv_tensor_dict(t(), [term()], keyword()) ::
           {:ok, %{optional(String.t()) => term()} | nil} | {:error, VllmBridge.Error.t()}
@@ -862,14 +901,19 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Send the input tensor dictionary.
 
-  NOTE: `dst` is the local rank of the source rank.
+  NOTE: `dst` is the local rank of the destination rank.
 
-  all_gather_group: The group for the all-gather operation. If provided,
+  ## Parameters
+
+    * `tensor_dict` (`%{optional(String.t()) => term()}`) - the dictionary to send: its top-level tensors travel as tensors,
+      its other values pickled.
+    * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0) - the group rank to send to (default: the next rank).
+    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 1) - The group for the all-gather operation. If provided,
       an optimization is enabled where each rank in the group sends a
       slice of a tensor and the receiver reconstructs it using an
       all-gather, which can improve performance. This is typically the
       tensor-parallel group.
-  all_gather_tensors: A dictionary to specify which tensors should use
+    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `nil`) (in `args`, position 2) - A dictionary to specify which tensors should use
       the all-gather optimization, which is only effective when
       `all_gather_group` is provided. By default, this optimization is
       on for any tensor whose size is divisible by the
@@ -879,18 +923,21 @@ defmodule Vllm.Distributed.GroupCoordinator do
       dictionary allows overriding the default behavior on a per-tensor
       basis.
 
-  ## Parameters
-
-    * `tensor_dict` (`%{optional(String.t()) => term()}`)
-    * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0)
-    * `all_gather_group` (`Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 1)
-    * `all_gather_tensors` (`%{optional(String.t()) => boolean()} | nil`, default: `nil`) (in `args`, position 2)
-
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `%{optional(String.t()) => term()} | nil`
+    * `%{optional(String.t()) => term()} | nil` - None (`tensor_dict` itself in a group of one, or when torch.distributed is
+      not initialized).
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `TypeError` - `tensor_dict` is not a dict.
+    * `ValueError` - `dst` is not another rank of the group, or
+      `all_gather_tensors` asks for the all-gather without an
+      `all_gather_group`.
   """
   @spec send_tensor_dict(t(), %{optional(String.t()) => term()}, [term()], keyword()) ::
           {:ok, %{optional(String.t()) => term()} | nil} | {:error, VllmBridge.Error.t()}

@@ -54,8 +54,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
   `rank` reads shared memory if it is in `handle.local_reader_ranks` (the writer
   must then be on this host), else connects over TCP as a remote reader. `auth_key`
-  (None: `$VLLM_BRIDGE_AUTH_KEY` if set, read now) must be the writer's; the
-  operator's policy applies (see `auth.resolve_key`).
+  (None: `$VLLM_BRIDGE_AUTH_KEY` if set, read now) must be the writer's.
 
   ## Parameters
 
@@ -70,6 +69,17 @@ defmodule Vllm.Distributed.MessageQueue do
   ## Returns
 
     * `Vllm.Distributed.MessageQueue.t()`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - `rank` is not a reader of this queue.
+    * `SharedMemoryError` - `rank` is a local reader, but the queue's shared memory
+      is not on this host (the writer runs on another node, or closed the queue).
+    * `AuthenticationError` - the operator's policy refuses the key: one that differs
+      from `$VLLM_BRIDGE_AUTH_KEY`, or none at all while
+      `$VLLM_BRIDGE_REQUIRE_AUTH_KEY` is set.
   """
   @spec create_from_handle(t() | nil, VllmBridge.Ref.t(), integer(), keyword()) ::
           {:ok, Vllm.Distributed.MessageQueue.t()} | {:error, VllmBridge.Error.t()}
@@ -87,8 +97,9 @@ defmodule Vllm.Distributed.MessageQueue do
   else remote (over TCP to `connect_ip`). The writer's handle is broadcast over
   `pg`. With `blocking` every rank also calls `wait_until_ready/3`.
   `auth_key` (None: `$VLLM_BRIDGE_AUTH_KEY` if set) authenticates the handle and
-  every message; all ranks must give the same key, and the operator's policy applies
-  (see `auth.resolve_key`).
+  every message; all ranks must give the same key. The operator's policy refuses a
+  key that differs from `$VLLM_BRIDGE_AUTH_KEY`, or none at all while
+  `$VLLM_BRIDGE_REQUIRE_AUTH_KEY` is set (AuthenticationError).
 
   With `external_writer_handle` (the `export_handle/2` of a queue written by a
   process outside the group, made for `pg.world_size` readers) no rank writes:
@@ -130,11 +141,12 @@ defmodule Vllm.Distributed.MessageQueue do
   @doc ~S"""
   Read from message queue with optional timeout (in seconds).
 
-  Raises TimeoutError after `timeout` seconds (a message partly received by then is
-  kept and completed by the next call), RuntimeError("cancelled") soon after
-  `cancel` is set, and PeerGoneError once the writer has closed the queue or exited
-  and every message it wrote has been read. With `timeout=None` it waits as long as
-  the writer lives; `indefinite` only silences the periodic "still waiting" log.
+  Raises GroupTimeout (a TimeoutError) after `timeout` seconds (a message partly
+  received by then is kept and completed by the next call), RuntimeError("cancelled")
+  soon after `cancel` is set, and PeerGoneError once the writer has closed the queue
+  or exited and every message it wrote has been read. With `timeout=None` it waits
+  as long as the writer lives; `indefinite` only silences the periodic "still
+  waiting" log.
 
   ## Parameters
 
@@ -156,11 +168,14 @@ defmodule Vllm.Distributed.MessageQueue do
   @doc ~S"""
   Write to message queue with optional timeout (in seconds).
 
-  Waits while the ring is full (every chunk not yet read by some local reader) and
-  while remote readers' sockets are full. `timeout` bounds the whole call: on
-  TimeoutError, a message already partly written is finished by the next `enqueue`
-  (it is never torn) and `obj` was not sent if the interrupted message was an
-  earlier one. Raises PeerGoneError when a reader it waits for has exited or closed.
+  Waits while the queue is full (local readers have not yet read the earlier messages
+  that fill it) and while remote readers' connections are backed up. `timeout`
+  bounds the whole call: on GroupTimeout (a TimeoutError, naming the readers that
+  lag), a message already partly written is finished by the next `enqueue` (it is
+  never torn) and `obj` was not sent if the interrupted message was an earlier one.
+  Raises PeerGoneError when a reader it waits for has exited or closed its end, and
+  RuntimeError on a reader's end, or before `wait_until_ready/3` when there are
+  remote readers.
 
   ## Parameters
 
@@ -197,13 +212,16 @@ defmodule Vllm.Distributed.MessageQueue do
   The writer's end: `n_reader` readers, `n_local_reader` of them on this node.
 
   `local_reader_ranks` (default `range(n_local_reader)`) are the ranks that read
-  the ring; the others connect over TCP to `connect_ip` (default: `VLLM_HOST_IP`
-  from the environment, else 127.0.0.1). `remote_reader_ranks` (default: the ranks
-  after the local ones when `local_reader_ranks` is None, else any rank) limits who
-  may connect. Ranks are those readers pass to `create_from_handle/4`.
-  `auth_key` (None: `$VLLM_BRIDGE_AUTH_KEY` if set, read now) authenticates every
-  message; readers must be given the same key. Raises AuthenticationError when the
-  operator's policy refuses the key (see `auth.resolve_key`).
+  through shared memory, on this node; the others connect over TCP to `connect_ip`
+  (default: `VLLM_HOST_IP` from the environment, else 127.0.0.1).
+  `remote_reader_ranks` (default: the ranks after the local ones when
+  `local_reader_ranks` is None, else any rank) limits who may connect. Ranks are
+  those readers pass to `create_from_handle/4`. The queue holds `max_chunks`
+  chunks of `max_chunk_bytes` bytes for the local readers (a message larger than a
+  chunk spans several); `enqueue/4` waits while they all hold messages some local
+  reader has not read. `auth_key` (None:
+  `$VLLM_BRIDGE_AUTH_KEY` if set, read now) authenticates every message; readers
+  must be given the same key.
 
   ## Parameters
 
@@ -221,6 +239,16 @@ defmodule Vllm.Distributed.MessageQueue do
   ## Returns
 
     * `Vllm.Distributed.MessageQueue.t()`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `ValueError` - reader counts or ranks that do not fit together (the message says
+      which).
+    * `AuthenticationError` - the operator's policy refuses the key: one that differs
+      from `$VLLM_BRIDGE_AUTH_KEY`, or none at all while
+      `$VLLM_BRIDGE_REQUIRE_AUTH_KEY` is set.
   """
   @spec new(integer(), integer(), [term()], keyword()) ::
           {:ok, t()} | {:error, VllmBridge.Error.t()}
@@ -235,9 +263,10 @@ defmodule Vllm.Distributed.MessageQueue do
   readers and the writer) should call this function.
 
   The writer waits for every local reader to attach and every remote reader to
-  connect, then tells them all to go; readers wait for that. Raises TimeoutError
-  after `timeout` seconds (None: no limit) naming who is missing. Once it has
-  returned, later calls return at once.
+  connect, then tells them all to go; readers wait for that. Raises GroupTimeout (a
+  TimeoutError) after `timeout` seconds (None: no limit) naming who is missing, and
+  PeerGoneError on a reader when the writer has closed the queue or exited. Once it
+  has returned, later calls return at once.
 
   ## Parameters
 
