@@ -182,7 +182,7 @@ def _release(mapping: mmap.mmap, views: dict[Any, Any]) -> None:
         mapping.close()
 
 
-def _own_mapping(shm: shared_memory.SharedMemory | posix.Attached) -> mmap.mmap:
+def _own_mapping(shm: posix.Segment) -> mmap.mmap:
     """A mapping of ``shm``'s segment owned by us, and ``shm`` closed.
 
     ``SharedMemory.close`` (also run by its ``__del__``) fails while torch tensors view its
@@ -307,7 +307,7 @@ class ShmCollectives:
         world_size = len(ranks)
         offer = shm_enabled() if enabled is None else enabled
         why = "" if offer else f"disabled by {ENABLE_ENV}"
-        shm: shared_memory.SharedMemory | None = None
+        shm: posix.Segment | None = None
         slot_bytes = 0
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         if rank == 0 and offer:
@@ -380,9 +380,7 @@ class ShmCollectives:
         return shm, token
 
     @staticmethod
-    def _attach(
-        handle: bytes, world_size: int
-    ) -> tuple[shared_memory.SharedMemory | None, int, str]:
+    def _attach(handle: bytes, world_size: int) -> tuple[posix.Segment | None, int, str]:
         if not handle:
             return None, 0, "rank 0 has no segment"
         try:

@@ -95,7 +95,7 @@ def orphaned_segments(directory: str = "/dev/shm") -> list[str]:
     return orphans
 
 
-def _release(shm: shared_memory.SharedMemory, creator: bool, slot: list[int], pid: int) -> None:
+def _release(shm: posix.Segment, creator: bool, slot: list[int], pid: int) -> None:
     """Mark the writer closed (or this reader detached), unlink if creator, unmap.
 
     In a process forked from the owner (``pid``) only the mapping is released: the queue
@@ -148,6 +148,7 @@ class ShmRingBuffer:
         self._no_reads = bytes(n_reader)
         self._slot: list[int] = []  # [offset of this reader's slot] once attached
         self.is_creator = name is None
+        self.shared_memory: posix.Segment
         if name is None:
             self.shared_memory, token = self._create()
         else:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from bridge_py.distributed.errors import SharedMemoryError
@@ -98,7 +97,7 @@ class ShmChannel:
         finally:
             shm.close()
 
-    def _read(self, shm: SharedMemory, rank: int, read_body: Any) -> Any:
+    def _read(self, shm: posix.Segment, rank: int, read_body: Any) -> Any:
         buf = posix.view(shm)
         with buf[:_LEN_BYTES] as raw_len:
             head_len = int.from_bytes(raw_len, "little")
@@ -113,7 +112,7 @@ class ShmChannel:
         with buf[offset : offset + nbytes] as view:
             return read_body(header, view)
 
-    def _truncated(self, shm: SharedMemory, rank: int, needed: int) -> SharedMemoryError:
+    def _truncated(self, shm: posix.Segment, rank: int, needed: int) -> SharedMemoryError:
         return SharedMemoryError(
             f"shared-memory segment {self.name(rank)!r} of rank {rank} is truncated: "
             f"{shm.size} bytes, its header needs {needed}"

@@ -29,7 +29,7 @@ from multiprocessing.shared_memory import SharedMemory
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR, open_peer_file
 
-__all__ = ["Attached", "attach", "create", "fileno", "unlink", "view"]
+__all__ = ["Attached", "Segment", "attach", "create", "fileno", "unlink", "view"]
 
 # Python 3.13 lets a segment stay out of the tracker (``track=False``).
 _HAS_TRACK = sys.version_info >= (3, 13)
@@ -78,6 +78,10 @@ class Attached:
     def fileno(self) -> int:
         """The open file descriptor of the segment."""
         return self._fd
+
+
+# Either kind of segment: one made here (SharedMemory), or one opened (Attached).
+Segment = SharedMemory | Attached
 
 
 def attach(name: str) -> Attached:

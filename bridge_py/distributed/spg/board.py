@@ -192,6 +192,7 @@ class Board:
         self.layout = Layout(world_size)
         self._gather_at = self.layout.gather_at
         self._maps: list[mmap.mmap | None] = [None] * world_size
+        self._peers = [r for r in range(world_size) if r != rank]
         self._bells: list[int] = [-1] * world_size
         self._pids = [0] * world_size
         self._own_bell = -1
@@ -234,6 +235,13 @@ class Board:
             raise
         self._poll = select.poll()
         self._poll.register(self._own_bell, select.POLLIN)
+
+    def _map(self, rank: int) -> mmap.mmap:
+        """Rank ``rank``'s board, which must be open."""
+        board = self._maps[rank]
+        if board is None:
+            raise BoardError(f"rank {self.rank} has not opened the board of rank {rank}")
+        return board
 
     @property
     def connected(self) -> bool:
@@ -320,7 +328,7 @@ class Board:
         ``in_store``: ``value`` is empty and the value is under :func:`overflow_key`.
         """
         seq = self.seq + 1
-        board = self._maps[self.rank]
+        board = self._map(self.rank)
         assert board is not None
         at = self._gather_at[seq & 1]
         size = len(value)
@@ -343,10 +351,10 @@ class Board:
         size = len(value)
         if size > MESSAGE_CAPACITY or self._maps[dst] is None:
             return False
-        board = self._maps[self.rank]
+        board = self._map(self.rank)
         at = self.layout.message_at(dst, number)
         held = _U64.unpack_from(board, at)[0]  # the number + 1 of the message there
-        if held and _U64.unpack_from(self._maps[dst], self.layout.ack_at(self.rank))[0] < held:
+        if held and _U64.unpack_from(self._map(dst), self.layout.ack_at(self.rank))[0] < held:
             return False
         fence()  # dst's receipt is seen before the slot is written over
         if not self._write(at + 8, size, value):
@@ -364,13 +372,13 @@ class Board:
         size = len(value)
         if size > MESSAGE_CAPACITY or not self.connected:
             return False
-        board = self._maps[self.rank]
+        board = self._map(self.rank)
         at = self.layout.broadcast_at(number)
         held = _U64.unpack_from(board, at)[0]
         if held:
             receipt = self.layout.broadcast_received_at(self.rank)
-            for dst, peer in enumerate(self._maps):
-                if dst != self.rank and _U64.unpack_from(peer, receipt)[0] < held:
+            for dst in self._peers:
+                if _U64.unpack_from(self._map(dst), receipt)[0] < held:
                     return False
         fence()  # every receipt is seen before the slot is written over
         if not self._write(at + 8, size, value):
@@ -381,26 +389,26 @@ class Board:
     def broadcast_sent(self, number: int) -> None:
         """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
         fence()
-        _U64.pack_into(self._maps[self.rank], _BROADCASTS_SENT, number + 1)
+        _U64.pack_into(self._map(self.rank), _BROADCASTS_SENT, number + 1)
         for bell in self._bells:
             if bell >= 0:
                 _ring(bell)
 
     def broadcasts_sent(self, src: int) -> int:
         """How many of ``src``'s broadcast numbers it has used (one past its last one)."""
-        count = _U64.unpack_from(self._maps[src], _BROADCASTS_SENT)[0]
+        count = _U64.unpack_from(self._map(src), _BROADCASTS_SENT)[0]
         fence()
         return count
 
     def take_broadcast(self, src: int, number: int) -> bytes | None:
         """``src``'s broadcast ``number`` if it is in its ring slot (a copy), else None."""
-        return _slot(self._maps[src], self.layout.broadcast_at(number), number)
+        return _slot(self._map(src), self.layout.broadcast_at(number), number)
 
     def broadcast_received(self, src: int, number: int) -> None:
         """Record that this rank is done with ``src``'s broadcast ``number``."""
         fence()
         at = self.layout.broadcast_received_at(src)
-        _U64.pack_into(self._maps[self.rank], at, number + 1)
+        _U64.pack_into(self._map(self.rank), at, number + 1)
 
     def _write(self, offset: int, length: int, value: bytes) -> bool:
         """Write ``length`` and ``value`` at ``offset`` of this rank's board; False if
@@ -413,23 +421,23 @@ class Board:
     def spilled(self, dst: int, count: int) -> None:
         """Record that ``count`` messages to ``dst`` went through the store; ring ``dst``."""
         fence()  # the store has the message before its count moves
-        _U64.pack_into(self._maps[self.rank], self.layout.spill_at(dst), count)
+        _U64.pack_into(self._map(self.rank), self.layout.spill_at(dst), count)
         self.ring(dst)
 
     def spills(self, src: int) -> int:
         """How many messages from ``src`` to this rank went through the store so far."""
-        count = _U64.unpack_from(self._maps[src], self.layout.spill_at(self.rank))[0]
+        count = _U64.unpack_from(self._map(src), self.layout.spill_at(self.rank))[0]
         fence()
         return count
 
     def take(self, src: int, number: int) -> bytes | None:
         """Message ``number`` from ``src`` if it is in its ring slot (a copy), else None."""
-        return _slot(self._maps[src], self.layout.message_at(self.rank, number), number)
+        return _slot(self._map(src), self.layout.message_at(self.rank, number), number)
 
     def received(self, src: int, count: int) -> None:
         """Record that ``count`` messages from ``src`` have been received (its slots free)."""
         fence()  # the copy of the message is done before the slot is given back
-        _U64.pack_into(self._maps[self.rank], self.layout.ack_at(src), count)
+        _U64.pack_into(self._map(self.rank), self.layout.ack_at(src), count)
 
     def ring(self, dst: int) -> None:
         """Ring ``dst``'s doorbell (not this rank's own)."""
@@ -440,7 +448,7 @@ class Board:
     def read(self, src: int, seq: int) -> bytes | None:
         """Rank ``src``'s value of gather ``seq``: its bytes, b"" if it is in the store, or
         None if ``src`` has not posted it yet."""
-        board = self._maps[src]
+        board = self._map(src)
         at = self._gather_at[seq & 1]
         if _U64.unpack_from(board, at)[0] != seq:
             return None
@@ -484,7 +492,7 @@ class Board:
 
     def decision(self, barrier_id: int) -> int:
         """PASSED or FAILED once a rank decided barrier ``barrier_id``; else 0."""
-        board = self._maps[0]
+        board = self._map(0)
         at = self.layout.barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
         cell, outcome = struct.unpack_from("<QQ", board, at)
         fence()
@@ -494,7 +502,7 @@ class Board:
         """Settle barrier ``barrier_id`` as ``outcome`` (with ``verdict`` if FAILED) unless a
         rank did first; return what was settled. Taken under a lock on rank 0's board, so
         every rank settles the same outcome."""
-        board = self._maps[0]
+        board = self._map(0)
         base = self.layout.barrier_at
         at = base + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
@@ -520,7 +528,7 @@ class Board:
         return outcome, verdict
 
     def _verdict(self, barrier_id: int) -> str:
-        board = self._maps[0]
+        board = self._map(0)
         base = self.layout.barrier_at + _VERDICT
         cell, size = struct.unpack_from("<QQ", board, base)
         if cell != barrier_id + 1:
@@ -529,12 +537,12 @@ class Board:
 
     def _put(self, offset: int, value: int) -> None:
         fence()
-        _U64.pack_into(self._maps[self.rank], self.layout.barrier_at + offset, value)
+        _U64.pack_into(self._map(self.rank), self.layout.barrier_at + offset, value)
 
     def _behind(self, offset: int, barrier_id: int) -> list[int]:
         at = self.layout.barrier_at + offset
         behind = [
-            r for r, board in enumerate(self._maps) if _U64.unpack_from(board, at)[0] <= barrier_id
+            r for r in range(self.world_size) if _U64.unpack_from(self._map(r), at)[0] <= barrier_id
         ]
         fence()
         return behind

@@ -44,6 +44,7 @@ from bridge_py.distributed.spg.board import Board, BoardError
 from bridge_py.distributed.spg.shm_transport import ShmTransport, queue_flusher
 from bridge_py.distributed.spg.store_transport import StoreTransport
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
+from bridge_py.distributed.store.torch_api import set_bytes
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -168,7 +169,7 @@ class StatelessProcessGroup:
     def _exchange_cards(self, card: bytes) -> list[bytes]:
         """Every rank's node card (sealed in the store, as values are)."""
         name = f"node/{self.rank}"
-        self.store.set(name, self._values.seal(name, card))
+        set_bytes(self.store, name, self._values.seal(name, card))
         others = [r for r in range(self.world_size) if r != self.rank]
         wanted = [f"node/{r}" for r in others]
         got = self._store_transport.gather(wanted, others, "StatelessProcessGroup.create")
@@ -377,7 +378,7 @@ class StatelessProcessGroup:
             raise
         # The key resolved above goes in before __post_init__, which then keeps it.
         group = StatelessProcessGroup.__new__(StatelessProcessGroup)
-        group._auth_key = key
+        group.__dict__["_auth_key"] = key
         group.__init__(  # type: ignore[misc]
             rank=rank,
             world_size=world_size,

@@ -29,6 +29,7 @@ from torch.distributed import QueueEmptyError, Store
 
 from bridge_py.distributed.errors import is_store_timeout
 from bridge_py.distributed.spg import keys
+from bridge_py.distributed.store.torch_api import timeout_of
 from bridge_py.distributed.store.waiting import pop_before
 
 __all__ = ["HEADER", "Inbox", "drop", "frame", "unframe"]
@@ -116,7 +117,7 @@ class Inbox:
                 return None
             if value is not None:
                 return value
-            limit = store.timeout.total_seconds() - (time.monotonic() - start)
+            limit = timeout_of(store).total_seconds() - (time.monotonic() - start)
         return self._pop_until(queue, src, seq, time.monotonic() + limit)
 
     def take_early(self, src: int) -> dict[int, memoryview]:

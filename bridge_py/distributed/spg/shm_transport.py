@@ -41,6 +41,7 @@ from bridge_py.distributed.spg.board import (
     wait_for_values,
 )
 from bridge_py.distributed.spg.store_transport import StoreTransport
+from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import pop_before
 
 __all__ = ["ShmTransport", "queue_flusher"]
@@ -87,12 +88,13 @@ class ShmTransport:
         if not self.board.is_open(src):  # src had closed its group when this rank joined
             return self.overflow.recv(src, seq, timeout)
         self.overflow.flush()
-        data = self.board.take(src, seq)
+        data: bytes | memoryview | None = self.board.take(src, seq)
         if data is None:
             data = self._await_message(src, seq, timeout)
+        message = data
         self.board.received(src, seq + 1)  # a copy was taken: the slot is free
         name = keys.p2p_value(src, self.rank, seq)
-        return lambda: self.values.unpack(name, data, src, label="message")
+        return lambda: self.values.unpack(name, message, src, label="message")
 
     def _await_message(self, src: int, seq: int, timeout: float | None) -> bytes | memoryview:
         board, store = self.board, self.overflow.store
@@ -210,7 +212,7 @@ class ShmTransport:
         else:
             written = overflow_key(rank, number)
         if written:  # too large for the board, or no room on /dev/shm: the store takes it
-            store.set(written, value)
+            set_bytes(store, written, value)
             board.post(b"", in_store=True)
         self.overflow.flush()
         start = time.monotonic()

@@ -21,7 +21,6 @@ a store that goes away is a StoreError naming them too.
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from bridge_py.distributed.spg.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg.values import SharedValue, Values
 from bridge_py.distributed.store.fetching import FetchingWaiter
 from bridge_py.distributed.store.reaper import KeyReaper
+from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
 
 __all__ = ["StoreTransport"]
 
@@ -85,10 +85,10 @@ class StoreTransport:
 
     def default_timeout(self) -> float:
         """The store's timeout, in seconds (300 when it has none)."""
-        timeout = getattr(self.store, "timeout", None)
-        if isinstance(timeout, datetime.timedelta):
-            return timeout.total_seconds()
-        return 300.0
+        try:
+            return timeout_of(self.store).total_seconds()
+        except AttributeError:  # a store without a timeout of its own
+            return 300.0
 
     def limit(self, timeout: float | None) -> float:
         """``timeout`` (None: the store's), checked to be a positive number of seconds."""
@@ -179,7 +179,7 @@ class StoreTransport:
     def set_broadcast(self, seq: int, value: bytes) -> None:
         """Set the packed broadcast ``seq`` of this rank."""
         key = keys.broadcast_value(self.rank, seq)
-        self.store.set(key, value)
+        set_bytes(self.store, key, value)
         now = time.time()
         # The ack counter is the receivers' key, but if they never all read the value it is
         # this rank's expire_data that must remove it.
@@ -211,7 +211,7 @@ class StoreTransport:
 
     def _peek(self, key: str) -> bytes | None:
         """The value of ``key`` if it exists, in one round trip (``get`` takes two)."""
-        value = self.store.compare_set(key, _ABSENT, _ABSENT)
+        value = compare_set_bytes(self.store, key, _ABSENT, _ABSENT)
         return None if value == _ABSENT else value
 
     def _await(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
@@ -255,7 +255,7 @@ class StoreTransport:
         from ``bcast/<r>/<seqs[r]>``."""
         key = keys.broadcast_value(self.rank, seq)
         value, segment = self.values.pack(key, obj, self._others if self._all_local else None)
-        self.store.set(key, value)
+        set_bytes(self.store, key, value)
         self.entries.append((key, time.time()))
         self.flush()
         wanted = [keys.broadcast_value(src, seqs[src]) for src in self._others]

@@ -300,7 +300,7 @@ class SharedValue:
 
 
 def open_descriptor(
-    descriptor: bytes | memoryview, keyed: bool, what: str, rank: int
+    descriptor: bytes | bytearray | memoryview, keyed: bool, what: str, rank: int
 ) -> SharedValue:
     """Open the segment a descriptor names, for reader ``rank`` (``keyed``: check its digest).
 

@@ -13,7 +13,7 @@ import datetime
 
 from torch.distributed import Store, TCPStore
 
-__all__ = ["clone", "set_bytes", "timeout_of", "uses_libuv"]
+__all__ = ["clone", "compare_set_bytes", "set_bytes", "timeout_of", "uses_libuv"]
 
 
 def timeout_of(store: Store) -> datetime.timedelta:
@@ -35,3 +35,8 @@ def uses_libuv(store: TCPStore) -> bool:
 def set_bytes(store: Store, key: str, value: bytes) -> None:
     """``store[key] = value``."""
     store.set(key, value)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+
+
+def compare_set_bytes(store: Store, key: str, expected: bytes, desired: bytes) -> bytes:
+    """``store.compare_set`` with byte values: the value of ``key`` afterwards."""
+    return store.compare_set(key, expected, desired)  # type: ignore[arg-type]  # as set_bytes
