@@ -9,7 +9,6 @@ the operator's auth key when there is one, see ``groups.objects``).
 from __future__ import annotations
 
 import contextlib
-from collections import namedtuple
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,19 +19,26 @@ import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.auth import resolve_key
+from bridge_py.distributed.coordinator.layout import (
+    check_group_ranks,
+    communicator_class,
+    device_for,
+    unique_name,
+)
+from bridge_py.distributed.coordinator.queues import broadcast_queue, single_reader_queues
+from bridge_py.distributed.coordinator.tensor_dicts import (
+    TensorMetadata,
+    TensorWire,
+    split_tensor_dict,
+    use_all_gather,
+)
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
-from bridge_py.distributed.device_communicators.cpu_communicator import CpuCommunicator
 from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
-from bridge_py.distributed.groups.node import in_the_same_node_as
 from bridge_py.distributed.groups.objects import ObjectChannel
 
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "TensorMetadata"]
-
-# Message queue broadcaster sizes, as vLLM: 4 MiB chunks, 6 of them.
-_MQ_CHUNK_BYTES = 1 << 22
-_MQ_CHUNKS = 6
 
 
 @dataclass
@@ -40,58 +46,6 @@ class GraphCaptureContext:
     """The stream a CUDA graph is captured on (None on CPU, where nothing is captured)."""
 
     stream: Any
-
-
-TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
-
-
-def _split_tensor_dict(
-    tensor_dict: dict[str, Any],
-) -> tuple[list[tuple[str, Any]], list[torch.Tensor]]:
-    """Split a tensor dictionary into (key, value-or-TensorMetadata) pairs and its tensors.
-
-    Only top-level tensor values travel as tensors; anything else (nested containers
-    included) travels pickled in the metadata.
-    """
-    metadata_list: list[tuple[str, Any]] = []
-    tensor_list: list[torch.Tensor] = []
-    for key, value in tensor_dict.items():
-        if isinstance(value, torch.Tensor):
-            # Only the device type: the receiver places the tensor on its own device index.
-            metadata_list.append(
-                (key, TensorMetadata(value.device.type, value.dtype, value.size()))
-            )
-            tensor_list.append(value)
-        else:
-            metadata_list.append((key, value))
-    return metadata_list, tensor_list
-
-
-_group_name_counter: dict[str, int] = {}
-
-
-def _get_unique_name(name: str) -> str:
-    """Get a unique name for the group: ``tp`` -> ``tp:0``, then ``tp:1``, ..."""
-    index = _group_name_counter.get(name, 0)
-    _group_name_counter[name] = index + 1
-    return f"{name}:{index}"
-
-
-def _device_for(backend: str, local_rank: int) -> torch.device:
-    """The device a group's tensors live on: CUDA for NCCL groups, else the CPU."""
-    if str(backend) == Backend.NCCL and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
-
-
-def _communicator_class(device: torch.device) -> type[DeviceCommunicatorBase]:
-    if device.type == "cuda":
-        from bridge_py.distributed.device_communicators.cuda_communicator import (
-            CudaCommunicator,
-        )
-
-        return CudaCommunicator
-    return CpuCommunicator
 
 
 class GroupCoordinator:
@@ -143,10 +97,10 @@ class GroupCoordinator:
         # The operator's key (None: objects are plain pickles, as in vLLM); read before any
         # collective, so that a refusal (VLLM_BRIDGE_REQUIRE_AUTH_KEY) leaves nothing behind.
         self._auth_key = resolve_key(None)
-        self.unique_name = _get_unique_name(group_name or "anonymous")
+        self.unique_name = unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
-        self._check_group_ranks(group_ranks)
+        check_group_ranks(group_ranks)
 
         own_device_group: ProcessGroup | None = None
         own_cpu_group: ProcessGroup | None = None
@@ -169,14 +123,15 @@ class GroupCoordinator:
         self.device_group = own_device_group
         # Objects between ranks travel on the CPU group, sealed when there is a key.
         self._objects = ObjectChannel(self.cpu_group, self._auth_key, ranks=self.ranks)
-        self.device = _device_for(str(torch_distributed_backend), local_rank)
+        self.device = device_for(str(torch_distributed_backend), local_rank)
+        self._tensors = TensorWire(self.cpu_group, self.device_group, self.ranks, self.device)
 
         # Every collective goes through a communicator. vLLM exposes one only when asked
         # for (and the group has several ranks); the others get a plain torch.distributed
         # one, kept private, instead of vLLM's "No device communicator found".
         self.use_device_communicator = use_device_communicator
         self.device_communicator: DeviceCommunicatorBase | None = None
-        comm_cls = _communicator_class(self.device)
+        comm_cls = communicator_class(self.device)
         if use_device_communicator and self.world_size > 1:
             self.device_communicator = comm_cls(
                 cpu_group=self.cpu_group,
@@ -198,26 +153,6 @@ class GroupCoordinator:
         self.mq_broadcaster: MessageQueue | None = None
         if use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
-
-    @staticmethod
-    def _check_group_ranks(group_ranks: Any) -> None:
-        if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
-            raise ValueError(
-                f"group_ranks must be a non-empty list of rank lists, got {group_ranks!r}"
-            )
-        world = dist.get_world_size()
-        seen: set[int] = set()
-        for ranks in group_ranks:
-            if not isinstance(ranks, (list, tuple)) or not ranks:
-                raise ValueError(
-                    f"each entry of group_ranks must be a non-empty list, got {ranks!r}"
-                )
-            for r in ranks:
-                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
-                    raise ValueError(f"rank {r!r} in group_ranks is not in [0, {world})")
-            if len(set(ranks)) != len(ranks) or seen & set(ranks):
-                raise ValueError(f"group_ranks {group_ranks} names a rank twice")
-            seen.update(ranks)
 
     def _label(self) -> str:
         return f"group {self.unique_name!r} (global ranks {self.ranks})"
@@ -253,14 +188,8 @@ class GroupCoordinator:
         such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
         """
         self._check_peer("create_mq_broadcaster", "writer", writer_rank)
-        return MessageQueue.create_from_process_group(
-            self.cpu_group,
-            _MQ_CHUNK_BYTES,
-            _MQ_CHUNKS,
-            writer_rank=writer_rank,
-            external_writer_handle=external_writer_handle,
-            blocking=blocking,
-            auth_key=self._auth_key,
+        return broadcast_queue(
+            self.cpu_group, writer_rank, external_writer_handle, blocking, self._auth_key
         )
 
     def create_single_reader_mq_broadcasters(
@@ -279,19 +208,9 @@ class GroupCoordinator:
         its queue after opening the handles.
         """
         self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
-        same_node = in_the_same_node_as(self.cpu_group, source_rank=reader_rank_in_group)
-        queue = MessageQueue(
-            n_reader=1,
-            n_local_reader=1 if same_node[self.rank_in_group] else 0,
-            max_chunk_bytes=_MQ_CHUNK_BYTES,
-            max_chunks=_MQ_CHUNKS,
-            auth_key=self._auth_key,
+        return single_reader_queues(
+            self.cpu_group, self._objects, reader_rank_in_group, blocking, self._auth_key
         )
-        is_reader = self.rank_in_group == reader_rank_in_group
-        handles = self._objects.gather(queue.export_handle(), reader_rank_in_group)
-        if blocking and not is_reader:
-            queue.wait_until_ready()
-        return queue, list(handles or [])
 
     # ------------------------------------------------------------------- ranks
 
@@ -564,72 +483,17 @@ class GroupCoordinator:
         self._agree_on_root("broadcast_tensor_dict", "src", src, error)
         if self.rank_in_group == src:
             assert isinstance(tensor_dict, dict)
-            metadata_list, tensor_list = _split_tensor_dict(tensor_dict)
+            metadata_list, tensor_list = split_tensor_dict(tensor_dict)
             self._broadcast_object(metadata_list, src=src)
             handles = [
-                self._broadcast_async(tensor, src) for tensor in tensor_list if tensor.numel()
+                self._tensors.broadcast_async(tensor, src)
+                for tensor in tensor_list
+                if tensor.numel()
             ]
             for handle in handles:
                 handle.wait()
             return tensor_dict
-        metadata_list = self._broadcast_object(None, src=src)
-        received: dict[str, Any] = {}
-        pending = []
-        for key, value in metadata_list:
-            if isinstance(value, TensorMetadata):
-                tensor = self._empty_like_metadata(value)
-                if tensor.numel():
-                    pending.append(self._broadcast_async(tensor, src))
-                received[key] = tensor
-            else:
-                received[key] = value
-        for handle in pending:
-            handle.wait()
-        return received
-
-    def _empty_like_metadata(self, meta: TensorMetadata) -> torch.Tensor:
-        device = self.device if meta.device == self.device.type else torch.device(meta.device)
-        return torch.empty(meta.size, dtype=meta.dtype, device=device)
-
-    def _tensor_group(self, tensor: torch.Tensor) -> ProcessGroup:
-        return self.cpu_group if tensor.is_cpu else self.device_group
-
-    def _broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
-        from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
-
-        group = self._tensor_group(tensor)
-        wire, _ = for_transport(tensor, str(dist.get_backend(group)))
-        if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
-            raise ValueError("broadcast_tensor_dict needs contiguous tensors")
-        return dist.broadcast(wire, src=self.ranks[src], group=group, async_op=True)
-
-    def _point_to_point(self, tensor: torch.Tensor, peer: int, sending: bool) -> None:
-        from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
-
-        group = self._tensor_group(tensor)
-        wire, restore = for_transport(tensor, str(dist.get_backend(group)))
-        if sending:
-            dist.send(wire, dst=self.ranks[peer], group=group)
-            return
-        dist.recv(wire, src=self.ranks[peer], group=group)
-        if wire.data_ptr() != tensor.data_ptr():
-            tensor.copy_(restore(wire).reshape(tensor.shape))
-
-    @staticmethod
-    def _use_all_gather(
-        key: str,
-        tensor: torch.Tensor,
-        all_gather_group: GroupCoordinator | None,
-        all_gather_tensors: dict[str, bool] | None,
-    ) -> bool:
-        use = all_gather_group is not None and tensor.numel() % all_gather_group.world_size == 0
-        if all_gather_tensors:
-            use = all_gather_tensors.get(key, use)
-        if use and all_gather_group is None:
-            raise ValueError(
-                f"all_gather_tensors asks for {key!r} but no all_gather_group is given"
-            )
-        return use
+        return self._tensors.receive_broadcast(self._broadcast_object(None, src=src), src)
 
     def send_tensor_dict(
         self,
@@ -679,15 +543,16 @@ class GroupCoordinator:
             raise TypeError(f"Expecting a dictionary, got {type(tensor_dict)}")
         ag_size = 1 if all_gather_group is None else all_gather_group.world_size
         ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
-        metadata_list, _ = _split_tensor_dict(tensor_dict)
+        metadata_list, _ = split_tensor_dict(tensor_dict)
         self.send_object(metadata_list, dst=dst)
+        group_size = None if all_gather_group is None else ag_size
         for key, value in tensor_dict.items():
             if not isinstance(value, torch.Tensor) or value.numel() == 0:
                 continue
             tensor = value
-            if self._use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
+            if use_all_gather(key, tensor, group_size, all_gather_tensors):
                 tensor = tensor.reshape(ag_size, -1)[ag_rank]
-            self._point_to_point(tensor, dst, sending=True)
+            self._tensors.send(tensor, dst)
         return None
 
     def recv_tensor_dict(
@@ -733,23 +598,23 @@ class GroupCoordinator:
         self._check_peer("recv_tensor_dict", "src", src, allow_self=False)
         ag_size = 1 if all_gather_group is None else all_gather_group.world_size
         ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
+        group_size = None if all_gather_group is None else ag_size
         received: dict[str, Any] = {}
         for key, value in self.recv_object(src=src):
             if not isinstance(value, TensorMetadata):
                 received[key] = value
                 continue
-            tensor = self._empty_like_metadata(value)
+            tensor = self._tensors.empty_like(value)
             if tensor.numel() == 0:
                 received[key] = tensor
                 continue
-            use_all_gather = self._use_all_gather(key, tensor, all_gather_group, all_gather_tensors)
-            if use_all_gather:
+            if use_all_gather(key, tensor, group_size, all_gather_tensors):
                 assert all_gather_group is not None
                 part = torch.empty_like(tensor.reshape(ag_size, -1)[ag_rank])
-                self._point_to_point(part, src, sending=False)
+                self._tensors.recv(part, src)
                 tensor = all_gather_group.all_gather(part, dim=0).reshape(tensor.shape)
             else:
-                self._point_to_point(tensor, src, sending=False)
+                self._tensors.recv(tensor, src)
             received[key] = tensor
         return received
 

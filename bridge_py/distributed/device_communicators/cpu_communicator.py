@@ -31,11 +31,8 @@ from bridge_py.distributed.device_communicators.all2all import (
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
-from bridge_py.distributed.device_communicators.shm_allreduce import (
-    ShmAgreement,
-    ShmCollectives,
-    ShmDistModule,
-)
+from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
+from bridge_py.distributed.device_communicators.shm_dist import ShmAgreement, ShmDistModule
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 
 __all__ = ["CpuCommunicator"]

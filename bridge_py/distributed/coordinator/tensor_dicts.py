@@ -1,0 +1,121 @@
+"""The tensor dictionaries of GroupCoordinator: metadata as one object, then each tensor.
+
+``broadcast_tensor_dict``, ``send_tensor_dict`` and ``recv_tensor_dict`` split a dictionary
+into its metadata (keys, non-tensor values, the device type, dtype and size of each
+top-level tensor), which travels as one object, and its tensors, which travel as tensors:
+CPU tensors on the group's CPU (gloo) group, device tensors on its device group, each in a
+dtype the backend carries (``wire_dtypes``). Only top-level tensor values travel as tensors;
+anything else (nested containers included) travels pickled in the metadata.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
+
+__all__ = ["TensorMetadata", "TensorWire", "split_tensor_dict", "use_all_gather"]
+
+TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
+
+
+def split_tensor_dict(
+    tensor_dict: dict[str, Any],
+) -> tuple[list[tuple[str, Any]], list[torch.Tensor]]:
+    """Split a tensor dictionary into (key, value-or-TensorMetadata) pairs and its tensors."""
+    metadata_list: list[tuple[str, Any]] = []
+    tensor_list: list[torch.Tensor] = []
+    for key, value in tensor_dict.items():
+        if isinstance(value, torch.Tensor):
+            # Only the device type: the receiver places the tensor on its own device index.
+            metadata_list.append(
+                (key, TensorMetadata(value.device.type, value.dtype, value.size()))
+            )
+            tensor_list.append(value)
+        else:
+            metadata_list.append((key, value))
+    return metadata_list, tensor_list
+
+
+def use_all_gather(
+    key: str,
+    tensor: torch.Tensor,
+    group_size: int | None,
+    all_gather_tensors: dict[str, bool] | None,
+) -> bool:
+    """Whether ``tensor`` travels as slices gathered over an all-gather group of
+    ``group_size`` ranks (None: no such group), as vLLM decides."""
+    use = group_size is not None and tensor.numel() % group_size == 0
+    if all_gather_tensors:
+        use = all_gather_tensors.get(key, use)
+    if use and group_size is None:
+        raise ValueError(f"all_gather_tensors asks for {key!r} but no all_gather_group is given")
+    return use
+
+
+class TensorWire:
+    """Tensors of one group's dictionaries: each on the CPU group or the device group."""
+
+    def __init__(
+        self,
+        cpu_group: ProcessGroup,
+        device_group: ProcessGroup,
+        ranks: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self._cpu_group = cpu_group
+        self._device_group = device_group
+        self._ranks = list(ranks)
+        self._device = device
+
+    def empty_like(self, meta: TensorMetadata) -> torch.Tensor:
+        """A tensor to receive what ``meta`` describes (on this rank's device of its type)."""
+        device = self._device if meta.device == self._device.type else torch.device(meta.device)
+        return torch.empty(meta.size, dtype=meta.dtype, device=device)
+
+    def _group(self, tensor: torch.Tensor) -> ProcessGroup:
+        return self._cpu_group if tensor.is_cpu else self._device_group
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start broadcasting ``tensor`` from group rank ``src``; the work to wait for."""
+        group = self._group(tensor)
+        wire, _ = for_transport(tensor, str(dist.get_backend(group)))
+        if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
+            raise ValueError("broadcast_tensor_dict needs contiguous tensors")
+        return dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True)
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """Send ``tensor`` to group rank ``peer``."""
+        group = self._group(tensor)
+        wire, _ = for_transport(tensor, str(dist.get_backend(group)))
+        dist.send(wire, dst=self._ranks[peer], group=group)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        """Receive into ``tensor`` from group rank ``peer``."""
+        group = self._group(tensor)
+        wire, restore = for_transport(tensor, str(dist.get_backend(group)))
+        dist.recv(wire, src=self._ranks[peer], group=group)
+        if wire.data_ptr() != tensor.data_ptr():
+            tensor.copy_(restore(wire).reshape(tensor.shape))
+
+    def receive_broadcast(self, metadata_list: list[tuple[str, Any]], src: int) -> dict[str, Any]:
+        """The dictionary ``src`` broadcasts, from its metadata and then its tensors."""
+        received: dict[str, Any] = {}
+        pending = []
+        for key, value in metadata_list:
+            if isinstance(value, TensorMetadata):
+                tensor = self.empty_like(value)
+                if tensor.numel():
+                    pending.append(self.broadcast_async(tensor, src))
+                received[key] = tensor
+            else:
+                received[key] = value
+        for handle in pending:
+            handle.wait()
+        return received
