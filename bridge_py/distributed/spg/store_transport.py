@@ -32,9 +32,9 @@ from bridge_py.distributed.errors import GroupTimeout, StoreError, is_store_time
 from bridge_py.distributed.spg import keys, p2p
 from bridge_py.distributed.spg.barrier import BarrierHooks, Mailbox, run_barrier
 from bridge_py.distributed.spg.values import SharedValue, Values
-from bridge_py.distributed.store.fetching import FetchingWaiter
 from bridge_py.distributed.store.reaper import KeyReaper
 from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
+from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = ["StoreTransport"]
 
@@ -71,7 +71,7 @@ class StoreTransport:
         self._outbox = [keys.p2p_queue(rank, dst) for dst in range(world_size)]
         self._inbox = p2p.Inbox(store, rank, world_size)
         self._mailbox = Mailbox(store, rank)
-        self._waiter = FetchingWaiter(store)
+        self._waiter = BoundedWaiter(store)
         # Keys this rank has read and may delete, handed at its next store operation (after
         # a write, or before a wait) to the reaper, which deletes them on its own thread.
         self._trash: list[str] = []

@@ -40,6 +40,8 @@ class BoundedWaiter:
         self._store = store
         self._connection: Store | None = None
         self._lock = threading.Lock()
+        # The ``timeout`` of the last request, whose bound the connection still has.
+        self._bound: float | None = None
 
     def _open(self, deadline: float) -> Store:
         """The waiting connection, connecting (by ``deadline``, if a TCPStore) when needed."""
@@ -68,20 +70,41 @@ class BoundedWaiter:
 
         Errors other than the timeout (the server went away, it cannot be reached) propagate.
         """
+        return self._bounded(keys, timeout, fetch=False) is not None
+
+    def multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes] | None:
+        """The values of ``keys`` once all exist (torch's ``multi_get`` waits for all of them,
+        then reads them: two round trips however many keys), or None if they did not within
+        ``timeout`` seconds. Errors other than the timeout propagate."""
+        return self._bounded(keys, timeout, fetch=True)
+
+    def _bounded(self, keys: Sequence[str], timeout: float, fetch: bool) -> list[bytes] | None:
         deadline = time.monotonic() + max(timeout, 0.001)
         with self._lock:
             try:
+                opened = self._connection
                 connection = self._open(deadline)
-                connection.wait(list(keys), _seconds(deadline - time.monotonic()))
+                if connection is self._store:
+                    # A store without a second connection: wait (bounded), then read on it.
+                    connection.wait(list(keys), _seconds(deadline - time.monotonic()))
+                    return connection.multi_get(list(keys)) if fetch else []
+                # The same timeout as last time on the same connection (a gather asks for
+                # the store's timeout each time) is already set: no call needed.
+                if connection is not opened or timeout != self._bound:
+                    connection.set_timeout(_seconds(deadline - time.monotonic()))
+                    self._bound = timeout
+                if fetch:
+                    return connection.multi_get(list(keys))
+                connection.wait(list(keys))
+                return []
             except DistStoreError as exc:
                 self._connection = None  # may still receive the abandoned wait's answer
                 if not is_store_timeout(exc):
                     raise
-                return False
+                return None
             except BaseException:
                 self._connection = None
                 raise
-            return True
 
 
 def pop_before(store: Store, queue: str, deadline: float) -> bytes | None:
