@@ -188,6 +188,8 @@ def _messages(rank: int, port: int) -> dict:
     sizes = [10, 70_000, 10, 300_000] + [5] * (2 * spg_board.RING)
     for i, size in enumerate(sizes):
         group.send_obj((rank, i, b"x" * size), peer)
+    # Nobody receives before both have sent everything, so a full ring must turn some away.
+    group.barrier(timeout=20)
     got = [group.recv_obj(peer, timeout=20) for _ in range(len(sizes) + 1)]
     expected = [("early", peer)] + [(peer, i, b"x" * size) for i, size in enumerate(sizes)]
     # A round trip after that: the rings are free again.
