@@ -142,7 +142,8 @@ def tensor_pieces(tensor: torch.Tensor) -> tuple[bytes, memoryview | None]:
     if t.numel() == 0:
         return header, None
     # torch is little-endian on every platform it supports.
-    return header, memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    elements: Any = t.reshape(-1).view(torch.uint8).numpy()  # numpy's stubs: no Buffer
+    return header, memoryview(elements).cast("B")
 
 
 def encode_tensor(tensor: torch.Tensor) -> bytes:
@@ -454,7 +455,9 @@ _TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
-def _check_nesting(value: list[Any] | tuple[Any, ...] | dict[Any, Any] | set[Any]) -> None:
+def _check_nesting(
+    value: list[Any] | tuple[Any, ...] | dict[Any, Any] | set[Any] | frozenset[Any],
+) -> None:
     """Raise :class:`CodecError` if containers nest deeper than :data:`MAX_DEPTH` in ``value``.
 
     Depth first with a stack of its own; a value that contains itself is too deep too.
