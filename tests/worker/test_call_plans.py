@@ -22,7 +22,8 @@ from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import CallPlan, CallPlans
 from bridge_py.worker.codec import PLAIN
 from bridge_py.worker.dispatcher import Dispatcher, Job
-from bridge_py.worker.transports.port import FrameReader, PortTransport
+from bridge_py.worker.transports.frames import FrameReader
+from bridge_py.worker.transports.port import PortTransport
 from tests.worker.sample_exports import table
 
 pytestmark = pytest.mark.timeout(60)
