@@ -49,13 +49,14 @@ It returns None to admit the request, or the error to answer instead (the reques
 then not run); it may also raise, and then ``admit`` raises that, having taken nothing."""
 
 Job = (
-    tuple[CallPlan, bytes, int]
+    tuple[CallPlan, bytes, int, int]
     | tuple[pb.Request, Turn | None, Frame]
     | tuple[pb.Reply, None, None]
 )
 """What :meth:`Dispatcher.admit` made of a frame, for :meth:`Dispatcher.run`: a planned
-call (its plan, the frame, where the frame's id field ends), a decoded request (with the
-turn it holds, if it takes one, and its frame), or a reply known already (an error)."""
+call (its plan, the frame, where the frame's id field ends, the number of its turn on
+the plan's sequencer), a decoded request (with the turn it holds, if it takes one, and
+its frame), or a reply known already (an error)."""
 
 
 class Dispatcher:
@@ -80,13 +81,11 @@ class Dispatcher:
             if end:
                 plan = self._plan_for(frame[end:])
                 if plan is not None:
-                    # It takes its turn as it runs (Sequencer.run): right after this, on
-                    # the port, and nothing can come between on the same object.
                     if gate is not None:
                         refused = gate(plan.op, plan.session)
                         if refused is not None:
                             return pb.Reply(pb.peek_request_id(frame), error=refused), None, None
-                    return plan, frame, end
+                    return plan, frame, end, plan.sequencer.take()
         try:
             req = pb.decode_request(frame)
         except Exception as exc:  # EnvelopeError, or a bug: a reply either way
@@ -104,8 +103,8 @@ class Dispatcher:
         one reply: should anything but the call itself fail, the reply is an error, and
         a turn the job holds is given back."""
         if type(job[0]) is CallPlan:  # the most common request
-            plan, planned_frame, end = job
-            return self._run_planned(plan, planned_frame, end)
+            plan, planned_frame, end, number = job
+            return self._run_planned(plan, planned_frame, end, number)
         if type(job[0]) is pb.Reply:  # worked out by admit (an error)
             known, _, _ = job
             return pb.encode_reply_chunks(known)
@@ -151,12 +150,14 @@ class Dispatcher:
 
     # -- planned calls ---------------------------------------------------------------
 
-    def _run_planned(self, plan: CallPlan, frame: bytes, id_end: int) -> list[bytes | memoryview]:
-        """The reply to a planned call: the one the full way would give. The call takes
-        its turn from ``plan.sequencer`` now; if a release has made the plan stale, it
-        takes the full way in that turn."""
+    def _run_planned(
+        self, plan: CallPlan, frame: bytes, id_end: int, number: int
+    ) -> list[bytes | memoryview]:
+        """The reply to a planned call: the one the full way would give. The call runs
+        in its turn ``number`` on ``plan.sequencer``; if a release has made the plan
+        stale, it takes the full way in that turn."""
         try:
-            value, reply = plan.sequencer.run(self._call_planned, frame, plan)
+            value, reply = plan.sequencer.run_turn(number, self._call_planned, frame, plan)
             if reply is not None:
                 return reply
             data = plan.codec.encode_pieces(value)

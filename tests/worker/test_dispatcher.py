@@ -141,6 +141,26 @@ def test_calls_on_one_object_run_in_the_order_they_were_admitted() -> None:
     assert [results[i] for i in range(8)] == [sum(range(i + 1)) for i in range(8)]
 
 
+def test_a_planned_call_holds_its_place_from_admission() -> None:
+    # A planned call is admitted before a decoded one on the same object, and run after
+    # it has started: it still runs first (a standby thread that took over from the
+    # port's reader, or a gRPC handler thread, can get to run a later call first).
+    d = Dispatcher(table())
+    handle = _counter(d)
+    _reply(d, d.admit(_frame(2, pb.CallMethod(handle, "incr"))))  # leaves a plan
+    planned = d.admit(_frame(3, pb.CallMethod(handle, "incr")))
+    assert type(planned[0]) is CallPlan
+    decoded = d.admit(_frame(4, pb.CallMethod(handle, "incr", PLAIN.encode([10]))))
+    later: list[pb.Reply] = []
+    runner = threading.Thread(target=lambda: later.append(_reply(d, decoded)), daemon=True)
+    runner.start()
+    runner.join(0.3)
+    assert later == []  # waits for the planned call's turn
+    assert PLAIN.decode(_reply(d, planned).value) == 2
+    runner.join(10)
+    assert PLAIN.decode(later[0].value) == 12
+
+
 def test_a_call_that_fails_gives_its_turn_back() -> None:
     d = Dispatcher(table())
     handle = _counter(d)
