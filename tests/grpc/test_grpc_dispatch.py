@@ -37,7 +37,7 @@ def serving() -> Iterator[tuple[Serving, Dispatcher]]:
 
 @pytest.fixture
 def client(serving: tuple[Serving, Dispatcher]) -> Iterator[Client]:
-    with connect(serving[0].target, token=TOKEN, timeout=30) as client:
+    with connect(serving[0].target, token=TOKEN, timeout=20) as client:
         yield client
 
 
@@ -92,15 +92,17 @@ def test_a_refused_request_takes_no_turn(
     channel, ping = _raw(serving[0].target, "Ping")
     _, call = _raw(serving[0].target, "Call")
     try:
-        for rpc, session, code in [
-            (ping, client.session, grpc.StatusCode.INVALID_ARGUMENT),
-            (call, "grpc-" + "0" * 64, grpc.StatusCode.PERMISSION_DENIED),
-        ]:
-            request = pb.Request(7, session, pb.CallMethod(counter._handle, "incr"))
-            with pytest.raises(grpc.RpcError) as info:
-                rpc(pb.encode_request(request), timeout=10, metadata=AUTH)
-            assert info.value.code() == code
-        assert counter.incr() == 3  # nothing was run, and no turn was left taken
+        for args in (b"", PLAIN.encode([5])):  # from its plan, and decoded
+            for rpc, session, code in [
+                (ping, client.session, grpc.StatusCode.INVALID_ARGUMENT),
+                (call, "grpc-" + "0" * 64, grpc.StatusCode.PERMISSION_DENIED),
+            ]:
+                request = pb.Request(7, session, pb.CallMethod(counter._handle, "incr", args))
+                with pytest.raises(grpc.RpcError) as info:
+                    rpc(pb.encode_request(request), timeout=10, metadata=AUTH)
+                assert info.value.code() == code
+        # Nothing was run, and no turn was left taken (the call would wait for it).
+        assert counter.incr() == 3
     finally:
         channel.close()
 
