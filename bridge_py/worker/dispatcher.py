@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.call_plans import CallPlan, CallPlans
+from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
 from bridge_py.worker.codec import CodecError
 from bridge_py.worker.exports import ExportTable
 from bridge_py.worker.operations import (
@@ -76,7 +76,7 @@ class Dispatcher:
     def admit(self, frame: Frame, gate: Gate | None = None) -> Job:
         """What one request frame is (see the module docstring); a method call takes its
         turn now. Never raises, unless ``gate`` does (then nothing was taken)."""
-        if type(frame) is bytes:
+        if type(frame) is bytes and len(frame) <= MAX_PLANNED_BYTES:
             end = pb.id_field_end(frame)
             if end:
                 plan = self._plan_for(frame[end:])

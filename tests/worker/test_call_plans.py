@@ -19,7 +19,7 @@ import weakref
 import pytest
 
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.call_plans import CallPlan, CallPlans
+from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
 from bridge_py.worker.codec import PLAIN
 from bridge_py.worker.dispatcher import Dispatcher, Job
 from bridge_py.worker.transports.frames import FrameReader
@@ -162,6 +162,20 @@ def test_a_planned_call_waits_for_its_turn() -> None:
         t.join(10)
     assert PLAIN.decode(results["gate"].value) is True
     assert PLAIN.decode(results["incr"].value) == 2
+
+
+def test_frames_longer_than_any_call_without_arguments_are_not_planned() -> None:
+    # Their bytes are neither learned nor looked up (copying and hashing a long frame
+    # would cost more than a plan saves); they are answered the full way.
+    d = Dispatcher(table())
+    session = "s" * MAX_PLANNED_BYTES
+    created = d.dispatch(pb.Request(1, session, pb.CreateInstance("Counter")))
+    handle = PLAIN.decode(created.value).handle
+    frame = pb.encode_request(pb.Request(2, session, pb.CallMethod(handle, "incr")))
+    assert len(frame) > MAX_PLANNED_BYTES
+    for i in range(1, 4):
+        assert PLAIN.decode(_full(d, frame).value) == i
+    assert len(d.plans) == 0
 
 
 def test_plans_are_bounded() -> None:
