@@ -19,6 +19,6 @@ session when the client is closed.
 """
 
 from bridge_py.client.connection import BridgeError, Client, connect
-from bridge_py.client.proxy import RemoteObject
+from bridge_py.client.proxy import ObjectHost, RemoteObject
 
-__all__ = ["BridgeError", "Client", "RemoteObject", "connect"]
+__all__ = ["BridgeError", "Client", "ObjectHost", "RemoteObject", "connect"]

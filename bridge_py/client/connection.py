@@ -154,16 +154,15 @@ class Client:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            raise BridgeError(
-                "transport",
-                f"{code.name}: {exc.details()}",  # type: ignore[attr-defined]
-                code=code,
-            ) from None
+            code = exc.code()
+            raise BridgeError("transport", f"{code.name}: {exc.details()}", code=code) from None
         if reply.error is not None:
             e = reply.error
             raise BridgeError(e.category, e.message, e.python_type, e.traceback)
-        return self._codec.decode(reply.value) if reply.value else None
+        value = reply.value
+        if isinstance(value, list):  # only replies built in this process are in pieces
+            value = b"".join(value)
+        return self._codec.decode(value) if value else None
 
     def _encode(self, values: Any) -> bytes:
         return self._codec.encode(values) if values else b""

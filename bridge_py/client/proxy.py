@@ -1,12 +1,36 @@
-"""Proxies: remote objects that look local (methods call through, attributes read through)."""
+"""Proxies: remote objects that look local (methods call through, attributes read through).
+
+A proxy needs only a few things of the connection it came from, named by
+:class:`ObjectHost`; ``connection.Client`` provides them. So this module does not
+import the connection (the connection imports it, to make proxies).
+"""
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from bridge_py.client.connection import Client
+
+class ObjectHost(Protocol):
+    """What a proxy asks of its connection: the calls that reach through it."""
+
+    target: str  # where the worker is, for repr
+
+    def call_method(self, obj: RemoteObject, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an exported method of ``obj`` in the worker."""
+        ...
+
+    def get_attr(self, obj: RemoteObject, name: str) -> Any:
+        """Read an exported attribute of ``obj`` in the worker."""
+        ...
+
+    def _members_of(self, class_name: str) -> tuple[set[str], set[str]]:
+        """(methods, attributes) that the worker exports for ``class_name``."""
+        ...
+
+    def _release_handle(self, handle: int) -> None:
+        """Release ``handle`` (the proxy is being collected); must never raise."""
+        ...
 
 
 class RemoteObject:
@@ -19,7 +43,7 @@ class RemoteObject:
 
     __slots__ = ("__weakref__", "_class_name", "_client", "_handle")
 
-    def __init__(self, client: Client, handle: int, class_name: str) -> None:
+    def __init__(self, client: ObjectHost, handle: int, class_name: str) -> None:
         object.__setattr__(self, "_client", client)
         object.__setattr__(self, "_handle", handle)
         object.__setattr__(self, "_class_name", class_name)

@@ -63,7 +63,9 @@ def _plan(fn: Callable[..., Any], drop_first: bool) -> _Plan | None:
     if drop_first:
         sig = sig.replace(parameters=list(sig.parameters.values())[1:])
     try:
-        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+        # A class's parameters are its constructor's (``__init__`` as the class has it).
+        target = typing.cast(Any, fn).__init__ if isinstance(fn, type) else fn
+        hints = typing.get_type_hints(target)
     except Exception:  # unresolvable forward references: check arity only
         hints = {}
     params: dict[str, _Param] = {}

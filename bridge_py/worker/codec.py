@@ -142,7 +142,8 @@ def tensor_pieces(tensor: torch.Tensor) -> tuple[bytes, memoryview | None]:
     if t.numel() == 0:
         return header, None
     # torch is little-endian on every platform it supports.
-    return header, memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    elements: Any = t.reshape(-1).view(torch.uint8).numpy()  # numpy's stubs: no Buffer
+    return header, memoryview(elements).cast("B")
 
 
 def encode_tensor(tensor: torch.Tensor) -> bytes:
@@ -320,7 +321,7 @@ class Codec:
             local.tuples
             or len(data) > MAX_DEPTH
             or type(data) is not bytes
-            or any(marker in data for marker in _TIMESTAMP_HEADERS)
+            or (b"\xff" in data and any(marker in data for marker in _TIMESTAMP_HEADERS))
         ):
             value = self._complete(value, 1)
         return value
@@ -446,7 +447,15 @@ _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # never a tens
 _WALKED = frozenset({list, dict, _TuplePayload, msgpack.Timestamp})
 
 # fixext4, fixext8 and ext8 (12 bytes) with type -1: msgpack's timestamp encodings.
-_TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+# Every header msgpack-python decodes as a timestamp: type -1 in fixext 4 and 8, and in
+# ext 8, 16 and 32 with a length of 4, 8 or 12 (all of them end in the type byte, ff).
+_TIMESTAMP_HEADERS = (
+    b"\xd6\xff",
+    b"\xd7\xff",
+    *(bytes([0xC7, size, 0xFF]) for size in (4, 8, 12)),
+    *(bytes([0xC8, 0, size, 0xFF]) for size in (4, 8, 12)),
+    *(bytes([0xC9, 0, 0, 0, size, 0xFF]) for size in (4, 8, 12)),
+)
 
 
 # What the encoder sends as a container: tuples (and named tuples) as extension 4, sets
@@ -454,7 +463,9 @@ _TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
-def _check_nesting(value: list[Any] | tuple[Any, ...] | dict[Any, Any] | set[Any]) -> None:
+def _check_nesting(
+    value: list[Any] | tuple[Any, ...] | dict[Any, Any] | set[Any] | frozenset[Any],
+) -> None:
     """Raise :class:`CodecError` if containers nest deeper than :data:`MAX_DEPTH` in ``value``.
 
     Depth first with a stack of its own; a value that contains itself is too deep too.

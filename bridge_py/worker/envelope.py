@@ -11,7 +11,7 @@ bytes against it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 # Field kinds of the schema.
 _UINT64 = "uint64"
@@ -116,7 +116,7 @@ Operation = (
 )
 
 # Request.op: field number <-> message type.
-_OPS: dict[int, type] = {
+_OPS: dict[int, type[Operation]] = {
     10: CreateInstance,
     11: CallMethod,
     12: CallFunction,
@@ -126,9 +126,10 @@ _OPS: dict[int, type] = {
     16: Describe,
     17: Ping,
 }
-_OP_NUMBERS: dict[type, int] = {cls: number for number, cls in _OPS.items()}
+_OP_NUMBERS: dict[type[Operation], int] = {cls: number for number, cls in _OPS.items()}
 
 
+@final
 @dataclass(slots=True)
 class Request:
     """One operation for one worker; ``id`` pairs it with its Reply."""
@@ -156,6 +157,7 @@ class Error:
     )
 
 
+@final
 @dataclass(slots=True)
 class Reply:
     """The answer to one Request: a msgpack ``value`` or an ``error``, never both.
@@ -251,7 +253,7 @@ def value_reply_chunks(
     arrived, is the same field of its reply)."""
     if value is None:
         return [head]
-    if type(value) is list:
+    if isinstance(value, list):
         size = sum(map(len, value))
         return [head + b"\x12" + _varint(size), *value]
     if len(value) < _SMALL_JOIN:
@@ -487,7 +489,39 @@ def decode_reply(data: bytes | bytearray | memoryview) -> Reply:
     return _decode_message(Reply, buf, 0, len(buf))
 
 
-def peek_request_id(data: bytes | memoryview) -> int:
+def id_field_end(frame: bytes) -> int:
+    """Where a Request's id field ends when it is the frame's first field, else 0.
+
+    Every encoder writes the id first (``08`` and a varint; docs/protocol.md), so for
+    the requests they write ``frame[:end]`` is the id field exactly as it arrived, which
+    is also the id field of the request's reply, and ``frame[end:]`` is the rest of the
+    request (its session and operation), the same for every request that makes the
+    same call. Ids of up to 63 bits (a varint of at most 9 bytes) are found; longer
+    ones, an id of another field, or a frame too short for one, give 0.
+
+    A few byte tests, unrolled for ids of one to four bytes (below 2^28): the Elixir
+    runtime's ids count up from 1, one per request in its VM.
+    """
+    try:
+        if frame[0] != 0x08:
+            return 0
+        if frame[1] < 0x80:
+            return 2
+        if frame[2] < 0x80:
+            return 3
+        if frame[3] < 0x80:
+            return 4
+        if frame[4] < 0x80:
+            return 5
+        for end in range(6, 11):
+            if frame[end - 1] < 0x80:
+                return end
+    except IndexError:  # the frame ends inside the varint
+        pass
+    return 0
+
+
+def peek_request_id(data: bytes | bytearray | memoryview) -> int:
     """The id of a Request that failed to decode, if its first field is readable, else 0."""
     buf = memoryview(data).cast("B")
     try:
@@ -499,19 +533,24 @@ def peek_request_id(data: bytes | memoryview) -> int:
     return 0
 
 
-def op_name(op: Operation | None) -> str:
-    """The field name of an operation in bridge.proto, for messages and logs."""
-    names = {
-        CreateInstance: "create",
-        CallMethod: "call",
-        CallFunction: "call_function",
-        GetAttribute: "get_attr",
-        ReleaseHandles: "release",
-        ReleaseSession: "release_session",
-        Describe: "describe",
-        Ping: "ping",
-    }
-    return names.get(type(op), "none")
+_OP_NAMES: dict[type[Operation], str] = {
+    CreateInstance: "create",
+    CallMethod: "call",
+    CallFunction: "call_function",
+    GetAttribute: "get_attr",
+    ReleaseHandles: "release",
+    ReleaseSession: "release_session",
+    Describe: "describe",
+    Ping: "ping",
+}
+
+
+def op_name(op: Operation | type[Operation] | None) -> str:
+    """The field name of an operation (or of its class) in bridge.proto, for messages
+    and logs; ``"none"`` for None."""
+    if op is None:
+        return "none"
+    return _OP_NAMES.get(op if isinstance(op, type) else type(op), "none")
 
 
 __all__ = [
@@ -534,6 +573,7 @@ __all__ = [
     "encode_reply",
     "encode_reply_chunks",
     "encode_request",
+    "id_field_end",
     "op_name",
     "peek_request_id",
     "value_reply_chunks",

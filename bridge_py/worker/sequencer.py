@@ -25,23 +25,24 @@ _R = TypeVar("_R")
 class Sequencer:
     """Hands out turns in order and lets them run one at a time, in that order."""
 
-    __slots__ = ("_cond", "_numbers", "_serving", "_sleepers")
+    __slots__ = ("_cond", "_numbers", "_serving", "_sleepers", "take")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._numbers = itertools.count()  # the numbers turns get, in order
         self._serving = 0  # the number whose turn it is; only its holder moves it on
         self._sleepers = 0  # turns waiting on the condition (changed under its lock)
+        # The next turn's number, for :meth:`run_turn`: a turn without a Turn object
+        # (on the hot path of call plans), one C call. It must be run exactly once.
+        self.take: Callable[[], int] = self._numbers.__next__
 
     def turn(self) -> Turn:
         """The next turn. It must be entered and left exactly once (``with turn:``)."""
         return Turn(self, next(self._numbers))
 
-    def run(self, fn: Callable[..., _R], /, *args: Any) -> _R:
-        """Take the next turn, wait for it, and run ``fn(*args)`` in it: what
-        ``with sequencer.turn(): fn(*args)`` does, for a caller that runs a call as
-        soon as it reads it (without the Turn object, on the hot path of call plans)."""
-        number = next(self._numbers)
+    def run_turn(self, number: int, fn: Callable[..., _R], /, *args: Any) -> _R:
+        """Wait for the turn ``number`` (from :attr:`take`) and run ``fn(*args)`` in it:
+        what ``with turn: fn(*args)`` does for a :class:`Turn`."""
         if self._serving != number:
             self._wait_for(number)
         try:

@@ -1,10 +1,18 @@
 """Coverage-guided fuzzing of what the worker does with a request frame (atheris).
 
-Each input is one frame's payload, handed to the port transport exactly as its reader
-would hand it over (``PortTransport.job`` then ``answer``), with a dispatcher serving a
-small export table of harmless calls. Properties, for every input:
+Each input is one frame's payload, handed to the dispatcher exactly as both transports
+hand one over (``Dispatcher.admit`` then ``run``), with a dispatcher serving a small
+export table of harmless calls. The input's length picks the transport's gate: none (a
+port with a standby thread), one that refuses every request (a port with none left
+refuses calls that may block that way), or one that raises (as gRPC's does for a wrong
+op or session), after which the frame is admitted again without a gate and run.
+Properties, for every input:
 
 * the frame gets exactly one reply, which decodes, and whose id is the request's;
+* a request the gate refuses is answered with the gate's error and not run;
+* a gate that raises leaves nothing taken: admitting the same frame again and running
+  it answers (a turn taken and never used would block it, and libFuzzer's -timeout
+  would report the input);
 * the value codec, given the same bytes, returns a value or raises ``CodecError`` (or
   ``HandleNotFound`` for a ref it does not hold), never anything else; a value it returns
   encodes and decodes back to itself.
@@ -17,7 +25,6 @@ Run it as a script with libFuzzer's flags, for example
 
 from __future__ import annotations
 
-import io
 import math
 import sys
 import threading
@@ -35,7 +42,6 @@ with atheris.instrument_imports(include=["bridge_py"]):
     from bridge_py.worker.dispatcher import Dispatcher
     from bridge_py.worker.exports import ExportedClass, ExportedFunction, ExportTable
     from bridge_py.worker.registry import HandleNotFound, SessionResolver
-    from bridge_py.worker.transports.port import PortTransport
 
 
 class Counter:
@@ -90,7 +96,23 @@ def table() -> ExportTable:
 
 
 DISPATCHER = Dispatcher(table())
-TRANSPORT = PortTransport(DISPATCHER, io.BytesIO(), -1)
+REFUSAL = pb.Error(category="busy", message="refused by the gate")
+
+
+def refuse(op: type[pb.Operation] | None, session: str) -> pb.Error:
+    """A gate that refuses every request it is shown."""
+    return REFUSAL
+
+
+class GateRaised(Exception):
+    """What the raising gate raises."""
+
+
+def raise_(op: type[pb.Operation] | None, session: str) -> None:
+    """A gate that raises, as gRPC's ``context.abort`` does."""
+    raise GateRaised
+
+
 CODEC = Codec(SessionResolver(DISPATCHER.registry, "default", DISPATCHER.exports.class_name))
 
 
@@ -118,18 +140,31 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def check_frame(data: bytes) -> None:
     """The properties of one input (see the module docstring)."""
-    reply_bytes = TRANSPORT.answer(TRANSPORT.job(data))
-    if isinstance(reply_bytes, list):
-        reply_bytes = b"".join(bytes(piece) for piece in reply_bytes)
-    reply = pb.decode_reply(reply_bytes)
     try:
-        request_id = pb.decode_request(data).id
+        request_id: int | None = pb.decode_request(data).id
     except pb.EnvelopeError:
-        request_id = pb.peek_request_id(data)
+        request_id = None
+    mode = len(data) % 3
+    if mode == 1:
+        job = DISPATCHER.admit(data, refuse)
+    elif mode == 2:
+        try:
+            job = DISPATCHER.admit(data, raise_)
+        except GateRaised:
+            pass
+        else:
+            if request_id is not None:
+                raise AssertionError("a Request passed a gate that raises")
+        job = DISPATCHER.admit(data)
+    else:
+        job = DISPATCHER.admit(data)
+    reply = pb.decode_reply(b"".join(bytes(piece) for piece in DISPATCHER.run(job)))
     if reply.id not in (request_id, pb.peek_request_id(data)):
         raise AssertionError(f"reply id {reply.id} for request id {request_id}")
     if (reply.error is None) == (reply.value is None):
         raise AssertionError("a reply must hold a value or an error")
+    if mode == 1 and request_id is not None and reply.error != REFUSAL:
+        raise AssertionError(f"a refused request was answered {reply!r}")
 
     for codec in (PLAIN, CODEC):
         try:

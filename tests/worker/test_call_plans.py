@@ -1,9 +1,9 @@
 """Call plans: a repeated call without arguments skips decoding, and answers as before.
 
-The dispatcher is driven the way the port transport drives it (``plans.find`` on the
-frame, then ``run_planned``, which takes the call's turn from the plan's sequencer), and
-once through the real ``PortTransport``. Every planned reply is compared with what the
-full path answers.
+The dispatcher is driven the way both transports drive it (``admit`` on the frame, then
+``run``; a planned call takes its turn from the plan's sequencer as it runs), and once
+through the real ``PortTransport``. Every planned reply is compared with what the full
+path answers.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ import weakref
 import pytest
 
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.call_plans import CallPlan, CallPlans
+from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
 from bridge_py.worker.codec import PLAIN
-from bridge_py.worker.dispatcher import Dispatcher
-from bridge_py.worker.transports.port import FrameReader, PortTransport
+from bridge_py.worker.dispatcher import Dispatcher, Job
+from bridge_py.worker.transports.frames import FrameReader
+from bridge_py.worker.transports.port import PortTransport
 from tests.worker.sample_exports import table
+
+pytestmark = pytest.mark.timeout(60)
 
 
 def _frame(request_id: int, handle: int, method: str, args: bytes = b"") -> bytes:
@@ -37,30 +40,40 @@ def _counter(d: Dispatcher, step: object = 1) -> int:
     return handle
 
 
+def _is_planned(job: Job) -> bool:
+    return type(job[0]) is CallPlan
+
+
+def _reply(d: Dispatcher, job: Job) -> pb.Reply:
+    return pb.decode_reply(b"".join(d.run(job)))
+
+
 def _full(d: Dispatcher, frame: bytes) -> pb.Reply:
-    return d.dispatch_frame(frame, pb.decode_request(frame))
+    job = d.admit(frame)
+    assert not _is_planned(job), "this call has a plan already"
+    return _reply(d, job)
 
 
 def _planned(d: Dispatcher, frame: bytes) -> pb.Reply:
-    found = d.plans.find(frame)
-    assert found is not None, "no plan for this call"
-    id_end, plan = found
-    return pb.decode_reply(b"".join(d.run_planned(frame, id_end, plan)))
+    job = d.admit(frame)
+    assert _is_planned(job), "no plan for this call"
+    return _reply(d, job)
 
 
 def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
     d = Dispatcher(table())
     handle = _counter(d)
-    assert d.plans.find(_frame(2, handle, "incr")) is None
     assert PLAIN.decode(_full(d, _frame(2, handle, "incr")).value) == 1
     for i in range(3, 6):
         reply = _planned(d, _frame(i, handle, "incr"))
         assert (reply.id, PLAIN.decode(reply.value)) == (i, i - 1)
     # Large ids (multi-byte varints) find the same plan, up to 63 bits; beyond, the full way.
-    assert _planned(d, _frame(2**40 + 7, handle, "incr")).id == 2**40 + 7
-    assert _planned(d, _frame(2**63 - 1, handle, "incr")).id == 2**63 - 1
-    assert d.plans.find(_frame(2**63, handle, "incr")) is None
+    for big in (300, 2**14 + 1, 2**21 + 1, 2**40 + 7, 2**63 - 1):
+        assert _planned(d, _frame(big, handle, "incr")).id == big
     assert _full(d, _frame(2**63, handle, "incr")).id == 2**63
+    # Another session's bytes are another call: no plan for them.
+    other = pb.encode_request(pb.Request(9, "s2", pb.CallMethod(handle, "incr")))
+    assert _full(d, other).error.category == "not_found"
 
 
 def test_calls_with_arguments_failures_and_odd_layouts_get_no_plan() -> None:
@@ -75,6 +88,9 @@ def test_calls_with_arguments_failures_and_odd_layouts_get_no_plan() -> None:
     odd = _frame(5, handle, "incr") + b"\x08\x09"
     assert _full(d, odd).id == 9
     assert len(d.plans) == 0
+    for _ in range(2):  # none of them made one (each is admitted, and run: it holds a turn)
+        assert _full(d, _frame(6, handle, "incr", PLAIN.encode([2]))).error is None
+        assert _full(d, odd).error is None
 
 
 def test_a_planned_call_that_raises_answers_as_the_full_path() -> None:
@@ -98,19 +114,18 @@ def test_a_release_makes_plans_stale(release: str) -> None:
     d = Dispatcher(table())
     handle = _counter(d)
     _full(d, _frame(2, handle, "incr"))
-    found = d.plans.find(_frame(4, handle, "incr"))
-    assert found is not None
-    plan = found[1]
+    # Admitted with its plan, run only after the release: the plan is not used.
+    admitted = d.admit(_frame(4, handle, "incr"))
+    assert _is_planned(admitted)
     if release == "handle":
         d.dispatch(pb.Request(3, "", pb.ReleaseHandles([handle])))
     else:
         d.dispatch(pb.Request(3, "", pb.ReleaseSession()))
     assert len(d.plans) == 0  # dropped: a plan would keep the released object alive
-    # A plan found before a release and run after it is not used either.
-    d.plans.learn(_frame(4, handle, "incr"), plan)
-    reply = _planned(d, _frame(4, handle, "incr"))
-    assert reply.error is not None and reply.error.category == "not_found"
+    reply = _reply(d, admitted)
+    assert (reply.id, reply.error.category) == (4, "not_found")
     assert str(handle) in reply.error.message
+    assert not _is_planned(d.admit(_frame(5, handle, "incr")))
 
 
 def test_a_released_object_is_not_kept_alive_by_its_plan() -> None:
@@ -124,26 +139,23 @@ def test_a_released_object_is_not_kept_alive_by_its_plan() -> None:
 
 
 def test_a_planned_call_waits_for_its_turn() -> None:
-    # wait_gate (blocking) is read first, incr (planned) second: incr runs after it.
+    # wait_gate (blocking) is admitted first, incr (planned) second: incr runs after it,
+    # whichever thread gets to run first.
     d = Dispatcher(table())
     handle = _counter(d)
     _full(d, _frame(2, handle, "incr"))
-    blocking = pb.decode_request(_frame(3, handle, "wait_gate", PLAIN.encode([5.0])))
-    first = d.reserve(blocking)
-    found = d.plans.find(_frame(4, handle, "incr"))
-    assert found is not None
+    blocking = d.admit(_frame(3, handle, "wait_gate", PLAIN.encode([5.0])))
+    planned = d.admit(_frame(4, handle, "incr"))
+    assert _is_planned(planned)
     results: dict[str, pb.Reply] = {}
     threads = [
-        threading.Thread(target=lambda: results.update(gate=d.dispatch(blocking, first))),
-        threading.Thread(
-            target=lambda: results.update(
-                incr=pb.decode_reply(b"".join(d.run_planned(_frame(4, handle, "incr"), *found)))
-            )
-        ),
+        threading.Thread(target=lambda: results.update(incr=_reply(d, planned))),
+        threading.Thread(target=lambda: results.update(gate=_reply(d, blocking))),
     ]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+        time.sleep(0.1)
+    time.sleep(0.2)
     assert results == {}  # incr waits behind the blocked call
     d.registry.get(handle, "default")._gate.set()
     for t in threads:
@@ -152,13 +164,29 @@ def test_a_planned_call_waits_for_its_turn() -> None:
     assert PLAIN.decode(results["incr"].value) == 2
 
 
+def test_frames_longer_than_any_call_without_arguments_are_not_planned() -> None:
+    # Their bytes are neither learned nor looked up (copying and hashing a long frame
+    # would cost more than a plan saves); they are answered the full way.
+    d = Dispatcher(table())
+    session = "s" * MAX_PLANNED_BYTES
+    created = d.dispatch(pb.Request(1, session, pb.CreateInstance("Counter")))
+    handle = PLAIN.decode(created.value).handle
+    frame = pb.encode_request(pb.Request(2, session, pb.CallMethod(handle, "incr")))
+    assert len(frame) > MAX_PLANNED_BYTES
+    for i in range(1, 4):
+        assert PLAIN.decode(_full(d, frame).value) == i
+    assert len(d.plans) == 0
+
+
 def test_plans_are_bounded() -> None:
     plans = CallPlans(limit=2)
     plan = CallPlan(object(), "incr", None, None, 0)  # type: ignore[arg-type]
     for handle in range(1, 6):
         plans.learn(_frame(1, handle, "incr"), plan)
         assert len(plans) <= 2
-    assert plans.find(_frame(9, 5, "incr")) == (2, plan)  # its id field: 08 09
+    frame = _frame(9, 5, "incr")
+    assert plans.get(frame[pb.id_field_end(frame) :]) is plan  # its id field: 08 09
+    assert pb.id_field_end(frame) == 2
 
 
 def test_the_port_transport_decodes_a_repeated_call_once(monkeypatch) -> None:

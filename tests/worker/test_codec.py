@@ -65,6 +65,28 @@ def test_unknown_extension_and_garbage_are_codec_errors() -> None:
         PLAIN.decode(b"\x92\x01")
 
 
+def _timestamp_forms() -> list[bytes]:
+    """msgpack's timestamp extension (-1) in every header msgpack-python reads as one."""
+    forms = [b"\xd6\xff" + bytes(4), b"\xd7\xff" + bytes(8)]
+    for size in (4, 8, 12):
+        body = bytes([0xFF]) + bytes(size)
+        forms += [
+            bytes([0xC7, size]) + body,  # ext8
+            bytes([0xC8, 0, size]) + body,  # ext16
+            bytes([0xC9, 0, 0, 0, size]) + body,  # ext32
+        ]
+    return forms
+
+
+@pytest.mark.parametrize("form", _timestamp_forms(), ids=lambda form: form[:6].hex())
+def test_timestamps_are_refused_in_every_header(form: bytes) -> None:
+    # Found by the frame fuzzer: an ext8 timestamp (c7 08 ff) decoded to a
+    # msgpack.Timestamp, which encodes back as a fixext8 that is refused.
+    for data in (form, b"\x92\x01" + form, b"\x81\xa1k" + form):
+        with pytest.raises(CodecError, match="timestamp"):
+            PLAIN.decode(data)
+
+
 @pytest.mark.parametrize(
     "payload",
     [b"f", b"z\x20\x01" + b"\x00" * 8, b"f\x20\x01" + (2).to_bytes(8, "big") + b"\x00"],

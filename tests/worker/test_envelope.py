@@ -102,6 +102,47 @@ def test_peek_request_id() -> None:
     assert pb.peek_request_id(b"") == 0
 
 
+@pytest.mark.parametrize(
+    "request_id", [1, 7, 127, 128, 300, 2**14 - 1, 2**14, 2**21, 2**35 + 5, 2**56, 2**63 - 1]
+)
+def test_id_field_end_finds_the_id_field_every_encoder_writes(request_id: int) -> None:
+    for session in ("", "grpc-" + "ab" * 32):
+        frame = pb.encode_request(pb.Request(request_id, session, pb.CallMethod(3, "incr")))
+        end = pb.id_field_end(frame)
+        assert pb.decode_reply(frame[:end]).id == request_id  # also its reply's id field
+        assert frame[end:] == pb.encode_request(pb.Request(0, session, pb.CallMethod(3, "incr")))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\x08",  # the varint missing
+        b"\x08\x80",  # the varint cut short
+        b"\x08" + b"\x80" * 3,
+        b"\x08" + b"\xff" * 9 + b"\x01",  # 64 bits and more: the full way says what it is
+        b"\x08" + b"\xff" * 12,
+        b"\x12\x01a\x08\x01",  # the id not first
+        pb.encode_request(pb.Request(2**63, "", pb.CallMethod(3, "incr"))),
+        pb.encode_request(pb.Request(0, "s", pb.Ping())),
+    ],
+)
+def test_id_field_end_is_0_without_an_id_field_up_front(frame: bytes) -> None:
+    assert pb.id_field_end(frame) == 0
+
+
+def test_id_field_end_agrees_with_the_decoder_on_mutated_frames() -> None:
+    rng = random.Random(5)
+    for request_id in (9, 1000, 2**30):
+        frame = pb.encode_request(pb.Request(request_id, "s", pb.CallMethod(3, "incr")))
+        for data in _mutations(frame, rng):
+            end = pb.id_field_end(data)
+            if end:  # a field 1 varint up front, of at most 9 bytes, ending at end
+                assert data[0] == 0x08 and all(b & 0x80 for b in data[1 : end - 1])
+                assert not data[end - 1] & 0x80 and end <= 10
+                assert pb.peek_request_id(data) == pb.peek_request_id(data[:end])
+
+
 def _mutations(data: bytes, rng: random.Random) -> list[bytes]:
     """``data`` truncated, extended, and with bytes flipped: valid and invalid neighbours."""
     out = [data[:cut] for cut in range(len(data))] + [data + b"\x00", data + b"\x08\x01"]

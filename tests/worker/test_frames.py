@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bridge_py.worker.transports.frames import FrameReader, FrameTooLarge, FrameWriter
 from bridge_py.worker.transports.polling_input import PollingInput
-from bridge_py.worker.transports.port import FrameReader, FrameTooLarge, FrameWriter
 
 
 def _frames(rng: random.Random) -> list[bytes]:

@@ -1,18 +1,22 @@
 """The gRPC transport: ``BridgeService`` from proto/bridge.proto, over grpcio.
 
 The same dispatcher, registry and export table as the port transport serve every
-call; this module only maps RPCs to requests, after three checks of its own:
+call, the same way: each RPC hands the request's bytes as they came to
+``Dispatcher.admit`` and answers what ``Dispatcher.run`` returns, so calls get the
+same call plans and the same order on one object as over the port. This module only
+maps RPCs to requests, with three checks of its own:
 
 * **credential**: on TCP every call must carry ``authorization: Bearer <token>``
   (compared in constant time); a call without it is refused from its metadata
   alone, before its body is read. On a Unix socket (``unix:PATH``, created 0600)
   the socket is the credential (``grpc_credentials.py``);
-* **session**: a request must name a session this server issued to that credential
-  (``OpenSession``, ``grpc_sessions.py``), so no client reaches another's handles;
+* **session and op**: a request must carry the op of its RPC and name a session this
+  server issued to that credential (``OpenSession``, ``grpc_sessions.py``), so no
+  client reaches another's handles. This is the gate the handler gives ``admit``: it
+  sees what the dispatcher made of the bytes, before the call takes any turn;
 * **limits**: message sizes both ways, concurrent RPCs, metadata size.
 
-Generic method handlers with the envelope codec as (de)serializer mean no
-generated stubs are needed.
+Generic method handlers that take and return bytes mean no generated stubs are needed.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import PLAIN
-from bridge_py.worker.dispatcher import Dispatcher
+from bridge_py.worker.dispatcher import Dispatcher, protocol_error
 from bridge_py.worker.transports.grpc_credentials import (
     TOKEN_ENV,
     CredentialError,
@@ -63,7 +67,7 @@ MAX_METADATA_BYTES = 16 * 1024
 OPEN_SESSION = "OpenSession"
 
 # RPC name -> the operation its Request must carry.
-METHODS: dict[str, type] = {
+METHODS: dict[str, type[pb.Operation]] = {
     "Create": pb.CreateInstance,
     "Call": pb.CallMethod,
     "CallFunction": pb.CallFunction,
@@ -83,20 +87,12 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _decode(data: bytes) -> pb.Request:
-    try:
-        return pb.decode_request(data)
-    except pb.EnvelopeError as exc:
-        # Raised inside grpc's deserializer: the client sees INTERNAL with this text.
-        raise ValueError(f"malformed request: {exc}") from None
-
-
 def _shown(session: str) -> str:
     """A client-chosen session string, cut short for an error message."""
     return repr(session if len(session) <= 80 else session[:77] + "...")
 
 
-def _refuse_session(context: grpc.ServicerContext, session: str) -> None:
+def _refuse_session(context: grpc.ServicerContext, session: str) -> NoReturn:
     if not session:
         context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
@@ -110,39 +106,62 @@ def _refuse_session(context: grpc.ServicerContext, session: str) -> None:
     )
 
 
-def _wrong_op(context: grpc.ServicerContext, name: str, op_type: type, op: Any) -> None:
+def _wrong_op(
+    context: grpc.ServicerContext,
+    name: str,
+    op_type: type[pb.Operation],
+    got: pb.Operation | type[pb.Operation] | None,
+) -> NoReturn:
     context.abort(
         grpc.StatusCode.INVALID_ARGUMENT,
-        f"{SERVICE}/{name} needs a Request with op {pb.op_name(op_type())}, got {pb.op_name(op)}",
+        f"{SERVICE}/{name} needs a Request with op {pb.op_name(op_type)}, got {pb.op_name(got)}",
     )
 
 
 def _handler(
-    dispatcher: Dispatcher, sessions: SessionTable, credential: str, name: str, op_type: type
-) -> Callable[[pb.Request, grpc.ServicerContext], pb.Reply]:
-    """The behaviour of one RPC: check the op and the session, then dispatch."""
+    dispatcher: Dispatcher,
+    sessions: SessionTable,
+    credential: str,
+    name: str,
+    op_type: type[pb.Operation],
+) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    """The behaviour of one RPC: admit the request's bytes, with the op and the session
+    checked before it is admitted, run it, answer its reply's bytes."""
     releases_session = op_type is pb.ReleaseSession
 
-    def handle(request: pb.Request, context: grpc.ServicerContext) -> pb.Reply:
-        if not isinstance(request.op, op_type):
-            _wrong_op(context, name, op_type, request.op)
-        if not sessions.allows(request.session, credential):
-            _refuse_session(context, request.session)
-        reply = dispatcher.dispatch(request)
-        if releases_session:
+    def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+        admitted: list[str] = []  # the session of a request the gate let in
+
+        def check(op: type[pb.Operation] | None, session: str) -> None:
+            if op is not op_type:
+                _wrong_op(context, name, op_type, op)
+            if not sessions.allows(session, credential):
+                _refuse_session(context, session)
+            admitted.append(session)
+
+        # Bytes that are not a Request pass no gate: they are answered as over the port,
+        # with a protocol error reply.
+        reply = dispatcher.run(dispatcher.admit(request, check))
+        if releases_session and admitted:
             # Over gRPC releasing a session ends it: its id is no longer accepted.
-            sessions.close(request.session, credential)
-        return reply
+            sessions.close(admitted[0], credential)
+        return b"".join(reply)
 
     return handle
 
 
 def _open_session_handler(
     sessions: SessionTable, credential: str
-) -> Callable[[pb.Request, grpc.ServicerContext], pb.Reply]:
-    """``OpenSession``: issue a session to the caller's credential; the value is its id."""
+) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    """``OpenSession``: issue a session to the caller's credential; the value is its id.
+    Nothing is dispatched: the request is only decoded, to check it."""
 
-    def handle(request: pb.Request, context: grpc.ServicerContext) -> pb.Reply:
+    def handle(data: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            request = pb.decode_request(data)
+        except pb.EnvelopeError as exc:
+            message = f"malformed request: {exc}"
+            return pb.encode_reply(protocol_error(pb.peek_request_id(data), message))
         if not isinstance(request.op, pb.Ping):
             _wrong_op(context, OPEN_SESSION, pb.Ping, request.op)
         if request.session:
@@ -155,7 +174,7 @@ def _open_session_handler(
             session = sessions.open(credential)
         except TooManySessions as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        return pb.Reply(id=request.id, value=PLAIN.encode(session))
+        return pb.encode_reply(pb.Reply(id=request.id, value=PLAIN.encode(session)))
 
     return handle
 
@@ -252,18 +271,16 @@ def serve_grpc(
         )
     sessions = SessionTable() if max_sessions is None else SessionTable(max_sessions)
     credential = _credential_of(token, socket_path)
-    handlers = {
+    # No (de)serializers: the handlers take the request's bytes as they came and return
+    # the reply's bytes.
+    handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
-            _handler(dispatcher, sessions, credential, name, op_type),
-            request_deserializer=_decode,
-            response_serializer=pb.encode_reply,
+            _handler(dispatcher, sessions, credential, name, op_type)
         )
         for name, op_type in METHODS.items()
     }
     handlers[OPEN_SESSION] = grpc.unary_unary_rpc_method_handler(
-        _open_session_handler(sessions, credential),
-        request_deserializer=_decode,
-        response_serializer=pb.encode_reply,
+        _open_session_handler(sessions, credential)
     )
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_concurrent_rpcs, thread_name_prefix="bridge-grpc"),

@@ -34,7 +34,7 @@ DEFAULT_SPIN = 200e-6  # seconds; covers the BEAM's turnaround between sequentia
 class PollingInput:
     """Reads from a pipe's file descriptor, spinning up to ``spin`` seconds for data.
 
-    Offers the reads :class:`~bridge_py.worker.transports.port.FrameReader` uses,
+    Offers the reads :class:`~bridge_py.worker.transports.frames.FrameReader` uses,
     ``read1`` and ``readinto``, with a buffered file's semantics: they wait for at least
     one byte and return ``b""``/0 only at end of input. A pipe or socket is made
     non-blocking; anything else (a terminal, a file) is read blocking, with no spin. The

@@ -1,0 +1,244 @@
+"""The eight operations of a Request, run against an export table and a handle registry.
+
+This is what a request *does*, once it is decoded and its turn has come: resolve the
+handle (``registry``), check the export table (``exports``) and the arguments
+(``arguments``), run the call, encode the result (``codec``). Every failure becomes an
+``Error`` reply with a category (docs/protocol.md); none stops the worker. When and in
+which order requests get here, and which of them skip decoding, is the dispatcher's
+business (``dispatcher.py``).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bridge_py.worker import envelope as pb
+from bridge_py.worker.arguments import BadArguments, accepts_no_arguments, prepare_call
+from bridge_py.worker.codec import Codec, CodecError, RefValue
+from bridge_py.worker.exports import ExportTable, NotExported
+from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
+
+DEFAULT_SESSION = "default"
+_MAX_CACHED_CODECS = 1024
+
+
+class Failure(Exception):
+    """Carries an error reply's category and message up from wherever it was detected."""
+
+    def __init__(self, category: str, message: str, exc: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.category = category
+        self.python_type = type(exc).__name__ if exc is not None else ""
+        self.tb = (
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            if exc is not None and category == "python"
+            else ""
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Method:
+    """What is needed to call one exported method, worked out once per class."""
+
+    name: str  # "Class.method", for error messages
+    bare: bool  # may be called with no arguments, so a call without any needs no checks
+
+
+class Operations:
+    """Runs decoded requests; one codec per session and what each exported method needs,
+    worked out once. ``on_release`` is called after every release (handles or a session),
+    so that whatever holds objects on the side (call plans) lets them go."""
+
+    def __init__(
+        self,
+        exports: ExportTable,
+        registry: HandleRegistry,
+        on_release: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.exports = exports
+        self.registry = registry
+        self._on_release = on_release
+        # One codec per session (it holds no per-call state): built once, not per call.
+        self._codecs: dict[str, Codec] = {}
+        # (class, method name) -> _Method, for exported methods met so far.
+        self._methods: dict[tuple[type, str], _Method] = {}
+        self._ops: dict[type, Callable[[Any, str, Codec], Any]] = {
+            pb.CallMethod: self._call_method,
+            pb.CreateInstance: self._create,
+            pb.CallFunction: self._call_function,
+            pb.GetAttribute: self._get_attribute,
+            pb.ReleaseHandles: self._release,
+            pb.ReleaseSession: self._release_session,
+            pb.Describe: self._describe,
+            pb.Ping: self._ping,
+        }
+
+    def codec(self, session: str) -> Codec:
+        """The value codec of ``session`` (refs resolve to, and register under, it)."""
+        codec = self._codecs.get(session)
+        if codec is None:
+            if len(self._codecs) >= _MAX_CACHED_CODECS:
+                self._codecs.clear()  # sessions come and go: keep the cache bounded
+            codec = Codec(SessionResolver(self.registry, session, self.exports.class_name))
+            self._codecs[session] = codec
+        return codec
+
+    def is_bare(self, obj: Any, method: str) -> bool:
+        """Whether ``obj.method`` is an exported method met before that takes no
+        arguments, so that calling it without any skips no check."""
+        target = self._methods.get((type(obj), method))
+        return target is not None and target.bare
+
+    def reply(self, req: pb.Request) -> pb.Reply:
+        """Run ``req`` now (its turn, if it takes one, is the caller's to hold); failures
+        are error replies. Raises only on a bug of ours."""
+        op = req.op
+        session = req.session or DEFAULT_SESSION
+        try:
+            run = self._ops.get(type(op))
+            if run is None:
+                raise Failure("protocol", "request has no operation")
+            codec = self.codec(session)
+            return _value_reply(req.id, codec, run(op, session, codec))
+        except Failure as failure:
+            return error_reply(req.id, failure)
+        except HandleNotFound as exc:
+            return error_reply(req.id, Failure("not_found", str(exc)))
+        except NotExported as exc:
+            return error_reply(req.id, Failure("not_exported", str(exc)))
+
+    # -- operations -----------------------------------------------------------------
+
+    def _call_method(self, op: pb.CallMethod, session: str, codec: Codec) -> Any:
+        obj = self.registry.get(op.handle, session)
+        target = self._methods.get((type(obj), op.method)) or self._method(obj, op.method)
+        method = getattr(obj, op.method)
+        if op.args or op.kwargs or not target.bare:
+            args, kwargs = self._arguments(codec, op.args, op.kwargs)
+            return _call(method, target.name, args, kwargs)
+        try:
+            return method()
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
+            raise python_failure(exc) from exc
+
+    def _method(self, obj: Any, name: str) -> _Method:
+        """Look up an exported method (raises NotExported) and remember what it needs."""
+        method = self.exports.method(obj, name)
+        target = _Method(
+            name=f"{self.exports.class_name(type(obj))}.{name}",
+            bare=accepts_no_arguments(method),
+        )
+        self._methods[(type(obj), name)] = target
+        return target
+
+    def _create(self, op: pb.CreateInstance, session: str, codec: Codec) -> RefValue:
+        cls = self.exports.constructor(op.class_name)
+        args, kwargs = self._arguments(codec, op.args, op.kwargs)
+        obj = _call(cls, op.class_name, args, kwargs)
+        class_name = self.exports.class_name(type(obj))
+        return RefValue(self.registry.register(obj, session, class_name), class_name)
+
+    def _call_function(self, op: pb.CallFunction, session: str, codec: Codec) -> Any:
+        fn = self.exports.function(op.function)
+        args, kwargs = self._arguments(codec, op.args, op.kwargs)
+        return _call(fn, op.function, args, kwargs)
+
+    def _get_attribute(self, op: pb.GetAttribute, session: str, codec: Codec) -> Any:
+        return self.exports.attribute(self.registry.get(op.handle, session), op.name)
+
+    def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
+        freed = self.registry.release(list(op.handles), session)
+        self._on_release()
+        return freed
+
+    def _release_session(self, op: pb.ReleaseSession, session: str, codec: Codec) -> int:
+        self._codecs.pop(session, None)
+        freed = self.registry.release_session(session)
+        self._on_release()
+        return freed
+
+    def _describe(self, op: pb.Describe, session: str, codec: Codec) -> dict[str, Any]:
+        return self.exports.describe()
+
+    def _ping(self, op: pb.Ping, session: str, codec: Codec) -> Any:
+        return _decode(codec, op.payload, "ping payload") if op.payload else None
+
+    # -- arguments ------------------------------------------------------------------
+
+    def _arguments(
+        self, codec: Codec, args: bytes, kwargs: bytes
+    ) -> tuple[list[Any], dict[str, Any]]:
+        pos = _decode(codec, args, "args") if args else []
+        kw = _decode(codec, kwargs, "kwargs") if kwargs else {}
+        if type(pos) is not list:
+            raise Failure("bad_args", f"args must be a msgpack array, got {type(pos).__name__}")
+        if type(kw) is not dict or not all(isinstance(k, str) for k in kw):
+            raise Failure("bad_args", "kwargs must be a msgpack map with string keys")
+        return pos, kw
+
+
+def _decode(codec: Codec, data: bytes, what: str) -> Any:
+    try:
+        return codec.decode(data)
+    except HandleNotFound as exc:
+        raise Failure("not_found", str(exc)) from None
+    except CodecError as exc:
+        raise Failure("bad_args", f"cannot decode {what}: {exc}") from None
+    except Exception as exc:  # the codec turns every error into CodecError: a bug
+        why = f"{type(exc).__name__}: {exc}"
+        raise Failure("bad_args", f"cannot decode {what}: {why}") from None
+
+
+def _call(fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    try:
+        args, kwargs = prepare_call(fn, name, args, kwargs)
+    except BadArguments as exc:
+        raise Failure("bad_args", str(exc)) from None
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:  # SystemExit too: a call never ends the worker
+        raise python_failure(exc) from exc
+
+
+def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:
+    try:
+        data = codec.encode_pieces(value)
+    except Exception as exc:  # CodecError, or what a result's own methods raised
+        raise encode_failure(exc) from None
+    return pb.Reply(request_id, data)
+
+
+def python_failure(exc: BaseException) -> Failure:
+    """What an exported call that raised ``exc`` answers: a ``python`` error."""
+    return Failure("python", f"{type(exc).__name__}: {exc}", exc)
+
+
+def encode_failure(exc: BaseException) -> Failure:
+    """What a result that cannot be encoded answers: an ``encode`` error."""
+    return Failure("encode", f"the result cannot cross the bridge: {exc}")
+
+
+def internal_failure(exc: BaseException) -> Failure:
+    """What a bug of ours answers (a ``python`` error naming it), so the caller still hears."""
+    return Failure("python", f"internal error: {type(exc).__name__}: {exc}", exc)
+
+
+def error_reply(request_id: int, failure: Failure) -> pb.Reply:
+    """The error reply for ``failure``."""
+    return pb.Reply(
+        id=request_id,
+        error=pb.Error(
+            category=failure.category,
+            message=str(failure),
+            python_type=failure.python_type,
+            traceback=failure.tb,
+        ),
+    )
+
+
+def protocol_error(request_id: int, message: str) -> pb.Reply:
+    """The reply to bytes that are not a valid Request."""
+    return pb.Reply(id=request_id, error=pb.Error(category="protocol", message=message))

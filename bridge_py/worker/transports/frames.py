@@ -1,0 +1,173 @@
+"""Frames of the port transport: a 4-byte big-endian length, then that many bytes.
+
+That is what Erlang's ``{:packet, 4}`` writes and reads. :class:`FrameReader` takes
+frames from a byte stream, several from one read when they are there; :class:`FrameWriter`
+writes whole frames from any thread without interleaving them.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Protocol
+
+_HEADER = struct.Struct(">I")
+_READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
+_SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
+_JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
+
+
+class ByteSource(Protocol):
+    """What frames are read from: a buffered binary file, or a
+    :class:`~bridge_py.worker.transports.polling_input.PollingInput`."""
+
+    def read1(self, size: int, /) -> bytes:
+        """Up to ``size`` bytes once any are there; ``b""`` at end of input."""
+        ...
+
+    def read(self, size: int, /) -> bytes:
+        """Up to ``size`` bytes; ``b""`` at end of input."""
+        ...
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        """Fill some of ``buffer``; 0 at end of input."""
+        ...
+
+
+class FrameWriter:
+    """Writes whole frames to a file descriptor; safe to call from any thread."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    def write(self, payload: bytes | memoryview | list[bytes | memoryview]) -> None:
+        """Write one frame (length prefix and payload, whole or in pieces) without
+        interleaving with other threads' frames."""
+        if isinstance(payload, list):
+            if len(payload) != 1 or len(payload[0]) >= _JOIN_BELOW:
+                self._write_pieces(payload)
+                return
+            whole = payload[0]
+        elif len(payload) >= _JOIN_BELOW:
+            self._write_pieces([payload])
+            return
+        else:
+            whole = payload
+        # A small frame (most replies): one buffer, one write. (acquire/release, not
+        # ``with``: this is on every reply's path, and ``with`` costs ~0.3 us more here.)
+        data = len(whole).to_bytes(4, "big") + whole
+        self._lock.acquire()
+        try:
+            written = os.write(self._fd, data)
+            if written < len(data):
+                self._write_all([memoryview(data)[written:]])
+        finally:
+            self._lock.release()
+
+    def _write_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        size = sum(len(p) for p in pieces)
+        chunks = [memoryview(_HEADER.pack(size)), *(memoryview(p) for p in pieces if p)]
+        with self._lock:
+            self._write_all(chunks)
+
+    def _write_all(self, chunks: list[memoryview]) -> None:
+        while chunks:
+            written = os.writev(self._fd, chunks)
+            while chunks and written >= len(chunks[0]):
+                written -= len(chunks[0])
+                chunks.pop(0)
+            if chunks and written:
+                chunks[0] = chunks[0][written:]
+
+
+class FrameReader:
+    """Reads frames from a byte stream, taking several from one read when they are there.
+
+    Small frames are sliced out of what one ``read1`` returned (one system call for
+    all the requests that arrived together); a large frame is read straight into a
+    buffer of its own size, with no copy in between.
+    """
+
+    def __init__(self, stream: ByteSource, max_frame: int) -> None:
+        self._stream = stream
+        self._max_frame = max_frame
+        self._buf = b""  # bytes read and not yet handed out, from self._pos on
+        self._pos = 0
+
+    def read(self) -> bytes | bytearray | None:
+        """The next frame's payload; None at end of input.
+
+        Raises :class:`FrameTooLarge` for a frame over the limit, after skipping it.
+        """
+        buf, pos = self._buf, self._pos
+        if pos == len(buf):
+            # Nothing buffered, the usual case between sequential requests: one read,
+            # and the frame is taken straight from it when it came whole.
+            buf = self._stream.read1(_READ_SIZE)
+            if not buf:
+                return None
+            self._buf, self._pos = buf, 0
+            pos = 0
+        if len(buf) - pos >= 4:
+            size = int.from_bytes(buf[pos : pos + 4], "big")
+            end = pos + 4 + size
+            if end <= len(buf) and size <= self._max_frame:
+                self._pos = end
+                return buf[pos + 4 : end]
+        return self._read_more()
+
+    def _read_more(self) -> bytes | bytearray | None:
+        header = self._take(4)
+        if header is None:
+            return None
+        (size,) = _HEADER.unpack(header)
+        if size > self._max_frame:
+            self._skip(size)
+            raise FrameTooLarge(size, self._max_frame)
+        if size <= _SMALL_FRAME:
+            return self._take(size)
+        # A large frame: what is buffered, then the rest read in place.
+        frame = bytearray(size)
+        view = memoryview(frame)
+        got = min(len(self._buf) - self._pos, size)
+        view[:got] = self._buf[self._pos : self._pos + got]
+        self._pos += got
+        if self._pos == len(self._buf):
+            self._buf, self._pos = b"", 0
+        while got < size:
+            k = self._stream.readinto(view[got:])
+            if not k:
+                return None
+            got += k
+        return frame
+
+    def _take(self, n: int) -> bytes | None:
+        """``n`` bytes, reading as needed; None if the input ends first."""
+        while len(self._buf) - self._pos < n:
+            chunk = self._stream.read1(_READ_SIZE)
+            if not chunk:
+                return None
+            self._buf = self._buf[self._pos :] + chunk
+            self._pos = 0
+        data = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return data
+
+    def _skip(self, n: int) -> None:
+        buffered = min(n, len(self._buf) - self._pos)
+        self._pos += buffered
+        n -= buffered
+        while n > 0:
+            chunk = self._stream.read(min(n, 1 << 20))
+            if not chunk:
+                return
+            n -= len(chunk)
+
+
+class FrameTooLarge(Exception):
+    """A frame longer than the worker accepts (it has been skipped)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
