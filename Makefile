@@ -1,6 +1,7 @@
 # vllm_bridge: every target does its own set-up, so a fresh clone needs only
 #   make test      (or make demo, make bench)
-# make test: lint, codegen check, pytest, ExUnit, and every benchmark once in quick mode.
+# make test: lint (ruff, mypy, mix format), codegen check, pytest (with 100,000 fuzzed frames),
+# ExUnit (the same for its decoders), and every benchmark once in quick mode.
 SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
@@ -36,6 +37,7 @@ test-elixir:
 lint:
 	$(PY) -m ruff check bridge_py tests $(wildcard bench)
 	$(PY) -m ruff format --check bridge_py tests $(wildcard bench)
+	$(PY) -m mypy
 	mix format --check-formatted
 
 # The decoders of both sides fuzzed for longer than make test does (100,000 inputs
