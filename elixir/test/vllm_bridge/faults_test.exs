@@ -590,8 +590,12 @@ defmodule VllmBridge.FaultsTest do
     kill9(os_pid2)
 
     for task <- waiting do
-      assert {{:error, %Error{category: :python, python_type: "RuntimeError"}}, at} =
+      # The peer's exit is noticed (PeerGoneError) or the wait runs out (GroupTimeout):
+      # both are RuntimeErrors in Python, as vLLM's are.
+      assert {{:error, %Error{category: :python, python_type: type}}, at} =
                Task.await(task, 20_000)
+
+      assert type in ["PeerGoneError", "GroupTimeout"]
 
       assert at - started < 5_000 + 3_000, "the receive failed after #{at - started} ms"
     end
