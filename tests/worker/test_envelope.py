@@ -27,7 +27,12 @@ def official(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
 
     out = tmp_path_factory.mktemp("proto")
     status = protoc.main(
-        ["protoc", f"-I{ROOT / 'proto'}", f"--python_out={out}", str(ROOT / "proto/bridge.proto")]
+        [
+            "protoc",
+            f"-I{ROOT / 'bridge_py/proto'}",
+            f"--python_out={out}",
+            str(ROOT / "bridge_py/proto/bridge.proto"),
+        ]
     )
     assert status == 0
     sys.path.insert(0, str(out))
