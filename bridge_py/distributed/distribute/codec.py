@@ -8,27 +8,20 @@ a JSON-compatible ``config_json`` in which each tensor is replaced by ``{"__tens
 to the tensors. Both are saved with ``torch.save`` and read back with
 ``torch.load(weights_only=True)``, so reading executes no pickled code.
 
-A tensor travels as its raw bytes behind a JSON header (dtype and shape).
+A gather moves a value as a :class:`Codec` says: a JSON header and a body of bytes, the same
+for every carrier. A config's body is its state file; a tensor's is its raw bytes, behind a
+header with its dtype and shape.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = [
-    "config_from_bytes",
-    "config_to_bytes",
-    "join_config",
-    "load_state",
-    "save_state",
-    "split_config",
-    "tensor_from_view",
-    "tensor_header_and_body",
-]
+__all__ = ["CONFIGS", "TENSORS", "Codec", "join_config", "load_state", "save_state", "split_config"]
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -113,34 +106,50 @@ def load_state(file: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return state["config"], state["weight"]
 
 
-def config_to_bytes(config: Mapping[str, Any] | None) -> bytes:
-    """``config`` as state-file bytes (empty for ``None``)."""
+class Codec(NamedTuple):
+    """How one kind of value travels through a carrier (a segment or a workspace file).
+
+    ``encode(value)`` gives a JSON-compatible header and a bytes-like body;
+    ``decode(header, view)`` gives a new value that copies what it keeps of ``view``.
+    """
+
+    encode: Callable[[Any], tuple[dict[str, Any], Any]]
+    decode: Callable[[Mapping[str, Any], memoryview], Any]
+
+
+def _config_to_bytes(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], bytes]:
+    # No header: the body is a whole state file, empty for ``None``.
     if config is None:
-        return b""
+        return {}, b""
     buffer = io.BytesIO()
     save_state(*split_config(config), buffer)
-    return buffer.getvalue()
+    return {}, buffer.getvalue()
 
 
-def config_from_bytes(data: bytes) -> Any:
-    """The config saved by :func:`config_to_bytes` (``None`` for empty bytes)."""
-    if not data:
+def _config_from_bytes(header: Mapping[str, Any], view: memoryview) -> Any:
+    if not view.nbytes:
         return None
-    return join_config(*load_state(io.BytesIO(data)))
+    return join_config(*load_state(io.BytesIO(bytes(view))))
 
 
-def tensor_header_and_body(tensor: torch.Tensor) -> tuple[dict[str, Any], Any]:
-    """The JSON header (dtype, shape) and the raw bytes (a buffer) of ``tensor``."""
+def _tensor_to_bytes(tensor: torch.Tensor) -> tuple[dict[str, Any], Any]:
+    # The header says dtype and shape; the body is the raw bytes (a buffer, not a copy).
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     header = {"dtype": str(flat.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
     return header, flat.view(torch.uint8).numpy()
 
 
-def tensor_from_view(header: Mapping[str, Any], view: memoryview) -> torch.Tensor:
-    """A new tensor (not sharing ``view``'s memory) from a header and raw bytes."""
+def _tensor_from_bytes(header: Mapping[str, Any], view: memoryview) -> torch.Tensor:
     dtype = getattr(torch, str(header["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise RuntimeError(f"unknown dtype {header['dtype']!r} in a gathered tensor")
     raw = torch.empty(view.nbytes, dtype=torch.uint8)
     raw.numpy().data[:] = view
     return raw.view(dtype).reshape(header["shape"])
+
+
+#: A config (``None`` or plain data): no header, the body is its state file (empty for None).
+CONFIGS = Codec(_config_to_bytes, _config_from_bytes)
+#: A tensor: its dtype and shape in the header, its raw bytes as the body (read into a new
+#: CPU tensor).
+TENSORS = Codec(_tensor_to_bytes, _tensor_from_bytes)
