@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import torch
 import torch.distributed as dist
 
-from bridge_py.distributed.distribute.codec import load_state, save_state
 from bridge_py.distributed.distribute.shm import NAME_PREFIX
 from bridge_py.distributed.errors import DistributedError
 
@@ -127,7 +127,8 @@ class NFSWorkspace:
             weights: module weights in torch's state_dict format
         """
         self._check()
-        _write_atomically(self.state_path, lambda file: save_state(config_json, weights, file))
+        state = {"config": dict(config_json), "weight": dict(weights)}
+        _write_atomically(self.state_path, lambda file: torch.save(state, file))
 
     def read_configs_and_weights_from_rank(
         self, target_rank: int
@@ -143,10 +144,11 @@ class NFSWorkspace:
         """
         self._check()
         try:
-            with open(self._get_state_path(target_rank), "rb") as file:
-                return load_state(file)
+            path = self._get_state_path(target_rank)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             return None, None
+        return state["config"], state["weight"]
 
     def _check(self) -> None:
         if not self._is_initialized:
@@ -164,14 +166,14 @@ class NFSWorkspace:
 
 
 class NfsChannel:
-    """The state files of one gather call, in their own folder of the workspace ``root``.
+    """The files of one gather call, one per writing rank, in a folder of the workspace ``root``.
 
     The same carrier as :class:`~bridge_py.distributed.distribute.shm.ShmChannel` (publish,
     take, remove), for configs only: a file is the body that :data:`~.codec.CONFIGS` encodes
-    (a state file, empty for a ``None`` config; the header, always empty, is not kept), so the
-    reader tells a missing file (a write that failed, or a workspace that is not shared) from
-    a ``None`` config. The folder is named after the call's token, so two calls sharing a
-    workspace never touch each other's files. Files are replaced atomically.
+    (its header, always empty, is not kept). The folder is named after the call's token, so
+    two calls sharing a workspace never touch each other's files. Files are replaced
+    atomically, so the reader sees a whole file or none (a write that failed, or a workspace
+    that is not shared).
     """
 
     def __init__(self, root: Path | str, token: int) -> None:
