@@ -157,9 +157,10 @@ def get_configs_parallel(
         the first rank in the ranks has the full access of the configs across all the ranks
         (in the order of ``ranks``, ``None`` included). the other ranks returns an empty list
 
-    When workspace_path is provided, an NFSWorkspace object (in a folder of its own for this
-    call) is created to perform communication across ranks. Otherwise, SharedMemory is used
-    for local multi-process communication. The shm will be destroyed after consumption.
+    When workspace_path is provided, each rank writes its config to a file (atomically, in a
+    folder of its own for this call) to perform communication across ranks. Otherwise,
+    SharedMemory is used for local multi-process communication. The shm or the files will be
+    destroyed after consumption.
     """
 
     def open_carrier(token: int) -> ShmChannel | NfsChannel:
@@ -282,4 +283,5 @@ def gather_tensors(
             rank fails within the group's timeout; none is left waiting.
     """
     with get_tensors_parallel(tensor, ranks, group, timeout=timeout) as got:
-        return [t.clone() for t in got]
+        # Only the first is the caller's own; the others were read into new tensors.
+        return [got[0].clone(), *got[1:]] if got else []
