@@ -23,7 +23,7 @@ from bridge_py.distributed.distribute import (
     get_configs_parallel,
     get_tensors_parallel,
 )
-from bridge_py.distributed.distribute.codec import tensor_header_and_body
+from bridge_py.distributed.distribute.codec import TENSORS
 from bridge_py.distributed.distribute.group import as_group_sync
 from bridge_py.distributed.distribute.shm import NAME_PREFIX, ShmChannel, segment_name
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
@@ -221,7 +221,7 @@ def _dying_rank(rank: int, port: int, world_size: int, ranks: list[int], token_f
     sync = as_group_sync(group, timeout=3)
     token = sync.agree_token(ranks[0])
     if rank != ranks[0]:  # a writer dies right after writing its segment
-        ShmChannel(token).publish(rank, *tensor_header_and_body(torch.ones(1024)))
+        ShmChannel(token).publish(rank, *TENSORS.encode(torch.ones(1024)))
     else:  # the reader dies once every writer has written
         sync.barrier()
     Path(token_file).write_text(str(token))
@@ -332,7 +332,7 @@ def test_group_coordinator_and_default_group() -> None:
 
 def test_a_truncated_segment_is_a_shared_memory_error() -> None:
     channel = ShmChannel(0x5EED)
-    channel.publish(1, *tensor_header_and_body(torch.ones(1024)))
+    channel.publish(1, *TENSORS.encode(torch.ones(1024)))
     path = SHM / segment_name(0x5EED, 1)
     os.truncate(path, 100)  # the header is there, the 4 KiB body is not
     with pytest.raises(SharedMemoryError, match=r"segment 'bpd[0-9a-f]+r1' of rank 1 is trunc"):

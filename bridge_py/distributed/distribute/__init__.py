@@ -40,26 +40,11 @@ from typing import Any
 
 import torch
 
-from bridge_py.distributed.distribute.codec import (
-    config_from_bytes,
-    config_to_bytes,
-    tensor_from_view,
-    tensor_header_and_body,
-)
+from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS, Codec
 from bridge_py.distributed.distribute.group import GroupSync, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
 from bridge_py.distributed.distribute.shm import ShmChannel
-from bridge_py.distributed.errors import (
-    AuthenticationError,
-    BarrierFailure,
-    BarrierTimeout,
-    CollectiveMismatchError,
-    DistributedError,
-    GroupTimeout,
-    PeerGoneError,
-    SharedMemoryError,
-    StoreError,
-)
+from bridge_py.distributed.errors import DistributedError
 
 __all__ = [
     "NFSWorkspace",
@@ -85,81 +70,15 @@ def _check_ranks(ranks: Sequence[int], size: int) -> list[int]:
     return checked
 
 
-# What a failed step raises: the first of these that the group's error is (most specific
-# first), else DistributedError.
-_STEP_ERRORS: tuple[type[DistributedError], ...] = (
-    BarrierTimeout,
-    GroupTimeout,
-    BarrierFailure,
-    PeerGoneError,
-    StoreError,
-    AuthenticationError,
-    CollectiveMismatchError,
-    SharedMemoryError,
-)
-
-
 def _step(sync: GroupSync, what: str, name: str, action: Callable[[], Any]) -> Any:
-    """Run a group operation; if it fails, a DistributedError of the same kind (a timeout
-    stays a GroupTimeout) that says which gather, rank and step failed."""
+    """Run a group operation; if it fails, an error of the same class when it is a
+    DistributedError (a timeout stays a GroupTimeout), else a DistributedError, that says
+    which gather, rank and step failed."""
     try:
         return action()
     except Exception as exc:
-        kind = next((k for k in _STEP_ERRORS if isinstance(exc, k)), DistributedError)
+        kind = type(exc) if isinstance(exc, DistributedError) else DistributedError
         raise kind(f"{name}: rank {sync.rank} failed at {what}: {exc}") from exc
-
-
-class _Channel:
-    """What the protocol needs from a transport (shared memory or a workspace folder)."""
-
-    def publish(self, rank: int, value: Any) -> None: ...
-    def take(self, rank: int) -> Any: ...
-    def remove(self, rank: int) -> None: ...
-    def remove_all(self, ranks: Sequence[int]) -> None: ...
-
-
-class _ShmTensors(_Channel):
-    def __init__(self, token: int) -> None:
-        self.shm = ShmChannel(token)
-
-    def publish(self, rank: int, value: Any) -> None:
-        header, body = tensor_header_and_body(value)
-        self.shm.publish(rank, header, body)
-
-    def take(self, rank: int) -> Any:
-        return self.shm.take(rank, tensor_from_view)
-
-    def remove(self, rank: int) -> None:
-        self.shm.remove(rank)
-
-    def remove_all(self, ranks: Sequence[int]) -> None:
-        for rank in ranks:
-            self.shm.remove(rank)
-
-
-class _ShmConfigs(_ShmTensors):
-    def publish(self, rank: int, value: Any) -> None:
-        self.shm.publish(rank, {}, config_to_bytes(value))
-
-    def take(self, rank: int) -> Any:
-        return self.shm.take(rank, lambda _header, view: config_from_bytes(bytes(view)))
-
-
-class _NfsConfigs(_Channel):
-    def __init__(self, root: Path | str, token: int, rank: int) -> None:
-        self.nfs = NfsChannel(root, token, rank)
-
-    def publish(self, rank: int, value: Any) -> None:
-        self.nfs.publish(value)
-
-    def take(self, rank: int) -> Any:
-        return self.nfs.take(rank)
-
-    def remove(self, rank: int) -> None:
-        self.nfs.remove(rank)
-
-    def remove_all(self, ranks: Sequence[int]) -> None:
-        self.nfs.remove_all()
 
 
 @contextlib.contextmanager
@@ -167,56 +86,48 @@ def _gather(
     name: str,
     value: Any,
     ranks: Sequence[int],
-    sync: GroupSync,
-    open_channel: Callable[[int, int], _Channel],
+    group: Any,
+    timeout: float | None,
+    codec: Codec,
+    open_carrier: Callable[[int], ShmChannel | NfsChannel],
 ) -> Iterator[list[Any]]:
-    """The protocol of the module docstring, for one value per rank of ``ranks``."""
+    """The protocol of the module docstring, for one value per rank of ``ranks``, moved by
+    ``codec`` through the carrier that ``open_carrier(token)`` opens (shared memory or a
+    workspace folder: both publish, take and remove one value per rank)."""
+    sync = as_group_sync(group, timeout)
     ranks = _check_ranks(ranks, sync.size)
     me, reader = sync.rank, ranks[0]
-    token = _step(sync, "agreeing on the call's token", name, lambda: sync.agree_token(reader))
-    if me not in ranks:
-        _step(sync, "the barrier after writing", name, sync.barrier)
-        try:
-            yield []
-        finally:
-            _step(sync, "the barrier on exit", name, sync.barrier)
-        return
     writers = [rank for rank in ranks if rank != reader]
-    channel: _Channel | None = None
-    failure: BaseException | None = None
+    token = _step(sync, "agreeing on the call's token", name, lambda: sync.agree_token(reader))
+    carrier = open_carrier(token)
+    failure: Exception | None = None
     try:
-        # A failure to open or write is raised only after both barriers, so that no other
+        # A failure to write or read is raised only after both barriers, so that no other
         # rank waits in vain; the reader then reports the value as missing.
-        try:
-            channel = open_channel(token, me)
-            if me != reader:
-                channel.publish(me, value)
-        except Exception as exc:
-            failure = exc
-        _step(sync, "the barrier after writing", name, sync.barrier)
-        gathered: list[Any] = []
-        if me == reader and channel is not None and failure is None:
+        if me in writers:
             try:
-                gathered = [value if rank == reader else channel.take(rank) for rank in ranks]
+                carrier.publish(me, *codec.encode(value))
             except Exception as exc:
                 failure = exc
-            finally:
-                channel.remove_all(writers)
-        if failure is not None:
-            _step(sync, "the barrier on exit", name, sync.barrier)
-            raise failure
+        _step(sync, "the barrier after writing", name, sync.barrier)
+        gathered: list[Any] = []
+        if me == reader:
+            try:
+                gathered = [value if r == reader else carrier.take(r, codec.decode) for r in ranks]
+            except Exception as exc:
+                failure = exc
         try:
-            yield gathered
+            if failure is None:
+                yield gathered
         finally:
             _step(sync, "the barrier on exit", name, sync.barrier)
+        if failure is not None:
+            raise failure
     finally:
-        # Idempotent: normally everything is gone already; after a failure, whoever is left
-        # removes what it can (a writer its own, the reader everyone's).
-        if channel is not None:
-            if me == reader:
-                channel.remove_all(writers)
-            else:
-                channel.remove(me)
+        # Idempotent: normally the reader took (and so removed) everything already; after a
+        # failure, whoever is left removes what it can (a writer its own, the reader all).
+        for rank in writers if me == reader else [me] if me in writers else []:
+            carrier.remove(rank)
 
 
 @contextlib.contextmanager
@@ -246,24 +157,17 @@ def get_configs_parallel(
         the first rank in the ranks has the full access of the configs across all the ranks
         (in the order of ``ranks``, ``None`` included). the other ranks returns an empty list
 
-    When workspace_path is provided, an NFSWorkspace object (in a folder of its own for this
-    call) is created to perform communication across ranks. Otherwise, SharedMemory is used
-    for local multi-process communication. The shm will be destroyed after consumption.
+    When workspace_path is provided, each rank writes its config to a file (atomically, in a
+    folder of its own for this call) to perform communication across ranks. Otherwise,
+    SharedMemory is used for local multi-process communication. The shm or the files will be
+    destroyed after consumption.
     """
-    sync = as_group_sync(group, timeout)
-    if workspace_path is not None:
-        root = workspace_path
 
-        def open_channel(token: int, rank: int) -> _Channel:
-            return _NfsConfigs(root, token, rank)
+    def open_carrier(token: int) -> ShmChannel | NfsChannel:
+        return ShmChannel(token) if workspace_path is None else NfsChannel(workspace_path, token)
 
-    else:
-
-        def open_channel(token: int, rank: int) -> _Channel:
-            return _ShmConfigs(token)
-
-    with _gather("get_configs_parallel", config, ranks, sync, open_channel) as configs:
-        yield configs
+    with _gather("get_configs_parallel", config, ranks, group, timeout, CONFIGS, open_carrier) as c:
+        yield c
 
 
 @contextlib.contextmanager
@@ -293,13 +197,10 @@ def get_tensors_parallel(
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    sync = as_group_sync(group, timeout)
-    with _gather("get_tensors_parallel", tensor.cpu(), ranks, sync, _open_shm_tensors) as out:
-        yield out
-
-
-def _open_shm_tensors(token: int, rank: int) -> _Channel:
-    return _ShmTensors(token)
+    with _gather(
+        "get_tensors_parallel", tensor.cpu(), ranks, group, timeout, TENSORS, ShmChannel
+    ) as tensors:
+        yield tensors
 
 
 def gather_configs(
@@ -382,4 +283,5 @@ def gather_tensors(
             rank fails within the group's timeout; none is left waiting.
     """
     with get_tensors_parallel(tensor, ranks, group, timeout=timeout) as got:
-        return [t.clone() for t in got]
+        # Only the first is the caller's own; the others were read into new tensors.
+        return [got[0].clone(), *got[1:]] if got else []

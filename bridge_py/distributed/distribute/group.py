@@ -3,8 +3,8 @@
 ModelOpt's gathers only call ``barrier(group)``. Ours also agree on a random token per call
 (it names the call's shared-memory segments and workspace folder, so that two calls, or two
 jobs on one node, never collide), so a group must offer three things: this process's rank in
-the group, a barrier, and a broadcast of one 63-bit integer. :func:`as_group_sync` provides
-them for:
+the group, a barrier, and a broadcast of one 63-bit integer. :func:`as_group_sync` gathers
+them into one :class:`GroupSync` for:
 
 * a torch ``ProcessGroup`` (torch's global groups or one from
   ``stateless_init_torch_distributed_process_group``): the collectives are called on the
@@ -20,8 +20,10 @@ them for:
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,95 +37,50 @@ __all__ = ["GroupSync", "as_group_sync"]
 _DEFAULT_BARRIER_TIMEOUT = 30.0
 
 
-class GroupSync(Protocol):
+@dataclasses.dataclass(frozen=True)
+class GroupSync:
     """Rank, size, barrier and a token broadcast: what one gather needs from its group."""
 
     rank: int
     size: int
-
-    def barrier(self) -> None:
-        """Return once every rank of the group has called it (raise if that cannot happen)."""
+    #: Returns once every rank of the group has called it (raises if that cannot happen).
+    barrier: Callable[[], None]
+    #: ``broadcast(value, src)``: ``src``'s int ``value`` on every rank.
+    broadcast: Callable[[int, int], int]
 
     def agree_token(self, src: int) -> int:
         """Return the same random non-negative int on every rank, drawn by rank ``src``."""
+        return self.broadcast(secrets.randbits(63) if self.rank == src else 0, src)
 
 
-def _draw_token() -> int:
-    return secrets.randbits(63)
-
-
-class _Alone:
-    """A group of this process alone (no torch.distributed, no group given)."""
-
-    rank = 0
-    size = 1
-
-    def barrier(self) -> None:
-        return None
-
-    def agree_token(self, src: int) -> int:
-        return _draw_token()
-
-
-def _pg_device(pg: ProcessGroup) -> torch.device:
-    """The device of the tensors that ``pg``'s collectives take: CPU when it can, else CUDA."""
+def _torch_sync(pg: ProcessGroup) -> GroupSync:
+    """A torch ProcessGroup: the barrier is a one-element all-reduce (any backend has one);
+    the tensors live on the CPU when the group has a CPU backend, else on the current GPU."""
     device_types = getattr(pg, "_device_types", None)
-    if device_types is None or any(d.type == "cpu" for d in device_types):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cpu")
+    if device_types is not None and not any(d.type == "cpu" for d in device_types):
+        device = torch.device("cuda", torch.cuda.current_device())
 
+    def barrier() -> None:
+        pg.allreduce([torch.zeros(1, device=device)]).wait()
 
-class _TorchGroup:
-    """A torch ProcessGroup: the barrier is a one-element all-reduce (any backend has one)."""
-
-    def __init__(self, pg: ProcessGroup, barrier_fn: Any = None, rank: int | None = None) -> None:
-        self._pg = pg
-        self._device = _pg_device(pg)
-        self._barrier_fn = barrier_fn
-        self.rank = pg.rank() if rank is None else int(rank)
-        self.size = pg.size()
-
-    def barrier(self) -> None:
-        if self._barrier_fn is not None:
-            self._barrier_fn()
-            return
-        self._pg.allreduce([torch.zeros(1, device=self._device)]).wait()
-
-    def agree_token(self, src: int) -> int:
-        value = _draw_token() if self.rank == src else 0
-        token = torch.tensor([value], dtype=torch.int64, device=self._device)
-        self._pg.broadcast(token, src).wait()
+    def broadcast(value: int, src: int) -> int:
+        token = torch.tensor([value], dtype=torch.int64, device=device)
+        pg.broadcast(token, src).wait()
         return int(token.item())
 
+    return GroupSync(pg.rank(), pg.size(), barrier, broadcast)
 
-class _Stateless:
+
+def _stateless_sync(group: StatelessProcessGroup, timeout: float | None) -> GroupSync:
     """A StatelessProcessGroup: its bounded barrier and its store broadcast."""
-
-    def __init__(
-        self, group: StatelessProcessGroup, timeout: float | None, barrier_fn: Any = None
-    ) -> None:
-        self._group = group
-        self._timeout = _DEFAULT_BARRIER_TIMEOUT if timeout is None else float(timeout)
-        self._barrier_fn = barrier_fn
-        self.rank = group.rank
-        self.size = group.world_size
-
-    def barrier(self) -> None:
-        if self._barrier_fn is not None:
-            self._barrier_fn()
-        else:
-            self._group.barrier(timeout=self._timeout)
-
-    def agree_token(self, src: int) -> int:
-        return int(self._group.broadcast_obj(_draw_token() if self.rank == src else None, src))
-
-
-def _default_group() -> GroupSync:
-    if dist.is_available() and dist.is_initialized():
-        world = dist.group.WORLD
-        assert isinstance(world, ProcessGroup)
-        return _TorchGroup(world)
-    return _Alone()
+    wait = _DEFAULT_BARRIER_TIMEOUT if timeout is None else float(timeout)
+    return GroupSync(
+        group.rank,
+        group.world_size,
+        lambda: group.barrier(timeout=wait),
+        lambda value, src: int(group.broadcast_obj(value, src)),
+    )
 
 
 def as_group_sync(group: Any, timeout: float | None = None) -> GroupSync:
@@ -135,22 +92,30 @@ def as_group_sync(group: Any, timeout: float | None = None) -> GroupSync:
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     if group is None:
-        return _default_group()
+        if dist.is_available() and dist.is_initialized():
+            world = dist.group.WORLD
+            assert isinstance(world, ProcessGroup)
+            return _torch_sync(world)
+        return GroupSync(0, 1, lambda: None, lambda value, src: value)  # this process alone
     if isinstance(group, ProcessGroup):
-        return _TorchGroup(group)
+        return _torch_sync(group)
     if isinstance(group, StatelessProcessGroup) or (
         hasattr(group, "broadcast_obj") and hasattr(group, "world_size")
     ):
-        return _Stateless(group, timeout)
+        return _stateless_sync(group, timeout)
     cpu_group = getattr(group, "cpu_group", None)
     if callable(getattr(group, "barrier", None)) and cpu_group is not None:
+        # A GroupCoordinator: its own barrier, over its CPU group's broadcast and rank.
         if isinstance(cpu_group, StatelessProcessGroup):
-            return _Stateless(cpu_group, timeout, group.barrier)
-        if not isinstance(cpu_group, ProcessGroup):
+            sync = _stateless_sync(cpu_group, timeout)
+        elif isinstance(cpu_group, ProcessGroup):
+            sync = _torch_sync(cpu_group)
+            sync = dataclasses.replace(sync, rank=int(getattr(group, "rank_in_group", sync.rank)))
+        else:
             raise TypeError(
                 f"group.cpu_group must be a torch ProcessGroup, got {type(cpu_group).__name__}"
             )
-        return _TorchGroup(cpu_group, group.barrier, getattr(group, "rank_in_group", None))
+        return dataclasses.replace(sync, barrier=group.barrier)
     raise TypeError(
         "group must be a torch ProcessGroup, a StatelessProcessGroup, a GroupCoordinator "
         f"(barrier() and cpu_group) or None, got {type(group).__name__}"

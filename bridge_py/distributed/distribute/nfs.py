@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import torch
 import torch.distributed as dist
 
-from bridge_py.distributed.distribute.codec import join_config, load_state, save_state
-from bridge_py.distributed.distribute.codec import split_config as _split
 from bridge_py.distributed.distribute.shm import NAME_PREFIX
 from bridge_py.distributed.errors import DistributedError
 
@@ -50,6 +49,34 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Replace ``path`` by what ``write`` writes: readers see the old file or the new one,
+    whole (a temporary file in the same folder, fsynced, then renamed over ``path``)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _remove_state(path: Path) -> None:
+    """Remove a state file and any temporary file that a crashed write of it left."""
+    path.unlink(missing_ok=True)
+    for leftover in path.parent.glob(f".{path.name}.*.tmp"):
+        leftover.unlink(missing_ok=True)
+
+
+def _state_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank_{rank}_state.pth"
 
 
 class NFSWorkspace:
@@ -100,7 +127,8 @@ class NFSWorkspace:
             weights: module weights in torch's state_dict format
         """
         self._check()
-        self._write_state({"config": config_json, "weight": weights})
+        state = {"config": dict(config_json), "weight": dict(weights)}
+        _write_atomically(self.state_path, lambda file: torch.save(state, file))
 
     def read_configs_and_weights_from_rank(
         self, target_rank: int
@@ -116,10 +144,11 @@ class NFSWorkspace:
         """
         self._check()
         try:
-            with open(self._get_state_path(target_rank), "rb") as file:
-                return load_state(file)
+            path = self._get_state_path(target_rank)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             return None, None
+        return state["config"], state["weight"]
 
     def _check(self) -> None:
         if not self._is_initialized:
@@ -128,71 +157,49 @@ class NFSWorkspace:
     def _get_state_path(self, target_rank: int) -> Path:
         """Return the state file path of a particular rank."""
         self._check()
-        return self.path.joinpath(f"rank_{target_rank}_state.pth")
-
-    def _write_state(self, state: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{self.state_path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as file:
-                save_state(state["config"], state["weight"], file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, self.state_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.path)
+        return _state_path(self.path, target_rank)
 
     def _clean_up(self) -> None:
         """Remove this rank's state file and any temporary file a crashed write left."""
         self._check()
-        self.state_path.unlink(missing_ok=True)
-        for leftover in self.path.glob(f".{self.state_path.name}.*.tmp"):
-            leftover.unlink(missing_ok=True)
+        _remove_state(self.state_path)
 
 
 class NfsChannel:
-    """The state files of one gather call, in their own folder of the workspace.
+    """The files of one gather call, one per writing rank, in a folder of the workspace ``root``.
 
-    The folder is named after the call's token, so two calls sharing a workspace never touch
-    each other's files. Every writer writes a state file, also for a ``None`` config (its
-    config is then ``{}`` and its weights hold the marker ``__none__``), so that the reader
-    can tell a missing file (a workspace that is not shared) from a ``None`` config.
+    The same carrier as :class:`~bridge_py.distributed.distribute.shm.ShmChannel` (publish,
+    take, remove), for configs only: a file is the body that :data:`~.codec.CONFIGS` encodes
+    (its header, always empty, is not kept). The folder is named after the call's token, so
+    two calls sharing a workspace never touch each other's files. Files are replaced
+    atomically, so the reader sees a whole file or none (a write that failed, or a workspace
+    that is not shared).
     """
 
-    def __init__(self, root: Path | str, token: int, rank: int) -> None:
+    def __init__(self, root: Path | str, token: int) -> None:
         self.folder = Path(root) / f"{NAME_PREFIX}{token:016x}"
-        self.workspace = NFSWorkspace(self.folder, rank=rank)
 
-    def publish(self, config: Any) -> None:
-        """Write this rank's config (``None`` included)."""
-        if config is None:
-            self.workspace.write_configs_and_weights({}, {"__none__": True})
-        else:
-            self.workspace.write_configs_and_weights(*_split(config))
+    def publish(self, rank: int, header: dict[str, Any], body: Any) -> None:
+        """Write ``rank``'s state file (creating the call's folder)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write_atomically(_state_path(self.folder, rank), lambda file: file.write(body))
 
-    def take(self, rank: int) -> Any:
-        """Read ``rank``'s config and delete its state file."""
-        path = self.workspace._get_state_path(rank)
-        config_json, weights = self.workspace.read_configs_and_weights_from_rank(rank)
-        if config_json is None or weights is None:
+    def take(self, rank: int, read_body: Callable[[Mapping[str, Any], memoryview], Any]) -> Any:
+        """Read ``rank``'s state file, delete it, and return ``read_body({}, its bytes)``."""
+        path = _state_path(self.folder, rank)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
             raise DistributedError(
                 f"rank {rank} left no state file in {self.folder}: it failed to write it, or "
                 "the workspace is not shared by all ranks of the group"
-            )
+            ) from None
         path.unlink(missing_ok=True)
-        if weights.get("__none__") is True:
-            return None
-        return join_config(config_json, weights)
+        return read_body({}, memoryview(data))
 
     def remove(self, rank: int) -> None:
-        """Delete ``rank``'s state file, then the folder if it is empty (idempotent)."""
+        """Delete ``rank``'s files, then the folder if it is empty (idempotent)."""
         with contextlib.suppress(OSError):
-            self.workspace._get_state_path(rank).unlink(missing_ok=True)
+            _remove_state(_state_path(self.folder, rank))
         with contextlib.suppress(OSError):
             self.folder.rmdir()
-
-    def remove_all(self) -> None:
-        """Delete the call's folder and everything in it (idempotent)."""
-        shutil.rmtree(self.folder, ignore_errors=True)
