@@ -433,22 +433,10 @@ defmodule VllmBridge.Worker do
     Port.command(port, frame)
     await_reply(tag, table, id, pid, timeout)
   rescue
-    # The port closed (Python exited). Unless the worker has taken the entry
-    # to answer it (its exit notice says why), nobody will: the worker may live
-    # on to start Python again (see "Start-up").
-    ArgumentError ->
-      case take(table, id) do
-        [_entry] ->
-          error =
-            Error.new(:worker, "the Python process of worker #{inspect(pid)} has exited",
-              details: %{worker: pid, reason: :python_exited}
-            )
-
-          forget(tag, {:error, error})
-
-        [] ->
-          await_reply(tag, table, id, pid, timeout)
-      end
+    # The port closed (Python exited): the worker's exit notice is on its way
+    # (or, for a Python that failed to start, the worker answers the entry on
+    # its next health tick or start: see "Start-up").
+    ArgumentError -> await_reply(tag, table, id, pid, timeout)
   end
 
   defp await_reply(tag, table, id, pid, timeout) do
@@ -469,12 +457,6 @@ defmodule VllmBridge.Worker do
           {:error, timed_out(pid, id, timeout)}
         )
     end
-  end
-
-  defp take(table, id) do
-    :ets.take(table, id)
-  rescue
-    ArgumentError -> []
   end
 
   defp leave(table, id) do
@@ -632,6 +614,8 @@ defmodule VllmBridge.Worker do
   # may be written behind it at once, Python answers them once it runs.
   defp spawn_python(state) do
     python = state.python
+    # entries of callers that wrote to the port of a failed start
+    if state.last_error, do: fail_all(state, state.last_error)
 
     executable =
       if Path.type(python) == :absolute, do: python, else: System.find_executable(python)
@@ -809,6 +793,7 @@ defmodule VllmBridge.Worker do
   # ping Python if nothing came from it since the last tick.
   def handle_info(:health_tick, state) do
     sweep(state.table)
+    if state.phase == :backoff, do: fail_all(state, state.last_error)
 
     state =
       case state do
