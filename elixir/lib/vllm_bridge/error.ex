@@ -170,11 +170,19 @@ defmodule VllmBridge.Error do
   end
 
   def message(%__MODULE__{} = error) do
-    base = "(#{error.category}) #{error.python_type}: #{error.message}"
+    base = "(#{error.category}) #{typed(error.python_type, error.message)}"
 
     case error.python_traceback do
       nil -> base
       traceback -> base <> "\n\n" <> traceback
     end
+  end
+
+  # A Python worker's message usually starts with the exception's type already
+  # ("ValueError: 5 is not divisible by 2"): name the type once.
+  defp typed(type, message) do
+    if message == type or String.starts_with?(message, type <> ":"),
+      do: message,
+      else: type <> ": " <> message
   end
 end

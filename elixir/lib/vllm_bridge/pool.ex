@@ -7,13 +7,14 @@ defmodule VllmBridge.Pool do
         {VllmBridge.Pool, name: MyApp.Ranks, size: 2}
       ]
 
-  A pool is a supervision tree and an ETS table, no extra process:
+  A pool is a supervision tree:
 
       VllmBridge.Pool (Supervisor, :rest_for_one)
       ├── Registry  (name: <pool>.Registry, keys: worker index)
-      └── Supervisor (:one_for_one)
-          ├── VllmBridge.Worker 0
-          └── VllmBridge.Worker ...
+      ├── Supervisor (:one_for_one)
+      │   ├── VllmBridge.Worker 0
+      │   └── VllmBridge.Worker ...
+      └── VllmBridge.Pool.Replacer (replaces workers over their limits)
 
   Each worker registers under its index (`0..size-1`), so `worker/2` is one
   ETS lookup. The pool's settings and a round-robin counter (an `:atomics`
@@ -24,6 +25,18 @@ defmodule VllmBridge.Pool do
   `VllmBridge.Ref`s) live in exactly one of them. A worker that dies is
   restarted at the same index with a fresh Python process; refs into the old
   one become stale (see `VllmBridge.Runtime`).
+
+  `start_link/1` returns once every worker's Python process has answered
+  (see "Start-up" in `VllmBridge.Worker`), or returns the first worker's
+  start failure as `{:error, %VllmBridge.Error{category: :worker}}`, which
+  names the Python executable and the module it could not import, after
+  stopping the pool. A worker whose Python fails to start later (after a
+  crash) tries again with a bounded exponential back-off instead of crashing.
+
+  With `:max_calls` or `:max_memory_mb`, a worker over its limit is replaced
+  by a fresh one once its calls in flight have finished (never in the middle
+  of one); the objects in its Python process are lost, as on a restart (see
+  "Lifecycle limits" in `VllmBridge.Worker`).
 
   A pool on another node is reached with Erlang distribution: name its node
   in the call's placement (`__runtime__: [pool: name, node: node]`), or call
@@ -37,6 +50,7 @@ defmodule VllmBridge.Pool do
 
   @default_name VllmBridge.DefaultPool
   @default_timeout 120_000
+  @startup_timeout 120_000
 
   @typedoc "A pool's registered name."
   @type name :: atom()
@@ -78,14 +92,29 @@ defmodule VllmBridge.Pool do
       a Python process that answers nothing, not even a ping, for that long is
       killed, its callers get `:worker` errors, and the worker restarts (see
       "Health checks" in `VllmBridge.Worker`)
+    * `:max_calls` - replace a worker once it has answered this many calls
+      (default `nil`, never)
+    * `:max_memory_mb` - replace a worker once its Python process's resident
+      memory is over this many MB (default `nil`, never); objects in a
+      replaced worker are lost, as on a restart
+    * `:backoff_min`, `:backoff_max` - ms before a worker starts Python again
+      after a failed start, doubled per failure in a row (defaults 500 and
+      30_000)
+    * `:startup_timeout` - ms `start_link/1` waits for every worker's Python
+      to answer (default `#{@startup_timeout}`; `:infinity` allowed)
 
-  Invalid options are `{:error, %VllmBridge.Error{category: :bad_args}}`.
+  Invalid options are `{:error, %VllmBridge.Error{category: :bad_args}}`; a
+  Python that cannot start is the `:worker` error of its first failed start
+  (see `VllmBridge.Worker.await_started/2`), and one that does not answer
+  within `:startup_timeout` a `:timeout` error; either way the pool is
+  stopped before `start_link/1` returns.
   """
   @spec start_link(keyword()) :: Supervisor.on_start()
   def start_link(opts \\ []) do
     name = Keyword.get(opts, :name, @default_name)
     size = Keyword.get(opts, :size, 1)
     timeout = Keyword.get(opts, :timeout, @default_timeout)
+    startup = Keyword.get(opts, :startup_timeout, @startup_timeout)
 
     cond do
       not is_atom(name) or name == nil ->
@@ -101,11 +130,82 @@ defmodule VllmBridge.Pool do
       (health = Worker.check_health_options(opts)) != :ok ->
         health
 
+      (lifecycle = Worker.check_lifecycle_options(opts)) != :ok ->
+        lifecycle
+
+      not startup_timeout?(startup) ->
+        {:error,
+         Error.new(
+           :bad_args,
+           ":startup_timeout must be a positive integer (ms) or :infinity, got #{inspect(startup)}"
+         )}
+
       true ->
         opts = Keyword.merge(opts, name: name, size: size, timeout: timeout)
-        Supervisor.start_link(__MODULE__, opts, name: name)
+
+        with {:ok, sup} <- Supervisor.start_link(__MODULE__, opts, name: name) do
+          case await_workers(name, size, startup) do
+            :ok ->
+              {:ok, sup}
+
+            {:error, _} = error ->
+              Process.unlink(sup)
+              Supervisor.stop(sup, :shutdown)
+              error
+          end
+        end
     end
   end
+
+  # Waits for every worker's start handshake, all at once; the first failure.
+  defp await_workers(pool, size, timeout) do
+    deadline = if timeout == :infinity, do: :infinity, else: now() + timeout
+
+    0..(size - 1)
+    |> Enum.map(fn index ->
+      with {:ok, pid} <- lookup(pool, index),
+           do: {index, :gen_server.send_request(pid, :await_started)}
+    end)
+    |> Enum.reduce_while(:ok, fn
+      {:error, _} = error, :ok ->
+        {:halt, error}
+
+      {index, request}, :ok ->
+        wait = if deadline == :infinity, do: :infinity, else: max(deadline - now(), 0)
+
+        case :gen_server.receive_response(request, wait) do
+          {:reply, :ok} ->
+            {:cont, :ok}
+
+          {:reply, {:error, _} = error} ->
+            {:halt, error}
+
+          :timeout ->
+            {:halt,
+             {:error,
+              Error.new(
+                :timeout,
+                "worker #{index} of pool #{inspect(pool)} did not start within #{timeout} ms " <>
+                  "(:startup_timeout)",
+                details: %{pool: pool, index: index, timeout: timeout}
+              )}}
+
+          {:error, {reason, _}} ->
+            {:halt,
+             {:error,
+              Error.new(
+                :worker,
+                "worker #{index} of pool #{inspect(pool)} stopped while starting " <>
+                  "(#{inspect(reason)})",
+                details: %{pool: pool, index: index, reason: reason}
+              )}}
+        end
+    end)
+  end
+
+  defp now, do: System.monotonic_time(:millisecond)
+
+  defp startup_timeout?(ms), do: (is_integer(ms) and ms > 0) or ms == :infinity
 
   @impl true
   def init(opts) do
@@ -115,7 +215,18 @@ defmodule VllmBridge.Pool do
     counter = :atomics.new(1, signed: false)
 
     worker_opts =
-      Keyword.take(opts, [:python, :env, :cd, :args, :health_interval, :health_timeout])
+      Keyword.take(opts, [
+        :python,
+        :env,
+        :cd,
+        :args,
+        :health_interval,
+        :health_timeout,
+        :max_calls,
+        :max_memory_mb,
+        :backoff_min,
+        :backoff_max
+      ])
 
     workers =
       for index <- 0..(size - 1) do
@@ -146,14 +257,20 @@ defmodule VllmBridge.Pool do
          ]}
     }
 
-    meta = [size: size, timeout: Keyword.fetch!(opts, :timeout), counter: counter]
+    # starts per index, for the worker restarted event (VllmBridge.Telemetry)
+    starts = :atomics.new(size, signed: false)
+    meta = [size: size, timeout: Keyword.fetch!(opts, :timeout), counter: counter, starts: starts]
     # Every call looks the registry up by the pool's name: remember the name's
     # registry once (the same atom each time the pool starts, so a restart
     # stores nothing new).
     :persistent_term.put({__MODULE__, name}, registry)
 
     Supervisor.init(
-      [{Registry, keys: :unique, name: registry, meta: meta}, workers_sup],
+      [
+        {Registry, keys: :unique, name: registry, meta: meta},
+        workers_sup,
+        {VllmBridge.Pool.Replacer, registry: registry, pool: name}
+      ],
       strategy: :rest_for_one
     )
   end

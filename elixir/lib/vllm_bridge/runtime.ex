@@ -97,7 +97,7 @@ defmodule VllmBridge.Runtime do
   and the worker keeps serving after every error.
   """
 
-  alias VllmBridge.{Error, Msgpack, Pool, Proto, Ref, Tensor, Worker}
+  alias VllmBridge.{Error, Msgpack, Pool, Proto, Ref, Telemetry, Tensor, Worker}
 
   @runtime_keys [:pool, :node, :worker, :timeout, :session]
 
@@ -708,7 +708,14 @@ defmodule VllmBridge.Runtime do
 
   ## Requests ------------------------------------------------------------------
 
+  # One cached check when telemetry is absent (see VllmBridge.Telemetry).
   defp run(target, ctx, op) do
+    if Telemetry.enabled?(),
+      do: Telemetry.span_call(call_metadata(target, ctx, op), fn -> send_op(target, ctx, op) end),
+      else: send_op(target, ctx, op)
+  end
+
+  defp send_op(target, ctx, op) do
     with {:ok, session, id, frame, timeout} <- prepare(target, ctx, op) do
       target
       |> Map.get(:via, target.worker)
@@ -726,16 +733,25 @@ defmodule VllmBridge.Runtime do
         error
 
       {target, ctx, op} ->
-        with {:ok, session, id, frame, timeout} <- prepare(target, ctx, op) do
-          {target, session, id, timeout, Worker.send_request(target.worker, id, frame)}
+        span = if Telemetry.enabled?(), do: call_metadata(target, ctx, op)
+        start = if span, do: Telemetry.call_start(span)
+
+        case prepare(target, ctx, op) do
+          {:ok, session, id, frame, timeout} ->
+            request = Worker.send_request(target.worker, id, frame)
+            {target, session, id, timeout, request, {span, start}}
+
+          {:error, _} = error ->
+            if span, do: Telemetry.call_stop(start, span, error), else: error
         end
     end)
     |> Enum.map(fn
       {:error, _} = error ->
         error
 
-      {target, session, id, timeout, request} ->
-        request |> Worker.await(timeout) |> finish(target, session, id)
+      {target, session, id, timeout, request, {span, start}} ->
+        result = request |> Worker.await(timeout) |> finish(target, session, id)
+        if span, do: Telemetry.call_stop(start, span, result), else: result
     end)
     |> Enum.reduce({:ok, 0}, fn
       {:ok, count}, {:ok, total} when is_integer(count) -> {:ok, total + count}
@@ -754,6 +770,31 @@ defmodule VllmBridge.Runtime do
       {:ok, session, id, frame, timeout}
     end
   end
+
+  # The metadata of a call's telemetry events (see VllmBridge.Telemetry).
+  defp call_metadata(target, ctx, op) do
+    {operation, name} = operation(op, target)
+
+    %{
+      pool: target.pool,
+      index: Map.get(target, :index),
+      worker: target.worker,
+      operation: operation,
+      name: name,
+      session: ctx.session || Map.get(target, :session) || ""
+    }
+  end
+
+  defp operation({:create, %{class_name: name}}, _target), do: {:call_class, name}
+
+  defp operation({:call, %{method: method}}, %{ref: %Ref{class: class}})
+       when is_binary(class) and class != "",
+       do: {:call_method, class <> "." <> method}
+
+  defp operation({:call, %{method: method}}, _target), do: {:call_method, method}
+  defp operation({:call_function, %{function: name}}, _target), do: {:call_function, name}
+  defp operation({:get_attr, %{name: name}}, _target), do: {:get_attr, name}
+  defp operation({kind, _}, _target), do: {kind, nil}
 
   defp call_timeout(%{timeout: nil}, pool), do: Pool.timeout(pool)
   defp call_timeout(%{timeout: timeout}, _pool), do: {:ok, timeout}

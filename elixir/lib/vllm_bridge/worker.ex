@@ -80,6 +80,38 @@ defmodule VllmBridge.Worker do
   its entry behind for good); with `health_interval: false` this sweep still
   runs every 5000 ms.
 
+  ## Start-up
+
+  The worker spawns its Python process and at once writes a start handshake
+  (a ping) to it; calls may be written behind it and are answered once Python
+  runs. When the handshake is answered, the worker is `:ready`
+  (`await_started/2` returns `:ok`). When Python exits before answering (it
+  cannot import `bridge_py`, torch or an `--exports` module) or cannot be run
+  at all, that is a failed start: the worker runs the same command once more
+  with its stdin at end-of-file to read what Python printed on stderr, and
+  builds a `:worker` error naming the executable, the exit status and the
+  missing module (`details.missing_module`, `details.stderr`). Callers that
+  were waiting get that error, and so does every call until a start succeeds.
+
+  A failed start is not a crash: the worker process stays up (its supervisor
+  sees no restart) and starts Python again after a back-off, `:backoff_min` ms
+  doubled for each failure in a row, at most `:backoff_max` ms. A Python that
+  cannot start therefore costs one attempt every 30 s at most, not a crash
+  loop that brings the supervision tree down.
+
+  ## Lifecycle limits
+
+  With `:max_calls`, a worker is replaced once it has answered that many
+  calls; with `:max_memory_mb`, once the resident memory of its Python process
+  (VmRSS, read after a call at most once a second, and on each health tick)
+  is over that many MB. Both are looked at between calls, never in the middle
+  of one: the worker leaves the pool's registry at once (new calls go to the
+  other workers, and calls on its refs answer `:stale_ref`), the calls already
+  in flight finish and get their replies, and then the pool stops this worker
+  and starts a fresh one at the same index. As on a restart, every object of
+  the old Python process is lost. The replacement does not count towards the
+  pool's restart intensity (`:max_restarts`).
+
   ## Which Python
 
   `find_python/1`: the `:python` option, else the `VLLM_BRIDGE_PYTHON`
@@ -92,7 +124,7 @@ defmodule VllmBridge.Worker do
 
   require Logger
 
-  alias VllmBridge.{Error, Proto}
+  alias VllmBridge.{Error, Proto, Telemetry}
 
   @project_root Path.expand("../../..", __DIR__)
 
@@ -103,6 +135,17 @@ defmodule VllmBridge.Worker do
   # the least time a Python process that has not answered anything yet (it is
   # starting: importing torch) gets to answer the first health ping
   @startup_grace 60_000
+  # the back-off between failed starts of a Python process (ms)
+  @backoff_min 500
+  @backoff_max 30_000
+  # a failed start is run again to read its stderr: this long at most (ms),
+  # and this many of its last lines are kept
+  @diagnosis_timeout 30_000
+  @stderr_lines 8
+  # memory is read at most this often after calls (ms)
+  @memory_interval 1_000
+  # a retiring worker waits this long for callers that had already looked it up
+  @drain_grace 50
 
   @typedoc "A running worker: its pid or a registered name."
   @type server :: GenServer.server()
@@ -126,6 +169,10 @@ defmodule VllmBridge.Worker do
           | {:registry, {Registry.registry(), Registry.key()}}
           | {:health_interval, pos_integer() | false}
           | {:health_timeout, pos_integer()}
+          | {:max_calls, pos_integer() | nil}
+          | {:max_memory_mb, pos_integer() | nil}
+          | {:backoff_min, pos_integer()}
+          | {:backoff_max, pos_integer()}
 
   @doc """
   Returns a child specification; `opts` as in `start_link/1`.
@@ -158,12 +205,23 @@ defmodule VllmBridge.Worker do
       see "Health checks")
     * `:health_timeout` - ms to wait for anything from Python after that ping
       before the Python process is killed (default `#{@health_timeout}`)
+    * `:max_calls` - replace the worker once it has answered this many calls
+      (default `nil`, never; see "Lifecycle limits")
+    * `:max_memory_mb` - replace the worker once its Python process's resident
+      memory is over this many MB (default `nil`, never)
+    * `:backoff_min`, `:backoff_max` - the delay in ms before starting Python
+      again after a failed start: `:backoff_min` (default `#{@backoff_min}`),
+      doubled for each failure in a row, at most `:backoff_max` (default
+      `#{@backoff_max}`); see "Start-up"
 
-  Invalid health options are `{:error, %VllmBridge.Error{category: :bad_args}}`.
+  The worker starts at once; its Python process starts in the background
+  (`await_started/2` waits for it). Invalid options are
+  `{:error, %VllmBridge.Error{category: :bad_args}}`.
   """
   @spec start_link([option()]) :: GenServer.on_start() | {:error, Error.t()}
   def start_link(opts) when is_list(opts) do
-    with :ok <- check_health_options(opts) do
+    with :ok <- check_health_options(opts),
+         :ok <- check_lifecycle_options(opts) do
       case Keyword.fetch(opts, :name) do
         {:ok, name} -> GenServer.start_link(__MODULE__, opts, name: name)
         :error -> GenServer.start_link(__MODULE__, opts)
@@ -210,6 +268,70 @@ defmodule VllmBridge.Worker do
       true ->
         :ok
     end
+  end
+
+  @doc """
+  Checks the `:max_calls`, `:max_memory_mb`, `:backoff_min` and
+  `:backoff_max` options of `opts` (the others are ignored): `:ok` or a
+  `:bad_args` error naming the option.
+
+  ## Examples
+
+      iex> VllmBridge.Worker.check_lifecycle_options(max_calls: 1_000, max_memory_mb: nil)
+      :ok
+
+      iex> {:error, error} = VllmBridge.Worker.check_lifecycle_options(max_memory_mb: 0)
+      iex> error.message
+      ":max_memory_mb must be a positive integer (MB) or nil, got 0"
+  """
+  @spec check_lifecycle_options(keyword()) :: :ok | {:error, Error.t()}
+  def check_lifecycle_options(opts) when is_list(opts) do
+    checks = [
+      max_calls: {"a positive integer or nil", &(&1 == nil or (is_integer(&1) and &1 > 0))},
+      max_memory_mb:
+        {"a positive integer (MB) or nil", &(&1 == nil or (is_integer(&1) and &1 > 0))},
+      backoff_min: {"a positive integer (ms)", &(is_integer(&1) and &1 > 0)},
+      backoff_max: {"a positive integer (ms)", &(is_integer(&1) and &1 > 0)}
+    ]
+
+    Enum.find_value(checks, :ok, fn {key, {what, valid?}} ->
+      case Keyword.fetch(opts, key) do
+        {:ok, value} ->
+          unless valid?.(value) do
+            {:error,
+             Error.new(:bad_args, "#{inspect(key)} must be #{what}, got #{inspect(value)}",
+               details: %{key => value}
+             )}
+          end
+
+        :error ->
+          nil
+      end
+    end)
+  end
+
+  @doc """
+  Waits until the worker's Python process has answered its start handshake.
+
+  Returns `:ok`, or the `:worker` error of a failed start, which names the
+  Python executable, its exit status, and the module Python could not import
+  (`details.missing_module`, with the last lines of its stderr under
+  `details.stderr`); see "Start-up". A worker whose start has failed answers
+  at once with the last failure, even while it tries again.
+  `VllmBridge.Pool.start_link/1` waits for every worker this way.
+  """
+  @spec await_started(server(), timeout()) :: :ok | {:error, Error.t()}
+  def await_started(worker, timeout \\ 60_000) do
+    GenServer.call(worker, :await_started, timeout)
+  catch
+    :exit, {:timeout, _} ->
+      {:error,
+       Error.new(:timeout, "the Python worker did not start within #{timeout} ms",
+         details: %{worker: worker, timeout: timeout}
+       )}
+
+    :exit, {reason, _} ->
+      {:error, not_running(worker, reason)}
   end
 
   @doc """
@@ -311,7 +433,9 @@ defmodule VllmBridge.Worker do
     Port.command(port, frame)
     await_reply(tag, table, id, pid, timeout)
   rescue
-    # The port closed (Python exited): the worker's exit notice is on its way.
+    # The port closed (Python exited): the worker's exit notice is on its way
+    # (or, for a Python that failed to start, the worker answers the entry on
+    # its next health tick or start: see "Start-up").
     ArgumentError -> await_reply(tag, table, id, pid, timeout)
   end
 
@@ -381,7 +505,10 @@ defmodule VllmBridge.Worker do
   @doc """
   A snapshot of the worker: `:os_pid`, `:python` (the executable), `:pending`
   (callers' requests in flight; a health ping is not one), `:pool`, `:index`,
-  `:health_interval` and `:health_timeout`.
+  `:health_interval`, `:health_timeout`, `:phase` (`:starting`, `:ready`,
+  `:backoff` after a failed start, `:retiring` when over a limit), `:calls`
+  (calls answered), `:failed_starts` (in a row), `:max_calls` and
+  `:max_memory_mb`.
   """
   @spec info(server()) :: {:ok, map()} | {:error, Error.t()}
   def info(worker) do
@@ -417,53 +544,118 @@ defmodule VllmBridge.Worker do
   @impl true
   def init(opts) do
     Process.flag(:trap_exit, true)
-    python = find_python(opts)
+
+    # Calls in flight, request id -> reply address: the caller's alias for a
+    # call through the channel, its GenServer `from` for one through here.
+    # Entries are {id, reply address, caller pid}; a health ping's is
+    # {id, :health, nil}, the start handshake's {id, :handshake, nil}. The
+    # table outlives the Python processes of failed starts.
+    table = :ets.new(__MODULE__, [:set, :public, write_concurrency: true])
+
+    state = %{
+      port: nil,
+      os_pid: nil,
+      python: find_python(opts),
+      spawn: Keyword.take(opts, [:args, :env, :cd]),
+      table: table,
+      pool: opts[:pool],
+      index: opts[:index],
+      registry: opts[:registry],
+      health_interval: Keyword.get(opts, :health_interval, @health_interval),
+      health_timeout: Keyword.get(opts, :health_timeout, @health_timeout),
+      max_calls: Keyword.get(opts, :max_calls),
+      max_memory_mb: Keyword.get(opts, :max_memory_mb),
+      backoff_min: Keyword.get(opts, :backoff_min, @backoff_min),
+      backoff_max: Keyword.get(opts, :backoff_max, @backoff_max),
+      # :starting (waiting for the start handshake), :ready, :backoff (a
+      # start failed; the next one is scheduled), :retiring (over a limit,
+      # draining), :gone (the Python process is gone and reported)
+      phase: :starting,
+      # consecutive failed starts, and the last one's error
+      attempt: 0,
+      last_error: nil,
+      # callers of await_started/2 while :starting
+      waiters: [],
+      spawned_at: nil,
+      diagnosis: nil,
+      # calls answered, and when memory was last read (monotonic ms)
+      calls: 0,
+      memory_checked: nil,
+      replace_requested: false,
+      # the port's count of bytes read from Python at the last look
+      heard: 0,
+      # the health ping in flight, {id, its timeout's timer}, if any
+      health: nil
+    }
+
+    if started_before?(opts[:registry]) do
+      Telemetry.execute(
+        [:vllm_bridge, :worker, :restarted],
+        %{system_time: System.system_time(), delay: 0},
+        %{pool: state.pool, index: state.index, worker: self(), attempt: 0}
+      )
+    end
+
+    {:ok, state |> spawn_python() |> schedule_tick()}
+  end
+
+  # Counts this start in the pool's array of starts per index: true when a
+  # worker ran at this index before.
+  defp started_before?({registry, index}) when is_integer(index) do
+    case Registry.meta(registry, :starts) do
+      {:ok, starts} -> :atomics.add_get(starts, index + 1, 1) > 1
+      :error -> false
+    end
+  end
+
+  defp started_before?(_registry), do: false
+
+  # Spawns the Python process and writes the start handshake (a ping); calls
+  # may be written behind it at once, Python answers them once it runs.
+  defp spawn_python(state) do
+    python = state.python
+    # entries of callers that wrote to the port of a failed start
+    if state.last_error, do: fail_all(state, state.last_error)
 
     executable =
       if Path.type(python) == :absolute, do: python, else: System.find_executable(python)
 
-    port_opts =
-      [
-        :binary,
-        {:packet, 4},
-        :exit_status,
-        :use_stdio,
-        :hide,
-        args: ["-m", "bridge_py.worker" | Keyword.get(opts, :args, [])],
-        env: port_env(Keyword.get(opts, :env, []))
-      ] ++ if(cd = opts[:cd], do: [cd: cd], else: [])
-
     try do
       if executable == nil, do: raise(ErlangError, original: :enoent)
-      port = Port.open({:spawn_executable, executable}, port_opts)
+      port = Port.open({:spawn_executable, executable}, port_options(state.spawn))
       {:os_pid, os_pid} = Port.info(port, :os_pid)
-      # Calls in flight, request id -> reply address: the caller's alias for
-      # a call through the channel, its GenServer `from` for one through here.
-      # Entries are {id, reply address, caller pid}; a health ping's is
-      # {id, :health, nil}.
-      table = :ets.new(__MODULE__, [:set, :public, write_concurrency: true])
-      publish(opts[:registry], {:channel, self(), port, table})
+      id = new_id()
+      :ets.insert(state.table, {id, :handshake, nil})
+      {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
+      write(port, frame)
+      publish(state.registry, {:channel, self(), port, state.table})
 
-      state = %{
-        port: port,
-        os_pid: os_pid,
-        python: executable,
-        table: table,
-        pool: opts[:pool],
-        index: opts[:index],
-        health_interval: Keyword.get(opts, :health_interval, @health_interval),
-        health_timeout: Keyword.get(opts, :health_timeout, @health_timeout),
-        # the port's count of bytes read from Python at the last look
-        heard: 0,
-        # the health ping in flight, {id, its timeout's timer}, if any
-        health: nil
+      %{
+        state
+        | port: port,
+          os_pid: os_pid,
+          python: executable,
+          phase: :starting,
+          spawned_at: System.monotonic_time(),
+          heard: 0,
+          health: nil
       }
-
-      {:ok, schedule_tick(state)}
     rescue
       error in [ErlangError, ArgumentError] ->
-        {:stop, {:python_not_started, python, Exception.message(error)}}
+        start_failed(state, nil, "cannot run #{python}: #{Exception.message(error)}")
     end
+  end
+
+  defp port_options(spawn) do
+    [
+      :binary,
+      {:packet, 4},
+      :exit_status,
+      :use_stdio,
+      :hide,
+      args: ["-m", "bridge_py.worker" | Keyword.get(spawn, :args, [])],
+      env: port_env(Keyword.get(spawn, :env, []))
+    ] ++ if(cd = spawn[:cd], do: [cd: cd], else: [])
   end
 
   defp publish(nil, _channel), do: :ok
@@ -474,7 +666,8 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_call({:request, id, frame}, {caller, _} = from, state) do
+  def handle_call({:request, id, frame}, {caller, _} = from, %{phase: phase} = state)
+      when phase in [:starting, :ready] do
     if :ets.insert_new(state.table, {id, from, caller}) do
       try do
         write(state.port, frame)
@@ -491,21 +684,34 @@ defmodule VllmBridge.Worker do
     end
   end
 
+  def handle_call({:request, _id, _frame}, _from, state) do
+    {:reply, {:error, unavailable(state)}, state}
+  end
+
+  def handle_call(:await_started, from, state) do
+    case state do
+      %{phase: phase} when phase in [:ready, :retiring] -> {:reply, :ok, state}
+      %{phase: :starting, attempt: 0} -> {:noreply, %{state | waiters: [from | state.waiters]}}
+      _failed -> {:reply, {:error, state.last_error}, state}
+    end
+  end
+
   def handle_call(:info, _from, state) do
-    health =
-      case state.health do
-        {id, _timer} -> if :ets.member(state.table, id), do: 1, else: 0
-        nil -> 0
-      end
+    own = :ets.select_count(state.table, [{{:_, :"$1", :_}, [{:is_atom, :"$1"}], [true]}])
 
     info = %{
       os_pid: state.os_pid,
       python: state.python,
-      pending: :ets.info(state.table, :size) - health,
+      pending: :ets.info(state.table, :size) - own,
       pool: state.pool,
       index: state.index,
       health_interval: state.health_interval,
-      health_timeout: state.health_timeout
+      health_timeout: state.health_timeout,
+      phase: state.phase,
+      calls: state.calls,
+      failed_starts: state.attempt,
+      max_calls: state.max_calls,
+      max_memory_mb: state.max_memory_mb
     }
 
     {:reply, info, state}
@@ -533,9 +739,12 @@ defmodule VllmBridge.Worker do
           [{_id, :health, _}] ->
             {:noreply, answered(state)}
 
+          [{_id, :handshake, _}] ->
+            {:noreply, started(state)}
+
           [{_id, to, _caller}] ->
             answer(to, {:ok, reply})
-            {:noreply, state}
+            after_call(state)
 
           # No entry: the caller timed out and went away; drop the late reply.
           [] ->
@@ -548,26 +757,49 @@ defmodule VllmBridge.Worker do
     end
   end
 
+  def handle_info({port, {:exit_status, status}}, %{port: port, phase: :starting} = state) do
+    {:noreply, start_failed(%{state | port: nil}, status, nil)}
+  end
+
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
     message = "the Python worker (os pid #{state.os_pid}) exited with status #{status}"
     Logger.error("#{describe(state)}: #{message}")
+    exited(state, :exit, status)
     fail_pending(state, message, %{exit_status: status})
-    {:stop, {:shutdown, {:exit_status, status}}, %{state | port: nil}}
+    {:stop, {:shutdown, {:exit_status, status}}, %{state | port: nil, phase: :gone}}
   end
 
   def handle_info({:EXIT, port, reason}, %{port: port} = state) do
     message = "the port to the Python worker closed (#{inspect(reason)})"
+    exited(state, :exit, nil)
     fail_pending(state, message, %{reason: reason})
-    {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil}}
+    {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil, phase: :gone}}
   end
+
+  # The back-off after a failed start is over: start Python again.
+  def handle_info({:retry, delay}, %{phase: :backoff} = state) do
+    Telemetry.execute(
+      [:vllm_bridge, :worker, :restarted],
+      %{system_time: System.system_time(), delay: delay},
+      %{pool: state.pool, index: state.index, worker: self(), attempt: state.attempt}
+    )
+
+    {:noreply, spawn_python(state)}
+  end
+
+  def handle_info(:drain_check, %{phase: :retiring} = state), do: drain(state)
 
   # Every tick: sweep; then, unless checks are off or a ping is in flight,
   # ping Python if nothing came from it since the last tick.
   def handle_info(:health_tick, state) do
     sweep(state.table)
+    if state.phase == :backoff, do: fail_all(state, state.last_error)
 
     state =
       case state do
+        %{port: nil} ->
+          state
+
         %{health_interval: false} ->
           state
 
@@ -581,7 +813,13 @@ defmodule VllmBridge.Worker do
           state
       end
 
-    {:noreply, schedule_tick(state)}
+    state = schedule_tick(state)
+
+    # a worker that is idle is checked for memory here, between calls
+    case state do
+      %{phase: :ready, max_memory_mb: mb} when is_integer(mb) -> check_memory(state, true)
+      _ -> {:noreply, state}
+    end
   end
 
   def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
@@ -594,6 +832,304 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info(_other, state), do: {:noreply, state}
+
+  ## Start-up and back-off -----------------------------------------------------
+
+  # The start handshake came back: Python runs and reads requests.
+  defp started(state) do
+    for from <- state.waiters, do: GenServer.reply(from, :ok)
+
+    Telemetry.execute(
+      [:vllm_bridge, :worker, :started],
+      %{
+        system_time: System.system_time(),
+        duration: System.monotonic_time() - state.spawned_at
+      },
+      %{
+        pool: state.pool,
+        index: state.index,
+        worker: self(),
+        os_pid: state.os_pid,
+        python: state.python
+      }
+    )
+
+    if state.attempt > 0 do
+      Logger.info("#{describe(state)}: the Python worker started after #{state.attempt} failures")
+    end
+
+    %{
+      state
+      | phase: :ready,
+        attempt: 0,
+        last_error: nil,
+        diagnosis: nil,
+        waiters: [],
+        heard: port_input(state.port)
+    }
+  end
+
+  # Python could not start (no executable: status nil and a reason) or exited
+  # before answering its start handshake: every waiting caller gets the
+  # error, and the next start is scheduled after a back-off.
+  defp start_failed(state, status, reason) do
+    attempt = state.attempt + 1
+    {diagnosis, summary} = if reason, do: {nil, reason}, else: diagnosis(state)
+    delay = backoff(state, attempt)
+
+    what =
+      if status,
+        do: "#{state.python} -m bridge_py.worker exited with status #{status} before answering: ",
+        else: ""
+
+    message =
+      "#{describe(state)}: the Python worker could not start: #{what}#{summary} " <>
+        "(failed starts in a row: #{attempt}; next try in #{delay} ms)"
+
+    Logger.error(message)
+    if status, do: exited(state, :start_failed, status)
+
+    details = %{
+      pool: state.pool,
+      index: state.index,
+      python: state.python,
+      exit_status: status,
+      attempt: attempt,
+      retry_in: delay
+    }
+
+    details =
+      case diagnosis do
+        %{} -> Map.merge(details, diagnosis)
+        nil -> details
+      end
+
+    error = Error.new(:worker, message, details: details)
+
+    for from <- state.waiters, do: GenServer.reply(from, {:error, error})
+    fail_all(state, error)
+    publish(state.registry, nil)
+    cancel_health(state)
+    Process.send_after(self(), {:retry, delay}, delay)
+
+    %{
+      state
+      | port: nil,
+        phase: :backoff,
+        attempt: attempt,
+        last_error: error,
+        diagnosis: diagnosis,
+        waiters: [],
+        health: nil
+    }
+  end
+
+  # A bounded exponential back-off: backoff_min, doubled per failed start in
+  # a row, at most backoff_max.
+  defp backoff(state, attempt) do
+    min(state.backoff_max, state.backoff_min * Integer.pow(2, min(attempt - 1, 20)))
+  end
+
+  # Why Python did not start, from its own words: the same command is run
+  # again with stdin at EOF and stderr captured (only after a failed start,
+  # once per run of failures). Returns {details, summary}.
+  defp diagnosis(%{diagnosis: %{} = diagnosis}), do: {diagnosis, diagnosis_summary(diagnosis)}
+
+  defp diagnosis(state) do
+    output = rerun(state)
+
+    lines =
+      output
+      |> String.split("\n", trim: true)
+      |> Enum.take(-@stderr_lines)
+
+    missing =
+      case Regex.scan(~r/No module named '([^']+)'/, output) do
+        [] -> nil
+        found -> found |> List.last() |> Enum.at(1)
+      end
+
+    diagnosis = %{stderr: lines, missing_module: missing}
+    {diagnosis, diagnosis_summary(diagnosis)}
+  end
+
+  defp diagnosis_summary(%{stderr: []}), do: "it printed nothing on stderr"
+
+  defp diagnosis_summary(%{missing_module: module, stderr: lines}) when is_binary(module),
+    do: "#{String.trim(List.last(lines))} (Python cannot import '#{module}')"
+
+  defp diagnosis_summary(%{stderr: lines}), do: String.trim(List.last(lines))
+
+  defp rerun(state) do
+    args = ["-c", "exec \"$0\" \"$@\" </dev/null 2>&1", state.python, "-m", "bridge_py.worker"]
+    opts = state.spawn
+
+    port_opts =
+      [
+        :binary,
+        :exit_status,
+        :hide,
+        args: args ++ Keyword.get(opts, :args, []),
+        env: port_env(Keyword.get(opts, :env, []))
+      ] ++ if(cd = opts[:cd], do: [cd: cd], else: [])
+
+    port = Port.open({:spawn_executable, System.find_executable("sh") || "/bin/sh"}, port_opts)
+    deadline = System.monotonic_time(:millisecond) + @diagnosis_timeout
+    collect(port, deadline, [])
+  rescue
+    error in [ErlangError, ArgumentError] ->
+      "(could not run it again: #{Exception.message(error)})"
+  end
+
+  defp collect(port, deadline, acc) do
+    wait = max(deadline - System.monotonic_time(:millisecond), 0)
+
+    receive do
+      {^port, {:data, data}} -> collect(port, deadline, [acc, data])
+      {^port, {:exit_status, _}} -> IO.iodata_to_binary(acc)
+    after
+      wait ->
+        with {:os_pid, os_pid} <- Port.info(port, :os_pid), do: kill(os_pid)
+        Port.close(port)
+        IO.iodata_to_binary(acc)
+    end
+  end
+
+  # What a call through this process gets while no Python process serves it.
+  defp unavailable(%{phase: :retiring} = state) do
+    Error.new(
+      :worker,
+      "#{describe(state)} is being replaced (over its :max_calls or :max_memory_mb) and " <>
+        "takes no new calls",
+      details: %{pool: state.pool, index: state.index}
+    )
+  end
+
+  defp unavailable(state), do: state.last_error
+
+  ## Lifecycle limits ------------------------------------------------------------
+
+  # After a caller's reply: count it, then look at the limits (between calls).
+  defp after_call(%{phase: :retiring} = state), do: drain(%{state | calls: state.calls + 1})
+
+  defp after_call(state) do
+    state = %{state | calls: state.calls + 1}
+
+    cond do
+      is_integer(state.max_calls) and state.calls >= state.max_calls ->
+        {:noreply, retire(state, "it answered #{state.calls} calls (max_calls)")}
+
+      is_integer(state.max_memory_mb) ->
+        check_memory(state, false)
+
+      true ->
+        {:noreply, state}
+    end
+  end
+
+  # Reads the Python process's resident memory (at most once a second unless
+  # `now`) and retires the worker when it is over :max_memory_mb.
+  defp check_memory(state, now) do
+    time = System.monotonic_time(:millisecond)
+
+    if now or state.memory_checked == nil or time - state.memory_checked >= @memory_interval do
+      state = %{state | memory_checked: time}
+
+      case rss_mb(state.os_pid) do
+        mb when is_integer(mb) and mb > state.max_memory_mb ->
+          {:noreply,
+           retire(
+             state,
+             "its Python process uses #{mb} MB (max_memory_mb #{state.max_memory_mb})"
+           )}
+
+        _ ->
+          {:noreply, state}
+      end
+    else
+      {:noreply, state}
+    end
+  end
+
+  defp rss_mb(nil), do: nil
+
+  defp rss_mb(os_pid) do
+    case File.read("/proc/#{os_pid}/status") do
+      {:ok, status} ->
+        case Regex.run(~r/^VmRSS:\s+(\d+) kB/m, status) do
+          [_, kib] -> div(String.to_integer(kib), 1024)
+          nil -> nil
+        end
+
+      {:error, _} ->
+        case System.cmd("ps", ["-o", "rss=", "-p", Integer.to_string(os_pid)]) do
+          {kib, 0} -> div(String.to_integer(String.trim(kib)), 1024)
+          _ -> nil
+        end
+    end
+  rescue
+    _ -> nil
+  end
+
+  # Over a limit: leave the registry (no new call is routed here; refs into
+  # this worker are stale from now on), let the calls in flight finish, then
+  # have the pool replace this worker.
+  defp retire(state, why) do
+    Logger.info("#{describe(state)}: replacing the worker once its calls finish: #{why}")
+
+    case state.registry do
+      {registry, key} -> Registry.unregister(registry, key)
+      nil -> :ok
+    end
+
+    # a caller that looked the worker up just before may still write its call
+    Process.send_after(self(), :drain_check, @drain_grace)
+    %{state | phase: :retiring}
+  end
+
+  defp drain(%{replace_requested: true} = state), do: {:noreply, state}
+
+  defp drain(state) do
+    callers = :ets.select_count(state.table, [{{:_, :_, :"$1"}, [{:is_pid, :"$1"}], [true]}])
+
+    cond do
+      callers > 0 ->
+        {:noreply, state}
+
+      replacer = replacer(state.registry) ->
+        GenServer.cast(replacer, {:replace, state.index, self()})
+        {:noreply, %{state | replace_requested: true}}
+
+      true ->
+        {:stop, {:shutdown, :replaced}, state}
+    end
+  end
+
+  defp replacer({registry, _key}) do
+    case Registry.meta(registry, :replacer) do
+      {:ok, pid} -> pid
+      :error -> nil
+    end
+  rescue
+    ArgumentError -> nil
+  end
+
+  defp replacer(nil), do: nil
+
+  defp exited(state, reason, status) do
+    Telemetry.execute(
+      [:vllm_bridge, :worker, :exited],
+      %{system_time: System.system_time()},
+      %{
+        pool: state.pool,
+        index: state.index,
+        worker: self(),
+        os_pid: state.os_pid,
+        exit_status: status,
+        reason: reason
+      }
+    )
+  end
 
   ## Health checks -------------------------------------------------------------
 
@@ -631,6 +1167,9 @@ defmodule VllmBridge.Worker do
     %{state | health: {id, timer}}
   end
 
+  defp cancel_health(%{health: {_id, timer}}), do: Process.cancel_timer(timer)
+  defp cancel_health(_state), do: false
+
   # The reply to the health ping: Python is alive; the next tick looks again.
   defp answered(%{health: {_id, timer}} = state) do
     Process.cancel_timer(timer)
@@ -648,8 +1187,9 @@ defmodule VllmBridge.Worker do
 
     Logger.error("#{describe(state)} (os pid #{state.os_pid}): #{message}")
     kill(state.os_pid)
+    exited(state, :unresponsive, nil)
     fail_pending(state, message, %{reason: :unresponsive})
-    {:stop, {:shutdown, :unresponsive}, state}
+    {:stop, {:shutdown, :unresponsive}, %{state | phase: :gone}}
   end
 
   # How long a health ping waits: Python that has not answered anything yet
@@ -695,6 +1235,13 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def terminate(_reason, %{port: port} = state) do
+    if port != nil and state.phase != :gone,
+      do: exited(state, if(state.phase == :retiring, do: :replaced, else: :shutdown), nil)
+
+    for from <- state.waiters do
+      GenServer.reply(from, {:error, Error.new(:worker, "the worker is shutting down")})
+    end
+
     fail_pending(state, "the worker is shutting down", %{})
 
     if port != nil do
@@ -711,7 +1258,7 @@ defmodule VllmBridge.Worker do
   # A reply address is a caller's alias (through the channel), a `from`, or
   # :health for this process's own health ping (nothing to hand over).
   defp answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
-  defp answer(:health, _result), do: :ok
+  defp answer(own, _result) when own in [:health, :handshake], do: :ok
   defp answer(from, result), do: GenServer.reply(from, result)
 
   defp fail_pending(state, message, details) do
@@ -720,6 +1267,10 @@ defmodule VllmBridge.Worker do
         details: Map.merge(details, %{pool: state.pool, index: state.index, os_pid: state.os_pid})
       )
 
+    fail_all(state, error)
+  end
+
+  defp fail_all(state, error) do
     # (taken one by one: terminate/2 sweeps again, and each caller hears once)
     for {id, _to, _caller} <- :ets.tab2list(state.table),
         [{_id, to, _caller}] <- [:ets.take(state.table, id)],

@@ -140,6 +140,9 @@ defmodule VllmBridge.FaultsTest do
     worker =
       start_supervised!(Supervisor.child_spec({Worker, args: sample_args()}, restart: :temporary))
 
+    # Python runs (a Python that dies before answering its start handshake is
+    # a failed start, retried by the same worker: see "Start-up" in Worker)
+    :ok = Worker.await_started(worker)
     {:ok, os_pid} = Worker.os_pid(worker)
     %{port: port} = :sys.get_state(worker)
 
@@ -167,6 +170,7 @@ defmodule VllmBridge.FaultsTest do
     name = {:via, Registry, {registry, 0}}
     spec = {Worker, args: sample_args(), name: name, registry: {registry, 0}}
     worker = start_supervised!(Supervisor.child_spec(spec, restart: :temporary))
+    :ok = Worker.await_started(worker)
 
     {:ok, os_pid} = Worker.os_pid(worker)
     assert [{:channel, ^worker, port, _} = channel] = Registry.values(registry, 0, worker)

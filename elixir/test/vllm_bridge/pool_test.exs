@@ -227,9 +227,15 @@ defmodule VllmBridge.PoolTest do
       assert {:messages, []} = Process.info(self(), :messages)
     end
 
+    @tag :capture_log
     test "a Python that cannot start is an error at start" do
-      assert {:error, {{:python_not_started, "/nonexistent/python", _}, _}} =
-               start_supervised({Worker, python: "/nonexistent/python"})
+      worker = start_supervised!({Worker, python: "/nonexistent/python", backoff_min: 50})
+
+      assert {:error, %Error{category: :worker, message: message}} =
+               Worker.await_started(worker, 5_000)
+
+      assert message =~ "/nonexistent/python"
+      assert {:ok, %{phase: :backoff}} = Worker.info(worker)
     end
 
     test "a worker that is not running is a :worker error" do

@@ -69,6 +69,41 @@ defmodule VllmBridge.FaultHelpers do
     path
   end
 
+  @doc false
+  # A real Python that lacks torch: the project's Python without its site
+  # directory (-S), given every installed package but torch through
+  # PYTHONPATH. With `switch`, it is the full Python until that file exists.
+  def torchless_python!(dir, switch \\ nil) do
+    python = python!()
+
+    {site, 0} =
+      System.cmd(python, [
+        "-c",
+        "import msgpack, os; print(os.path.dirname(os.path.dirname(msgpack.__file__)))"
+      ])
+
+    site = String.trim(site)
+    lib = Path.join(dir, "site")
+    File.mkdir_p!(lib)
+
+    for entry <- File.ls!(site), not String.starts_with?(entry, ["torch", "functorch"]) do
+      File.ln_s!(Path.join(site, entry), Path.join(lib, entry))
+    end
+
+    torchless = "PYTHONPATH=\"$PYTHONPATH:#{lib}\" exec #{python} -S \"$@\""
+
+    script =
+      case switch do
+        nil -> "#!/bin/sh\n#{torchless}\n"
+        file -> "#!/bin/sh\nif [ -e #{file} ]; then #{torchless}; fi\nexec #{python} \"$@\"\n"
+      end
+
+    path = Path.join(dir, "torchless_python")
+    File.write!(path, script)
+    File.chmod!(path, 0o755)
+    path
+  end
+
   @doc """
   Opens a raw port to `python -m bridge_py.worker` serving the sample table,
   the way `VllmBridge.Worker` does ({:packet, 4}). Returns `{port, os_pid}`.

@@ -1,0 +1,96 @@
+Code.require_file("support/test_python.exs", __DIR__)
+Code.require_file("support/fault_helpers.exs", __DIR__)
+Code.require_file("support/telemetry.exs", __DIR__)
+
+defmodule VllmBridge.GuideTest do
+  # Runs the snippets of docs/guide-elixir.md's sections on start-up, lifecycle
+  # limits and telemetry, as written: a `# => value` line after an expression
+  # asserts that the expression equals the value. Not async: the snippets use
+  # fixed pool names and attach a global telemetry handler.
+  use ExUnit.Case, async: false
+
+  import ExUnit.CaptureLog
+  import VllmBridge.PoolHelpers
+  import VllmBridge.FaultHelpers
+
+  alias VllmBridge.{Pool, Runtime, Worker}
+
+  @moduletag timeout: 120_000
+  @moduletag :tmp_dir
+
+  @guide Path.join(VllmBridge.TestPython.root(), "docs/guide-elixir.md")
+
+  # The ```elixir blocks of the section under `heading`, up to the next heading.
+  defp snippets(heading) do
+    [_, section] = String.split(File.read!(@guide), "\n" <> heading <> "\n", parts: 2)
+    [section | _] = String.split(section, ~r/\n#+ (?!=>)/, parts: 2)
+
+    ~r/```elixir\n(.*?)```/s
+    |> Regex.scan(section, capture: :all_but_first)
+    |> Enum.map(fn [code] -> with_assertions(code) end)
+  end
+
+  defp with_assertions(code) do
+    code
+    |> String.split("\n")
+    |> Enum.reduce([], fn
+      "# => " <> value, [expression | rest] ->
+        [
+          "#{inspect(__MODULE__)}.same!((#{expression}), (#{value}), #{inspect(expression)})"
+          | rest
+        ]
+
+      line, acc ->
+        [line | acc]
+    end)
+    |> Enum.reverse()
+    |> Enum.join("\n")
+  end
+
+  @doc false
+  def same!(got, expected, expression) do
+    assert got == expected, "#{expression} in #{@guide}"
+  end
+
+  defp run!(code, binding \\ []) do
+    {_value, binding} = Code.eval_string(code, binding, file: @guide)
+    binding
+  end
+
+  @tag :capture_log
+  test "Start-up and restarts: a Python without torch is an error at start", %{tmp_dir: dir} do
+    assert [code] = snippets("### Start-up and restarts")
+    run!(code, python_without_torch: torchless_python!(dir))
+    assert Process.whereis(MyApp.NoTorch) == nil
+  end
+
+  test "Lifecycle limits: the pool options" do
+    assert [code] = snippets("### Lifecycle limits")
+    children = Keyword.fetch!(run!(code), :children)
+
+    for child <- children, do: start_supervised!(child)
+    warm!(MyApp.Ranks)
+
+    assert {:ok, 2} = Pool.size(MyApp.Ranks)
+    {:ok, worker} = Pool.worker(MyApp.Ranks, 1)
+    assert {:ok, %{max_calls: 10_000, max_memory_mb: 8_000}} = Worker.info(worker)
+  end
+
+  test "Telemetry: logging slow calls" do
+    assert [code] = snippets("## Telemetry")
+    true = VllmBridge.Telemetry.refresh()
+    on_exit(fn -> :telemetry.detach("log-slow-bridge-calls") end)
+    run!(code)
+
+    pool = start_pool!(:guide_telemetry, 1)
+
+    log =
+      capture_log(fn ->
+        assert {:ok, 0.6} = Runtime.call_function("sleep", [0.6], __runtime__: [pool: pool])
+        assert {:ok, 0.0} = Runtime.call_function("sleep", [0.0], __runtime__: [pool: pool])
+      end)
+
+    assert log =~ ~r/sleep on :guide_telemetry worker 0 took \d+ ms/
+    assert length(Regex.scan(~r/took/, log)) == 1
+  end
+end
