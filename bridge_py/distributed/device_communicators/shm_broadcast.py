@@ -490,28 +490,22 @@ class MessageQueue:
 
     def _assemble(self, total: int, part: int, view: memoryview) -> bytes | bytearray | None:
         """Take one chunk: the whole message once its last part is in, else None."""
-        if self._subscriber is not None:
-            reader, error = f"remote reader rank {self._subscriber.rank}", DistributedError
-            where = f"a chunk from the writer at {self._subscriber.address}"
-        else:
-            reader, error = f"local reader {self.local_reader_rank}", SharedMemoryError
-            where = f"chunk {self.current_idx} of segment {self._ring().name!r}"
-        if total == 0:
-            raise DistributedError(f"{reader} expected a message, got the READY signal ({where})")
         incoming = self._incoming
+        size = len(view)
+        if incoming is None and part == 0 and 0 < size == total:
+            return bytes(view)  # a message in one chunk: the common case
+        if total == 0:
+            raise self._broken("expected a message, got the READY signal", DistributedError)
         expected = 0 if incoming is None else incoming.part
         if part != expected:
-            raise error(f"{reader}: {where} holds part {part} of a message, expected {expected}")
-        size = len(view)
+            raise self._broken(f"holds part {part} of a message, expected {expected}")
         if size > total or total > MAX_MESSAGE_BYTES:
-            raise error(f"{reader}: {where} is corrupt: it holds {size} bytes of a {total}-byte")
-        if incoming is None and size == total:
-            return bytes(view)
+            raise self._broken(f"is corrupt: it holds {size} bytes of a {total}-byte message")
         if incoming is None:
             incoming = self._incoming = _Incoming(bytearray(total))
         if incoming.filled + size > len(incoming.data):
-            raise error(
-                f"{reader}: {where} overflows its message: {size} more bytes after "
+            raise self._broken(
+                f"overflows its message: {size} more bytes after "
                 f"{incoming.filled} of {len(incoming.data)}"
             )
         incoming.data[incoming.filled : incoming.filled + size] = view
@@ -521,6 +515,14 @@ class MessageQueue:
             return None
         self._incoming = None
         return incoming.data
+
+    def _broken(self, what: str, error: type[DistributedError] | None = None) -> DistributedError:
+        """The error for a chunk that ``what`` (a corrupt stream or ring), naming both ends."""
+        if self._subscriber is not None:
+            where = f"remote reader rank {self._subscriber.rank}: a chunk from the writer at "
+            return (error or DistributedError)(f"{where}{self._subscriber.address} {what}")
+        where = f"local reader {self.local_reader_rank}: chunk {self.current_idx} of segment"
+        return (error or SharedMemoryError)(f"{where} {self._ring().name!r} {what}")
 
     def _context(self, seq: int) -> str:
         """What message ``seq``'s tag is bound to: this queue (its random token) and ``seq``."""
