@@ -81,8 +81,8 @@ class ShmChannel:
 
         ``view`` is a memoryview of the body, valid only during the call: ``read_body`` must
         copy what it keeps. Raises SharedMemoryError when the segment is missing,
-        truncated or not a gather's (its header says so), and ``UntrustedFileError`` (naming it) when it is not a file of this
-        user's that only this user may write.
+        truncated or not a gather's (its header says so), and ``UntrustedFileError``
+        (naming it) when it is not a file of this user's that only this user may write.
         """
         try:
             # Made by rank ``rank``: read only if it is this user's, writable by it alone.
