@@ -1,9 +1,10 @@
 """vLLM's MessageQueue without vLLM: one writer broadcasting objects to many readers.
 
 Readers on the writer's node read from a shared-memory ring (:class:`ShmRingBuffer`, see
-``shm_ring.py`` for its layout); readers on other nodes get the same bytes over TCP
-(``shm_remote.py``, stdlib sockets, no ZeroMQ). Names, signatures and behaviour follow
-``vllm.distributed.device_communicators.shm_broadcast``; it does better in these ways:
+``shm_ring.py`` for its layout); readers on other nodes get the same chunks over TCP
+(``shm_remote.py``, stdlib sockets, no ZeroMQ), and both reassemble them alike. Names,
+signatures and behaviour follow ``vllm.distributed.device_communicators.shm_broadcast``;
+it does better in these ways:
 
 * a message larger than a chunk streams through consecutive chunks (readers copy each part
   out and free the chunk at once), so any size works with any ring, without a side channel;

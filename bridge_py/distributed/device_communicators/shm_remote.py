@@ -90,7 +90,6 @@ class RemotePublisher:
         self._ranks = ranks
         self._peers: dict[int, socket.socket] = {}
         self._pending: dict[int, collections.deque[memoryview]] = {}
-        self._lock = threading.Lock()
 
     def accept(self, deadline: float | None) -> None:
         """Accept connections until every expected remote reader has said hello, then stop
@@ -148,19 +147,17 @@ class RemotePublisher:
 
     def flush(self, deadline: float | None) -> None:
         """Send what is queued; on GroupTimeout the rest stays queued for the next call."""
-        with self._lock:
-            busy = [rank for rank, queue in self._pending.items() if queue]
-            wait_until(
-                lambda: all([self._push(rank) for rank in busy]),
-                lambda: (
-                    "remote readers "
-                    f"{[rank for rank in busy if self._pending[rank]]} to take a message"
-                ),
-                deadline,
-                sleep=lambda seconds: select.select(
-                    [], [self._peers[rank] for rank in busy if self._pending[rank]], [], seconds
-                ),
-            )
+        busy = [rank for rank, queue in self._pending.items() if queue]  # the queue's lock held
+        wait_until(
+            lambda: all([self._push(rank) for rank in busy]),
+            lambda: (
+                f"remote readers {[rank for rank in busy if self._pending[rank]]} to take a message"
+            ),
+            deadline,
+            sleep=lambda seconds: select.select(
+                [], [self._peers[rank] for rank in busy if self._pending[rank]], [], seconds
+            ),
+        )
 
     def _push(self, rank: int) -> bool:
         """Send as much of ``rank``'s queue as the socket takes; True when all is sent."""
