@@ -7,6 +7,7 @@ segment of ours may be left in /dev/shm.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -22,10 +23,8 @@ from bridge_py.distributed import (
 )
 from bridge_py.distributed.auth import seal_object
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-from bridge_py.distributed.device_communicators.shm_ring import (
-    CHUNK_HEADER_BYTES,
-    orphaned_segments,
-)
+from bridge_py.distributed.device_communicators.shm_ring import CHUNK_HEADER_BYTES, NAME_SUFFIX
+from bridge_py.distributed.shm.wait import pid_namespace, process_alive
 from tests.distributed.harness import free_port, run_ranks
 
 CHUNK = 4096
@@ -43,6 +42,18 @@ def no_leftover_segments() -> Iterator[None]:
     before = set(orphaned_segments())
     yield
     assert set(orphaned_segments()) - before == set()
+
+
+def orphaned_segments() -> list[str]:
+    """Queue rings under /dev/shm whose writer (named in the ring's name) has exited."""
+    prefix = f"vbspg_{pid_namespace()}_"
+    return [
+        name
+        for name in os.listdir("/dev/shm")
+        if name.startswith(prefix)
+        and name.endswith(NAME_SUFFIX)
+        and not process_alive(int(name[len(prefix) :].split("_")[0]))
+    ]
 
 
 def _exactly(size: int) -> bytes:

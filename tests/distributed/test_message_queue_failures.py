@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,11 +27,13 @@ from bridge_py.distributed.device_communicators.shm_broadcast import (
     MessageQueue,
     PeerGoneError,
 )
-from bridge_py.distributed.device_communicators.shm_remote import KIND_DATA, KIND_READY
-from bridge_py.distributed.device_communicators.shm_ring import NAME_PREFIX, orphaned_segments
+from bridge_py.distributed.device_communicators.shm_remote import READY
+from bridge_py.distributed.device_communicators.shm_ring import CHUNK
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
+from bridge_py.distributed.shm import segments
 from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.test_message_queue import orphaned_segments
 
 TIMEOUT = 30.0
 
@@ -163,7 +164,7 @@ def test_writer_notices_a_killed_reader_and_cleans_up() -> None:
     assert killed
     assert "local reader rank 0" in error and "exited" in error
     assert seconds < 5.0
-    assert name.startswith(NAME_PREFIX) and not exists
+    assert name.startswith(segments.NAME_PREFIX) and not exists
 
 
 def _victim_writer(conn: object) -> None:
@@ -189,19 +190,21 @@ def _killed_writer(rank: int) -> tuple:
         gone = _timed(queue.dequeue)  # no timeout: the dead writer ends the wait
         queue.close()
         orphaned = name in orphaned_segments()
+        # A killed writer cannot unlink: the next same-node group's orphan sweep does (and
+        # multiprocessing's resource tracker, at its exit).
+        removed = name in segments.remove_orphans() and not os.path.exists(f"/dev/shm/{name}")
     finally:
-        # A killed writer cannot unlink; multiprocessing's resource tracker would, at its exit.
         with contextlib.suppress(FileNotFoundError):
             segment = shared_memory.SharedMemory(name=name)
             segment.close()
             segment.unlink()
-    return first, gone, orphaned
+    return first, gone, orphaned, removed
 
 
 def test_reader_notices_a_killed_writer() -> None:
-    [(first, (message, seconds), orphaned)] = run_ranks(_killed_writer, 1, timeout=60)
+    [(first, (message, seconds), orphaned, removed)] = run_ranks(_killed_writer, 1, timeout=60)
     assert first == "last words"
-    assert orphaned  # found by orphaned_segments() (then removed by the test)
+    assert orphaned and removed  # found by orphaned_segments(), removed by remove_orphans()
     assert message.startswith("PeerGoneError") and "exited" in message
     assert seconds < 5.0
 
@@ -260,7 +263,7 @@ def test_misuse_is_reported_clearly() -> None:
         # A handle whose segment is not on this host: the reader is on another node.
         elsewhere = dataclasses.replace(
             handle,
-            buffer_handle=(*handle.buffer_handle[:3], NAME_PREFIX + "000000000000"),
+            buffer_handle=(*handle.buffer_handle[:3], segments.NAME_PREFIX + "0_0_00_mq"),
             writer_host="far-away",
         )
         with pytest.raises(SharedMemoryError, match=r"rank 0 .* must be remote readers"):
@@ -284,10 +287,11 @@ def _local_pair() -> tuple[MessageQueue, MessageQueue]:
     [
         # (total message length, part index, payload) per chunk, as a writer would write them
         ([(3, 0, b"abcdef")], "chunk 0 of segment .* is corrupt: it holds 6 bytes of a 3-byte"),
-        ([(10, 1, b"ab")], "local reader 0 of segment .* chunk 0 holds part 1 .* expected part 0"),
+        ([(10, 1, b"ab")], "local reader 0: chunk 0 of segment .* holds part 1 .* expected 0"),
         ([(10, 0, b"abcdefgh"), (10, 1, b"abcdefgh")], "chunk 1 of segment .* overflows its"),
+        ([(2**20, 0, b"a" * 60)], "chunk 0 of segment .* is corrupt: it holds 60 bytes .* fit"),
     ],
-    ids=["longer than its message", "out of order", "overflowing"],
+    ids=["longer than its message", "out of order", "overflowing", "longer than a chunk"],
 )
 def test_a_corrupt_chunk_is_a_shared_memory_error(
     chunks: list[tuple[int, int, bytes]], words: str
@@ -305,7 +309,7 @@ def test_a_corrupt_chunk_is_a_shared_memory_error(
         writer.close()
 
 
-def _fake_writer(listener: socket.socket, frames: list[tuple[int, bytes]]) -> None:
+def _fake_writer(listener: socket.socket, frames: list[bytes]) -> None:
     """Accept one remote reader, read its hello, send ``frames``, keep the line open."""
     with listener:
         conn, _ = listener.accept()
@@ -314,12 +318,12 @@ def _fake_writer(listener: socket.socket, frames: list[tuple[int, bytes]]) -> No
         hello = b""
         while len(hello) < 24:  # magic, the queue's token, the reader's rank
             hello += conn.recv(24 - len(hello))
-        for kind, payload in frames:
-            conn.sendall(struct.pack("!BQ", kind, len(payload)) + payload)
+        for frame in frames:
+            conn.sendall(frame)
         conn.recv(1)  # until the reader closes
 
 
-def _remote_reader_of(frames: list[tuple[int, bytes]]) -> tuple[MessageQueue, threading.Thread]:
+def _remote_reader_of(frames: list[bytes]) -> tuple[MessageQueue, threading.Thread]:
     """Reader rank 3 of a queue whose "writer" is a plain socket sending ``frames``."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -336,11 +340,15 @@ def _remote_reader_of(frames: list[tuple[int, bytes]]) -> tuple[MessageQueue, th
 
 @pytest.mark.timeout(60)
 def test_a_writer_that_breaks_the_stream_is_a_distributed_error() -> None:
-    ready = (KIND_READY, b"")
-    cases = [  # the frames the writer sends, whether the reader gets ready first, the error
-        ([(9, b"")], False, r"remote reader rank 3 received a corrupt frame \(kind 9, 0 bytes\)"),
-        ([(KIND_DATA, b"x")], False, r"rank 3 expected the READY signal from .* of kind 2"),
-        ([ready, ready], True, r"rank 3 expected a message from .* of kind 1"),
+    def chunk(total: int, part: int, payload: bytes) -> bytes:
+        return CHUNK.pack(total, part, len(payload)) + payload
+
+    cases = [  # the chunks the writer sends, whether the reader gets ready first, the error
+        ([READY, chunk(3, 0, b"abcdef")], True, r"rank 3: a chunk from .* is corrupt: it holds 6"),
+        ([READY, chunk(10, 1, b"ab")], True, r"rank 3: a chunk from .* holds part 1 .* expected 0"),
+        ([READY, chunk(9, 0, b"ab"), chunk(9, 1, b"abcdefgh")], True, r"rank 3: .* overflows"),
+        ([chunk(1, 0, b"x")], False, r"rank 3 expected the READY signal from .*, got a part of"),
+        ([READY, READY], True, r"rank 3: a chunk from .* expected a message, got the READY signal"),
     ]
     for frames, ready_first, words in cases:
         reader, writer = _remote_reader_of(frames)

@@ -72,7 +72,6 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
-from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -354,9 +353,7 @@ class ShmCollectives:
         )
 
     @staticmethod
-    def _create_segment(
-        world_size: int, slot_bytes: int
-    ) -> tuple[shared_memory.SharedMemory, bytes]:
+    def _create_segment(world_size: int, slot_bytes: int) -> tuple[posix.Segment, bytes]:
         _, size = _layout(world_size, slot_bytes)
         token = secrets.token_bytes(16)
         shm = posix.create(NAME_PREFIX + secrets.token_hex(8), size)

@@ -1,9 +1,10 @@
 """vLLM's MessageQueue without vLLM: one writer broadcasting objects to many readers.
 
 Readers on the writer's node read from a shared-memory ring (:class:`ShmRingBuffer`, see
-``shm_ring.py`` for its layout); readers on other nodes get the same bytes over TCP
-(``shm_remote.py``, stdlib sockets, no ZeroMQ). Names, signatures and behaviour follow
-``vllm.distributed.device_communicators.shm_broadcast``; it does better in these ways:
+``shm_ring.py`` for its layout); readers on other nodes get the same chunks over TCP
+(``shm_remote.py``, stdlib sockets, no ZeroMQ), and both reassemble them alike. Names,
+signatures and behaviour follow ``vllm.distributed.device_communicators.shm_broadcast``;
+it does better in these ways:
 
 * a message larger than a chunk streams through consecutive chunks (readers copy each part
   out and free the chunk at once), so any size works with any ring, without a side channel;
@@ -40,18 +41,18 @@ from typing import Any
 
 from bridge_py.distributed.auth import AuthKey, open_object, resolve_key, seal_object
 from bridge_py.distributed.device_communicators.shm_remote import (
-    KIND_DATA,
-    KIND_READY,
+    READY,
     RemotePublisher,
     RemoteSubscriber,
 )
 from bridge_py.distributed.device_communicators.shm_ring import (
+    CHUNK,
     CHUNK_HEADER_BYTES,
     SLOT_DETACHED,
     SLOT_EMPTY,
     ShmRingBuffer,
 )
-from bridge_py.distributed.errors import DistributedError, GroupTimeout, SharedMemoryError
+from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.shm.wait import (
@@ -69,6 +70,8 @@ logger = logging.getLogger(__name__)
 # How long a reader tries to connect to the writer, and wait_until_ready's default bound.
 CONNECT_TIMEOUT_SECONDS = 60.0
 READY_TIMEOUT_SECONDS = 300.0
+# The largest message a reader allocates room for (a corrupt length fails instead).
+MAX_MESSAGE_BYTES = 1 << 40
 
 
 @dataclasses.dataclass
@@ -99,7 +102,6 @@ class _Outgoing:
     payload: bytes
     parts: int
     part: int = 0
-    published: bool = False
 
 
 @dataclasses.dataclass
@@ -133,6 +135,10 @@ class MessageQueue:
     :meth:`create_from_handle`; everyone then calls :meth:`wait_until_ready`. Or every rank
     of a group calls :meth:`create_from_process_group`, which does all of that.
     """
+
+    buffer: ShmRingBuffer | None = None
+    _publisher: RemotePublisher | None = None
+    _subscriber: RemoteSubscriber | None = None
 
     def __init__(
         self,
@@ -171,6 +177,10 @@ class MessageQueue:
             raise ValueError(
                 f"need 0 <= n_local_reader <= n_reader, got {n_local_reader} and {n_reader}"
             )
+        if not CHUNK_HEADER_BYTES < max_chunk_bytes < 2**32:
+            raise ValueError(
+                f"max_chunk_bytes must be in ({CHUNK_HEADER_BYTES}, 2**32), got {max_chunk_bytes}"
+            )
         n_remote_reader = n_reader - n_local_reader
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
@@ -193,16 +203,9 @@ class MessageQueue:
                 )
             if set(remote_reader_ranks) & set(local_reader_ranks):
                 raise ValueError("a rank cannot be both a local and a remote reader")
-        self.n_reader = n_reader
-        self.n_local_reader = n_local_reader
-        self.n_remote_reader = n_remote_reader
-        self._auth_key = resolve_key(auth_key)
-        self._sent = 0
-        self._received = 0
+        key = resolve_key(auth_key)
         token = secrets.token_bytes(16)
-        self.buffer: ShmRingBuffer | None = None
-        self._publisher: RemotePublisher | None = None
-        self._subscriber: RemoteSubscriber | None = None
+        self._part_bytes = max_chunk_bytes - CHUNK_HEADER_BYTES
         if n_local_reader > 0:
             self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
         remote_address = None
@@ -215,17 +218,7 @@ class MessageQueue:
                     self.buffer.close()
                 raise
             remote_address = self._publisher.address
-        self.current_idx = 0 if self.buffer is not None else -1
-        self.local_reader_rank = -1
-        self._is_writer = True
-        self._is_local_reader = False
-        self._is_remote_reader = False
-        self._ready = False
-        self._outgoing: _Outgoing | None = None
-        self._incoming: _Incoming | None = None
-        self._namespace = pid_namespace()
-        self._lock = threading.Lock()
-        self.handle = Handle(
+        handle = Handle(
             local_reader_ranks=local_reader_ranks,
             buffer_handle=self.buffer.handle() if self.buffer is not None else None,
             remote_subscribe_addr=remote_address,
@@ -234,7 +227,30 @@ class MessageQueue:
             token=token,
             writer_host=socket.gethostname(),
         )
+        self._setup(handle, key, writer=True)
+        self.current_idx = 0 if self.buffer is not None else -1
         logger.debug("message queue handle: %s", self.handle)
+
+    def _setup(self, handle: Handle, key: bytes | None, *, writer: bool) -> None:
+        """The state every end has: the handle, the key, message counts, its role."""
+        self.handle = handle
+        self._auth_key = key
+        self._sent = 0
+        self._received = 0
+        self.n_local_reader = len(handle.local_reader_ranks)
+        remote = handle.remote_reader_ranks
+        self.n_remote_reader = -1 if remote is None else len(remote)
+        self.n_reader = -1 if remote is None else self.n_local_reader + self.n_remote_reader
+        self.current_idx = -1
+        self.local_reader_rank = -1
+        self._is_writer = writer
+        self._is_local_reader = False
+        self._is_remote_reader = False
+        self._ready = False
+        self._outgoing: _Outgoing | None = None
+        self._incoming: _Incoming | None = None
+        self._namespace = pid_namespace()
+        self._lock = threading.Lock()
 
     def export_handle(self) -> Handle:
         """The handle readers pass to :meth:`create_from_handle` (picklable)."""
@@ -260,56 +276,26 @@ class MessageQueue:
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-        key = resolve_key(auth_key)
         self = MessageQueue.__new__(MessageQueue)
-        self._auth_key = key
-        self._sent = 0
-        self._received = 0
-        self.handle = handle
-        self.n_local_reader = len(handle.local_reader_ranks)
-        self.n_remote_reader = (
-            -1 if handle.remote_reader_ranks is None else len(handle.remote_reader_ranks)
-        )
-        self.n_reader = (
-            -1 if self.n_remote_reader < 0 else self.n_local_reader + self.n_remote_reader
-        )
-        self.buffer = None
-        self._publisher = None
-        self._subscriber = None
-        self.current_idx = -1
-        self.local_reader_rank = -1
-        self._is_writer = False
-        self._is_local_reader = rank in handle.local_reader_ranks
-        self._is_remote_reader = not self._is_local_reader
-        self._ready = False
-        self._outgoing = None
-        self._incoming = None
-        self._namespace = pid_namespace()
-        self._lock = threading.Lock()
-        if self._is_local_reader:
-            self._attach_ring(handle, rank)
-        else:
-            self._connect_remote(handle, rank)
-        return self
-
-    def _attach_ring(self, handle: Handle, rank: int) -> None:
-        if handle.buffer_handle is None:
-            raise ValueError(f"rank {rank} is a local reader but the handle has no ring buffer")
-        name = handle.buffer_handle[3]
-        try:
-            self.buffer = ShmRingBuffer(*handle.buffer_handle)
-        except FileNotFoundError:
-            raise SharedMemoryError(
-                f"rank {rank} is a local reader of a queue whose writer runs on "
-                f"{handle.writer_host!r}, but its shared memory {name!r} does not exist on "
-                f"this host ({socket.gethostname()!r}): readers on another node must be "
-                "remote readers (not in local_reader_ranks), or the writer closed the queue"
-            ) from None
-        self.local_reader_rank = handle.local_reader_ranks.index(rank)
-        self.current_idx = 0
-        self.buffer.attach_reader(self.local_reader_rank)
-
-    def _connect_remote(self, handle: Handle, rank: int) -> None:
+        self._setup(handle, resolve_key(auth_key), writer=False)
+        if rank in handle.local_reader_ranks:
+            self._is_local_reader = True
+            if handle.buffer_handle is None:
+                raise ValueError(f"rank {rank} is a local reader but the handle has no ring buffer")
+            try:
+                self.buffer = ShmRingBuffer(*handle.buffer_handle)
+            except FileNotFoundError:
+                raise SharedMemoryError(
+                    f"rank {rank} is a local reader of a queue whose writer runs on "
+                    f"{handle.writer_host!r}, but its shared memory {handle.buffer_handle[3]!r} "
+                    f"does not exist on this host ({socket.gethostname()!r}): readers on "
+                    "another node must be remote readers (not in local_reader_ranks), or the "
+                    "writer closed the queue"
+                ) from None
+            self.local_reader_rank = handle.local_reader_ranks.index(rank)
+            self.current_idx = 0
+            self.buffer.attach_reader(self.local_reader_rank)
+            return self
         allowed = handle.remote_reader_ranks
         if handle.remote_subscribe_addr is None or (allowed is not None and rank not in allowed):
             raise ValueError(
@@ -317,9 +303,11 @@ class MessageQueue:
                 f"{handle.local_reader_ranks}, remote readers are "
                 f"{'any other rank' if allowed is None else allowed}"
             )
+        self._is_remote_reader = True
         self._subscriber = RemoteSubscriber(
             handle.remote_subscribe_addr, handle.token, rank, CONNECT_TIMEOUT_SECONDS
         )
+        return self
 
     def wait_until_ready(self, timeout: float | None = READY_TIMEOUT_SECONDS) -> None:
         """This is a collective operation. All processes (including the
@@ -334,39 +322,43 @@ class MessageQueue:
         if self._ready:
             return
         deadline = deadline_after(timeout)
+        buffer, subscriber = self.buffer, self._subscriber
         if self._is_writer:
-            buffer = self.buffer
             if buffer is not None:
-                readers = range(buffer.n_reader)
+                ranks = self.handle.local_reader_ranks
 
-                def attached() -> bool:
-                    return all(buffer.reader_state(i)[0] != SLOT_EMPTY for i in readers)
-
-                try:
-                    wait_until(attached, "local readers to attach", deadline)
-                except TimeoutError as exc:
-                    missing = [
-                        self.handle.local_reader_ranks[i]
-                        for i in readers
-                        if buffer.reader_state(i)[0] == SLOT_EMPTY
+                def missing() -> list[int]:
+                    return [
+                        r for i, r in enumerate(ranks) if buffer.reader_state(i)[0] == SLOT_EMPTY
                     ]
-                    raise GroupTimeout(f"{exc}: local reader ranks {missing} did not") from None
+
+                wait_until(
+                    lambda: not missing(),
+                    lambda: f"local readers to attach: local reader ranks {missing()} did not",
+                    deadline,
+                )
             if self._publisher is not None:
                 self._publisher.accept(deadline)
-                self._publisher.publish(KIND_READY, b"")
+                self._publisher.publish(READY, memoryview(b""))
                 self._publisher.flush(deadline)
             if buffer is not None:
                 buffer.set_ready()
-        elif self._is_local_reader:
-            ring = self._ring()
+        elif subscriber is not None:
+            total, _, view = subscriber.next_chunk(deadline, None, True, "the READY signal")
+            view.release()
+            if total != 0:
+                raise DistributedError(
+                    f"remote reader rank {subscriber.rank} expected the READY signal from the "
+                    f"writer at {subscriber.address}, got a part of a message"
+                )
+            subscriber.release()
+        else:
             wait_until(
-                ring.is_ready,
+                self._ring().is_ready,
                 "the writer to see every reader join (wait_until_ready)",
                 deadline,
                 check=lambda: self._check_writer(None),
             )
-        else:
-            self._remote().wait_ready(timeout)
         self._ready = True
 
     # --- writing ---
@@ -392,47 +384,43 @@ class MessageQueue:
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
             self._sent += 1
-            per_chunk = (
-                self.buffer.max_chunk_bytes - CHUNK_HEADER_BYTES if self.buffer is not None else 1
-            )
-            self._outgoing = _Outgoing(payload, max(1, -(-len(payload) // per_chunk)))
+            self._outgoing = _Outgoing(payload, max(1, -(-len(payload) // self._part_bytes)))
             self._flush(deadline)
 
     def _flush(self, deadline: float | None) -> None:
+        """Write the parts of the outgoing message, each as one chunk of the ring and of
+        every remote reader's stream, then send the streams."""
         outgoing = self._outgoing
         if outgoing is None:
             return
-        buffer = self.buffer
-        if buffer is not None:
-            per_chunk = buffer.max_chunk_bytes - CHUNK_HEADER_BYTES
-            payload = memoryview(outgoing.payload)
-            while outgoing.part < outgoing.parts:
+        buffer, publisher = self.buffer, self._publisher
+        payload = memoryview(outgoing.payload)
+        while outgoing.part < outgoing.parts:
+            begin = outgoing.part * self._part_bytes
+            piece = payload[begin : begin + self._part_bytes]
+            if buffer is not None:
                 idx = self.current_idx
                 self._wait_free(buffer, idx, deadline)
-                begin = outgoing.part * per_chunk
-                buffer.write_chunk(
-                    idx, len(payload), outgoing.part, payload[begin : begin + per_chunk]
-                )
-                outgoing.part += 1
+                buffer.write_chunk(idx, len(payload), outgoing.part, piece)
                 self.current_idx = (idx + 1) % buffer.max_chunks
-        if self._publisher is not None:
-            if not outgoing.published:
-                self._publisher.publish(KIND_DATA, outgoing.payload)
-                outgoing.published = True
-            self._publisher.flush(deadline)
+            if publisher is not None:
+                publisher.publish(CHUNK.pack(len(payload), outgoing.part, len(piece)), piece)
+            outgoing.part += 1
+        if publisher is not None:
+            publisher.flush(deadline)
         self._outgoing = None
 
     def _wait_free(self, buffer: ShmRingBuffer, idx: int, deadline: float | None) -> None:
-        try:
-            wait_until(
-                lambda: buffer.chunk_writable(idx),
-                f"local readers to free chunk {idx}",
-                deadline,
-                check=lambda: self._check_readers(idx),
-            )
-        except TimeoutError as exc:
-            lagging = [self.handle.local_reader_ranks[i] for i in buffer.unread_by(idx)]
-            raise GroupTimeout(f"{exc}: local reader ranks {lagging} have not read it") from None
+        wait_until(
+            lambda: buffer.chunk_writable(idx),
+            lambda: (
+                f"local readers to free chunk {idx}: local reader ranks "
+                f"{[self.handle.local_reader_ranks[i] for i in buffer.unread_by(idx)]} "
+                "have not read it"
+            ),
+            deadline,
+            check=lambda: self._check_readers(idx),
+        )
 
     def _check_readers(self, idx: int) -> None:
         """Raise PeerGoneError if a reader that has not read chunk ``idx`` is gone."""
@@ -469,41 +457,73 @@ class MessageQueue:
             raise RuntimeError("Only readers can dequeue")
         deadline = deadline_after(timeout)
         with self._lock:
-            if self._is_remote_reader:
-                kind, body = self._remote().recv_frame(deadline, cancel)
-                if kind != KIND_DATA:
-                    raise DistributedError(
-                        f"remote reader rank {self._remote().rank} expected a message from "
-                        f"the writer at {self._remote().address}, got a frame of kind {kind}"
-                    )
-                return self._loads(body)
-            return self._read_local(deadline, cancel, not indefinite)
+            while True:  # one chunk at a time, from the ring or the writer's stream alike
+                total, part, view = self._next_chunk(deadline, cancel, not indefinite)
+                with view:
+                    message = self._assemble(total, part, view)
+                self._release_chunk()
+                if message is not None:
+                    return self._loads(message)
 
-    def _read_local(self, deadline: float | None, cancel: threading.Event | None, log: bool) -> Any:
+    def _next_chunk(
+        self, deadline: float | None, cancel: threading.Event | None, log: bool
+    ) -> tuple[int, int, memoryview]:
+        if self._subscriber is not None:
+            return self._subscriber.next_chunk(deadline, cancel, log, "a message")
+        buffer, idx, reader = self._ring(), self.current_idx, self.local_reader_rank
+        wait_until(
+            lambda: buffer.chunk_readable(idx, reader),
+            "a message from the writer",
+            deadline,
+            check=lambda: self._check_writer(idx),
+            cancel=cancel,
+            log=log,
+        )
+        return buffer.chunk(idx)
+
+    def _release_chunk(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.release()
+            return
         buffer = self._ring()
-        while True:
-            idx = self.current_idx
-            self._wait_readable(buffer, idx, deadline, cancel, log)
-            total, part, size = buffer.chunk_header(idx)
-            incoming = self._incoming
-            expected = 0 if incoming is None else incoming.part
-            if part != expected:
-                raise SharedMemoryError(
-                    f"local reader {self.local_reader_rank} of segment {buffer.name!r}: chunk "
-                    f"{idx} holds part {part} of a message, expected part {expected}"
-                )
-            if incoming is None and size == total:
-                data = buffer.read_chunk(idx)
-                self._advance(buffer, idx)
-                return self._loads(data)
-            if incoming is None:
-                incoming = self._incoming = _Incoming(bytearray(total))
-            incoming.filled += buffer.read_chunk_into(idx, incoming.data, incoming.filled)
-            incoming.part += 1
-            self._advance(buffer, idx)
-            if incoming.filled == len(incoming.data):
-                self._incoming = None
-                return self._loads(incoming.data)
+        buffer.mark_read(self.current_idx, self.local_reader_rank)
+        self.current_idx = (self.current_idx + 1) % buffer.max_chunks
+
+    def _assemble(self, total: int, part: int, view: memoryview) -> bytes | bytearray | None:
+        """Take one chunk: the whole message once its last part is in, else None."""
+        incoming = self._incoming
+        size = len(view)
+        if incoming is None and part == 0 and 0 < size == total:
+            return bytes(view)  # a message in one chunk: the common case
+        if total == 0:
+            raise self._broken("expected a message, got the READY signal", DistributedError)
+        expected = 0 if incoming is None else incoming.part
+        if part != expected:
+            raise self._broken(f"holds part {part} of a message, expected {expected}")
+        if size > total or total > MAX_MESSAGE_BYTES:
+            raise self._broken(f"is corrupt: it holds {size} bytes of a {total}-byte message")
+        if incoming is None:
+            incoming = self._incoming = _Incoming(bytearray(total))
+        if incoming.filled + size > len(incoming.data):
+            raise self._broken(
+                f"overflows its message: {size} more bytes after "
+                f"{incoming.filled} of {len(incoming.data)}"
+            )
+        incoming.data[incoming.filled : incoming.filled + size] = view
+        incoming.filled += size
+        incoming.part += 1
+        if incoming.filled < len(incoming.data):
+            return None
+        self._incoming = None
+        return incoming.data
+
+    def _broken(self, what: str, error: type[DistributedError] | None = None) -> DistributedError:
+        """The error for a chunk that ``what`` (a corrupt stream or ring), naming both ends."""
+        if self._subscriber is not None:
+            where = f"remote reader rank {self._subscriber.rank}: a chunk from the writer at "
+            return (error or DistributedError)(f"{where}{self._subscriber.address} {what}")
+        where = f"local reader {self.local_reader_rank}: chunk {self.current_idx} of segment"
+        return (error or SharedMemoryError)(f"{where} {self._ring().name!r} {what}")
 
     def _context(self, seq: int) -> str:
         """What message ``seq``'s tag is bound to: this queue (its random token) and ``seq``."""
@@ -515,28 +535,6 @@ class MessageQueue:
         self._received += 1  # consumed, whether or not it passes the check
         what = f"message {seq} of the queue written on {self.handle.writer_host!r}"
         return open_object(self._auth_key, self._context(seq), data, what)
-
-    def _wait_readable(
-        self,
-        buffer: ShmRingBuffer,
-        idx: int,
-        deadline: float | None,
-        cancel: threading.Event | None,
-        log: bool,
-    ) -> None:
-        reader = self.local_reader_rank
-        wait_until(
-            lambda: buffer.chunk_readable(idx, reader),
-            "a message from the writer",
-            deadline,
-            check=lambda: self._check_writer(idx),
-            cancel=cancel,
-            log=log,
-        )
-
-    def _advance(self, buffer: ShmRingBuffer, idx: int) -> None:
-        buffer.mark_read(idx, self.local_reader_rank)
-        self.current_idx = (idx + 1) % buffer.max_chunks
 
     def _check_writer(self, idx: int | None) -> None:
         """Raise PeerGoneError if the writer is gone and chunk ``idx`` holds nothing to read."""
@@ -566,12 +564,9 @@ class MessageQueue:
 
         Idempotent. Garbage collection and interpreter exit release the shared memory too.
         """
-        if self.buffer is not None:
-            self.buffer.close()
-        if self._publisher is not None:
-            self._publisher.close()
-        if self._subscriber is not None:
-            self._subscriber.close()
+        for end in (self.buffer, self._publisher, self._subscriber):
+            if end is not None:
+                end.close()
         self._outgoing = None
         self._incoming = None
 
@@ -585,11 +580,6 @@ class MessageQueue:
         if self.buffer is None or self.buffer.closed:
             raise RuntimeError("this end of the message queue has no open shared memory")
         return self.buffer
-
-    def _remote(self) -> RemoteSubscriber:
-        if self._subscriber is None:
-            raise RuntimeError("this end of the message queue is not a remote reader")
-        return self._subscriber
 
     @staticmethod
     def create_from_process_group(

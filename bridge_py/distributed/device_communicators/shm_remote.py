@@ -4,13 +4,15 @@ The writer listens on ``connect_ip`` (an ephemeral port, so no port races) and p
 ``tcp://host:port`` in the queue's Handle. Each remote reader connects and introduces itself
 with a fixed 24-byte hello (magic, the queue's random token, its rank); the writer accepts
 exactly the expected readers in ``wait_until_ready`` and ignores strangers. Then the writer
-sends frames, each a 9-byte header (kind, payload length) and the payload: one READY frame,
-then one DATA frame per message. The writer never unpickles anything it receives.
+sends the very chunks it writes to the shared-memory ring (``shm_ring.CHUNK``: total
+message length, part index, bytes in this part, then the bytes), preceded by one empty
+chunk, the READY signal. The writer never reads anything but the hello.
 
-Both sides keep partial progress across timeouts: a send or receive interrupted by its
-deadline resumes where it stopped on the next call, so a stream never loses its framing.
-TCP keepalive (30 s idle, then 3 probes 10 s apart, where the platform allows) turns a peer
-host that vanished without a reset into an error instead of an endless wait.
+Both sides wait with ``shm.wait.wait_until``, sleeping on the socket: sockets are
+non-blocking and what was sent or received stays buffered across timeouts, so a stream
+never loses its framing. TCP keepalive (30 s idle, then 3 probes 10 s apart, where the
+platform allows) turns a peer host that vanished without a reset into an error instead of
+an endless wait.
 """
 
 from __future__ import annotations
@@ -18,21 +20,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import selectors
+import select
 import socket
 import struct
 import threading
 
-from bridge_py.distributed.errors import DistributedError, GroupTimeout
-from bridge_py.distributed.shm.wait import (
-    PeerGoneError,
-    deadline_after,
-    remaining,
-)
+from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
+from bridge_py.distributed.errors import PeerGoneError
+from bridge_py.distributed.shm.wait import remaining, wait_until
 
 __all__ = [
-    "KIND_DATA",
-    "KIND_READY",
+    "READY",
     "RemotePublisher",
     "RemoteSubscriber",
     "format_tcp_address",
@@ -41,14 +39,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("!BQ")  # kind, payload length
 _HELLO = struct.Struct("!4s16sI")  # magic, queue token, reader rank
 _HELLO_MAGIC = b"VBMR"
-KIND_READY = 1
-KIND_DATA = 2
-_MAX_FRAME_BYTES = 1 << 40
 _HELLO_TIMEOUT_SECONDS = 10.0
-_CANCEL_POLL_SECONDS = 0.1
+READY = CHUNK.pack(0, 0, 0)  # an empty chunk: no message is empty
+_RECV_BYTES = 1 << 20
 
 
 def format_tcp_address(host: str, port: int) -> str:
@@ -73,20 +68,11 @@ def _tune(sock: socket.socket) -> None:
         if option is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        piece = sock.recv(size - len(data))
-        if not piece:
-            raise ConnectionError("connection closed during the hello")
-        data += piece
-    return bytes(data)
+    sock.setblocking(False)
 
 
 class RemotePublisher:
-    """Writer side: accepts the remote readers, then sends every frame to all of them."""
+    """Writer side: accepts the remote readers, then sends every chunk to all of them."""
 
     def __init__(self, host: str, token: bytes, n_reader: int, ranks: list[int] | None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -97,101 +83,88 @@ class RemotePublisher:
         except OSError as exc:
             self._listener.close()
             raise OSError(f"cannot listen for remote readers on {host!r}: {exc}") from exc
+        self._listener.setblocking(False)
         self.address = format_tcp_address(host, self._listener.getsockname()[1])
         self._token = token
         self._n_reader = n_reader
         self._ranks = ranks
         self._peers: dict[int, socket.socket] = {}
         self._pending: dict[int, collections.deque[memoryview]] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def all_connected(self) -> bool:
-        """Whether every expected remote reader has connected."""
-        return len(self._peers) == self._n_reader
 
     def accept(self, deadline: float | None) -> None:
         """Accept connections until every expected remote reader has said hello, then stop
         listening."""
-        while not self.all_connected:
-            left = remaining(deadline)
-            if left == 0:
-                expected = "" if self._ranks is None else f" of ranks {self._ranks}"
-                raise GroupTimeout(
-                    f"timed out waiting for remote readers to connect to {self.address}: "
-                    f"{len(self._peers)} of {self._n_reader}{expected} connected "
-                    f"({sorted(self._peers)})"
-                )
-            self._listener.settimeout(left)
-            try:
-                conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            try:
-                rank = self._hello(conn, deadline)
-            except (OSError, ValueError) as exc:
-                logger.warning("refused a connection from %s to %s: %s", peer, self.address, exc)
-                conn.close()
-                continue
-            _tune(conn)
-            conn.setblocking(False)
-            self._peers[rank] = conn
-            self._pending[rank] = collections.deque()
+        expected = "" if self._ranks is None else f" of ranks {self._ranks}"
+        wait_until(
+            lambda: self._accept_one(deadline),
+            lambda: (
+                f"remote readers to connect to {self.address}: {len(self._peers)} of "
+                f"{self._n_reader}{expected} connected ({sorted(self._peers)})"
+            ),
+            deadline,
+            sleep=lambda seconds: select.select([self._listener], [], [], seconds),
+        )
         with contextlib.suppress(OSError):
             self._listener.close()  # everyone is here: free the port
 
-    def _hello(self, conn: socket.socket, deadline: float | None) -> int:
-        left = remaining(deadline)
-        conn.settimeout(_HELLO_TIMEOUT_SECONDS if left is None else min(left, 10.0) or 0.001)
-        magic, token, rank = _HELLO.unpack(_recv_exactly(conn, _HELLO.size))
-        if magic != _HELLO_MAGIC or token != self._token:
-            raise ValueError("not a reader of this queue")
-        if self._ranks is not None and rank not in self._ranks:
-            raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
-        if rank in self._peers:
-            raise ValueError(f"rank {rank} is already connected")
-        return rank
+    def _accept_one(self, deadline: float | None) -> bool:
+        """Take one waiting connection, if any; whether every reader is connected now."""
+        try:
+            conn, peer = self._listener.accept()
+        except BlockingIOError:
+            return len(self._peers) == self._n_reader
+        try:
+            left = remaining(deadline)
+            conn.settimeout(_HELLO_TIMEOUT_SECONDS if left is None else max(min(left, 10), 1e-3))
+            hello = b""
+            while len(hello) < _HELLO.size:
+                piece = conn.recv(_HELLO.size - len(hello))
+                if not piece:
+                    raise ConnectionError("connection closed during the hello")
+                hello += piece
+            magic, token, rank = _HELLO.unpack(hello)
+            if magic != _HELLO_MAGIC or token != self._token:
+                raise ValueError("not a reader of this queue")
+            if self._ranks is not None and rank not in self._ranks:
+                raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
+            if rank in self._peers:
+                raise ValueError(f"rank {rank} is already connected")
+        except (OSError, ValueError) as exc:
+            logger.warning("refused a connection from %s to %s: %s", peer, self.address, exc)
+            conn.close()
+            return False
+        _tune(conn)
+        self._peers[rank] = conn
+        self._pending[rank] = collections.deque()
+        return len(self._peers) == self._n_reader
 
-    def publish(self, kind: int, payload: bytes) -> None:
-        """Queue one frame for every remote reader; :meth:`flush` sends it."""
-        header = memoryview(_FRAME.pack(kind, len(payload)))
-        body = memoryview(payload)
+    def publish(self, header: bytes, payload: memoryview) -> None:
+        """Queue one chunk for every remote reader; :meth:`flush` sends it."""
         for queue in self._pending.values():
-            queue.append(header)
-            if len(body):
-                queue.append(body)
+            queue.append(memoryview(header))
+            if len(payload):
+                queue.append(payload)
 
     def flush(self, deadline: float | None) -> None:
-        """Send what is queued; on TimeoutError the rest stays queued for the next call."""
-        with self._lock:
-            busy = {rank for rank, queue in self._pending.items() if queue}
-            for rank in list(busy):
-                if self._push(rank):
-                    busy.discard(rank)
-            if not busy:
-                return
-            with selectors.DefaultSelector() as selector:
-                for rank in busy:
-                    selector.register(self._peers[rank], selectors.EVENT_WRITE, rank)
-                while busy:
-                    left = remaining(deadline)
-                    if left == 0:
-                        raise GroupTimeout(
-                            f"timed out sending a message to remote readers {sorted(busy)}"
-                        )
-                    for key, _ in selector.select(left):
-                        rank = key.data
-                        if self._push(rank):
-                            selector.unregister(key.fileobj)
-                            busy.discard(rank)
+        """Send what is queued; on GroupTimeout the rest stays queued for the next call."""
+        busy = [rank for rank, queue in self._pending.items() if queue]  # the queue's lock held
+        wait_until(
+            lambda: all([self._push(rank) for rank in busy]),
+            lambda: (
+                f"remote readers {[rank for rank in busy if self._pending[rank]]} to take a message"
+            ),
+            deadline,
+            sleep=lambda seconds: select.select(
+                [], [self._peers[rank] for rank in busy if self._pending[rank]], [], seconds
+            ),
+        )
 
     def _push(self, rank: int) -> bool:
         """Send as much of ``rank``'s queue as the socket takes; True when all is sent."""
         queue = self._pending[rank]
-        sock = self._peers[rank]
         while queue:
             try:
-                sent = sock.sendmsg(list(queue)[:64])
+                sent = self._peers[rank].sendmsg(list(queue)[:64])
             except BlockingIOError:
                 return False
             except OSError as exc:
@@ -216,7 +189,7 @@ class RemotePublisher:
 
 
 class RemoteSubscriber:
-    """Reader side: one connection to the writer, receiving frames."""
+    """Reader side: one connection to the writer, receiving its chunks into a buffer."""
 
     def __init__(self, address: str, token: bytes, rank: int, timeout: float | None) -> None:
         self.address = address
@@ -224,81 +197,58 @@ class RemoteSubscriber:
         host, port = parse_tcp_address(address)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
+            self._sock.sendall(_HELLO.pack(_HELLO_MAGIC, token, rank))
         except OSError as exc:
             raise PeerGoneError(
                 f"cannot connect to the queue's writer at {address}: {exc}"
             ) from exc
         _tune(self._sock)
-        self._sock.sendall(_HELLO.pack(_HELLO_MAGIC, token, rank))
-        self._header = bytearray(_FRAME.size)
-        self._header_filled = 0
-        self._body: bytearray | None = None
-        self._body_filled = 0
+        self._rx = bytearray()  # received, not yet taken: chunks, the last maybe partial
 
-    def _fill(
-        self,
-        view: memoryview,
-        deadline: float | None,
-        cancel: threading.Event | None,
-        what: str,
-    ) -> int:
-        """Receive into ``view`` once (some bytes), honouring deadline and cancel."""
-        while True:
-            left = remaining(deadline)
-            if left == 0:
-                raise GroupTimeout(
-                    f"timed out waiting for {what} from the writer at {self.address}"
-                )
-            if cancel is not None:
-                if cancel.is_set():
-                    raise RuntimeError("cancelled")
-                left = _CANCEL_POLL_SECONDS if left is None else min(left, _CANCEL_POLL_SECONDS)
-            self._sock.settimeout(left)
-            try:
-                received = self._sock.recv_into(view)
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                raise PeerGoneError(f"the writer at {self.address} is gone: {exc}") from exc
-            if received == 0:
-                raise PeerGoneError(f"the writer at {self.address} closed the queue")
-            return received
+    def _complete(self) -> int:
+        """The bytes of the first chunk in the buffer, or 0 while it is not all there."""
+        if len(self._rx) < CHUNK_HEADER_BYTES:
+            return 0
+        end = CHUNK_HEADER_BYTES + CHUNK.unpack_from(self._rx)[2]
+        return end if len(self._rx) >= end else 0
 
-    def recv_frame(
-        self,
-        deadline: float | None,
-        cancel: threading.Event | None = None,
-        what: str = "a message",
-    ) -> tuple[int, bytearray]:
-        """The next ``(kind, payload)``; a timeout keeps what was received for the next call."""
-        while self._header_filled < _FRAME.size:
-            view = memoryview(self._header)[self._header_filled :]
-            self._header_filled += self._fill(view, deadline, cancel, what)
-        kind, size = _FRAME.unpack(self._header)
-        if kind not in (KIND_READY, KIND_DATA) or size > _MAX_FRAME_BYTES:
-            raise DistributedError(
-                f"remote reader rank {self.rank} received a corrupt frame (kind {kind}, "
-                f"{size} bytes) while waiting for {what} from the writer at {self.address}"
-            )
-        if self._body is None:
-            self._body = bytearray(size)
-        while self._body_filled < size:
-            view = memoryview(self._body)[self._body_filled :]
-            self._body_filled += self._fill(view, deadline, cancel, what)
-        body = self._body
-        self._header_filled = 0
-        self._body = None
-        self._body_filled = 0
-        return kind, body
+    def _receive(self) -> bool:
+        """Receive what has arrived (never blocks); whether a whole chunk is buffered.
 
-    def wait_ready(self, timeout: float | None) -> None:
-        """Wait for the writer's READY frame (sent once every reader has connected)."""
-        kind, _ = self.recv_frame(deadline_after(timeout), what="the READY signal")
-        if kind != KIND_READY:
-            raise DistributedError(
-                f"remote reader rank {self.rank} expected the READY signal from the writer "
-                f"at {self.address}, got a frame of kind {kind}"
-            )
+        PeerGoneError once the writer is gone and no whole chunk is left to take.
+        """
+        if self._complete():
+            return True
+        try:
+            data = self._sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise PeerGoneError(f"the writer at {self.address} is gone: {exc}") from exc
+        if not data:
+            raise PeerGoneError(f"the writer at {self.address} closed the queue")
+        self._rx += data
+        return self._complete() > 0
+
+    def next_chunk(
+        self, deadline: float | None, cancel: threading.Event | None, log: bool, what: str
+    ) -> tuple[int, int, memoryview]:
+        """``(total, part, a view of the part)`` of the next chunk, waiting for it; the view
+        must be released before :meth:`release`."""
+        wait_until(
+            self._receive,
+            f"{what} from the writer at {self.address}",
+            deadline,
+            cancel=cancel,
+            log=log,
+            sleep=lambda seconds: select.select([self._sock], [], [], seconds),
+        )
+        total, part, size = CHUNK.unpack_from(self._rx)
+        return total, part, memoryview(self._rx)[CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + size]
+
+    def release(self) -> None:
+        """Drop the chunk :meth:`next_chunk` returned."""
+        del self._rx[: self._complete()]
 
     def close(self) -> None:
         """Close the connection."""

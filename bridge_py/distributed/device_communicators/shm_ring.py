@@ -8,10 +8,11 @@ Segment layout (all integers little-endian, regions aligned to 64 bytes)::
     |        |                        |                              |   max_chunk_bytes    |
     +--------+------------------------+------------------------------+----------------------+
 
-* header: magic ``VBMQ``, layout version, n_reader, max_chunks, max_chunk_bytes, a 16-byte
-  random token (its start is also in the segment's name, so a reader knows it opened this
-  queue's segment), the writer's PID and PID namespace, a *ready* byte (all readers joined)
-  and a *closed* byte (the writer closed the queue).
+* header: the shared-memory header (``shm.header``: magic ``VBMQ``, layout version) with
+  n_reader, max_chunks, max_chunk_bytes, a 16-byte random token (its start is also in the
+  segment's name, so a reader knows it opened this queue's segment), the writer's PID and
+  PID namespace; then a *ready* byte (all readers joined) and a *closed* byte (the writer
+  closed the queue).
 * reader slot: state (0 not attached, 1 attached, 2 detached), PID and PID namespace of the
   reader, so that a writer waiting on a reader can tell that it died.
 * chunk flags: byte 0 is *written*, byte ``1 + i`` is *read by reader i*. A chunk is free
@@ -19,12 +20,14 @@ Segment layout (all integers little-endian, regions aligned to 64 bytes)::
   not yet read by i. The writer clears *written* before filling a chunk and clears the read
   flags before setting *written* again, so readers never see a half-written chunk as ready;
   readers only ever set their own flag. Memory fences order these writes on any CPU.
-* chunk: a 16-byte header (total message length, part index, bytes in this part) and the
-  part's bytes, so a message larger than a chunk spans consecutive chunks.
+* chunk: a 16-byte header (:data:`CHUNK`: total message length, part index, bytes in this
+  part) and the part's bytes, so a message larger than a chunk spans consecutive chunks.
+  Remote readers get the same chunks over TCP (``shm_remote``).
 
-The writer creates the segment (its name is ``vbmq_`` and 12 random hex digits) and alone
-unlinks it: on :meth:`ShmRingBuffer.close`, when garbage-collected, or at interpreter exit;
-a killed writer's segment is removed by multiprocessing's resource tracker. Readers attach
+The writer creates the segment and alone unlinks it: on :meth:`ShmRingBuffer.close`, when
+garbage-collected, or at interpreter exit. Its name follows ``shm.segments``'
+(``vbspg_<pid namespace>_<writer pid>_<token>_mq``), so a killed writer's segment is removed
+by ``segments.remove_orphans`` (and by multiprocessing's resource tracker). Readers attach
 through ``shm.posix.attach`` (checked, and never the tracker's) and never unlink it.
 """
 
@@ -36,63 +39,31 @@ import secrets
 import struct
 import weakref
 from collections.abc import Iterator
-from multiprocessing import shared_memory
 from typing import Any
 
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import posix
-from bridge_py.distributed.shm.wait import (
-    fence,
-    pid_namespace,
-    process_alive,
-)
+from bridge_py.distributed.shm.header import Header
+from bridge_py.distributed.shm.segments import NAME_PREFIX
+from bridge_py.distributed.shm.wait import fence, pid_namespace, process_alive
 
-__all__ = [
-    "CHUNK_HEADER_BYTES",
-    "NAME_PREFIX",
-    "ShmRingBuffer",
-    "orphaned_segments",
-]
+__all__ = ["CHUNK", "CHUNK_HEADER_BYTES", "NAME_SUFFIX", "ShmRingBuffer"]
 
-NAME_PREFIX = "vbmq_"
-_MAGIC = b"VBMQ"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHIIQ16sIIQ")  # magic ver pad n_reader chunks chunk_bytes token pid
-_READY_AT = 56
-_CLOSED_AT = 57
-_HEADER_BYTES = 64
+NAME_SUFFIX = "_mq"
+# n_reader, max_chunks, max_chunk_bytes, token, writer pid, writer pid namespace
+_HEADER = Header(b"VBMQ", 2, "2xIIQ16sI4xQ")
+_READY_AT = _HEADER.size
+_CLOSED_AT = _HEADER.size + 1
+_SLOTS_AT = 64
 _SLOT = struct.Struct("<B3xIQ")  # state, pid, pid namespace
-_CHUNK = struct.Struct("<QII")  # total message length, part index, bytes in this part
-CHUNK_HEADER_BYTES = _CHUNK.size
+CHUNK = struct.Struct("<QII")  # total message length, part index, bytes in this part
+CHUNK_HEADER_BYTES = CHUNK.size
 
 SLOT_EMPTY, SLOT_ATTACHED, SLOT_DETACHED = 0, 1, 2
 
 
 def _align(offset: int) -> int:
     return (offset + 63) // 64 * 64
-
-
-def orphaned_segments(directory: str = "/dev/shm") -> list[str]:
-    """Names of queue segments whose writer process has exited (of this PID namespace).
-
-    Only a killed writer leaves one behind (until its resource tracker exits); unlink them
-    with ``SharedMemory(name).unlink()``. Empty where ``directory`` does not exist.
-    """
-    try:
-        names = [name for name in os.listdir(directory) if name.startswith(NAME_PREFIX)]
-    except FileNotFoundError:
-        return []
-    orphans = []
-    for name in sorted(names):
-        try:
-            with open(os.path.join(directory, name), "rb") as segment:
-                header = segment.read(_HEADER.size)
-            magic, *_, pid, _, namespace = _HEADER.unpack(header)
-        except (OSError, struct.error):
-            continue  # gone meanwhile, or not ours
-        if magic == _MAGIC and namespace == pid_namespace() and not process_alive(pid):
-            orphans.append(name)
-    return orphans
 
 
 def _release(shm: posix.Segment, creator: bool, slot: list[int], pid: int) -> None:
@@ -130,18 +101,13 @@ class ShmRingBuffer:
     ) -> None:
         if n_reader < 1:
             raise ValueError(f"a ring buffer needs at least one reader, got n_reader={n_reader}")
-        if not CHUNK_HEADER_BYTES < max_chunk_bytes < 2**32:
-            raise ValueError(
-                f"max_chunk_bytes must be in ({CHUNK_HEADER_BYTES}, 2**32), got {max_chunk_bytes}"
-            )
         if max_chunks < 1:
             raise ValueError(f"max_chunks must be at least 1, got {max_chunks}")
         self.n_reader = n_reader
         self.max_chunk_bytes = max_chunk_bytes
         self.max_chunks = max_chunks
         self.metadata_size = 1 + n_reader
-        self._slots_offset = _HEADER_BYTES
-        self.metadata_offset = _align(_HEADER_BYTES + _SLOT.size * n_reader)
+        self.metadata_offset = _align(_SLOTS_AT + _SLOT.size * n_reader)
         self.data_offset = _align(self.metadata_offset + self.metadata_size * max_chunks)
         self.total_bytes_of_buffer = self.data_offset + max_chunk_bytes * max_chunks
         self._all_read = b"\x01" * n_reader
@@ -150,54 +116,41 @@ class ShmRingBuffer:
         self.is_creator = name is None
         self.shared_memory: posix.Segment
         if name is None:
-            self.shared_memory, token = self._create()
+            self.token = secrets.token_bytes(16)
+            name = f"{NAME_PREFIX}{pid_namespace()}_{os.getpid()}_{self.token[:6].hex()}"
+            self.shared_memory = posix.create(name + NAME_SUFFIX, self.total_bytes_of_buffer)
+            # A new segment is zero-filled: no chunk written, no reader attached, not ready.
+            _HEADER.pack_into(
+                posix.view(self.shared_memory), n_reader, max_chunks, max_chunk_bytes,
+                self.token, os.getpid(), pid_namespace(),
+            )  # fmt: skip
         else:
             self.shared_memory = posix.attach(name)
-            token = self._validate(name)
-        self.token = token
+            try:
+                self.token = self._validate(name)
+            except BaseException:
+                self.shared_memory.close()
+                raise
         self.name = self.shared_memory.name
         self._buf: memoryview = posix.view(self.shared_memory)
         self._finalizer = weakref.finalize(
             self, _release, self.shared_memory, self.is_creator, self._slot, os.getpid()
         )
 
-    def _create(self) -> tuple[shared_memory.SharedMemory, bytes]:
-        while True:
-            token = secrets.token_bytes(16)
-            try:
-                shm = posix.create(NAME_PREFIX + token[:6].hex(), self.total_bytes_of_buffer)
-                break
-            except FileExistsError:  # pragma: no cover - 48 random bits collided
-                continue
-        # A new segment is zero-filled: no chunk written, no reader attached, not ready.
-        _HEADER.pack_into(
-            posix.view(shm), 0, _MAGIC, _VERSION, 0, self.n_reader, self.max_chunks,
-            self.max_chunk_bytes, token, os.getpid(), 0, pid_namespace(),
-        )  # fmt: skip
-        return shm, token
-
     def _validate(self, name: str) -> bytes:
-        shm = self.shared_memory
-        try:
-            if shm.size < self.total_bytes_of_buffer:
-                raise ValueError(f"shared memory segment {name!r} is smaller than the handle says")
-            magic, version, _, n_reader, chunks, chunk_bytes, token, *_ = _HEADER.unpack_from(
-                posix.view(shm), 0
-            )
-            if magic != _MAGIC or not name.endswith(token[:6].hex()):
-                raise ValueError(f"shared memory segment {name!r} is not a MessageQueue's")
-            if version != _VERSION:
-                raise ValueError(f"segment {name!r} has layout {version}, expected {_VERSION}")
-            if (n_reader, chunks, chunk_bytes) != (
-                self.n_reader,
-                self.max_chunks,
-                self.max_chunk_bytes,
-            ):
-                raise ValueError(f"segment {name!r} does not have the handle's layout")
-        except BaseException:
-            shm.close()
-            raise
-        return token
+        buf = posix.view(self.shared_memory)
+        n_reader, chunks, chunk_bytes, token, *_ = _HEADER.unpack_from(buf, name)
+        if not name.endswith(token[:6].hex() + NAME_SUFFIX):
+            raise SharedMemoryError(f"shared-memory segment {name!r} is not this queue's")
+        if (n_reader, chunks, chunk_bytes) != (
+            self.n_reader,
+            self.max_chunks,
+            self.max_chunk_bytes,
+        ):
+            raise SharedMemoryError(f"shared-memory segment {name!r} has not the handle's layout")
+        if len(buf) < self.total_bytes_of_buffer:
+            raise SharedMemoryError(f"shared-memory segment {name!r} is smaller than its layout")
+        return bytes(token)
 
     def handle(self) -> tuple[int, int, int, str]:
         """``(n_reader, max_chunk_bytes, max_chunks, name)``: what a reader needs to attach."""
@@ -249,7 +202,7 @@ class ShmRingBuffer:
         buf[at] = 0  # not written while we fill it
         fence()
         start = self.data_offset + idx * self.max_chunk_bytes
-        _CHUNK.pack_into(buf, start, total, part, len(payload))
+        CHUNK.pack_into(buf, start, total, part, len(payload))
         buf[start + CHUNK_HEADER_BYTES : start + CHUNK_HEADER_BYTES + len(payload)] = payload
         buf[at + 1 : at + 1 + self.n_reader] = self._no_reads
         fence()  # read flags cleared before the chunk is marked written
@@ -264,36 +217,18 @@ class ShmRingBuffer:
         fence()
         return ready
 
-    def chunk_header(self, idx: int) -> tuple[int, int, int]:
-        """``(total message length, part index, bytes in this part)`` of readable chunk ``idx``."""
-        total, part, size = _CHUNK.unpack_from(
-            self._buf, self.data_offset + idx * self.max_chunk_bytes
-        )
-        if size > self.max_chunk_bytes - CHUNK_HEADER_BYTES or size > total:
+    def chunk(self, idx: int) -> tuple[int, int, memoryview]:
+        """``(total message length, part index, a view of the part)`` of readable chunk
+        ``idx``; SharedMemoryError when its header claims more than a chunk holds."""
+        start = self.data_offset + idx * self.max_chunk_bytes
+        total, part, size = CHUNK.unpack_from(self._buf, start)
+        if size > self.max_chunk_bytes - CHUNK_HEADER_BYTES:
             raise SharedMemoryError(
-                f"chunk {idx} of segment {self.name!r} is corrupt: it holds {size} bytes "
-                f"of a {total}-byte message (at most {self.max_chunk_bytes - CHUNK_HEADER_BYTES} "
-                "fit in a chunk)"
+                f"chunk {idx} of segment {self.name!r} is corrupt: it holds {size} bytes (at "
+                f"most {self.max_chunk_bytes - CHUNK_HEADER_BYTES} fit in a chunk)"
             )
-        return total, part, size
-
-    def read_chunk(self, idx: int) -> bytes:
-        """A copy of the part in readable chunk ``idx``."""
-        _, _, size = self.chunk_header(idx)
-        begin = self.data_offset + idx * self.max_chunk_bytes + CHUNK_HEADER_BYTES
-        return bytes(self._buf[begin : begin + size])
-
-    def read_chunk_into(self, idx: int, into: bytearray, offset: int) -> int:
-        """Copy the part in readable chunk ``idx`` to ``into[offset:]``; its size."""
-        _, _, size = self.chunk_header(idx)
-        if offset + size > len(into):
-            raise SharedMemoryError(
-                f"chunk {idx} of segment {self.name!r} overflows its message: {size} more "
-                f"bytes after {offset} of {len(into)}"
-            )
-        begin = self.data_offset + idx * self.max_chunk_bytes + CHUNK_HEADER_BYTES
-        into[offset : offset + size] = self._buf[begin : begin + size]
-        return size
+        start += CHUNK_HEADER_BYTES
+        return total, part, self._buf[start : start + size]
 
     def mark_read(self, idx: int, reader: int) -> None:
         """Record that ``reader`` is done with chunk ``idx``, so the writer may reuse it."""
@@ -304,7 +239,7 @@ class ShmRingBuffer:
     # --- who is there ---
 
     def _slot_at(self, reader: int) -> int:
-        return self._slots_offset + reader * _SLOT.size
+        return _SLOTS_AT + reader * _SLOT.size
 
     def attach_reader(self, reader: int) -> None:
         """Record this process as ``reader`` (for the writer's liveness checks)."""
@@ -326,9 +261,8 @@ class ShmRingBuffer:
     def writer_state(self) -> tuple[bool, int, int]:
         """``(closed, pid, pid namespace)`` of the writer."""
         fence()
-        closed = self._buf[_CLOSED_AT] == 1
-        *_, pid, _, namespace = _HEADER.unpack_from(self._buf, 0)
-        return closed, pid, namespace
+        *_, pid, namespace = _HEADER.unpack_from(self._buf, self.name)
+        return self._buf[_CLOSED_AT] == 1, pid, namespace
 
     def set_ready(self) -> None:
         """Writer: every reader has joined."""

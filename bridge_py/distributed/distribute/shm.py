@@ -1,7 +1,8 @@
 """Named shared-memory segments for one gather: one per writing rank, unique per call.
 
-A segment holds one framed message: an 8-byte little-endian header length, a JSON header,
-padding up to a 64-byte boundary, then the body bytes (the header says how many). Segment
+A segment holds one message: the shared-memory header (``shm.header``: magic ``VBGA``,
+layout version, the JSON header's length and the body's), the JSON header (what the body is:
+a tensor's dtype and shape), padding up to a 64-byte boundary, then the body bytes. Segment
 names are ``bpd<token>r<rank>``: the token is drawn afresh for every call and agreed through
 the group, so concurrent calls and concurrent jobs on one node never share a name.
 
@@ -24,12 +25,13 @@ from typing import Any
 
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import posix
+from bridge_py.distributed.shm.header import Header
 
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
 
 NAME_PREFIX = "bpd"
 _ALIGN = 64
-_LEN_BYTES = 8
+_HEADER = Header(b"VBGA", 1, "2xIQ")  # JSON header length, body length
 
 
 def segment_name(token: int, rank: int) -> str:
@@ -38,8 +40,7 @@ def segment_name(token: int, rank: int) -> str:
 
 
 def _data_offset(header_len: int) -> int:
-    end = _LEN_BYTES + header_len
-    return (end + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (_HEADER.size + header_len + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class ShmChannel:
@@ -59,14 +60,13 @@ class ShmChannel:
         reader (or a cleanup) unlinks it.
         """
         body_view = memoryview(body).cast("B")
-        header = {**header, "nbytes": body_view.nbytes}
         head = json.dumps(header).encode()
         offset = _data_offset(len(head))
         shm = posix.create(self.name(rank), offset + body_view.nbytes, tracked=False)
         try:
             buf = posix.view(shm)
-            buf[:_LEN_BYTES] = len(head).to_bytes(_LEN_BYTES, "little")
-            buf[_LEN_BYTES : _LEN_BYTES + len(head)] = head
+            _HEADER.pack_into(buf, len(head), body_view.nbytes)
+            buf[_HEADER.size : _HEADER.size + len(head)] = head
             buf[offset : offset + body_view.nbytes] = body_view
             del buf
         except BaseException:
@@ -80,9 +80,9 @@ class ShmChannel:
         """Read ``rank``'s message, unlink its segment, and return ``read_body(header, view)``.
 
         ``view`` is a memoryview of the body, valid only during the call: ``read_body`` must
-        copy what it keeps. Raises SharedMemoryError when the segment is missing or
-        truncated, and ``UntrustedFileError`` (naming it) when it is not a file of this
-        user's that only this user may write.
+        copy what it keeps. Raises SharedMemoryError when the segment is missing,
+        truncated or not a gather's (its header says so), and ``UntrustedFileError``
+        (naming it) when it is not a file of this user's that only this user may write.
         """
         try:
             # Made by rank ``rank``: read only if it is this user's, writable by it alone.
@@ -99,16 +99,12 @@ class ShmChannel:
 
     def _read(self, shm: posix.Segment, rank: int, read_body: Any) -> Any:
         buf = posix.view(shm)
-        with buf[:_LEN_BYTES] as raw_len:
-            head_len = int.from_bytes(raw_len, "little")
+        head_len, nbytes = _HEADER.unpack_from(buf, self.name(rank))
         offset = _data_offset(head_len)
-        if offset > shm.size:
-            raise self._truncated(shm, rank, offset)
-        with buf[_LEN_BYTES : _LEN_BYTES + head_len] as raw_head:
-            header = json.loads(bytes(raw_head))
-        nbytes = int(header["nbytes"])
         if offset + nbytes > shm.size:
             raise self._truncated(shm, rank, offset + nbytes)
+        with buf[_HEADER.size : _HEADER.size + head_len] as raw_head:
+            header = json.loads(bytes(raw_head))
         with buf[offset : offset + nbytes] as view:
             return read_body(header, view)
 

@@ -1,6 +1,8 @@
-"""Waiting for the other side of a MessageQueue: spin briefly, then sleep, never forever blindly.
+"""The one way a rank waits for another: spin briefly, then sleep, never forever blindly.
 
-A reader waiting for the next message (or a writer waiting for a free chunk) first spins on
+Every wait on another process (a MessageQueue's reader for the next message or its writer
+for a free chunk, whether on shared memory or a socket; the CPU all-reduce; a board) goes
+through :func:`wait_until`. It first spins on
 ``os.sched_yield`` for a couple of milliseconds, which keeps latency low while messages are
 flowing, then sleeps with exponentially growing naps capped at one millisecond (ten once the
 wait is a second old), so an idle queue costs about 1% of a core (vLLM keeps one core busy
@@ -8,7 +10,9 @@ for 10 s after each message, then sleeps 0.1 s at a time).
 
 Every wait takes a deadline (``TimeoutError`` names what was awaited), an optional ``cancel``
 event, and a liveness check run a few times a second that raises :class:`PeerGoneError` when
-the peer it waits for has exited, so a dead peer is reported even without a deadline.
+the peer it waits for has exited, so a dead peer is reported even without a deadline. What
+can be waited on with a file descriptor (a socket, a FIFO doorbell) passes a ``sleep`` that
+blocks on it for at most the nap, so it wakes as soon as the other side acts.
 """
 
 from __future__ import annotations
@@ -70,16 +74,18 @@ def remaining(deadline: float | None) -> float | None:
 
 def wait_until(
     ready: Callable[[], bool],
-    what: str,
+    what: str | Callable[[], str],
     deadline: float | None,
     *,
     check: Callable[[], None] | None = None,
     cancel: threading.Event | None = None,
     log: bool = True,
+    sleep: Callable[[float], object] = time.sleep,
 ) -> None:
-    """Return once ``ready()`` is true; spin, then sleep, between tries.
+    """Return once ``ready()`` is true; spin, then sleep (``sleep(seconds)``), between tries.
 
-    Raises GroupTimeout (a TimeoutError, naming ``what``) at ``deadline``,
+    Raises GroupTimeout (a TimeoutError, naming ``what``, or what ``what()`` says then: who
+    is late) at ``deadline``,
     RuntimeError("cancelled") when ``cancel`` is set, and whatever ``check()`` raises (it runs every
     ``CHECK_INTERVAL_SECONDS`` once sleeping, to notice a dead peer). With ``log``, a wait
     longer than ``LOG_INTERVAL_SECONDS`` is logged at that interval.
@@ -96,7 +102,8 @@ def wait_until(
         if cancel is not None and cancel.is_set():
             raise RuntimeError("cancelled")
         if deadline is not None and now >= deadline:
-            raise GroupTimeout(f"timed out after {now - start:.3g} s waiting for {what}")
+            awaited = what() if callable(what) else what
+            raise GroupTimeout(f"timed out after {now - start:.3g} s waiting for {awaited}")
         if now < spin_until:
             os.sched_yield()
             continue
@@ -105,9 +112,11 @@ def wait_until(
             next_check = now + CHECK_INTERVAL_SECONDS
             continue  # check() may have seen the last write before the peer left
         if log and now >= next_log:
-            logger.info("still waiting for %s after %.0f s", what, now - start)
+            logger.info(
+                "still waiting for %s after %.0f s", what() if callable(what) else what, now - start
+            )
             next_log = now + LOG_INTERVAL_SECONDS
-        time.sleep(nap if deadline is None else min(nap, max(0.0, deadline - now)))
+        sleep(nap if deadline is None else min(nap, max(0.0, deadline - now)))
         longest = LAST_NAP_SECONDS if now - start < IDLE_AFTER_SECONDS else IDLE_NAP_SECONDS
         nap = min(nap * 2, longest)
 
