@@ -11,7 +11,7 @@ is sealed (``auth.seal_payload``) for its name ``p2p/<src>/<dst>/<seq>`` (:func:
 so with an auth key a message moved to another position or pair fails its check.
 
 Between ranks of one node without an auth key, messages go through the shared-memory boards of
-``spg_board`` instead, and take these queues only when a ring slot is busy or too small.
+``board`` instead, and take these queues only when a ring slot is busy or too small.
 
 Messages are received in order. An item numbered below the expected one is stale (its sender
 expired it while it was being popped, see :meth:`Inbox.drop`) and is skipped; one above it is

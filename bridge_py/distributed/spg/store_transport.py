@@ -72,8 +72,7 @@ class StoreTransport:
         self.world_size = world_size
         self.values = values
         self.entries = entries
-        self.local = local if local is not None else [False] * world_size
-        self._all_local = world_size > 1 and all(self.local)
+        self.locate(local if local is not None else [False] * world_size)
         self._others = [r for r in range(world_size) if r != rank]
         self._outbox = [keys.p2p_queue(rank, dst) for dst in range(world_size)]
         self.inbox = p2p.Inbox(store, rank, world_size)
@@ -87,6 +86,11 @@ class StoreTransport:
         self._own_gather: list[tuple[str, str | None]] = []
         # Fetches left before trying to read a value without waiting first (per kind, src).
         self._eager_skips: dict[tuple[str, int], int] = {}
+
+    def locate(self, local: list[bool]) -> None:
+        """Which ranks share this node: their large values go through shared memory."""
+        self.local = local
+        self._all_local = self.world_size > 1 and all(local)
 
     # --- timeouts -----------------------------------------------------------------------
 
