@@ -22,6 +22,7 @@ from torch.distributed import HashStore
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.shm import segments as spg_segments
 from bridge_py.distributed.spg import board as spg_board
+from bridge_py.distributed.spg import keys
 from bridge_py.distributed.spg import values as spg_shm
 from tests.distributed.harness import free_port, late_barrier, run_ranks, transport_of
 
@@ -87,19 +88,19 @@ def test_gathers_on_one_node_go_over_boards(world_size: int) -> None:
 
 
 def _sizes(rank: int, port: int) -> dict:
-    # Pickles up to 4 MiB stay out of segments, so those over the board's capacity go to
-    # the store; the second group spills them into segments as usual.
+    # Pickles up to 4 MiB stay out of segments, so those over a slot's capacity go to the
+    # store; the second group spills them into segments as usual.
     os.environ[spg_shm.THRESHOLD_ENV_VAR] = str(4 << 20)
     group = _create(rank, port, 3)
     group.all_gather_obj(None)
-    big = bytes([rank]) * (spg_board.CAPACITY + 1000)
-    got = group.all_gather_obj(big)
-    ok = [got == [bytes([r]) * (spg_board.CAPACITY + 1000) for r in range(3)]]
-    overflow = group.store.check([spg_board.overflow_key(rank, 2)])
-    got = group.all_gather_obj(rank)  # the overflow key of the last gather goes now
+    big = bytes([rank]) * (spg_board.MESSAGE_CAPACITY + 1000)
+    got = group.all_gather_obj(big)  # this rank's broadcast 1
+    ok = [got == [bytes([r]) * (spg_board.MESSAGE_CAPACITY + 1000) for r in range(3)]]
+    overflow = group.store.check([keys.broadcast_value(rank, 1)])
+    got = group.all_gather_obj(rank)  # the store key of the last gather goes now
     ok.append(got == [0, 1, 2])
     group.barrier(timeout=10)
-    gone = not group.store.check([spg_board.overflow_key(rank, 2)])
+    gone = not group.store.check([keys.broadcast_value(rank, 1)])
     group.barrier(timeout=10)
     return {"ok": ok, "overflow": overflow, "gone": gone}
 
@@ -287,13 +288,12 @@ def _no_room(rank: int, port: int) -> dict:
     group = _create(rank, port, 2)
     group.all_gather_obj(None)
     board = group._transport.board
-    # Writes past 300 KiB into a file now fail (EFBIG, as ENOSPC would on a full /dev/shm):
-    # the second gather slot and every message slot lie beyond.
+    # Writes past the barrier page into a file now fail (EFBIG, as ENOSPC would on a full
+    # /dev/shm): every slot lies beyond.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (300 * 1024, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (board.layout.message_at(0, 0), hard))
     try:
-        assert board.layout.gather_at[1] < 300 * 1024 < board.layout.message_at(0, 0)
         values = [bytes([rank, i]) * 30_000 for i in range(4)]
         gathered = [group.all_gather_obj(v) for v in values]
         peer = 1 - rank

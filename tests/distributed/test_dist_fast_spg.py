@@ -455,7 +455,7 @@ def _with_a_limit(rank: int, limit: str) -> dict:
         resource.setrlimit(which, (lowest_free, hard))
     try:
         spilled = spg_shm.dump(BIG, owner, False, [1])
-        copied = spg_shm.dump_pickled(payload, owner, False, [1])
+        copied = spg_shm.dump(None, owner, False, [1], pickled=payload)
     finally:
         resource.setrlimit(which, (soft, hard))
     return {

@@ -11,7 +11,7 @@ from torch.distributed import TCPStore
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.spg import keys
 from bridge_py.distributed.spg import p2p as spg_p2p
-from bridge_py.distributed.spg.barrier import Mailbox
+from bridge_py.distributed.spg.store_transport import Mailbox
 from tests.distributed.harness import TRANSPORTS, free_port, run_ranks, use_transport
 
 

@@ -160,7 +160,7 @@ def test_boards_and_doorbells_are_checked(boards: tuple[spg_board.Board, ...]) -
 def test_segments_are_checked_before_they_are_read() -> None:
     owner = SegmentOwner(2)
     payload = pickle.dumps(b"v" * (400 << 10))
-    descriptor = spg_shm.dump_pickled(payload, owner, False, [1])
+    descriptor = spg_shm.dump(None, owner, False, [1], pickled=payload)
     name = spg_shm.segment_name(descriptor)
     assert name is not None
     path = SHM / name

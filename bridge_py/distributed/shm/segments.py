@@ -1,7 +1,7 @@
 """The shared-memory segments of one StatelessProcessGroup rank: created, reused, removed.
 
 A *segment* is a file under ``/dev/shm`` that carries one large value to the ranks of the same
-node (``spg_shm`` pickles values into them and reads them back). Writing a value into a fresh
+node (``spg.values`` pickles values into them and reads them back). Writing a value into a fresh
 file costs far more than the copy itself: every page is allocated and zeroed by the kernel on
 first touch (about 7 ms against 0.5 ms for a 4 MiB value on a small VM). So a rank keeps a few
 segments and writes its next value over one whose readers are all done.

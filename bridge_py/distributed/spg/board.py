@@ -1,62 +1,45 @@
-"""A shared-memory board and doorbells: all_gather_obj among the ranks of one node.
+"""Shared-memory boards and doorbells: the messages of a StatelessProcessGroup on one node.
 
-Through the store, an all_gather of small objects costs every rank a write and a wait that
-the store's server answers once the last value is in: two hops through a third process (the
-server thread of rank 0) for every rank, which with more ranks than cores is most of the
-time. When every rank of a group runs on one node and there is no auth key, each rank
-instead posts its value on a *board* of its own, a small file under ``/dev/shm`` mapped by
-every rank, and rings each other rank's *doorbell*, a FIFO next to it; a rank waiting for
-the others sleeps in ``poll`` on its own doorbell. Nothing goes through the store.
+Through the store, every message costs a hop through a third process (the server thread of
+rank 0), which with more ranks than cores is most of the time. When every rank of a group
+runs on one node, each rank instead writes what it sends on a *board* of its own, a small
+file under ``/dev/shm`` mapped by every rank, and rings the receivers' *doorbells*, FIFOs
+next to it; a rank waiting for a value sleeps in ``poll`` on its own doorbell.
 
-A board has a head, two gather slots used in turn (the slot of gather ``seq`` is
-``seq % 2``) and, for every destination rank, a ring of :data:`RING` message slots::
+A board has a head, a barrier page and slots of one format, in rings: one ring of
+:data:`RING` slots per destination rank (point-to-point messages) and one of
+:data:`BROADCAST_RING` slots read by every other rank (broadcasts, and the values of
+all_gather, which is a broadcast from every rank)::
 
     0                   b"VBBD", u32 world size, u64 creator pid
-    64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
     16                  u64 one past the last broadcast number used
+    64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
     64 + 8 * (n + dst)  u64 spills[dst]: messages to ``dst`` sent through the store
     64 + 8 * (2n + src) u64 broadcasts of ``src`` this rank is done with (last number + 1)
-    gather slot i       u64 seq (0: none yet), u64 length (bit 63: in the store), the value
-    ring[dst][j]        u64 number + 1 (0: never used), u64 length, the message
-    broadcasts[j]       the same, for this rank's broadcasts (BROADCAST_RING slots)
+    barrier page        arrivals, departures and decisions (see ``shm_transport``)
+    ring[dst][j]        u64 number + 1 (0: never used), u64 length, the value
+    broadcasts[j]       the same, for this rank's broadcasts
 
-Two slots are enough and no reader has to say it is done: a rank writes the slot of gather
-``seq + 2`` only after completing gather ``seq + 1``, that is after every other rank posted
-its ``seq + 1`` value, which each did only after reading every ``seq`` value. The writer
-writes the length and the value with ``pwrite`` (a full ``/dev/shm`` is then an error,
-where a store through the mapping would be SIGBUS; the pages the mapping writes are
-allocated when the board is made), then ``seq``; a reader reads ``seq``, then (after a
-memory fence) the rest. A value larger than :data:`CAPACITY` (a pickle that could not go to
-a segment), or with no room left on ``/dev/shm``, is written to the store under
-:func:`overflow_key` first; its slot then holds only the flag, and the writer deletes the
-key at its next gather.
-
-Point-to-point messages (``send_obj``/``recv_obj``) take the rings: message ``n`` to ``dst``
-goes into slot ``n % RING`` of the sender's ring for ``dst`` once ``dst`` has received what
-that slot held before (``dst``'s ``acks[sender]`` says so), and the sender rings ``dst``'s
-doorbell. Sending never waits: a message that finds its slot taken, or is larger than
-:data:`MESSAGE_CAPACITY`, goes on the pair's store queue as before, and ``spills[dst]`` counts
-it, so the receiver knows to pop the queue too; it takes messages from both in number order.
-
-The group's side of all this (when each path is taken, what goes to the store instead) is
-in ``spg_board_paths``; the barrier in ``barrier.run_board_barrier``.
+Item ``n`` goes into slot ``n % size`` of its ring once every reader has received what the
+slot held before (their receipt counters say so). The writer writes the length and the value
+with ``pwrite`` (a full ``/dev/shm`` is then an error, where a store through the mapping
+would be SIGBUS; the pages the mapping writes are allocated when the board is made), then
+the number; a reader reads the number, then (after a memory fence) the rest. Writing never
+waits: an item that finds its slot busy, that is larger than :data:`MESSAGE_CAPACITY` or
+that finds no room on ``/dev/shm`` goes through the store, and the counters say so (a
+message's ``spills``, a broadcast's number being used).
 
 Boards and doorbells are named like the group's segments
 (``vbspg_<pid namespace>_<pid>_<token>_board``/``_bell``), so that
-``spg_segments.remove_orphans`` removes those of a rank that was killed. A rank creates its
-own when it tells the others its node (the group's first all_gather or barrier) and unlinks
-the names once every other rank has opened them (after the first gather on the board); the
-mappings live on until the group is closed. A rank that waits checks every
-:data:`LIVENESS_PERIOD` seconds whether the ranks it waits for still run, so a killed peer
-is reported at once instead of after the store's timeout.
+``segments.remove_orphans`` removes those of a rank that was killed. A rank creates its own
+before ``create`` exchanges node cards, and unlinks the names once every other rank has
+opened them; the mappings live on until the group is closed. A waiting rank checks every
+:data:`LIVENESS_PERIOD` seconds whether the rank it waits for still runs.
 
-What a rank trusts: a board or doorbell it opens (named in another rank's node card) must be
-a file of its own user that only this user may write, and not a link (``shm_files``), or it
-is refused naming the file; a board's values are then unpickled as they are on the store
-without a key. With an auth key no value goes on a board at all: all_gather_obj, messages
-and broadcasts take the store, where they carry tags, and the node cards that name the
-boards are tagged too; ranks still meet on their boards for barriers, whose counters and
-failure text are never unpickled.
+What a rank trusts: a board or doorbell it opens (named in another rank's node card, which
+is sealed with the group's key) must be a file of its own user that only this user may
+write, and not a link (``shm.files``), or it is refused naming the file. Values on a board
+are sealed and checked as they are in the store.
 """
 
 from __future__ import annotations
@@ -71,7 +54,6 @@ import re
 import secrets
 import select
 import struct
-import time
 from collections.abc import Callable, Sequence
 
 from bridge_py.distributed.errors import DistributedError
@@ -86,22 +68,17 @@ from bridge_py.distributed.shm.wait import (
 __all__ = [
     "BOARD_PATTERN",
     "BROADCAST_RING",
-    "CAPACITY",
     "LIVENESS_PERIOD",
     "MESSAGE_CAPACITY",
     "RING",
     "Board",
     "BoardError",
-    "BoardFull",
     "Layout",
-    "overflow_key",
-    "wait_for_values",
 ]
 
-CAPACITY = (256 << 10) + 4096  # a pickle up to spg_shm's threshold, or a descriptor, fits
 RING = 8  # message slots per destination
 BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of several readers)
-MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one message slot's value
+MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one slot's value
 LIVENESS_PERIOD = 1.0
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
 MAGIC = b"VBBD"
@@ -110,9 +87,8 @@ _U64 = struct.Struct("<Q")
 _SLOT_HEAD = 16
 _PAGE = 4096
 _COUNTERS_AT = 64
-IN_STORE = 1 << 63
 _BROADCASTS_SENT = 16  # in the head: one past the last broadcast number this rank used
-# Barriers (see barrier.run_board_barrier): offsets in the barrier page.
+# Barriers (see shm_transport.ShmTransport.barrier): offsets in the barrier page.
 _ARRIVED, _DEPARTED, _DECISIONS, _VERDICT = 0, 8, 64, 64 + 16 * 64
 DECISION_CELLS = 64
 PASSED, FAILED = 1, 2
@@ -123,7 +99,6 @@ def _pages(size: int) -> int:
     return (size + _PAGE - 1) // _PAGE * _PAGE
 
 
-_GATHER_SLOT = _pages(_SLOT_HEAD + CAPACITY)
 _MESSAGE_SLOT = _SLOT_HEAD + MESSAGE_CAPACITY
 
 
@@ -137,11 +112,6 @@ class Layout:
     def barrier_at(self) -> int:
         return _pages(_COUNTERS_AT + 24 * self.world_size)
 
-    @property
-    def gather_at(self) -> tuple[int, int]:
-        first = self.barrier_at + _PAGE
-        return first, first + _GATHER_SLOT
-
     def ack_at(self, src: int) -> int:
         return _COUNTERS_AT + 8 * src
 
@@ -149,7 +119,7 @@ class Layout:
         return _COUNTERS_AT + 8 * (self.world_size + dst)
 
     def message_at(self, dst: int, number: int) -> int:
-        return self.gather_at[1] + _GATHER_SLOT + _MESSAGE_SLOT * (RING * dst + number % RING)
+        return self.barrier_at + _PAGE + _MESSAGE_SLOT * (RING * dst + number % RING)
 
     def broadcast_received_at(self, src: int) -> int:
         return _COUNTERS_AT + 8 * (2 * self.world_size + src)
@@ -167,15 +137,6 @@ class BoardError(DistributedError):
     """A board could not be made or opened, or a peer's board is not what it should be."""
 
 
-class BoardFull(RuntimeError):
-    """``/dev/shm`` had no room for a value: it goes through the store instead."""
-
-
-def overflow_key(rank: int, seq: int) -> str:
-    """The store key of rank ``rank``'s gather ``seq`` value that did not fit on its board."""
-    return f"board/{rank}/{seq}"
-
-
 def _bell_name(board_name: str) -> str:
     return board_name[: -len("board")] + "bell"
 
@@ -188,9 +149,7 @@ class Board:
         self.rank = rank
         self.world_size = world_size
         self.name = f"{NAME_PREFIX}{pid_namespace()}_{os.getpid()}_{secrets.token_hex(6)}_board"
-        self.seq = 0  # the last gather posted
         self.layout = Layout(world_size)
-        self._gather_at = self.layout.gather_at
         self._maps: list[mmap.mmap | None] = [None] * world_size
         self._peers = [r for r in range(world_size) if r != rank]
         self._bells: list[int] = [-1] * world_size
@@ -206,9 +165,7 @@ class Board:
             # The pages written through the mapping are allocated now, so that a full
             # /dev/shm fails here (no board: the store) and not with SIGBUS later; values go
             # in with pwrite, which reports ENOSPC instead.
-            os.posix_fallocate(fd, 0, self._gather_at[0])
-            for at in self._gather_at:
-                os.posix_fallocate(fd, at, _PAGE)
+            os.posix_fallocate(fd, 0, self.layout.barrier_at + _PAGE)
             for dst in range(world_size):
                 for slot in range(RING):
                     os.posix_fallocate(fd, self.layout.message_at(dst, slot), _SLOT_HEAD)
@@ -322,44 +279,16 @@ class Board:
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
         return gone
 
-    def post(self, value: bytes, in_store: bool = False) -> int:
-        """Post this rank's value of the next gather and ring every doorbell; its seq.
-
-        ``in_store``: ``value`` is empty and the value is under :func:`overflow_key`.
-        """
-        seq = self.seq + 1
-        board = self._map(self.rank)
-        assert board is not None
-        at = self._gather_at[seq & 1]
-        size = len(value)
-        if size > CAPACITY:
-            raise ValueError(f"a board value holds at most {CAPACITY} bytes, got {size}")
-        if not self._write(at + 8, IN_STORE if in_store else size, value):
-            raise BoardFull(f"no room on /dev/shm for a board value of {size} bytes")
-        _U64.pack_into(board, at, seq)  # after the write (a system call): the value is there
-        self.seq = seq
-        for bell in self._bells:
-            if bell >= 0:
-                _ring(bell)
-        return seq
-
     # --- messages ---
 
     def send(self, dst: int, number: int, value: bytes) -> bool:
         """Put message ``number`` to ``dst`` in its ring slot and ring ``dst``; False (nothing
-        written) if the value is too large or ``dst`` has not received the slot's last one."""
-        size = len(value)
-        if size > MESSAGE_CAPACITY or self._maps[dst] is None:
+        written) if it does not fit or ``dst`` has not received the slot's last one."""
+        if self._maps[dst] is None:
             return False
-        board = self._map(self.rank)
         at = self.layout.message_at(dst, number)
-        held = _U64.unpack_from(board, at)[0]  # the number + 1 of the message there
-        if held and _U64.unpack_from(self._map(dst), self.layout.ack_at(self.rank))[0] < held:
+        if not self._fill(at, number, value, [dst], self.layout.ack_at(self.rank)):
             return False
-        fence()  # dst's receipt is seen before the slot is written over
-        if not self._write(at + 8, size, value):
-            return False  # /dev/shm is full: the store queue takes it
-        _U64.pack_into(board, at, number + 1)
         self.ring(dst)
         return True
 
@@ -367,38 +296,33 @@ class Board:
 
     def broadcast(self, number: int, value: bytes) -> bool:
         """Put broadcast ``number`` of this rank in its ring slot; False (nothing written) if
-        the value is too large or some rank has not received the slot's last broadcast. The
-        caller then says it was sent (:meth:`broadcast_sent`), whichever way it went."""
-        size = len(value)
-        if size > MESSAGE_CAPACITY or not self.connected:
+        it does not fit or some rank has not received the slot's last broadcast. The caller
+        then says it was sent (:meth:`broadcast_sent`), whichever way it went."""
+        if not self.connected:
             return False
-        board = self._map(self.rank)
         at = self.layout.broadcast_at(number)
-        held = _U64.unpack_from(board, at)[0]
-        if held:
-            receipt = self.layout.broadcast_received_at(self.rank)
-            for dst in self._peers:
-                if _U64.unpack_from(self._map(dst), receipt)[0] < held:
-                    return False
-        fence()  # every receipt is seen before the slot is written over
-        if not self._write(at + 8, size, value):
-            return False
-        _U64.pack_into(board, at, number + 1)
-        return True
+        return self._fill(
+            at, number, value, self._peers, self.layout.broadcast_received_at(self.rank)
+        )
 
     def broadcast_sent(self, number: int) -> None:
         """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
         fence()
         _U64.pack_into(self._map(self.rank), _BROADCASTS_SENT, number + 1)
-        for bell in self._bells:
-            if bell >= 0:
-                _ring(bell)
+        self.ring_all()
 
     def broadcasts_sent(self, src: int) -> int:
         """How many of ``src``'s broadcast numbers it has used (one past its last one)."""
         count = _U64.unpack_from(self._map(src), _BROADCASTS_SENT)[0]
         fence()
         return count
+
+    def broadcasts_read(self) -> int:
+        """How many of this rank's broadcasts every other rank is done with."""
+        receipt = self.layout.broadcast_received_at(self.rank)
+        read = min(_U64.unpack_from(self._map(r), receipt)[0] for r in self._peers)
+        fence()
+        return read
 
     def take_broadcast(self, src: int, number: int) -> bytes | None:
         """``src``'s broadcast ``number`` if it is in its ring slot (a copy), else None."""
@@ -410,13 +334,26 @@ class Board:
         at = self.layout.broadcast_received_at(src)
         _U64.pack_into(self._map(self.rank), at, number + 1)
 
-    def _write(self, offset: int, length: int, value: bytes) -> bool:
-        """Write ``length`` and ``value`` at ``offset`` of this rank's board; False if
-        ``/dev/shm`` has no room for all of it (a write cut short counts as none)."""
+    def _fill(self, at: int, number: int, value: bytes, readers: list[int], receipt: int) -> bool:
+        """Write item ``number`` into this rank's slot at ``at`` once every one of ``readers``
+        has received what it held (their counter at ``receipt`` says how many); False
+        (nothing written) if one has not, the value is too large, or ``/dev/shm`` has no
+        room for all of it (a write cut short counts as none)."""
+        size = len(value)
+        if size > MESSAGE_CAPACITY:
+            return False
+        board = self._map(self.rank)
+        held = _U64.unpack_from(board, at)[0]  # the number + 1 of the item there
+        if held and any(_U64.unpack_from(self._map(r), receipt)[0] < held for r in readers):
+            return False
+        fence()  # the receipts are seen before the slot is written over
         try:
-            return os.pwritev(self._fd, [_U64.pack(length), value], offset) == 8 + len(value)
+            if os.pwritev(self._fd, [_U64.pack(size), value], at + 8) != 8 + size:
+                return False
         except OSError:
             return False
+        _U64.pack_into(board, at, number + 1)  # after the write (a system call): it is there
+        return True
 
     def spilled(self, dst: int, count: int) -> None:
         """Record that ``count`` messages to ``dst`` went through the store; ring ``dst``."""
@@ -445,18 +382,11 @@ class Board:
         if bell >= 0:
             _ring(bell)
 
-    def read(self, src: int, seq: int) -> bytes | None:
-        """Rank ``src``'s value of gather ``seq``: its bytes, b"" if it is in the store, or
-        None if ``src`` has not posted it yet."""
-        board = self._map(src)
-        at = self._gather_at[seq & 1]
-        if _U64.unpack_from(board, at)[0] != seq:
-            return None
-        fence()  # what src wrote before its seq is visible
-        size = _U64.unpack_from(board, at + 8)[0]
-        if size & IN_STORE:
-            return b""
-        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+    def ring_all(self) -> None:
+        """Ring every other rank's doorbell."""
+        for bell in self._bells:
+            if bell >= 0:
+                _ring(bell)
 
     def wait(self, timeout: float) -> None:
         """Sleep until a doorbell rings or ``timeout`` seconds pass; empty the doorbell."""
@@ -473,9 +403,7 @@ class Board:
     def arrive(self, barrier_id: int) -> None:
         """Mark this rank arrived at barrier ``barrier_id`` and ring every doorbell."""
         self._put(_ARRIVED, barrier_id + 1)
-        for bell in self._bells:
-            if bell >= 0:
-                _ring(bell)
+        self.ring_all()
 
     def depart(self, barrier_id: int) -> None:
         """Mark this rank gone from barrier ``barrier_id`` and ring rank 0."""
@@ -522,9 +450,7 @@ class Board:
             struct.pack_into("<QQ", board, at, barrier_id + 1, outcome)
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        for bell in self._bells:  # ranks still waiting learn it at once
-            if bell >= 0:
-                _ring(bell)
+        self.ring_all()  # ranks still waiting learn it at once
         return outcome, verdict
 
     def _verdict(self, barrier_id: int) -> str:
@@ -607,42 +533,6 @@ def _ring(bell: int) -> None:
     # A full doorbell already rings; one whose rank is gone is found while waiting.
     with contextlib.suppress(BlockingIOError, BrokenPipeError):
         os.write(bell, b"\x01")
-
-
-def wait_for_values(
-    board: Board, seq: int, ranks: Sequence[int], timeout: float
-) -> tuple[list[bytes], list[int]]:
-    """The values of gather ``seq`` from ``ranks`` (in that order), waiting on the doorbell.
-
-    Returns ``(values, missing)``: ``missing`` lists the ranks that did not post within
-    ``timeout`` seconds, or that exited (then the rest may be unread: ``values`` has b""
-    for them). A value in the store is b"" too; :meth:`Board.read` tells which.
-    """
-    values: list[bytes] = [b""] * len(ranks)
-    waiting = list(range(len(ranks)))
-    start = time.monotonic()
-    deadline = start + timeout
-    check_at = start + LIVENESS_PERIOD
-    while True:
-        still = []
-        for i in waiting:
-            got = board.read(ranks[i], seq)
-            if got is None:
-                still.append(i)
-            else:
-                values[i] = got
-        waiting = still
-        if not waiting:
-            return values, []
-        now = time.monotonic()
-        if now >= deadline:
-            return values, [ranks[i] for i in waiting]
-        if now >= check_at:
-            check_at = now + LIVENESS_PERIOD
-            gone = board.gone([ranks[i] for i in waiting])
-            if gone:
-                return values, gone
-        board.wait(min(deadline, check_at) - now)
 
 
 def _slot(board: mmap.mmap, at: int, number: int) -> bytes | None:

@@ -146,6 +146,7 @@ class StatelessProcessGroup:
         names = [c.split(b"\n", 1)[1].decode() for c in cards if b"\n" in c]
         if any(local[r] for r in range(self.world_size) if r != self.rank):
             segments.remove_orphans()
+        self._store_transport.locate(local)
         if board is not None and all(local) and len(names) == self.world_size:
             # Messages still unreceived in its rings go to the store queues when the group
             # closes: a receiver that has not opened the board finds them there.
@@ -156,15 +157,10 @@ class StatelessProcessGroup:
             except BoardError as exc:
                 board.close()
                 raise BoardError(f"rank {self.rank} could not join the boards: {exc}") from exc
-            self._store_transport.local = local
             self._transport = ShmTransport(board, names, self._store_transport)
             return
         if board is not None:
             board.close()
-        self._store_transport = StoreTransport(
-            self.store, self.rank, self.world_size, self._values, self.entries, local
-        )
-        self._transport = self._store_transport
 
     def _exchange_cards(self, card: bytes) -> list[bytes]:
         """Every rank's node card (sealed in the store, as values are)."""

@@ -11,7 +11,7 @@ is sealed (``auth.seal_payload``) for its name ``p2p/<src>/<dst>/<seq>`` (:func:
 so with an auth key a message moved to another position or pair fails its check.
 
 Between ranks of one node without an auth key, messages go through the shared-memory boards of
-``spg_board`` instead, and take these queues only when a ring slot is busy or too small.
+``board`` instead, and take these queues only when a ring slot is busy or too small.
 
 Messages are received in order. An item numbered below the expected one is stale (its sender
 expired it while it was being popped, see :meth:`Inbox.drop`) and is skipped; one above it is
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable
 
 from torch.distributed import QueueEmptyError, Store
 
@@ -53,27 +52,23 @@ def unframe(item: bytes) -> tuple[int, memoryview]:
     return HEADER.unpack_from(item)[0], memoryview(item)[HEADER.size :]
 
 
-class _WaitTimedOut(Exception):
-    """A waiting pop that the store ended at its timeout."""
-
-
 class Inbox:
     """The receiving side of one rank: pops its pairs' queues in order, with a deadline."""
 
-    def __init__(
-        self,
-        store: Store,
-        rank: int,
-        world_size: int,
-        queue: Callable[[int, int], str] = keys.p2p_queue,
-    ) -> None:
-        """``queue(src, dst)`` names the queue of each pair (point-to-point by default)."""
+    def __init__(self, store: Store, rank: int, world_size: int) -> None:
         self._store = store
         # src -> {seq: value} of messages popped before their turn.
         self._early: dict[int, dict[int, memoryview]] = {}
         # src -> [pops with a wait left before trying one without, the next such count].
         self._skips: dict[int, list[int]] = {}
-        self._queues = [queue(src, rank) for src in range(world_size)]
+        self._queues = [keys.p2p_queue(src, rank) for src in range(world_size)]
+        # Per src: items popped from its queue so far (due, early or stale).
+        self.popped = [0] * world_size
+
+    def take(self, src: int, seq: int) -> memoryview | None:
+        """Message ``seq`` from ``src`` if it was popped before its turn (no store request)."""
+        early = self._early.get(src)
+        return early.pop(seq, None) if early else None
 
     def receive(self, src: int, seq: int, limit: float | None) -> memoryview | None:
         """The value of message ``seq`` from ``src``, or None after ``limit`` seconds.
@@ -84,11 +79,9 @@ class Inbox:
         wait cancels it with the server, so the connection stays usable). Store failures (the
         server is gone) propagate.
         """
-        early = self._early.get(src)
-        if early:
-            value = early.pop(seq, None)
-            if value is not None:
-                return value
+        value = self.take(src, seq)
+        if value is not None:
+            return value
         queue = self._queues[src]
         store = self._store
         skips = self._skips.get(src)
@@ -96,15 +89,15 @@ class Inbox:
             skips = self._skips[src] = [0, 1]
         if skips[0] == 0:
             try:
-                got, value = unframe(store.queue_pop(queue, False))
+                item = store.queue_pop(queue, False)
             except QueueEmptyError:
                 skips[0] = skips[1]
                 skips[1] = min(2 * skips[1], _MAX_BACKOFF)
             else:
                 skips[1] = 1
-                if got == seq:
+                value = self._sort(src, seq, item)
+                if value is not None:
                     return value
-                self._set_aside(src, seq, got, value)
         else:
             skips[0] -= 1
         if limit is None:
@@ -112,51 +105,33 @@ class Inbox:
             # is (which spares getting and setting it); a pop again needs what is left.
             start = time.monotonic()
             try:
-                value = self._pop_waiting(queue, src, seq)
-            except _WaitTimedOut:
-                return None
+                value = self._sort(src, seq, store.queue_pop(queue))
+            except QueueEmptyError:
+                pass  # woken, but the sender expired the message first
+            except RuntimeError as exc:
+                if is_store_timeout(exc):
+                    return None
+                raise
             if value is not None:
                 return value
             limit = timeout_of(store).total_seconds() - (time.monotonic() - start)
-        return self._pop_until(queue, src, seq, time.monotonic() + limit)
-
-    def take_early(self, src: int) -> dict[int, memoryview]:
-        """Hand over (and forget) the messages from ``src`` popped before their turn."""
-        return self._early.pop(src, {})
-
-    def _pop_until(self, queue: str, src: int, seq: int, deadline: float) -> memoryview | None:
-        """Pop ``queue`` until message ``seq`` comes, each wait bounded by what is left."""
-        while (item := pop_before(self._store, queue, deadline)) is not None:
-            got, value = unframe(item)
-            if got == seq:
+        deadline = time.monotonic() + limit
+        while (popped := pop_before(store, queue, deadline)) is not None:
+            value = self._sort(src, seq, popped)
+            if value is not None:
                 return value
-            self._set_aside(src, seq, got, value)
         return None
 
-    def _pop_waiting(self, queue: str, src: int, seq: int) -> memoryview | None:
-        """One pop with the store's current wait: the value of message ``seq``, or None.
-
-        None when another message came (set aside, or skipped as stale) or the queue was
-        emptied under the wait (the sender expired the message). Raises
-        :class:`_WaitTimedOut` when the wait ran out; other store failures propagate.
-        """
-        try:
-            got, value = unframe(self._store.queue_pop(queue))
-        except QueueEmptyError:
-            return None  # woken, but the sender expired the message first
-        except RuntimeError as exc:
-            if is_store_timeout(exc):
-                raise _WaitTimedOut from None
-            raise
+    def _sort(self, src: int, seq: int, item: bytes) -> memoryview | None:
+        """The value of a popped item if it is message ``seq``; else None, and the message is
+        kept until its turn (or forgotten, if its turn has passed)."""
+        self.popped[src] += 1
+        got, value = unframe(item)
         if got == seq:
             return value
-        self._set_aside(src, seq, got, value)
-        return None
-
-    def _set_aside(self, src: int, seq: int, got: int, value: memoryview) -> None:
-        """Keep a message that came before its turn; forget one whose turn has passed."""
         if got > seq:
             self._early.setdefault(src, {})[got] = value
+        return None
 
 
 def drop(store: Store, queue: str, seq: int, sent: int) -> None:

@@ -1,19 +1,20 @@
 """A StatelessProcessGroup's operations over shared-memory boards, when all ranks share a node.
 
-Each rank posts on its own board (``board.Board``: a small file under ``/dev/shm`` that
+Each rank writes on its own board (``board.Board``: a small file under ``/dev/shm`` that
 every rank maps) and rings the others' FIFO doorbells; a rank that waits sleeps on its own
 doorbell, and checks every second that the ranks it waits for still run, so a rank that
 exits is reported at once instead of at the timeout. No store request is made while things
-fit:
+fit, and what does not goes through the store (``overflow``, the group's store transport):
 
 * ``send``/``recv``: message ``n`` to ``dst`` goes into slot ``n % RING`` of the sender's
   ring for ``dst``; a message whose slot ``dst`` has not read yet, or too large for a slot,
   goes on the pair's store queue instead (``spills`` on the board say how many did), and the
   receiver takes messages from both in number order. Sending never waits for the receiver;
-* ``broadcast``: into the source's broadcast ring, or the store when its slot is busy;
-* ``all_gather``: each rank posts its value in its board's gather slot (two slots used in
-  turn), or the store when it does not fit;
-* ``barrier``: the three phases of ``barrier.run_board_barrier``, on the boards.
+* ``broadcast`` and ``all_gather`` (a broadcast from every rank, numbered as vLLM numbers
+  them): into the source's broadcast ring, else under the value's store key. The source
+  deletes what it put in the store (and its segments) once every rank's receipt on its
+  board has passed it, or at the next barrier;
+* ``barrier``: the three phases of the store barrier, on the boards (:meth:`barrier`).
 
 Values are packed as on the store (``values.Values``: large ones in segments, sealed with
 the group's key), so a board carries only what the store would.
@@ -22,29 +23,29 @@ the group's key), so a board carries only what the store would.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed.errors import GroupTimeout, PeerGoneError
+from bridge_py.distributed.errors import BarrierFailure, BarrierTimeout, PeerGoneError
 from bridge_py.distributed.spg import keys, p2p
-from bridge_py.distributed.spg.barrier import run_board_barrier
 from bridge_py.distributed.spg.board import (
-    BROADCAST_RING,
-    CAPACITY,
+    FAILED,
     LIVENESS_PERIOD,
+    PASSED,
     Board,
     BoardError,
-    BoardFull,
-    overflow_key,
-    wait_for_values,
 )
+from bridge_py.distributed.spg.common import arrival_timeout, exited, lost, timed_out
 from bridge_py.distributed.spg.store_transport import StoreTransport
 from bridge_py.distributed.store.torch_api import set_bytes
-from bridge_py.distributed.store.waiting import pop_before
 
 __all__ = ["ShmTransport", "queue_flusher"]
+
+# How long one pop of a pair's store queue waits before looking at the ring again.
+_QUEUE_POLL = 0.05
 
 
 class ShmTransport:
@@ -62,13 +63,55 @@ class ShmTransport:
         self.rank = overflow.rank
         self.world_size = overflow.world_size
         self._others = [r for r in range(self.world_size) if r != self.rank]
-        # Per peer: messages that went through the store queue (sent to it, taken from it),
-        # and those taken from the queue before their turn.
+        # Per peer: messages that went through the store queue to it.
         self._queue_sent = [0] * self.world_size
-        self._queue_taken = [0] * self.world_size
-        self._early: dict[int, dict[int, bytes | memoryview]] = {}
-        # This rank's broadcast ring slot -> the segment of the value in it.
-        self._broadcast_segments: dict[int, str] = {}
+        # (number, store key or "", segment or None) of this rank's broadcasts that left
+        # something to remove once every rank has read them, oldest first.
+        self._sent: deque[tuple[int, str, str | None]] = deque()
+
+    # --- waiting --------------------------------------------------------------------------
+
+    def _wait(
+        self,
+        op: str,
+        what: str,
+        srcs: list[int],
+        limit: float,
+        ready: Callable[[int], bool | None],
+        many: bool = False,
+    ) -> None:
+        """Sleep on the doorbell until ``ready(src)`` is true for every one of ``srcs``.
+
+        ``ready`` returning None means "not yet, look again without sleeping" (a message is
+        on its way through the store). GroupTimeout after ``limit`` seconds, PeerGoneError
+        once a rank waited for has exited, naming ``op``, this rank, the rank(s) and
+        ``what`` (``many``: the values of a collective).
+        """
+        start = time.monotonic()
+        deadline = start + limit
+        check_at = start + LIVENESS_PERIOD
+        waiting = srcs
+        while True:
+            sleep = True
+            still = []
+            for src in waiting:
+                done = ready(src)
+                if not done:
+                    still.append(src)
+                    sleep = sleep and done is not None
+            waiting = still
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise timed_out(op, self.rank, what, waiting if many else waiting[0], start, limit)
+            if now >= check_at:
+                check_at = now + LIVENESS_PERIOD
+                gone = self.board.gone(waiting)
+                if gone:
+                    raise exited(op, self.rank, what, gone if many else gone[0], start)
+            if sleep:
+                self.board.wait(min(deadline, check_at) - now)
 
     # --- point to point -------------------------------------------------------------------
 
@@ -88,66 +131,86 @@ class ShmTransport:
         if not self.board.is_open(src):  # src had closed its group when this rank joined
             return self.overflow.recv(src, seq, timeout)
         self.overflow.flush()
-        data: bytes | memoryview | None = self.board.take(src, seq)
-        if data is None:
-            data = self._await_message(src, seq, timeout)
-        message = data
-        self.board.received(src, seq + 1)  # a copy was taken: the slot is free
+        board, inbox = self.board, self.overflow.inbox
         name = keys.p2p_value(src, self.rank, seq)
-        return lambda: self.values.unpack(name, message, src, label="message")
+        found: list[bytes | memoryview] = []
 
-    def _await_message(self, src: int, seq: int, timeout: float | None) -> bytes | memoryview:
-        board, store = self.board, self.overflow.store
-        name = keys.p2p_value(src, self.rank, seq)
-        clock = _PeerWait(
-            board, self.rank, src, "recv_obj", repr(name), self.overflow.limit(timeout)
-        )
-        early = self._early.setdefault(src, {})
-        queue = keys.p2p_queue(src, self.rank)
-        while True:
-            data = early.pop(seq, None)
+        def ready(_src: int) -> bool | None:
+            data: bytes | memoryview | None = inbox.take(src, seq)
             if data is None:
                 data = board.take(src, seq)
-            if data is not None:
-                return data
-            queued = board.spills(src) > self._queue_taken[src]
-            if queued:
+            if data is None and board.spills(src) > inbox.popped[src]:
                 # A message waits in the store queue (or is on its way there: the push has
-                # no reply). Pop it with a short wait, then look at the ring again: the
-                # sender may have expired it (see expire_data).
+                # no reply). Pop with a short wait, then look at the ring again.
                 try:
-                    item = pop_before(store, queue, min(clock.deadline, time.monotonic() + 0.05))
+                    data = inbox.receive(src, seq, _QUEUE_POLL)
                 except RuntimeError as exc:
-                    raise self.overflow.lost("recv_obj", repr(name), src, clock.start, exc) from exc
-                if item is not None:
-                    self._queue_taken[src] += 1
-                    got, value = p2p.unframe(item)
-                    if got == seq:
-                        return value
-                    if got > seq:
-                        early[got] = value
-                    continue
-            pause = clock.check()
-            if not queued:
-                board.wait(pause)
+                    raise lost("recv_obj", self.rank, repr(name), src, start, exc) from exc
+                if data is None:
+                    return None
+            if data is not None:
+                found.append(data)
+            return data is not None
 
-    # --- broadcast ------------------------------------------------------------------------
+        start = time.monotonic()
+        if not ready(src):
+            self._wait("recv_obj", repr(name), [src], self.overflow.limit(timeout), ready)
+        board.received(src, seq + 1)  # a copy was taken: the slot is free
+        message = found[0]
+        return lambda: self.values.unpack(name, message, src, label="message")
+
+    # --- broadcast and all_gather ---------------------------------------------------------
+
+    def _publish(self, seq: int, obj: Any) -> None:
+        """Broadcast ``seq`` of this rank: into its ring slot, else under its store key."""
+        key = keys.broadcast_value(self.rank, seq)
+        value, segment = self.values.pack(key, obj, self._others)
+        self._release(False)
+        stored = not self.board.broadcast(seq, value)
+        if stored:  # a slot some rank has not read yet, too large, no room on /dev/shm
+            set_bytes(self.overflow.store, key, value)
+            self.overflow.entries.append((key, time.time()))
+        if stored or segment is not None:
+            self._sent.append((seq, key if stored else "", segment))
+        self.board.broadcast_sent(seq)
+        self.overflow.flush()
+
+    def _release(self, everything: bool) -> None:
+        """Remove the store keys and segments of this rank's broadcasts that every rank has
+        read (``everything``: all of them, which every rank has read by now)."""
+        sent = self._sent
+        if not sent or not (everything or self.board.connected):
+            return
+        read = (1 << 64) if everything else self.board.broadcasts_read()
+        while sent and sent[0][0] < read:
+            _seq, key, segment = sent.popleft()
+            if key:
+                self.overflow.discard([key])
+            if segment is not None:
+                self.values.segments.discard(segment)
+
+    def _fetch(self, src: int, seq: int, op: str, limit: float) -> bytes:
+        """``src``'s broadcast ``seq``, from its ring slot or from the store."""
+        board = self.board
+        key = keys.broadcast_value(src, seq)
+        found: list[bytes | None] = []
+
+        def ready(src: int) -> bool:
+            sent = board.broadcasts_sent(src)  # before the slot: a value then is in one of them
+            data = board.take_broadcast(src, seq)
+            if data is None and sent <= seq:
+                return False
+            found.append(data)
+            return True
+
+        self._wait(op, f"key {key!r}", [src], limit, ready)
+        if found[0] is not None:
+            return found[0]
+        return self.overflow.await_key(key, src, op, limit)
 
     def broadcast_send(self, seq: int, obj: Any) -> None:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""
-        key = keys.broadcast_value(self.rank, seq)
-        value, segment = self.values.pack(key, obj, self._others)
-        if self.board.broadcast(seq, value):
-            # The slot's last value has been read by every rank: its segment can go.
-            slot = seq % BROADCAST_RING
-            old = self._broadcast_segments.pop(slot, None)
-            if old is not None:
-                self.values.segments.discard(old)
-            if segment is not None:
-                self._broadcast_segments[slot] = segment
-        else:  # a slot some rank has not read yet, a value too large, no room on /dev/shm
-            self.overflow.set_broadcast(seq, value)
-        self.board.broadcast_sent(seq)
+        self._publish(seq, obj)
 
     def broadcast_recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
         """A receiver's side of broadcast ``seq`` of ``src``, from its ring slot or the
@@ -157,111 +220,120 @@ class ShmTransport:
             return self.overflow.broadcast_recv(src, seq, timeout)
         key = keys.broadcast_value(src, seq)
         try:
-            data = board.take_broadcast(src, seq)
-            if data is None:
-                data = self._await_broadcast(src, seq, key, timeout)
-            stored = self.overflow.broadcast_recv(src, seq, timeout) if data is None else None
+            data = self._fetch(src, seq, "broadcast_obj", self.overflow.limit(timeout))
         except BaseException:
             board.broadcast_received(src, seq)
             raise
 
         def load() -> Any:
             try:
-                if stored is not None:  # src put it in the store
-                    return stored()
-                assert data is not None
                 return self.values.unpack(key, data, src, last=False)
             finally:
                 board.broadcast_received(src, seq)  # after loading: the slot may be reused
 
         return load
 
-    def _await_broadcast(self, src: int, seq: int, key: str, timeout: float | None) -> bytes | None:
-        """Sleep on the doorbell until ``src``'s broadcast ``seq`` is in its ring slot (its
-        bytes) or ``src`` says it went out another way (None)."""
-        board = self.board
-        clock = _PeerWait(
-            board, self.rank, src, "broadcast_obj", f"key {key!r}", self.overflow.limit(timeout)
-        )
-        while True:
-            sent = board.broadcasts_sent(src)
-            data = board.take_broadcast(src, seq)
-            if data is not None:
-                return data
-            if sent > seq:
-                return None
-            board.wait(clock.check())
-
-    # --- all_gather -----------------------------------------------------------------------
-
     def all_gather(self, seq: int, seqs: list[int], obj: Any) -> list[Any]:
-        """Every rank's object, posted on the boards (``seq``/``seqs``: the store's
-        numbering, unused here: the boards number their gathers themselves)."""
-        board, store = self.board, self.overflow.store
-        rank = self.rank
+        """Every rank's object: this rank's broadcast ``seq``, and rank ``r``'s broadcast
+        ``seqs[r]``, all waited for at once."""
+        board = self.board
         if not board.connected:
-            self._connect_all(f"all_gather_obj on rank {rank}")
-        number = board.seq + 1
-        value, segment = self.values.pack(f"board/{rank}/{number}", obj, self._others)
-        written = ""
-        if len(value) <= CAPACITY:
-            try:
-                board.post(value)
-            except BoardFull:
-                written = overflow_key(rank, number)
-        else:
-            written = overflow_key(rank, number)
-        if written:  # too large for the board, or no room on /dev/shm: the store takes it
-            set_bytes(store, written, value)
-            board.post(b"", in_store=True)
-        self.overflow.flush()
-        start = time.monotonic()
+            self._connect_all(f"all_gather_obj on rank {self.rank}")
+        self._publish(seq, obj)
         limit = self.overflow.default_timeout()
-        got, missing = wait_for_values(board, number, self._others, limit)
-        if missing:
-            raise self._gather_failure(number, missing, start, limit)
-        board.unname()  # every rank has opened this rank's board by now: the names can go
-        # Every rank has posted this gather's value, so it has read this rank's earlier one.
-        self.overflow.keep_own_gather(written, segment)
-        result = []
-        for src, data in zip(self._others, got, strict=True):
-            if not data:  # too large for the board: in the store
-                data = store.get(overflow_key(src, number))
-            result.append(self.values.unpack(f"board/{src}/{number}", data, src, last=False))
-        result.insert(rank, obj)
-        return result
+        got: dict[int, bytes | None] = {}
 
-    def _gather_failure(
-        self, number: int, missing: list[int], start: float, limit: float
-    ) -> RuntimeError:
-        """The error of a board gather that some ranks did not join: exited, or late."""
-        waited = time.monotonic() - start
-        if waited < limit:
-            return PeerGoneError(
-                f"all_gather_obj on rank {self.rank}: ranks {missing} exited after "
-                f"{waited:.1f} s without posting their values (board gather {number})"
-            )
-        return GroupTimeout(
-            f"all_gather_obj on rank {self.rank} timed out after {waited:.1f} s (timeout "
-            f"{limit:g} s) waiting for the values of ranks {missing} (board gather {number}): "
-            "they did not call all_gather_obj (did they exit, or call something else?)"
-        )
+        def ready(src: int) -> bool:
+            sent = board.broadcasts_sent(src)  # before the slot, as in _fetch
+            got[src] = data = board.take_broadcast(src, seqs[src])
+            return data is not None or sent > seqs[src]
+
+        what = f"keys {[keys.broadcast_value(src, seqs[src]) for src in self._others]}"
+        self._wait("all_gather_obj", what, self._others, limit, ready, many=True)
+        board.unname()  # every rank has opened this rank's board by now: the names can go
+        result = []
+        for src in self._others:
+            key = keys.broadcast_value(src, seqs[src])
+            data = got[src]
+            try:
+                if data is None:  # in the store
+                    data = self.overflow.await_key(key, src, "all_gather_obj", limit)
+                result.append(self.values.unpack(key, data, src, last=False))
+            finally:
+                board.broadcast_received(src, seqs[src])
+        result.insert(self.rank, obj)
+        return result
 
     # --- barrier --------------------------------------------------------------------------
 
     def barrier(self, barrier_id: int, timeout: float) -> None:
-        """Barrier ``barrier_id`` on the boards (``barrier.run_board_barrier``)."""
-        if not self.board.connected:
-            self._connect_all(f"barrier {barrier_id} failed on rank {self.rank}")
-        run_board_barrier(
-            self.board,
-            self.rank,
-            self.world_size,
-            barrier_id,
-            timeout,
-            self.overflow.hooks(),
-        )
-        self.board.unname()  # every rank has opened this rank's board by now
+        """Barrier ``barrier_id`` over the boards: the three phases of the store barrier
+        (``StoreTransport.barrier``), with no store request.
+
+        1. each rank marks itself arrived on its board and rings every doorbell, then sleeps
+           on its own until every rank has arrived. Whether the barrier passed is *settled*
+           once, under a lock on rank 0's board: by the first rank to see everyone arrived
+           (passed) or to give up at ``timeout`` (failed, with its verdict), and every rank
+           follows what was settled, so all ranks pass or all fail. A rank whose process
+           exits makes it fail at once;
+        2. every rank runs the ``all_arrived`` hook, marks itself departed and rings rank 0;
+        3. rank 0 waits (at most ``timeout``) until every rank has departed, so that it does
+           not leave, and perhaps shut the store down, while another rank still uses it.
+        """
+        board, rank, world_size = self.board, self.rank, self.world_size
+        if not board.connected:
+            self._connect_all(f"barrier {barrier_id} failed on rank {rank}")
+        hooks = self.overflow.hooks((lambda: self._release(True)) if self._sent else None)
+        start = time.monotonic()
+        deadline = start + timeout
+        check_at = start + LIVENESS_PERIOD
+        board.arrive(barrier_id)
+        waited = False
+        failure: type[BarrierFailure] = BarrierFailure  # what this rank raises if it fails
+        while True:
+            missing = board.not_arrived(barrier_id)
+            if not missing:
+                outcome, verdict = board.decide(barrier_id, PASSED)
+                break
+            if board.decision(barrier_id) == FAILED:
+                outcome, verdict = board.decide(barrier_id, FAILED)  # reads the verdict
+                break
+            if not waited and hooks.while_waiting is not None:
+                waited = True
+                hooks.while_waiting()
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
+                outcome, verdict = board.decide(barrier_id, FAILED, verdict)
+                failure = BarrierTimeout
+                break
+            if now >= check_at:
+                check_at = now + LIVENESS_PERIOD
+                gone = board.gone(missing)
+                if gone:
+                    verdict = f"ranks {gone} exited before arriving (seen by rank {rank})"
+                    outcome, verdict = board.decide(barrier_id, FAILED, verdict)
+                    break
+            board.wait(min(deadline, check_at) - now)
+        if outcome != PASSED:
+            raise failure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
+        if hooks.all_arrived is not None:
+            hooks.all_arrived()
+        board.depart(barrier_id)
+        board.unname()  # every rank has opened this rank's board by now
+        if rank != 0:
+            return
+        deadline = time.monotonic() + timeout
+        while missing := board.not_departed(barrier_id):
+            now = time.monotonic()
+            if now >= deadline:
+                raise BarrierTimeout(
+                    f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
+                    f"phase 3 (departure): {world_size - len(missing)} of {world_size} ranks "
+                    "departed"
+                )
+            board.wait(deadline - now)
 
     def _connect_all(self, what: str) -> None:
         """Open every rank's board (for a collective); PeerGoneError starting with ``what``
@@ -275,43 +347,11 @@ class ShmTransport:
                 f"{what}: ranks {gone} exited or closed the group (their boards are gone)"
             )
 
-    # --- expiry and closing ---------------------------------------------------------------
+    # --- expiry ---------------------------------------------------------------------------
 
     def expire(self, max_age: float, sent: list[int]) -> None:
         """Expire what went through the store (only some messages took the queues)."""
         self.overflow.expire(max_age, None)
-
-
-class _PeerWait:
-    """The clock of one wait for rank ``src`` over the boards: the deadline, and when next
-    to check that ``src`` still runs (every ``board.LIVENESS_PERIOD`` seconds)."""
-
-    def __init__(self, board: Board, rank: int, src: int, op: str, what: str, limit: float) -> None:
-        self.board, self.rank, self.src, self.op, self.what = board, rank, src, op, what
-        self.limit = limit
-        self.start = time.monotonic()
-        self.deadline = self.start + limit
-        self._check_at = self.start + LIVENESS_PERIOD
-
-    def check(self) -> float:
-        """Seconds to sleep at most before looking again; GroupTimeout naming this rank,
-        ``src`` and what was waited for once the time is up, PeerGoneError once ``src`` has
-        exited."""
-        now = time.monotonic()
-        if now >= self.deadline:
-            raise GroupTimeout(
-                f"{self.op} on rank {self.rank} timed out after {now - self.start:.1f} s "
-                f"(timeout {self.limit:g} s) waiting for {self.what} from rank {self.src}: "
-                f"rank {self.src} did not send it (did it exit, or call something else?)"
-            )
-        if now >= self._check_at:
-            self._check_at = now + LIVENESS_PERIOD
-            if self.board.gone([self.src]):
-                raise PeerGoneError(
-                    f"{self.op} on rank {self.rank}: rank {self.src} exited after "
-                    f"{now - self.start:.1f} s without sending {self.what}"
-                )
-        return min(self.deadline, self._check_at) - now
 
 
 def queue_flusher(store: Store, rank: int) -> Any:

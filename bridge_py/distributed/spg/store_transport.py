@@ -11,16 +11,17 @@ are named in ``keys``:
 * ``all_gather``: each rank sets its value, then reads every other rank's in one request
   (``multi_get``, which waits for all of them); a rank deletes its value once every rank
   has read it (when its next all_gather completes, or at the next barrier);
-* ``barrier``: the three phases of ``barrier.run_barrier``.
+* ``barrier``: three phases over a counter and the ranks' barrier queues (:meth:`barrier`).
 
 Reads of values that are no longer needed are deleted by the reaper, on its own thread
 (``store.reaper``), so that no operation waits for them. Waits are bounded by the call's
 timeout, or the store's, and fail with GroupTimeout naming this rank, the peer and the key;
-a store that goes away is a StoreError naming them too.
+a store that goes away is a StoreError naming them too (``common``).
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,15 +29,21 @@ from typing import Any
 
 from torch.distributed import Store
 
-from bridge_py.distributed.errors import GroupTimeout, StoreError, is_store_timeout
+from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.errors import (
+    BarrierFailure,
+    BarrierTimeout,
+    GroupTimeout,
+    is_store_timeout,
+)
 from bridge_py.distributed.spg import keys, p2p
-from bridge_py.distributed.spg.barrier import BarrierHooks, Mailbox, run_barrier
+from bridge_py.distributed.spg.common import BarrierHooks, arrival_timeout, lost, timed_out
 from bridge_py.distributed.spg.values import SharedValue, Values
 from bridge_py.distributed.store.reaper import KeyReaper
 from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
-from bridge_py.distributed.store.waiting import BoundedWaiter
+from bridge_py.distributed.store.waiting import BoundedWaiter, pop_before
 
-__all__ = ["StoreTransport"]
+__all__ = ["POISON", "Mailbox", "StoreTransport"]
 
 # compare_set's expected value for "read without waiting": no stored value is ever this (no
 # pickle, tag or descriptor starts with "\x00a"), so the value is returned unchanged.
@@ -65,11 +72,10 @@ class StoreTransport:
         self.world_size = world_size
         self.values = values
         self.entries = entries
-        self.local = local if local is not None else [False] * world_size
-        self._all_local = world_size > 1 and all(self.local)
+        self.locate(local if local is not None else [False] * world_size)
         self._others = [r for r in range(world_size) if r != rank]
         self._outbox = [keys.p2p_queue(rank, dst) for dst in range(world_size)]
-        self._inbox = p2p.Inbox(store, rank, world_size)
+        self.inbox = p2p.Inbox(store, rank, world_size)
         self._mailbox = Mailbox(store, rank)
         self._waiter = BoundedWaiter(store)
         # Keys this rank has read and may delete, handed at its next store operation (after
@@ -80,6 +86,11 @@ class StoreTransport:
         self._own_gather: list[tuple[str, str | None]] = []
         # Fetches left before trying to read a value without waiting first (per kind, src).
         self._eager_skips: dict[tuple[str, int], int] = {}
+
+    def locate(self, local: list[bool]) -> None:
+        """Which ranks share this node: their large values go through shared memory."""
+        self.local = local
+        self._all_local = self.world_size > 1 and all(local)
 
     # --- timeouts -----------------------------------------------------------------------
 
@@ -157,16 +168,12 @@ class StoreTransport:
         start = time.monotonic()
         name = keys.p2p_value(src, self.rank, seq)
         try:
-            data = self._inbox.receive(src, seq, timeout)
+            data = self.inbox.receive(src, seq, timeout)
         except RuntimeError as exc:
-            raise self.lost("recv_obj", repr(name), src, start, exc) from exc
+            raise lost("recv_obj", self.rank, repr(name), src, start, exc) from exc
         if data is None:
-            raise self.late("recv_obj", repr(name), src, start, self.limit(timeout))
+            raise timed_out("recv_obj", self.rank, repr(name), src, start, self.limit(timeout))
         return data
-
-    def take_early(self, src: int) -> dict[int, memoryview]:
-        """Messages from ``src`` popped before their turn (for a transport taking over)."""
-        return self._inbox.take_early(src)
 
     # --- broadcast ------------------------------------------------------------------------
 
@@ -174,11 +181,6 @@ class StoreTransport:
         """This rank's broadcast ``seq``: set under ``bcast/<rank>/<seq>``."""
         key = keys.broadcast_value(self.rank, seq)
         value = self.values.pack(key, obj, self._others if self._all_local else None)[0]
-        self.set_broadcast(seq, value)
-
-    def set_broadcast(self, seq: int, value: bytes) -> None:
-        """Set the packed broadcast ``seq`` of this rank."""
-        key = keys.broadcast_value(self.rank, seq)
         set_bytes(self.store, key, value)
         now = time.time()
         # The ack counter is the receivers' key, but if they never all read the value it is
@@ -190,7 +192,7 @@ class StoreTransport:
         """A receiver's side of broadcast ``seq`` of ``src``: waits for it, then returns
         what loads it (see :meth:`recv`)."""
         key = keys.broadcast_value(src, seq)
-        data = self._await(key, src, "broadcast_obj", timeout)
+        data = self.await_key(key, src, "broadcast_obj", timeout)
         if self.world_size == 2:  # the only receiver is the last
             self._trash.append(key)
             return lambda: self.values.unpack(key, data, src)
@@ -214,7 +216,7 @@ class StoreTransport:
         value = compare_set_bytes(self.store, key, _ABSENT, _ABSENT)
         return None if value == _ABSENT else value
 
-    def _await(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
+    def await_key(self, key: str, src: int, op: str, timeout: float | None) -> bytes:
         """The value of ``key`` (written by ``src``), waiting at most ``timeout`` seconds.
 
         When the last few values of this kind from ``src`` were already there when asked
@@ -239,9 +241,9 @@ class StoreTransport:
             try:
                 arrived = self._waiter.wait([key], max(deadline - time.monotonic(), 0.001))
             except RuntimeError as exc:
-                raise self.lost(op, f"key {key!r}", src, start, exc) from exc
+                raise lost(op, self.rank, f"key {key!r}", src, start, exc) from exc
             if not arrived:
-                raise self.late(op, f"key {key!r}", src, start, limit)
+                raise timed_out(op, self.rank, f"key {key!r}", src, start, limit)
             value = self._peek(key)
             if value is not None:
                 return value
@@ -278,7 +280,7 @@ class StoreTransport:
             got = self.store.multi_get(wanted)
         except RuntimeError as exc:
             if not is_store_timeout(exc):
-                raise self.lost(op, f"the values of ranks {others}", -1, start, exc) from exc
+                raise lost(op, self.rank, f"the values of ranks {others}", -1, start, exc) from exc
             raise self._gather_late(wanted, others, start, limit, op) from None
         if all(got):
             return list(got)
@@ -290,7 +292,7 @@ class StoreTransport:
             try:
                 fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
             except RuntimeError as exc:
-                raise self.lost(op, f"the values of ranks {others}", -1, start, exc) from exc
+                raise lost(op, self.rank, f"the values of ranks {others}", -1, start, exc) from exc
             if fetched is None:
                 raise self._gather_late(wanted, others, start, limit, op)
             for i, value in zip(missing, fetched, strict=True):
@@ -302,12 +304,8 @@ class StoreTransport:
         self, wanted: list[str], others: list[int], start: float, limit: float, op: str
     ) -> GroupTimeout:
         late = [src for src, key in zip(others, wanted, strict=False) if not self._has(key)]
-        return GroupTimeout(
-            f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
-            f"(timeout {limit:g} s) waiting for the values of ranks {late} (keys "
-            f"{[wanted[others.index(r)] for r in late]}): they did not call {op} (did they "
-            "exit, or call something else?)"
-        )
+        what = f"keys {[wanted[others.index(r)] for r in late]}"
+        return timed_out(op, self.rank, what, late, start, limit)
 
     def _has(self, key: str) -> bool:
         try:
@@ -317,29 +315,145 @@ class StoreTransport:
 
     # --- barrier --------------------------------------------------------------------------
 
-    def hooks(self) -> BarrierHooks:
-        """Deferred deletes while waiting; once all arrived, every read value can go."""
+    def hooks(self, also: Callable[[], None] | None = None) -> BarrierHooks:
+        """Deferred deletes while waiting; once all arrived, every read value can go (with
+        ``also``, the calling transport's own)."""
 
         def all_arrived() -> None:
+            if also is not None:
+                also()
             self.release_own_gather()
             self.flush_now()
 
         # No hook once all arrived when there is nothing to do then: the barrier is shorter
-        # (see barrier.py, phase 2).
-        busy = self._own_gather or self._trash or self._reaper.pending
+        # (see barrier, phase 2).
+        busy = also or self._own_gather or self._trash or self._reaper.pending
         return BarrierHooks(while_waiting=self.flush, all_arrived=all_arrived if busy else None)
 
     def barrier(self, barrier_id: int, timeout: float) -> None:
-        """Barrier ``barrier_id`` over the store (``barrier.run_barrier``)."""
-        run_barrier(
-            self.store,
-            self._mailbox,
-            self.rank,
-            self.world_size,
-            barrier_id,
-            timeout,
-            self.hooks(),
-        )
+        """Barrier ``barrier_id`` over the store, in three phases; BarrierTimeout when a rank
+        does not arrive or leave in time, BarrierFailure when another rank gave up or the
+        store failed.
+
+        Barrier ``n`` (all ranks count their barriers, and call them in the same order) uses
+        one key, the counter ``arrivals`` (:func:`keys.barrier_arrivals`), and the ranks'
+        barrier queues (:class:`Mailbox`) for messages tagged with ``n``:
+
+        1. arrive: each rank ``add``s 1 to ``arrivals``. The rank that brings it to
+           ``world_size`` knows that all ranks arrived and tells every other rank so
+           (``queue_push``: no reply to wait for); the others pop their queue, waiting at
+           most ``timeout`` seconds. A rank that times out adds :data:`POISON` to
+           ``arrivals`` and pushes its verdict ("rank r timed out ... k of N ranks
+           arrived") to every other rank: a rank that arrives later sees the poison in its
+           own ``add`` and fails with that verdict, so all ranks pass or all fail. (A rank
+           whose poison finds that all ranks had arrived, the last one just in time, passes.)
+        2. depart: every rank other than 0, once it knows that all arrived (and has run the
+           ``all_arrived`` hook), pushes "left" to rank 0 and returns (without such a hook,
+           the last arrival's message to rank 0 says both).
+        3. rank 0, which serves the store, pops its queue until every other rank has left
+           (again at most ``timeout`` seconds), so it cannot leave, and perhaps shut the
+           store down, while another rank is still inside; then it deletes ``arrivals``.
+
+        On two ranks that is, on the slowest rank, an ``add``, a pop and a ``delete_key``.
+        """
+        rank, world_size, mailbox = self.rank, self.world_size, self._mailbox
+        arrivals = keys.barrier_arrivals(barrier_id)
+        hooks = self.hooks()
+        left = 0  # ranks known to have left (rank 0 may hear of some while it waits in phase 1)
+
+        def failure(phase: str, exc: Exception) -> BarrierFailure:
+            return BarrierFailure(
+                f"barrier {barrier_id} failed on rank {rank} in phase {phase}: store error: {exc}"
+            )
+
+        # Phase 1: arrive, and learn (with every other rank) whether all arrived in time.
+        try:
+            arrived = self.store.add(arrivals, 1)
+            # With nothing to do once all arrived, the last to arrive also leaves at once.
+            merged = hooks.all_arrived is None
+            if arrived == world_size:  # the last to arrive, none gave up before
+                for dst in self._others:
+                    mailbox.send(
+                        dst, barrier_id, _ARRIVED_AND_LEFT if dst == 0 and merged else _ALL_ARRIVED
+                    )
+            elif arrived > world_size:  # a rank gave up before this one arrived
+                raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
+            else:
+                self.flush()  # while the others come
+                left = self._wait_for_all(barrier_id, timeout)
+            if hooks.all_arrived is not None:
+                hooks.all_arrived()
+        except (BarrierFailure, AuthenticationError):
+            raise
+        except RuntimeError as exc:
+            raise failure("1 (arrival)", exc) from exc
+
+        # Phase 2: depart (the last to arrive may have said so to rank 0 already).
+        if rank != 0:
+            if arrived != world_size or not merged:
+                try:
+                    mailbox.send(0, barrier_id, _LEFT)
+                except RuntimeError as exc:
+                    raise failure("2 (confirm)", exc) from exc
+            return
+
+        # Phase 3: rank 0 leaves last.
+        gone = 1 + left
+        try:
+            deadline = time.monotonic() + timeout
+            while gone < world_size:
+                message = mailbox.receive(barrier_id, deadline)
+                if message is None:
+                    break
+                if message[0] in (_LEFT, _ARRIVED_AND_LEFT):
+                    gone += 1
+            if gone == world_size:
+                self.store.delete_key(arrivals)
+        except RuntimeError as exc:
+            raise failure("3 (departure)", exc) from exc
+        if gone < world_size:
+            raise BarrierTimeout(
+                f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
+                f"phase 3 (departure): {gone} of {world_size} ranks departed"
+            )
+
+    def _wait_for_all(self, barrier_id: int, timeout: float) -> int:
+        """Phase 1 for a rank that is not the last to arrive: return once all have, or raise.
+
+        Returns how many ranks this rank heard leave meanwhile (only rank 0 hears of that).
+        """
+        rank, world_size = self.rank, self.world_size
+        deadline = time.monotonic() + timeout
+        left = 0
+        while (message := self._mailbox.receive(barrier_id, deadline)) is not None:
+            kind, _sender, text = message
+            if kind == _FAILED:
+                raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {text.decode()}")
+            if kind in (_LEFT, _ARRIVED_AND_LEFT):
+                left += 1
+            if kind in (_ALL_ARRIVED, _ARRIVED_AND_LEFT):
+                return left
+        # Timed out: give up, unless the last rank arrived just now.
+        seen = self.store.add(keys.barrier_arrivals(barrier_id), POISON)
+        count = seen % POISON
+        if seen // POISON == 1 and count >= world_size:
+            return left  # all had arrived: passed (the message saying so is dropped later)
+        if seen // POISON > 1:  # another rank gave up first: its verdict is everyone's
+            raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
+        verdict = arrival_timeout(rank, timeout, count, world_size)
+        for dst in self._others:
+            self._mailbox.send(dst, barrier_id, _FAILED, verdict.encode())
+        raise BarrierTimeout(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
+
+    def _verdict_of_others(self, barrier_id: int, timeout: float) -> str:
+        """The message for a rank that finds the barrier already failed: the first verdict."""
+        deadline = time.monotonic() + timeout
+        verdict = "another rank gave up before all ranks arrived"
+        while (message := self._mailbox.receive(barrier_id, deadline)) is not None:
+            if message[0] == _FAILED:
+                verdict = message[2].decode()
+                break
+        return f"barrier {barrier_id} failed on rank {self.rank}: {verdict}"
 
     # --- expiry ---------------------------------------------------------------------------
 
@@ -361,21 +475,47 @@ class StoreTransport:
                 self.store.delete_key(key)
             entries.popleft()
 
-    # --- errors ---------------------------------------------------------------------------
 
-    def late(self, op: str, what: str, src: int, start: float, limit: float) -> GroupTimeout:
-        """The error of a wait for ``what`` from ``src`` that ran out."""
-        return GroupTimeout(
-            f"{op} on rank {self.rank} timed out after {time.monotonic() - start:.1f} s "
-            f"(timeout {limit:g} s) waiting for {what} from rank {src}: rank {src} did not "
-            "send it (did it exit, or call something else?)"
-        )
+# Added to a barrier's ``arrivals`` by a rank that gave up: far above any world size.
+POISON = 1 << 32
+# A barrier message: barrier number, kind, sender; then the verdict's text for _FAILED.
+_ITEM = struct.Struct(">QBI")
+_ALL_ARRIVED, _LEFT, _ARRIVED_AND_LEFT, _FAILED = 1, 2, 3, 4
 
-    def lost(self, op: str, what: str, src: int, start: float, exc: Exception) -> StoreError:
-        """The error of a wait for ``what`` (from ``src``; -1: several) that lost the store."""
-        source = "" if src < 0 else f" from rank {src}"
-        return StoreError(
-            f"{op} on rank {self.rank} lost the store after {time.monotonic() - start:.1f} s "
-            f"while waiting for {what}{source} (did rank 0, which serves the store, exit?): "
-            f"{exc}"
-        )
+
+class Mailbox:
+    """One rank's barrier queue: messages to it, popped in barrier order, with a deadline.
+
+    Messages of an earlier barrier (left over when it failed) are dropped; those of a later
+    one (a rank that gave up on the next barrier while rank 0 still waits in this one) are
+    kept until then.
+    """
+
+    def __init__(self, store: Store, rank: int) -> None:
+        self._store = store
+        self._rank = rank
+        self._queue = keys.barrier_queue(rank)
+        # (barrier, kind, sender, text) of messages for later barriers, popped early.
+        self._later: list[tuple[int, int, int, bytes]] = []
+
+    def send(self, dst: int, barrier_id: int, kind: int, text: bytes = b"") -> None:
+        """Push a message of barrier ``barrier_id`` to rank ``dst`` (no reply awaited)."""
+        item = _ITEM.pack(barrier_id, kind, self._rank) + text
+        self._store.queue_push(keys.barrier_queue(dst), item)
+
+    def receive(self, barrier_id: int, deadline: float) -> tuple[int, int, bytes] | None:
+        """``(kind, sender, text)`` of the next message of ``barrier_id``; None at ``deadline``
+        (a ``time.monotonic()`` value). Store failures propagate."""
+        for index, (bid, kind, sender, text) in enumerate(self._later):
+            if bid == barrier_id:
+                del self._later[index]
+                return kind, sender, text
+        while (item := pop_before(self._store, self._queue, deadline)) is not None:
+            if len(item) < _ITEM.size:
+                continue  # not a barrier message
+            bid, kind, sender = _ITEM.unpack_from(item)
+            if bid == barrier_id:
+                return kind, sender, item[_ITEM.size :]
+            if bid > barrier_id:
+                self._later.append((bid, kind, sender, item[_ITEM.size :]))
+        return None

@@ -2,7 +2,7 @@
 
 A value whose pickle exceeds :data:`THRESHOLD` bytes (256 KiB; ``$VLLM_BRIDGE_SPG_SHM_THRESHOLD``
 overrides it) is pickled straight into a file under ``/dev/shm`` (a *segment*, see
-``spg_segments``: reused once its readers are done), and only a small *descriptor* goes into
+``shm.segments``: reused once its readers are done), and only a small *descriptor* goes into
 the store::
 
     DESCRIPTOR_MAGIC (b"\\x00VBS2") || u64be(size) || u64be(generation) || digest (32 bytes)
@@ -18,7 +18,7 @@ a reused segment: a reader refuses a segment that holds another one.
 
 A reader opens the segment, loads the value and marks it as read for its rank (a one-shot
 segment, generation 0, is unlinked by its last reader instead). The creator removes the rest
-(``spg_segments.SegmentOwner``).
+(``segments.SegmentOwner``).
 
 Shared memory is only used once a group knows that all ranks (for point-to-point: the
 destination) report the same :func:`node_identity`. Set ``VLLM_BRIDGE_SPG_SHM=0`` to never use
@@ -53,7 +53,6 @@ __all__ = [
     "SharedValue",
     "Values",
     "dump",
-    "dump_pickled",
     "enabled",
     "is_descriptor",
     "node_identity",
@@ -173,20 +172,29 @@ def _write_at(fd: int, view: memoryview, at: int) -> int:
     return at
 
 
-def _descriptor(segment: Segment, size: int, generation: int, tag: bytes) -> bytes:
-    return DESCRIPTOR_MAGIC + _DESCRIPTOR.pack(size, generation, tag) + segment.name.encode()
-
-
-def dump(obj: Any, owner: SegmentOwner, digest: bool, readers: list[int]) -> bytes:
+def dump(
+    obj: Any,
+    owner: SegmentOwner,
+    digest: bool,
+    readers: list[int],
+    *,
+    pickled: bytes | None = None,
+) -> bytes:
     """``obj`` pickled: the pickle itself, or (if larger than the threshold) a descriptor.
 
-    ``readers`` are the ranks that will read the value. The descriptor is returned unsealed.
-    On any error creating or writing a segment (``/dev/shm`` full) the segment is dropped
-    and the pickle is returned instead.
+    ``readers`` are the ranks that will read the value. ``pickled``: ``obj`` already pickled
+    (and larger than the threshold; ``pickle.dumps`` is much cheaper than pickling into a
+    spill file, so a sender whose values are usually small pickles plainly and copies only
+    a payload that turned out large). The descriptor is returned unsealed. On any error
+    creating or writing a segment (``/dev/shm`` full) the segment is dropped and the pickle
+    is returned instead.
     """
-    spill = _Spill(threshold(), owner, digest)
+    spill = _Spill(threshold() if pickled is None else 0, owner, digest)
     try:
-        pickle.Pickler(spill, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        if pickled is None:
+            pickle.Pickler(spill, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        else:
+            spill.write(pickled)
         if spill.segment is None:
             return spill.in_memory()
         generation = owner.publish(spill.segment, spill.size, readers)
@@ -195,31 +203,13 @@ def dump(obj: Any, owner: SegmentOwner, digest: bool, readers: list[int]) -> byt
             raise  # from the object's own pickling, not from shared memory
         if spill.segment is not None:
             owner.drop(spill.segment)
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickled if pickled is not None else pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     tag = spill.hash.digest() if spill.hash is not None else _NO_DIGEST
-    return _descriptor(spill.segment, spill.size, generation, tag)
-
-
-def dump_pickled(payload: bytes, owner: SegmentOwner, digest: bool, readers: list[int]) -> bytes:
-    """Like :func:`dump`, for an object already pickled into ``payload`` (over the threshold).
-
-    For a sender whose values are usually small: ``pickle.dumps`` is much cheaper than
-    pickling into a spill file, so a sender pickles plainly and copies only a payload that
-    turned out large into a segment; the descriptor is returned. On any error writing
-    shared memory the segment is dropped and the payload itself is returned.
-    """
-    try:
-        segment = owner.take()
-    except OSError:
-        return payload
-    try:
-        _write_at(segment.fd, memoryview(payload), owner.offset)
-        generation = owner.publish(segment, len(payload), readers)
-    except OSError:
-        owner.drop(segment)
-        return payload
-    tag = hashlib.sha256(payload).digest() if digest else _NO_DIGEST
-    return _descriptor(segment, len(payload), generation, tag)
+    return (
+        DESCRIPTOR_MAGIC
+        + _DESCRIPTOR.pack(spill.size, generation, tag)
+        + spill.segment.name.encode()
+    )
 
 
 class SharedValue:
@@ -389,7 +379,7 @@ class Values:
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             if not readers or len(payload) <= limit:
                 return seal_payload(self.key, _context(name), payload), None
-            payload = dump_pickled(payload, self.segments, keyed, readers)
+            payload = dump(obj, self.segments, keyed, readers, pickled=payload)
         segment = segment_name(payload)
         self._spilled = segment is not None
         return seal_payload(self.key, _context(name), payload), segment

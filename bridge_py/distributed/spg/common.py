@@ -1,0 +1,75 @@
+"""What both transports of a StatelessProcessGroup share: the errors of a wait, barrier hooks.
+
+Every wait of a group ends in one of three errors, whichever transport it took, and their
+messages are built here so that they read alike: GroupTimeout (the time ran out),
+PeerGoneError (the rank waited for has exited, seen on one node) and StoreError (the store
+went away). Each names the operation, this rank, the rank(s) waited for and what was awaited
+(a key, a message's name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from bridge_py.distributed.errors import GroupTimeout, PeerGoneError, StoreError
+
+__all__ = ["BarrierHooks", "arrival_timeout", "exited", "lost", "timed_out"]
+
+
+def _whom(src: int | list[int]) -> str:
+    return f"rank {src}" if isinstance(src, int) else f"ranks {src}"
+
+
+def timed_out(
+    op: str, rank: int, what: str, src: int | list[int], start: float, limit: float
+) -> GroupTimeout:
+    """A wait of ``op`` on ``rank`` for ``what`` from ``src`` (a list: the values of a
+    collective from those ranks) that ran out after ``limit`` seconds, begun at ``start``."""
+    if isinstance(src, int):
+        awaited = f"{what} from rank {src}: rank {src} did not send it (did it exit"
+    else:
+        awaited = f"the values of ranks {src} ({what}): they did not call {op} (did they exit"
+    return GroupTimeout(
+        f"{op} on rank {rank} timed out after {time.monotonic() - start:.1f} s (timeout "
+        f"{limit:g} s) waiting for {awaited}, or call something else?)"
+    )
+
+
+def exited(op: str, rank: int, what: str, src: int | list[int], start: float) -> PeerGoneError:
+    """A wait of ``op`` on ``rank`` for ``what`` that ``src`` will never send: it exited."""
+    return PeerGoneError(
+        f"{op} on rank {rank}: {_whom(src)} exited after {time.monotonic() - start:.1f} s "
+        f"without sending {what}"
+    )
+
+
+def lost(op: str, rank: int, what: str, src: int, start: float, exc: Exception) -> StoreError:
+    """A wait of ``op`` on ``rank`` for ``what`` (from ``src``; -1: several) that lost the
+    store."""
+    source = "" if src < 0 else f" from rank {src}"
+    return StoreError(
+        f"{op} on rank {rank} lost the store after {time.monotonic() - start:.1f} s while "
+        f"waiting for {what}{source} (did rank 0, which serves the store, exit?): {exc}"
+    )
+
+
+def arrival_timeout(rank: int, timeout: float, arrived: int, world_size: int) -> str:
+    """The verdict of a rank that gave up waiting for the others to arrive at a barrier."""
+    return (
+        f"rank {rank} timed out after {timeout:g} s in phase 1 (arrival): "
+        f"{arrived} of {world_size} ranks arrived"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierHooks:
+    """The group's own work at fixed points of one barrier (either transport's)."""
+
+    # After arriving, when other ranks are still to come (the rank would only wait):
+    # deferred deletes, off the critical path.
+    while_waiting: Callable[[], None] | None = None
+    # Once all ranks have arrived (and before this rank departs): every rank has finished
+    # everything it did before the barrier, so the values they read can go.
+    all_arrived: Callable[[], None] | None = None
