@@ -45,9 +45,9 @@ Agreement. The first step of every operation also carries one row per rank (an
 :class:`~bridge_py.distributed.device_communicators.agreement.Signature` encoding) in the
 control block; after that step's wait every rank judges the same table, so ranks that call
 different collectives, or with different shapes, all raise instead of reading each other's
-data. :class:`ShmAgreement` runs the communicator's pre-collective argument check through
-these rows (one shared-memory phase instead of a gloo all-gather), and the all-reduce fuses
-the check into its data phase.
+data. :meth:`ShmCollectives.exchange` (a step with the row alone) is the shared-memory
+carrier of the communicator's pre-collective argument check (one phase instead of a gloo
+all-gather); the CPU communicator's all-reduce fuses that check into its data step.
 
 Waiting spins on ``sched_yield`` for 2 ms, then naps (``shm.wait.wait_until``), checks every
 0.2 s that the ranks it waits for are alive, and gives up at the group's timeout. A dead or
@@ -71,7 +71,6 @@ import secrets
 import struct
 import threading
 import weakref
-from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -79,10 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from bridge_py.distributed.device_communicators.agreement import (
-    CollectiveMismatchError,
-    Signature,
-)
+from bridge_py.distributed.device_communicators.agreement import ROW_BYTES, Judge
 from bridge_py.distributed.errors import DistributedError, GroupTimeout, PeerGoneError
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
@@ -125,14 +121,12 @@ _HEADER = struct.Struct("<4sHHIQ16s")  # magic, version, pad, world_size, slot_b
 _HEADER_BYTES = 256
 _CTRL_BYTES = 512  # per rank: counter at 0, rows at 64 and 192, pid at 320
 _ROW_AT = (64, 192)
-_ROW_BYTES = Signature("").encode(False).numel() * 8
+_ROW_BYTES = ROW_BYTES
 _PID = struct.Struct("<QQ")  # pid, pid namespace
 _PID_AT = 320
 _NAME_BYTES = 64  # the name and token broadcast at set-up
 _ALIGN = 64  # slices handed to ranks start on cache lines
 assert _ROW_AT[1] + _ROW_BYTES <= _PID_AT and _PID_AT + _PID.size <= _CTRL_BYTES
-
-Judge = Callable[[list[bytes]], None]
 
 
 def shm_enabled() -> bool:
@@ -504,26 +498,6 @@ class ShmCollectives:
             self._write_row(half, row)
         return half
 
-    def _judge(self, half: int, judge: Judge | None) -> None:
-        if judge is not None:
-            judge(self._rows(half))
-
-    def _default_judge(self, op: str) -> Judge:
-        def judge(rows: list[bytes]) -> None:
-            if any(row != rows[0] for row in rows):
-                differ = [r for r, row in enumerate(rows) if row != rows[0]]
-                raise CollectiveMismatchError(
-                    f"{op} in {self.label}: ranks {differ} called a different collective, or "
-                    "with a different dtype or size, than rank 0 (every rank of a group must "
-                    "call the same collectives in the same order)"
-                )
-
-        return judge
-
-    @staticmethod
-    def _row(op: str, tensor: torch.Tensor) -> bytes:
-        return Signature(op, tensor.dtype, (tensor.numel(),)).encode(False).numpy().tobytes()
-
     def _bounds(self, n: int, rank: int) -> tuple[int, int]:
         """Slice ``rank`` of ``n`` elements: even split, boundaries on ``_ALIGN`` elements."""
         step = -(-n // self.world_size)
@@ -545,20 +519,18 @@ class ShmCollectives:
         self,
         input_: torch.Tensor,
         out: torch.Tensor,
-        row: bytes | None = None,
-        judge: Judge | None = None,
+        row: bytes | None,
+        judge: Judge | None,
     ) -> torch.Tensor:
         """``out`` = the rank-ordered sum of every rank's ``input_`` (flat, same dtype).
 
-        The first step carries ``row`` (default: one naming the operation, dtype and size)
-        and ``judge`` (default: all rows must be equal) decides after its wait whether the
-        ranks may go on; ``out`` may be ``input_`` itself.
+        The first step carries ``row`` (an agreement row), and ``judge`` decides after its
+        wait, on every rank's row, whether the ranks may go on (as in every operation
+        here); ``out`` may be ``input_`` itself.
         """
         with self._lock:
             self._enter()
             self.all_reduce_calls += 1
-            if row is None:
-                row, judge = self._row("all_reduce", input_), self._default_judge("all_reduce")
             slots = self._slots(input_.dtype)
             per = slots.shape[2]
             n = input_.numel()
@@ -569,8 +541,8 @@ class ShmCollectives:
                 mine = slots[half, self.rank, :k]
                 _copy(mine, input_[start : start + k])
                 self._arrive_and_wait("all_reduce")
-                if row is not None:
-                    self._judge(half, judge)
+                if judge is not None:
+                    judge(self._rows(half))
                     row = judge = None
                 part = slots[half, :, :k]
                 target = out[start : start + k]
@@ -593,16 +565,14 @@ class ShmCollectives:
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        row: bytes | None = None,
-        judge: Judge | None = None,
+        row: bytes | None,
+        judge: Judge | None,
     ) -> torch.Tensor:
         """``output`` (flat, ``world_size * input_.numel()``) = every rank's ``input_``, in
         rank order."""
         with self._lock:
             self._enter()
             self.all_gather_calls += 1
-            if row is None:
-                row, judge = self._row("all_gather", input_), self._default_judge("all_gather")
             slots = self._slots(input_.dtype)
             per = slots.shape[2]
             n = input_.numel()
@@ -613,8 +583,8 @@ class ShmCollectives:
                 half = self._begin_step(row)
                 _copy(slots[half, self.rank, :k], input_[start : start + k])
                 self._arrive_and_wait("all_gather")
-                if row is not None:
-                    self._judge(half, judge)
+                if judge is not None:
+                    judge(self._rows(half))
                     row = judge = None
                 for r in range(self.world_size):
                     _copy(rows_out[r, start : start + k], slots[half, r, :k])
@@ -626,17 +596,14 @@ class ShmCollectives:
         self,
         output: torch.Tensor,
         input_: torch.Tensor,
-        row: bytes | None = None,
-        judge: Judge | None = None,
+        row: bytes | None,
+        judge: Judge | None,
     ) -> torch.Tensor:
         """``output`` (flat, ``m`` elements) = the rank-ordered sum of piece ``rank`` of every
         rank's ``input_`` (flat, ``world_size * m``)."""
         with self._lock:
             self._enter()
             self.reduce_scatter_calls += 1
-            if row is None:
-                row = self._row("reduce_scatter", input_)
-                judge = self._default_judge("reduce_scatter")
             slots = self._slots(input_.dtype)
             per = slots.shape[2] // self.world_size
             m = output.numel()
@@ -649,8 +616,8 @@ class ShmCollectives:
                 for r in range(self.world_size):
                     _copy(mine[r], pieces[r, start : start + k])
                 self._arrive_and_wait("reduce_scatter")
-                if row is not None:
-                    self._judge(half, judge)
+                if judge is not None:
+                    judge(self._rows(half))
                     row = judge = None
                 chunks = slots[half, :, : self.world_size * k].view(
                     self.world_size, self.world_size, k

@@ -33,7 +33,7 @@ from torch.distributed import GatherOptions, ProcessGroup
 from bridge_py.distributed.auth import open_object, seal_object
 from bridge_py.distributed.errors import DistributedError
 
-__all__ = ["ObjectChannel", "ObjectGroup", "object_group"]
+__all__ = ["ObjectChannel", "ObjectGroup", "all_gather_bytes", "object_group"]
 
 
 class ObjectGroup(Protocol):
@@ -94,16 +94,17 @@ class ObjectChannel:
         self._broadcast(size, src)
         buffer = torch.empty(self._size(size, f"broadcast from rank {src}"), dtype=torch.uint8)
         self._broadcast(buffer, src)
-        return self._open(buffer, context, f"broadcast {seq} from rank {src}")
+        return self._open(buffer.numpy().tobytes(), context, f"broadcast {seq} from rank {src}")
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's object, in group rank order."""
         context = f"{self._prefix}/all_gather/{self._next()}"
-        parts, lengths = self._exchange(seal_object(self._key, f"{context}/{self.rank}", obj))
+        data = seal_object(self._key, f"{context}/{self.rank}", obj)
+        parts = all_gather_bytes(self._group, data, what=f"all_gather on {self._prefix}")
         return [
             obj
             if r == self.rank
-            else self._open(parts[r][: lengths[r]], f"{context}/{r}", f"the value of rank {r}")
+            else self._open(parts[r], f"{context}/{r}", f"the value of rank {r}")
             for r in range(self.world_size)
         ]
 
@@ -111,8 +112,7 @@ class ObjectChannel:
         """Every rank's object on group rank ``dst`` (in group order), None elsewhere."""
         context = f"{self._prefix}/gather/{dst}/{self._next()}"
         data = seal_object(self._key, f"{context}/{self.rank}", obj)
-        sizes = self._all_gather([torch.tensor([len(data)], dtype=torch.int64)])
-        lengths = [self._size(size, f"gather from rank {r}") for r, size in enumerate(sizes)]
+        lengths = _sizes(self._group, len(data), None, f"gather on {self._prefix}")
         mine = _padded(data, max(lengths))
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         options = GatherOptions()
@@ -124,7 +124,9 @@ class ObjectChannel:
         return [
             obj
             if r == self.rank
-            else self._open(parts[r][: lengths[r]], f"{context}/{r}", f"the value of rank {r}")
+            else self._open(
+                parts[r][: lengths[r]].numpy().tobytes(), f"{context}/{r}", f"the value of rank {r}"
+            )
             for r in range(self.world_size)
         ]
 
@@ -147,7 +149,7 @@ class ObjectChannel:
         buffer = torch.empty(self._size(size, f"object from rank {src}"), dtype=torch.uint8)
         self._group.recv([buffer], src, 0).wait()
         context = f"{self._prefix}/p2p/{src}/{self.rank}/{seq}"
-        return self._open(buffer, context, f"object {seq} from rank {src}")
+        return self._open(buffer.numpy().tobytes(), context, f"object {seq} from rank {src}")
 
     # --- ObjectGroup's names ---
 
@@ -169,29 +171,48 @@ class ObjectChannel:
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._group.broadcast(tensor, src).wait()
 
-    def _all_gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        outputs = [torch.empty_like(inputs[0]) for _ in range(self.world_size)]
-        self._group.allgather([outputs], inputs).wait()
-        return outputs
-
-    def _exchange(self, data: bytes) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's bytes (padded to the longest) and their lengths."""
-        sizes = self._all_gather([torch.tensor([len(data)], dtype=torch.int64)])
-        lengths = [self._size(size, f"all_gather from rank {r}") for r, size in enumerate(sizes)]
-        return self._all_gather([_padded(data, max(lengths))]), lengths
-
-    def _open(self, data: torch.Tensor, context: str, what: str) -> Any:
+    def _open(self, data: bytes, context: str, what: str) -> Any:
         """The object in ``data``, unpickled only once its tag is right for ``context``."""
-        return open_object(self._key, context, data.numpy().tobytes(), f"{what} on {self._prefix}")
+        return open_object(self._key, context, data, f"{what} on {self._prefix}")
 
     def _size(self, size: torch.Tensor, what: str) -> int:
-        value = int(size.item())
-        if value < 0:
-            raise DistributedError(
-                f"refused the {what} on {self._prefix}: its size {value} is negative (the "
-                "group's connection carries something other than this channel's values)"
-            )
-        return value
+        return _checked_size(int(size.item()), None, f"{what} on {self._prefix}")
+
+
+def all_gather_bytes(
+    group: ProcessGroup, data: bytes, limit: int | None = None, *, what: str = "all_gather"
+) -> list[bytes]:
+    """Every rank's ``data``, in group rank order, over the torch group ``group``.
+
+    Its size, then its bytes padded to the longest (as torch's ``all_gather_object`` sends
+    them): two tensor all-gathers, nothing unpickled. A size that is negative or over
+    ``limit`` (not what a rank of this code sends) raises DistributedError on every rank
+    rather than allocate what it asks for; ``what`` names the exchange in that message.
+    """
+    lengths = _sizes(group, len(data), limit, what)
+    world = group.size()
+    parts = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
+    group.allgather([parts], [_padded(data, max(lengths))]).wait()
+    return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
+
+
+def _sizes(group: ProcessGroup, size: int, limit: int | None, what: str) -> list[int]:
+    """Every rank's ``size`` (one all-gather), each checked (:func:`_checked_size`)."""
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size())]
+    group.allgather([sizes], [torch.tensor([size], dtype=torch.int64)]).wait()
+    return [
+        _checked_size(int(s.item()), limit, f"{what} from rank {r}") for r, s in enumerate(sizes)
+    ]
+
+
+def _checked_size(value: int, limit: int | None, what: str) -> int:
+    if value < 0 or (limit is not None and value > limit):
+        bound = "is negative" if value < 0 else f"is over {limit}"
+        raise DistributedError(
+            f"refused the {what}: its size {value} {bound} (the group's connection carries "
+            "something other than this exchange's values)"
+        )
+    return value
 
 
 def object_group(pg: Any, key: bytes | None = None, *, purpose: str = "objects") -> ObjectGroup:
@@ -218,5 +239,6 @@ def _tensor(data: bytes) -> torch.Tensor:
 
 def _padded(data: bytes, length: int) -> torch.Tensor:
     out = torch.zeros(length, dtype=torch.uint8)
-    out[: len(data)] = _tensor(data)
+    if data:
+        out[: len(data)] = _tensor(data)
     return out
