@@ -32,6 +32,7 @@ from bridge_py.distributed.coordinator.tensor_dicts import (
     split_tensor_dict,
     use_all_gather,
 )
+from bridge_py.distributed.device_communicators.agreement import Signature
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
@@ -130,25 +131,15 @@ class GroupCoordinator:
         # for (and the group has several ranks); the others get a plain torch.distributed
         # one, kept private, instead of vLLM's "No device communicator found".
         self.use_device_communicator = use_device_communicator
-        self.device_communicator: DeviceCommunicatorBase | None = None
-        comm_cls = communicator_class(self.device)
-        if use_device_communicator and self.world_size > 1:
-            self.device_communicator = comm_cls(
-                cpu_group=self.cpu_group,
-                device=self.device,
-                device_group=self.device_group,
-                unique_name=self.unique_name,
-                use_all2all=use_all2all,
-            )
-            self._comm = self.device_communicator
-        else:
-            self._comm = comm_cls(
-                cpu_group=self.cpu_group,
-                device=self.device,
-                device_group=self.device_group,
-                unique_name=self.unique_name,
-                use_all2all=False,
-            )
+        exposed = use_device_communicator and self.world_size > 1
+        self._comm = communicator_class(self.device)(
+            cpu_group=self.cpu_group,
+            device=self.device,
+            device_group=self.device_group,
+            unique_name=self.unique_name,
+            use_all2all=use_all2all and exposed,
+        )
+        self.device_communicator: DeviceCommunicatorBase | None = self._comm if exposed else None
 
         self.mq_broadcaster: MessageQueue | None = None
         if use_message_queue_broadcaster and self.world_size > 1:
@@ -158,16 +149,8 @@ class GroupCoordinator:
         return f"group {self.unique_name!r} (global ranks {self.ranks})"
 
     def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool = True) -> None:
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
-            raise ValueError(
-                f"{op} on rank {self.rank_in_group} (global {self.rank}) of {self._label()}: "
-                f"invalid {name} rank ({peer!r}); the group has ranks 0..{self.world_size - 1}"
-            )
-        if not allow_self and peer == self.rank_in_group:
-            raise ValueError(
-                f"{op} on rank {self.rank_in_group} (global {self.rank}) of {self._label()}: "
-                f"{name} ({peer}) is this rank itself"
-            )
+        """Raise (TypeError, ValueError) unless ``peer`` is a rank of the group."""
+        self._comm._check_peer(op, name, peer, allow_self)
 
     # ------------------------------------------------------------ message queues
 
@@ -382,13 +365,9 @@ class GroupCoordinator:
         """Check ``root`` locally, then (with checks on) that every rank passed the same one
         and no rank has an ``error``, so that a rank with bad input cannot leave the others
         blocked."""
-        from bridge_py.distributed.device_communicators.agreement import Signature
-
-        try:
-            self._check_peer(op, name, root)
-        except ValueError as exc:
-            error = error or exc
-        code = root if isinstance(root, int) and error is None else -1
+        checked, own = self._comm._validated(lambda: self._comm._check_peer(op, name, root, True))
+        error = error or own
+        code = checked if checked is not None and error is None else -1
         self._comm.agreement.check(Signature(op, params=(code,), param_names=(name,)), error)
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
@@ -664,8 +643,7 @@ class GroupCoordinator:
 
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Let the device communicator size its buffers for ``model`` (a no-op without one)."""
-        if self.device_communicator is not None:
-            self.device_communicator.prepare_communication_buffer_for_model(model)
+        self._comm.prepare_communication_buffer_for_model(model)
 
     def dispatch(
         self,
@@ -679,18 +657,12 @@ class GroupCoordinator:
         Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;
         unchanged unless the device communicator has an all-to-all manager.
         """
-        if self.device_communicator is not None:
-            return self.device_communicator.dispatch(
-                hidden_states, router_logits, is_sequence_parallel, extra_tensors
-            )
-        if extra_tensors is not None:
-            return hidden_states, router_logits, extra_tensors
-        return hidden_states, router_logits
+        return self._comm.dispatch(
+            hidden_states, router_logits, is_sequence_parallel, extra_tensors
+        )
 
     def combine(
         self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
     ) -> torch.Tensor:
         """Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`)."""
-        if self.device_communicator is not None:
-            return self.device_communicator.combine(hidden_states, is_sequence_parallel)
-        return hidden_states
+        return self._comm.combine(hidden_states, is_sequence_parallel)

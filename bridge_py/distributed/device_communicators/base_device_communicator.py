@@ -579,10 +579,14 @@ class DeviceCommunicatorBase:
     ) -> tuple[Any, ...]:
         """
         Dispatch the hidden states and router logits to the appropriate device.
-        This is a no-op in the base class.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
 
         Returns ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
         """
+        if self.all2all_manager is not None:
+            return self.all2all_manager.dispatch(
+                hidden_states, router_logits, is_sequence_parallel, extra_tensors
+            )
         if extra_tensors is not None:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
@@ -592,6 +596,8 @@ class DeviceCommunicatorBase:
     ) -> torch.Tensor:
         """
         Combine the hidden states and router logits from the appropriate device.
-        This is a no-op in the base class.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
         """
+        if self.all2all_manager is not None:
+            return self.all2all_manager.combine(hidden_states, is_sequence_parallel)
         return hidden_states

@@ -21,10 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.agreement import Judge, Signature
-from bridge_py.distributed.device_communicators.all2all import (
-    All2AllDispatchMixin,
-    NaiveAll2AllManager,
-)
+from bridge_py.distributed.device_communicators.all2all import NaiveAll2AllManager
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
@@ -34,7 +31,7 @@ from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 __all__ = ["CpuCommunicator"]
 
 
-class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
+class CpuCommunicator(DeviceCommunicatorBase):
     """Device communicator for CPU tensors (shared memory or gloo), with all-to-all support
     for EP groups.
 
@@ -75,17 +72,17 @@ class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
     @property
     def shm_all_reduce_calls(self) -> int:
         """All-reduces run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.all_reduce_calls
+        return 0 if self.shm is None else self.shm.calls["all_reduce"]
 
     @property
     def shm_all_gather_calls(self) -> int:
         """All-gathers run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.all_gather_calls
+        return 0 if self.shm is None else self.shm.calls["all_gather"]
 
     @property
     def shm_reduce_scatter_calls(self) -> int:
         """Reduce-scatters run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.reduce_scatter_calls
+        return 0 if self.shm is None else self.shm.calls["reduce_scatter"]
 
     def _step(self, op: str, wire: torch.Tensor) -> tuple[bytes, Judge]:
         """The agreement row a shared-memory operation carries in its first step, and its
