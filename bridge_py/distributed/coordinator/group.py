@@ -464,13 +464,7 @@ class GroupCoordinator:
             assert isinstance(tensor_dict, dict)
             metadata_list, tensor_list = split_tensor_dict(tensor_dict)
             self._broadcast_object(metadata_list, src=src)
-            handles = [
-                self._tensors.broadcast_async(tensor, src)
-                for tensor in tensor_list
-                if tensor.numel()
-            ]
-            for handle in handles:
-                handle.wait()
+            self._tensors.broadcast(tensor_list, src)
             return tensor_dict
         return self._tensors.receive_broadcast(self._broadcast_object(None, src=src), src)
 

@@ -82,13 +82,20 @@ class TensorWire:
     def _group(self, tensor: torch.Tensor) -> ProcessGroup:
         return self._cpu_group if tensor.is_cpu else self._device_group
 
-    def broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
-        """Start broadcasting ``tensor`` from group rank ``src``; the work to wait for."""
-        group = self._group(tensor)
-        wire, _ = for_transport(tensor, str(dist.get_backend(group)))
-        if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
-            raise ValueError("broadcast_tensor_dict needs contiguous tensors")
-        return dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True)
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Broadcast every non-empty tensor of ``tensors`` from group rank ``src`` (all
+        started, then all waited for)."""
+        pending = []
+        for tensor in tensors:
+            if tensor.numel() == 0:
+                continue
+            group = self._group(tensor)
+            wire, _ = for_transport(tensor, str(dist.get_backend(group)))
+            if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
+                raise ValueError("broadcast_tensor_dict needs contiguous tensors")
+            pending.append(dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True))
+        for handle in pending:
+            handle.wait()
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         """Send ``tensor`` to group rank ``peer``."""
@@ -106,16 +113,12 @@ class TensorWire:
 
     def receive_broadcast(self, metadata_list: list[tuple[str, Any]], src: int) -> dict[str, Any]:
         """The dictionary ``src`` broadcasts, from its metadata and then its tensors."""
-        received: dict[str, Any] = {}
-        pending = []
-        for key, value in metadata_list:
-            if isinstance(value, TensorMetadata):
-                tensor = self.empty_like(value)
-                if tensor.numel():
-                    pending.append(self.broadcast_async(tensor, src))
-                received[key] = tensor
-            else:
-                received[key] = value
-        for handle in pending:
-            handle.wait()
+        received = {
+            key: self.empty_like(value) if isinstance(value, TensorMetadata) else value
+            for key, value in metadata_list
+        }
+        tensors = [
+            received[key] for key, value in metadata_list if isinstance(value, TensorMetadata)
+        ]
+        self.broadcast(tensors, src)
         return received

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.distributed import GatherOptions, ProcessGroup
+from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.auth import open_object, seal_object
 from bridge_py.distributed.errors import DistributedError
@@ -109,24 +109,20 @@ class ObjectChannel:
         ]
 
     def gather(self, obj: Any, dst: int) -> list[Any] | None:
-        """Every rank's object on group rank ``dst`` (in group order), None elsewhere."""
+        """Every rank's object on group rank ``dst`` (in group order), None elsewhere.
+
+        The bytes travel as in :meth:`all_gather` (the others drop what they receive: the
+        objects gathered here are small, and one exchange serves both).
+        """
         context = f"{self._prefix}/gather/{dst}/{self._next()}"
         data = seal_object(self._key, f"{context}/{self.rank}", obj)
-        lengths = _sizes(self._group, len(data), None, f"gather on {self._prefix}")
-        mine = _padded(data, max(lengths))
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        options = GatherOptions()
-        options.rootRank = dst
-        outputs = [parts] if self.rank == dst else []
-        self._group.gather(outputs, [mine], options).wait()
+        parts = all_gather_bytes(self._group, data, what=f"gather on {self._prefix}")
         if self.rank != dst:
             return None
         return [
             obj
             if r == self.rank
-            else self._open(
-                parts[r][: lengths[r]].numpy().tobytes(), f"{context}/{r}", f"the value of rank {r}"
-            )
+            else self._open(parts[r], f"{context}/{r}", f"the value of rank {r}")
             for r in range(self.world_size)
         ]
 
@@ -189,20 +185,15 @@ def all_gather_bytes(
     ``limit`` (not what a rank of this code sends) raises DistributedError on every rank
     rather than allocate what it asks for; ``what`` names the exchange in that message.
     """
-    lengths = _sizes(group, len(data), limit, what)
     world = group.size()
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+    group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+    lengths = [
+        _checked_size(int(s.item()), limit, f"{what} from rank {r}") for r, s in enumerate(sizes)
+    ]
     parts = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
     group.allgather([parts], [_padded(data, max(lengths))]).wait()
     return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
-
-
-def _sizes(group: ProcessGroup, size: int, limit: int | None, what: str) -> list[int]:
-    """Every rank's ``size`` (one all-gather), each checked (:func:`_checked_size`)."""
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(group.size())]
-    group.allgather([sizes], [torch.tensor([size], dtype=torch.int64)]).wait()
-    return [
-        _checked_size(int(s.item()), limit, f"{what} from rank {r}") for r, s in enumerate(sizes)
-    ]
 
 
 def _checked_size(value: int, limit: int | None, what: str) -> int:
