@@ -29,6 +29,7 @@ from bridge_py.distributed.coordinator.queues import broadcast_queue, single_rea
 from bridge_py.distributed.coordinator.tensor_dicts import (
     TensorMetadata,
     TensorWire,
+    own_slice,
     split_tensor_dict,
     use_all_gather,
 )
@@ -514,17 +515,13 @@ class GroupCoordinator:
         self._check_peer("send_tensor_dict", "dst", dst, allow_self=False)
         if not isinstance(tensor_dict, dict):
             raise TypeError(f"Expecting a dictionary, got {type(tensor_dict)}")
-        ag_size = 1 if all_gather_group is None else all_gather_group.world_size
-        ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
-        metadata_list, _ = split_tensor_dict(tensor_dict)
-        self.send_object(metadata_list, dst=dst)
-        group_size = None if all_gather_group is None else ag_size
+        self.send_object(split_tensor_dict(tensor_dict)[0], dst=dst)
         for key, value in tensor_dict.items():
             if not isinstance(value, torch.Tensor) or value.numel() == 0:
                 continue
             tensor = value
-            if use_all_gather(key, tensor, group_size, all_gather_tensors):
-                tensor = tensor.reshape(ag_size, -1)[ag_rank]
+            if use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
+                tensor = own_slice(tensor, all_gather_group)
             self._tensors.send(tensor, dst)
         return None
 
@@ -569,24 +566,18 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer("recv_tensor_dict", "src", src, allow_self=False)
-        ag_size = 1 if all_gather_group is None else all_gather_group.world_size
-        ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
-        group_size = None if all_gather_group is None else ag_size
         received: dict[str, Any] = {}
         for key, value in self.recv_object(src=src):
             if not isinstance(value, TensorMetadata):
                 received[key] = value
                 continue
             tensor = self._tensors.empty_like(value)
-            if tensor.numel() == 0:
-                received[key] = tensor
-                continue
-            if use_all_gather(key, tensor, group_size, all_gather_tensors):
+            if tensor.numel() and use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
                 assert all_gather_group is not None
-                part = torch.empty_like(tensor.reshape(ag_size, -1)[ag_rank])
+                part = torch.empty_like(own_slice(tensor, all_gather_group))
                 self._tensors.recv(part, src)
                 tensor = all_gather_group.all_gather(part, dim=0).reshape(tensor.shape)
-            else:
+            elif tensor.numel():
                 self._tensors.recv(tensor, src)
             received[key] = tensor
         return received

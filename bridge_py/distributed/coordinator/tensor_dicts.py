@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
 
-__all__ = ["TensorMetadata", "TensorWire", "split_tensor_dict", "use_all_gather"]
+__all__ = ["TensorMetadata", "TensorWire", "own_slice", "split_tensor_dict", "use_all_gather"]
 
 TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
 
@@ -46,17 +46,22 @@ def split_tensor_dict(
 def use_all_gather(
     key: str,
     tensor: torch.Tensor,
-    group_size: int | None,
+    group: Any | None,
     all_gather_tensors: dict[str, bool] | None,
 ) -> bool:
-    """Whether ``tensor`` travels as slices gathered over an all-gather group of
-    ``group_size`` ranks (None: no such group), as vLLM decides."""
-    use = group_size is not None and tensor.numel() % group_size == 0
+    """Whether ``tensor`` travels as slices gathered over the all-gather ``group`` (a
+    GroupCoordinator; None: no such group), as vLLM decides."""
+    use = group is not None and tensor.numel() % group.world_size == 0
     if all_gather_tensors:
         use = all_gather_tensors.get(key, use)
-    if use and group_size is None:
+    if use and group is None:
         raise ValueError(f"all_gather_tensors asks for {key!r} but no all_gather_group is given")
     return use
+
+
+def own_slice(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of ``tensor`` when it travels gathered over ``group``."""
+    return tensor.reshape(group.world_size, -1)[group.rank_in_group]
 
 
 class TensorWire:

@@ -249,9 +249,9 @@ class Agreement:
                 f"{signature.op} in {self.label} was not run because other ranks rejected "
                 f"their arguments: " + "; ".join(culprits)
             )
-        mismatch = self._first_mismatch(signature, table)
-        if mismatch is not None:
-            raise CollectiveMismatchError(mismatch)
+        other = next((r for r in range(1, self.world_size) if table[r] != table[0]), None)
+        if other is not None:
+            raise CollectiveMismatchError(self._explain(signature, table, 0, other))
 
     def _complaints(self, text: str) -> list[str]:
         """Every rank's ``text`` (its first :data:`_MAX_TEXT` bytes), in rank order: bytes
@@ -262,14 +262,6 @@ class Agreement:
         except DistributedError:  # a forged size: say so rather than allocate what it asks
             return ["(a complaint that is not one: its size is out of range)"] * self.world_size
         return [part.decode(errors="replace") for part in parts]
-
-    def _first_mismatch(self, signature: Signature, rows: list[list[int]]) -> str | None:
-        first = rows[0]
-        for r, row in enumerate(rows[1:], start=1):
-            if row == first:
-                continue
-            return self._explain(signature, rows, 0, r)
-        return None
 
     def _explain(self, signature: Signature, rows: list[list[int]], a: int, b: int) -> str:
         ra, rb = rows[a], rows[b]
@@ -286,9 +278,8 @@ class Agreement:
                 f"{describe_dtype(ra[2])}, {self.who(b)} has shape {shape_text(rb)} "
                 f"{describe_dtype(rb[2])}"
             )
-        base = 4 + _MAX_DIMS
         for i in range(_MAX_PARAMS):
-            if ra[base + i] != rb[base + i]:
+            if param(ra, i) != param(rb, i):
                 name = signature.param_names[i] if i < len(signature.param_names) else "args"
                 if name.endswith("#"):  # a hashed value: its number means nothing to a reader
                     return head + (
@@ -296,8 +287,8 @@ class Agreement:
                         "passed different values"
                     )
                 return head + (
-                    f"ranks disagree on {name}: {self.who(a)} passed {ra[base + i]}, "
-                    f"{self.who(b)} passed {rb[base + i]}"
+                    f"ranks disagree on {name}: {self.who(a)} passed {param(ra, i)}, "
+                    f"{self.who(b)} passed {param(rb, i)}"
                 )
         return head + f"{self.who(a)} and {self.who(b)} passed different arguments"
 
