@@ -146,9 +146,6 @@ class GroupCoordinator:
         if use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 
-    def _label(self) -> str:
-        return f"group {self.unique_name!r} (global ranks {self.ranks})"
-
     def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool = True) -> None:
         """Raise (TypeError, ValueError) unless ``peer`` is a rank of the group."""
         self._comm._check_peer(op, name, peer, allow_self)
@@ -374,9 +371,9 @@ class GroupCoordinator:
     def _broadcast_object(self, obj: Any, src: int) -> Any:
         if self.mq_broadcaster is not None:
             if src != 0:
-                raise ValueError(
-                    f"broadcast_object on {self._label()}: the message queue broadcaster "
-                    f"only supports src=0, got {src}"
+                raise self._comm._error(
+                    "broadcast_object",
+                    f"the message queue broadcaster only supports src=0, got {src}",
                 )
             return self.mq_broadcaster.broadcast_object(obj)
         return self._objects.broadcast(obj, src)
@@ -403,9 +400,9 @@ class GroupCoordinator:
             return obj_list
         got = self._objects.broadcast(list(obj_list), src)
         if len(got) != len(obj_list):
-            raise ValueError(
-                f"broadcast_object_list on rank {self.rank_in_group} of {self._label()}: "
-                f"rank {src} sent {len(got)} objects, this rank's obj_list holds {len(obj_list)}"
+            raise self._comm._error(
+                "broadcast_object_list",
+                f"rank {src} sent {len(got)} objects, this rank's obj_list holds {len(obj_list)}",
             )
         obj_list[:] = got
         return obj_list
@@ -456,9 +453,10 @@ class GroupCoordinator:
             return tensor_dict
         error = None
         if self.rank_in_group == src and not isinstance(tensor_dict, dict):
-            error = TypeError(
-                f"broadcast_tensor_dict on rank {src} (global {self.rank}) of "
-                f"{self._label()}: expecting a dictionary, got {type(tensor_dict)}"
+            error = self._comm._error(
+                "broadcast_tensor_dict",
+                f"expecting a dictionary, got {type(tensor_dict)}",
+                TypeError,
             )
         self._agree_on_root("broadcast_tensor_dict", "src", src, error)
         if self.rank_in_group == src:
