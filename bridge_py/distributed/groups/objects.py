@@ -24,7 +24,7 @@ the exchange fail).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -85,16 +85,12 @@ class ObjectChannel:
         """``obj`` on ``src``; on the other ranks, ``src``'s object, checked and unpickled."""
         seq = self._next()
         context = f"{self._prefix}/bcast/{src}/{seq}"
-        if self.rank == src:
-            data = seal_object(self._key, context, obj)
-            self._broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
-            self._broadcast(_tensor(data), src)
+        data = seal_object(self._key, context, obj) if self.rank == src else None
+        move = lambda tensor: self._group.broadcast(tensor, src).wait()  # noqa: E731
+        got = self._sized(move, data, f"broadcast from rank {src}")
+        if data is not None:
             return obj
-        size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size, src)
-        buffer = torch.empty(self._size(size, f"broadcast from rank {src}"), dtype=torch.uint8)
-        self._broadcast(buffer, src)
-        return self._open(buffer.numpy().tobytes(), context, f"broadcast {seq} from rank {src}")
+        return self._open(got, context, f"broadcast {seq} from rank {src}")
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's object, in group rank order."""
@@ -133,19 +129,16 @@ class ObjectChannel:
         seq = self._sent[dst]
         self._sent[dst] = seq + 1
         data = seal_object(self._key, f"{self._prefix}/p2p/{self.rank}/{dst}/{seq}", obj)
-        self._group.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0).wait()
-        self._group.send([_tensor(data)], dst, 0).wait()
+        self._sized(lambda tensor: self._group.send([tensor], dst, 0).wait(), data, "")
 
     def recv(self, src: int) -> Any:
         """The next object from group rank ``src``, checked and unpickled."""
         seq = self._received[src]
         self._received[src] = seq + 1  # consumed, whether or not it passes the check
-        size = torch.empty(1, dtype=torch.int64)
-        self._group.recv([size], src, 0).wait()
-        buffer = torch.empty(self._size(size, f"object from rank {src}"), dtype=torch.uint8)
-        self._group.recv([buffer], src, 0).wait()
+        move = lambda tensor: self._group.recv([tensor], src, 0).wait()  # noqa: E731
+        got = self._sized(move, None, f"object from rank {src}")
         context = f"{self._prefix}/p2p/{src}/{self.rank}/{seq}"
-        return self._open(buffer.numpy().tobytes(), context, f"object {seq} from rank {src}")
+        return self._open(got, context, f"object {seq} from rank {src}")
 
     # --- ObjectGroup's names ---
 
@@ -164,8 +157,21 @@ class ObjectChannel:
         self._collectives = seq + 1
         return seq
 
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self._group.broadcast(tensor, src).wait()
+    def _sized(
+        self, move: Callable[[torch.Tensor], object], data: bytes | None, what: str
+    ) -> bytes:
+        """Its size, then ``data`` through ``move`` (one side of a send or broadcast), or
+        with ``data`` None the other side: the bytes that arrive (``what``: whose, for
+        the error about a size that is not one)."""
+        if data is not None:
+            move(torch.tensor([len(data)], dtype=torch.int64))
+            move(_tensor(data))
+            return data
+        size = torch.zeros(1, dtype=torch.int64)
+        move(size)
+        buffer = torch.empty(self._size(size, what), dtype=torch.uint8)
+        move(buffer)
+        return buffer.numpy().tobytes()
 
     def _open(self, data: bytes, context: str, what: str) -> Any:
         """The object in ``data``, unpickled only once its tag is right for ``context``."""
