@@ -326,24 +326,22 @@ class DeviceCommunicatorBase:
             return dims
 
         dims, error = self._validated(validate)
-        # What every rank must share: each tensor's dtype and shape, but for the gathered dim
-        # when sizes are given (-2: may differ).
-        masked = [
-            tuple(-2 if (sizes is not None and i == d) else n for i, n in enumerate(t.shape))
-            for t, d in zip(tensors, dims or [], strict=False)
-        ]
-        layout = hash_ints(
-            [dtype_code(t.dtype) for t in tensors[: len(masked)]]
-            + [n for shape in masked for n in shape]
-            + [len(shape) for shape in masked]
-        )
-        signature = self._signature(
-            op,
-            tensors[0] if tensors and error is None else None,
-            (dims[0] if dims else 0, hash_ints(sizes), len(tensors), layout),
-            ("dim", "sizes#", "number of tensors", "tensor shapes or dtypes#"),
-            masked[0] if masked else None,
-        )
+        params: tuple[int, ...] = ()
+        masked = None
+        if dims is not None:
+            # What every rank must share: each tensor's dtype and shape, but for the gathered
+            # dim when sizes are given (-2: may differ).
+            shapes = [
+                tuple(-2 if (sizes is not None and i == d) else n for i, n in enumerate(t.shape))
+                for t, d in zip(tensors, dims, strict=True)
+            ]
+            masked = shapes[0]
+            layout = [dtype_code(t.dtype) for t in tensors] + [len(shape) for shape in shapes]
+            layout += [n for shape in shapes for n in shape]
+            params = (dims[0], hash_ints(sizes), len(tensors), hash_ints(layout))
+        names = ("dim", "sizes#", "number of tensors", "tensor shapes or dtypes#")
+        first = tensors[0] if dims is not None else None
+        signature = self._signature(op, first, params, names, masked)
         self.agreement.check(signature, error)
         assert dims is not None
         results = [self._gather_uneven(t, d, sizes) for t, d in zip(tensors, dims, strict=True)]
