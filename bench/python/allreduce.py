@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import os
 import time
-import types
 
 from common import emit, free_port, median, parse_args, run_ranks, time_row
 
@@ -32,8 +31,7 @@ def _rank(rank: int, ws: int, port: int, rounds: int, reps: dict) -> dict:
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     g = GroupCoordinator([list(range(ws))], rank, "gloo", True, group_name="bench")
-    module = getattr(g._comm, "dist_module", None)
-    transport = module.__name__ if isinstance(module, types.ModuleType) else type(module).__name__
+    transport = "gloo" if getattr(g._comm, "shm", None) is None else "ShmCollectives"
 
     for label, n in SIZES.items():  # wrong results fail the benchmark
         x = torch.arange(n, dtype=torch.float32) % 97 + rank

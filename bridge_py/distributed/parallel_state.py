@@ -78,39 +78,35 @@ _DP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
 
 
+def _initialized(group: GroupCoordinator | None, what: str) -> GroupCoordinator:
+    if group is None:
+        raise RuntimeError(f"{what} group is not initialized")
+    return group
+
+
 def get_world_group() -> GroupCoordinator:
     """The group of every process (after :func:`init_distributed_environment`)."""
-    if _WORLD is None:
-        raise RuntimeError("world group is not initialized")
-    return _WORLD
+    return _initialized(_WORLD, "world")
 
 
 def get_tp_group() -> GroupCoordinator:
     """The tensor model parallel group the caller rank belongs to."""
-    if _TP is None:
-        raise RuntimeError("tensor model parallel group is not initialized")
-    return _TP
+    return _initialized(_TP, "tensor model parallel")
 
 
 def get_pp_group() -> GroupCoordinator:
     """The pipeline model parallel group the caller rank belongs to."""
-    if _PP is None:
-        raise RuntimeError("pipeline model parallel group is not initialized")
-    return _PP
+    return _initialized(_PP, "pipeline model parallel")
 
 
 def get_dp_group() -> GroupCoordinator:
     """The data parallel group the caller rank belongs to."""
-    if _DP is None:
-        raise RuntimeError("data parallel group is not initialized")
-    return _DP
+    return _initialized(_DP, "data parallel")
 
 
 def get_ep_group() -> GroupCoordinator:
     """The expert parallel group the caller rank belongs to."""
-    if _EP is None:
-        raise RuntimeError("expert parallel group is not initialized")
-    return _EP
+    return _initialized(_EP, "expert parallel")
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -131,12 +127,8 @@ def get_distributed_init_method(ip: str, port: int) -> str:
 
 def init_world_group(ranks: list[int], local_rank: int, backend: str) -> GroupCoordinator:
     """The world GroupCoordinator (no device communicator, as in vLLM)."""
-    return GroupCoordinator(
-        group_ranks=[ranks],
-        local_rank=local_rank,
-        torch_distributed_backend=backend,
-        use_device_communicator=False,
-        group_name="world",
+    return init_model_parallel_group(
+        [ranks], local_rank, backend, group_name="world", use_device_communicator=False
     )
 
 
@@ -271,7 +263,7 @@ def initialize_model_parallel(
         rank_lists(all_ranks, tensor_model_parallel_size),
         local_rank,
         backend,
-        use_message_queue_broadcaster=_message_queue_available(),
+        use_message_queue_broadcaster=True,
         group_name="tp",
     )
     _PP = init_model_parallel_group(
@@ -294,15 +286,6 @@ def initialize_model_parallel(
         # vLLM's rule: experts exchange tokens when data parallelism is on.
         use_all2all=data_parallel_size > 1,
     )
-
-
-def _message_queue_available() -> bool:
-    """Whether the shared-memory MessageQueue can be imported (vLLM uses it for TP)."""
-    try:
-        from bridge_py.distributed.device_communicators import shm_broadcast  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def ensure_model_parallel_initialized(

@@ -29,9 +29,11 @@ from bridge_py.distributed.coordinator.queues import broadcast_queue, single_rea
 from bridge_py.distributed.coordinator.tensor_dicts import (
     TensorMetadata,
     TensorWire,
+    own_slice,
     split_tensor_dict,
     use_all_gather,
 )
+from bridge_py.distributed.device_communicators.agreement import Signature
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
@@ -130,44 +132,23 @@ class GroupCoordinator:
         # for (and the group has several ranks); the others get a plain torch.distributed
         # one, kept private, instead of vLLM's "No device communicator found".
         self.use_device_communicator = use_device_communicator
-        self.device_communicator: DeviceCommunicatorBase | None = None
-        comm_cls = communicator_class(self.device)
-        if use_device_communicator and self.world_size > 1:
-            self.device_communicator = comm_cls(
-                cpu_group=self.cpu_group,
-                device=self.device,
-                device_group=self.device_group,
-                unique_name=self.unique_name,
-                use_all2all=use_all2all,
-            )
-            self._comm = self.device_communicator
-        else:
-            self._comm = comm_cls(
-                cpu_group=self.cpu_group,
-                device=self.device,
-                device_group=self.device_group,
-                unique_name=self.unique_name,
-                use_all2all=False,
-            )
+        exposed = use_device_communicator and self.world_size > 1
+        self._comm = communicator_class(self.device)(
+            cpu_group=self.cpu_group,
+            device=self.device,
+            device_group=self.device_group,
+            unique_name=self.unique_name,
+            use_all2all=use_all2all and exposed,
+        )
+        self.device_communicator: DeviceCommunicatorBase | None = self._comm if exposed else None
 
         self.mq_broadcaster: MessageQueue | None = None
         if use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 
-    def _label(self) -> str:
-        return f"group {self.unique_name!r} (global ranks {self.ranks})"
-
     def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool = True) -> None:
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
-            raise ValueError(
-                f"{op} on rank {self.rank_in_group} (global {self.rank}) of {self._label()}: "
-                f"invalid {name} rank ({peer!r}); the group has ranks 0..{self.world_size - 1}"
-            )
-        if not allow_self and peer == self.rank_in_group:
-            raise ValueError(
-                f"{op} on rank {self.rank_in_group} (global {self.rank}) of {self._label()}: "
-                f"{name} ({peer}) is this rank itself"
-            )
+        """Raise (TypeError, ValueError) unless ``peer`` is a rank of the group."""
+        self._comm._check_peer(op, name, peer, allow_self)
 
     # ------------------------------------------------------------ message queues
 
@@ -382,21 +363,17 @@ class GroupCoordinator:
         """Check ``root`` locally, then (with checks on) that every rank passed the same one
         and no rank has an ``error``, so that a rank with bad input cannot leave the others
         blocked."""
-        from bridge_py.distributed.device_communicators.agreement import Signature
-
-        try:
-            self._check_peer(op, name, root)
-        except ValueError as exc:
-            error = error or exc
-        code = root if isinstance(root, int) and error is None else -1
+        checked, own = self._comm._validated(lambda: self._comm._check_peer(op, name, root, True))
+        error = error or own
+        code = checked if checked is not None and error is None else -1
         self._comm.agreement.check(Signature(op, params=(code,), param_names=(name,)), error)
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
         if self.mq_broadcaster is not None:
             if src != 0:
-                raise ValueError(
-                    f"broadcast_object on {self._label()}: the message queue broadcaster "
-                    f"only supports src=0, got {src}"
+                raise self._comm._error(
+                    "broadcast_object",
+                    f"the message queue broadcaster only supports src=0, got {src}",
                 )
             return self.mq_broadcaster.broadcast_object(obj)
         return self._objects.broadcast(obj, src)
@@ -423,9 +400,9 @@ class GroupCoordinator:
             return obj_list
         got = self._objects.broadcast(list(obj_list), src)
         if len(got) != len(obj_list):
-            raise ValueError(
-                f"broadcast_object_list on rank {self.rank_in_group} of {self._label()}: "
-                f"rank {src} sent {len(got)} objects, this rank's obj_list holds {len(obj_list)}"
+            raise self._comm._error(
+                "broadcast_object_list",
+                f"rank {src} sent {len(got)} objects, this rank's obj_list holds {len(obj_list)}",
             )
         obj_list[:] = got
         return obj_list
@@ -476,22 +453,17 @@ class GroupCoordinator:
             return tensor_dict
         error = None
         if self.rank_in_group == src and not isinstance(tensor_dict, dict):
-            error = TypeError(
-                f"broadcast_tensor_dict on rank {src} (global {self.rank}) of "
-                f"{self._label()}: expecting a dictionary, got {type(tensor_dict)}"
+            error = self._comm._error(
+                "broadcast_tensor_dict",
+                f"expecting a dictionary, got {type(tensor_dict)}",
+                TypeError,
             )
         self._agree_on_root("broadcast_tensor_dict", "src", src, error)
         if self.rank_in_group == src:
             assert isinstance(tensor_dict, dict)
             metadata_list, tensor_list = split_tensor_dict(tensor_dict)
             self._broadcast_object(metadata_list, src=src)
-            handles = [
-                self._tensors.broadcast_async(tensor, src)
-                for tensor in tensor_list
-                if tensor.numel()
-            ]
-            for handle in handles:
-                handle.wait()
+            self._tensors.broadcast(tensor_list, src)
             return tensor_dict
         return self._tensors.receive_broadcast(self._broadcast_object(None, src=src), src)
 
@@ -541,17 +513,13 @@ class GroupCoordinator:
         self._check_peer("send_tensor_dict", "dst", dst, allow_self=False)
         if not isinstance(tensor_dict, dict):
             raise TypeError(f"Expecting a dictionary, got {type(tensor_dict)}")
-        ag_size = 1 if all_gather_group is None else all_gather_group.world_size
-        ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
-        metadata_list, _ = split_tensor_dict(tensor_dict)
-        self.send_object(metadata_list, dst=dst)
-        group_size = None if all_gather_group is None else ag_size
+        self.send_object(split_tensor_dict(tensor_dict)[0], dst=dst)
         for key, value in tensor_dict.items():
             if not isinstance(value, torch.Tensor) or value.numel() == 0:
                 continue
             tensor = value
-            if use_all_gather(key, tensor, group_size, all_gather_tensors):
-                tensor = tensor.reshape(ag_size, -1)[ag_rank]
+            if use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
+                tensor = own_slice(tensor, all_gather_group)
             self._tensors.send(tensor, dst)
         return None
 
@@ -596,24 +564,18 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer("recv_tensor_dict", "src", src, allow_self=False)
-        ag_size = 1 if all_gather_group is None else all_gather_group.world_size
-        ag_rank = 0 if all_gather_group is None else all_gather_group.rank_in_group
-        group_size = None if all_gather_group is None else ag_size
         received: dict[str, Any] = {}
         for key, value in self.recv_object(src=src):
             if not isinstance(value, TensorMetadata):
                 received[key] = value
                 continue
             tensor = self._tensors.empty_like(value)
-            if tensor.numel() == 0:
-                received[key] = tensor
-                continue
-            if use_all_gather(key, tensor, group_size, all_gather_tensors):
+            if tensor.numel() and use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
                 assert all_gather_group is not None
-                part = torch.empty_like(tensor.reshape(ag_size, -1)[ag_rank])
+                part = torch.empty_like(own_slice(tensor, all_gather_group))
                 self._tensors.recv(part, src)
                 tensor = all_gather_group.all_gather(part, dim=0).reshape(tensor.shape)
-            else:
+            elif tensor.numel():
                 self._tensors.recv(tensor, src)
             received[key] = tensor
         return received
@@ -664,8 +626,7 @@ class GroupCoordinator:
 
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Let the device communicator size its buffers for ``model`` (a no-op without one)."""
-        if self.device_communicator is not None:
-            self.device_communicator.prepare_communication_buffer_for_model(model)
+        self._comm.prepare_communication_buffer_for_model(model)
 
     def dispatch(
         self,
@@ -679,18 +640,12 @@ class GroupCoordinator:
         Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;
         unchanged unless the device communicator has an all-to-all manager.
         """
-        if self.device_communicator is not None:
-            return self.device_communicator.dispatch(
-                hidden_states, router_logits, is_sequence_parallel, extra_tensors
-            )
-        if extra_tensors is not None:
-            return hidden_states, router_logits, extra_tensors
-        return hidden_states, router_logits
+        return self._comm.dispatch(
+            hidden_states, router_logits, is_sequence_parallel, extra_tensors
+        )
 
     def combine(
         self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
     ) -> torch.Tensor:
         """Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`)."""
-        if self.device_communicator is not None:
-            return self.device_communicator.combine(hidden_states, is_sequence_parallel)
-        return hidden_states
+        return self._comm.combine(hidden_states, is_sequence_parallel)

@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
 
-__all__ = ["TensorMetadata", "TensorWire", "split_tensor_dict", "use_all_gather"]
+__all__ = ["TensorMetadata", "TensorWire", "own_slice", "split_tensor_dict", "use_all_gather"]
 
 TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
 
@@ -46,17 +46,22 @@ def split_tensor_dict(
 def use_all_gather(
     key: str,
     tensor: torch.Tensor,
-    group_size: int | None,
+    group: Any | None,
     all_gather_tensors: dict[str, bool] | None,
 ) -> bool:
-    """Whether ``tensor`` travels as slices gathered over an all-gather group of
-    ``group_size`` ranks (None: no such group), as vLLM decides."""
-    use = group_size is not None and tensor.numel() % group_size == 0
+    """Whether ``tensor`` travels as slices gathered over the all-gather ``group`` (a
+    GroupCoordinator; None: no such group), as vLLM decides."""
+    use = group is not None and tensor.numel() % group.world_size == 0
     if all_gather_tensors:
         use = all_gather_tensors.get(key, use)
-    if use and group_size is None:
+    if use and group is None:
         raise ValueError(f"all_gather_tensors asks for {key!r} but no all_gather_group is given")
     return use
+
+
+def own_slice(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of ``tensor`` when it travels gathered over ``group``."""
+    return tensor.reshape(group.world_size, -1)[group.rank_in_group]
 
 
 class TensorWire:
@@ -82,13 +87,20 @@ class TensorWire:
     def _group(self, tensor: torch.Tensor) -> ProcessGroup:
         return self._cpu_group if tensor.is_cpu else self._device_group
 
-    def broadcast_async(self, tensor: torch.Tensor, src: int) -> Any:
-        """Start broadcasting ``tensor`` from group rank ``src``; the work to wait for."""
-        group = self._group(tensor)
-        wire, _ = for_transport(tensor, str(dist.get_backend(group)))
-        if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
-            raise ValueError("broadcast_tensor_dict needs contiguous tensors")
-        return dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True)
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Broadcast every non-empty tensor of ``tensors`` from group rank ``src`` (all
+        started, then all waited for)."""
+        pending = []
+        for tensor in tensors:
+            if tensor.numel() == 0:
+                continue
+            group = self._group(tensor)
+            wire, _ = for_transport(tensor, str(dist.get_backend(group)))
+            if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
+                raise ValueError("broadcast_tensor_dict needs contiguous tensors")
+            pending.append(dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True))
+        for handle in pending:
+            handle.wait()
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         """Send ``tensor`` to group rank ``peer``."""
@@ -106,16 +118,12 @@ class TensorWire:
 
     def receive_broadcast(self, metadata_list: list[tuple[str, Any]], src: int) -> dict[str, Any]:
         """The dictionary ``src`` broadcasts, from its metadata and then its tensors."""
-        received: dict[str, Any] = {}
-        pending = []
-        for key, value in metadata_list:
-            if isinstance(value, TensorMetadata):
-                tensor = self.empty_like(value)
-                if tensor.numel():
-                    pending.append(self.broadcast_async(tensor, src))
-                received[key] = tensor
-            else:
-                received[key] = value
-        for handle in pending:
-            handle.wait()
+        received = {
+            key: self.empty_like(value) if isinstance(value, TensorMetadata) else value
+            for key, value in metadata_list
+        }
+        tensors = [
+            received[key] for key, value in metadata_list if isinstance(value, TensorMetadata)
+        ]
+        self.broadcast(tensors, src)
         return received

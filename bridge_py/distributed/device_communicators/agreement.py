@@ -13,7 +13,13 @@ then sees the same table and reaches the same verdict: all go on, or all raise a
 :class:`CollectiveMismatchError` naming the group, the ranks and what differs. No rank is
 left waiting, and the group stays usable.
 
-The check costs one small all-gather per collective. It is on by default for CPU
+The table travels on one of two carriers, with the same rows and the same verdicts: the
+gloo all-gather above, or, when the communicator has shared-memory collectives, one
+shared-memory step (``ShmCollectives.exchange``; an all-reduce carries its row in its own
+first data step). Point-to-point messages reuse the row as their header (see
+``DeviceCommunicatorBase.send``).
+
+The check costs one small exchange per collective. It is on by default for CPU
 communicators and off for CUDA ones (where it would add a host round trip to every
 collective); the environment variable ``VLLM_BRIDGE_CHECK_COLLECTIVES`` (``1``/``0``)
 overrides the default. It must have the same value on every rank of a group.
@@ -23,25 +29,30 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
-from bridge_py.distributed.errors import CollectiveMismatchError
+from bridge_py.distributed.errors import CollectiveMismatchError, DistributedError
+from bridge_py.distributed.groups.objects import all_gather_bytes
 
 __all__ = [
     "CHECK_ENV",
+    "ROW_BYTES",
     "Agreement",
     "CollectiveMismatchError",
+    "Judge",
     "Signature",
     "checks_enabled",
     "describe_dtype",
     "dtype_code",
+    "dtype_of",
     "hash_ints",
+    "shape_text",
 ]
 
 CHECK_ENV = "VLLM_BRIDGE_CHECK_COLLECTIVES"
@@ -50,8 +61,13 @@ _MAX_DIMS = 8
 _MAX_PARAMS = 4
 # op, error flag, dtype, ndim, shape slots, parameter slots
 _WIDTH = 4 + _MAX_DIMS + _MAX_PARAMS
+_ROW = struct.Struct(f"<{_WIDTH}q")
+ROW_BYTES = _ROW.size  # one encoded row, as the carriers move it
 _ANY = -2  # a shape entry that may differ between ranks (the gathered dim of all_gatherv)
 _MAX_TEXT = 4096  # bytes of a rank's complaint shared with the others
+
+# A carrier's verdict on the rows of every rank (rank order); raises to refuse.
+Judge = Callable[[list[bytes]], None]
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
@@ -96,6 +112,11 @@ def describe_dtype(code: int) -> str:
     return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"<dtype #{code}>"
 
 
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype a :func:`dtype_code` names, None for one that is not in the table."""
+    return _DTYPES[code] if 0 <= code < len(_DTYPES) else None
+
+
 @dataclass(frozen=True)
 class Signature:
     """What must be equal on every rank for one collective call.
@@ -112,7 +133,15 @@ class Signature:
     param_names: tuple[str, ...] = field(default=())
 
     def encode(self, failed: bool) -> torch.Tensor:
-        """This signature as one row of the agreement table."""
+        """This signature as one row of the agreement table (int64)."""
+        return torch.tensor(self.values(failed), dtype=torch.int64)
+
+    def row(self, failed: bool) -> bytes:
+        """:meth:`encode`'s row as the bytes the carriers move (:data:`ROW_BYTES`)."""
+        return _ROW.pack(*self.values(failed))
+
+    def values(self, failed: bool) -> list[int]:
+        """The ints of this signature's row: op, failed, dtype, ndim, shape, params."""
         row = [0] * _WIDTH
         row[0] = _stable_hash(self.op)
         row[1] = 1 if failed else 0
@@ -130,10 +159,21 @@ class Signature:
         if len(self.params) > _MAX_PARAMS:
             params[-1] = _stable_hash(repr(tuple(self.params[_MAX_PARAMS - 1 :])))
         row[4 + _MAX_DIMS : 4 + _MAX_DIMS + len(params)] = params
-        return torch.tensor(row, dtype=torch.int64)
+        return row
 
 
-def _shape_text(row: Sequence[int]) -> str:
+def decode(row: bytes) -> list[int]:
+    """The ints of a row that :meth:`Signature.row` packed."""
+    return list(_ROW.unpack(row))
+
+
+def param(row: Sequence[int], i: int) -> int:
+    """Parameter ``i`` of a decoded row."""
+    return row[4 + _MAX_DIMS + i]
+
+
+def shape_text(row: Sequence[int]) -> str:
+    """The shape of a decoded row as text (``(4, 2)``, ``*`` for a dim that may differ)."""
     ndim = row[3]
     if ndim < 0:
         return "no tensor"
@@ -144,7 +184,12 @@ def _shape_text(row: Sequence[int]) -> str:
 
 
 class Agreement:
-    """The pre-collective argument check of one group (see the module docstring)."""
+    """The pre-collective argument check of one group (see the module docstring).
+
+    ``carrier`` moves this rank's row and hands every rank's rows to a judge: the gloo
+    all-gather by default; a communicator with shared-memory collectives sets its
+    ``ShmCollectives.exchange``.
+    """
 
     def __init__(
         self,
@@ -160,6 +205,7 @@ class Agreement:
         self.world_size = len(self.ranks)
         self.label = label
         self.enabled = enabled
+        self.carrier: Callable[[bytes, Judge], None] = self._over_gloo
 
     def who(self, rank_in_group: int) -> str:
         """``rank R (global G)`` for a rank of this group."""
@@ -176,62 +222,46 @@ class Agreement:
             if error is not None:
                 raise error
             return
-        row = signature.encode(error is not None)
+        row = signature.row(error is not None)
+        self.carrier(row, lambda rows: self.judge(signature, rows, error))
+
+    def _over_gloo(self, row: bytes, judge: Judge) -> None:
+        """The gloo carrier: one all-gather of every rank's row."""
+        mine = torch.frombuffer(bytearray(row), dtype=torch.int64)
         table = torch.empty(self.world_size * _WIDTH, dtype=torch.int64)
-        all_gather_into(table, row, self.cpu_group)
-        rows = table.view(self.world_size, _WIDTH).tolist()
-        if any(r[1] for r in rows):
-            self._raise_rejected(signature, rows, error)
-        mismatch = self._first_mismatch(signature, rows)
-        if mismatch is not None:
-            raise CollectiveMismatchError(mismatch)
+        all_gather_into(table, mine, self.cpu_group)
+        data = table.numpy().tobytes()
+        judge([data[r * ROW_BYTES : (r + 1) * ROW_BYTES] for r in range(self.world_size)])
 
-    def _raise_rejected(
-        self, signature: Signature, rows: list[list[int]], error: Exception | None
-    ) -> None:
-        # Rare path: share the complaints so that every rank can say what went wrong.
-        messages = self._gather_texts("" if error is None else str(error))
-        if error is not None:
-            raise error
-        culprits = [f"{self.who(r)}: {messages[r]}" for r in range(self.world_size) if rows[r][1]]
-        raise CollectiveMismatchError(
-            f"{signature.op} in {self.label} was not run because other ranks rejected "
-            f"their arguments: " + "; ".join(culprits)
-        )
-
-    def _gather_texts(self, text: str) -> list[str]:
-        """Every rank's ``text`` (its first :data:`_MAX_TEXT` bytes), in rank order.
-
-        Sizes, then the bytes padded to the longest (as torch's ``all_gather_object`` sends
-        them), decoded as UTF-8: never unpickled, since these messages are only text and
-        anyone who can inject into the group's connection would choose the bytes.
-        """
-        data = text.encode()[:_MAX_TEXT]
-        world = self.world_size
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group)
-        lengths = [int(size.item()) for size in sizes]
-        longest = max(lengths)
-        if min(lengths) < 0 or longest > _MAX_TEXT:
-            # Not what a rank sends: say so rather than allocate what a forged size asks for.
-            return ["(a complaint that is not one: its size is out of range)"] * world
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if data:
-            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        dist.all_gather(parts, mine, group=self.cpu_group)
-        return [
-            part[:length].numpy().tobytes().decode(errors="replace")
-            for part, length in zip(parts, lengths, strict=True)
-        ]
-
-    def _first_mismatch(self, signature: Signature, rows: list[list[int]]) -> str | None:
+    def judge(self, signature: Signature, rows: list[bytes], error: Exception | None) -> None:
+        """The verdict on every rank's row: return, or raise (the same on every rank)."""
         first = rows[0]
-        for r, row in enumerate(rows[1:], start=1):
-            if row == first:
-                continue
-            return self._explain(signature, rows, 0, r)
-        return None
+        if error is None and first[8:16] == bytes(8) and all(row == first for row in rows):
+            return  # the common case, decided without decoding
+        table = [decode(row) for row in rows]
+        if any(r[1] for r in table):
+            # Rare path: share the complaints so that every rank can say what went wrong.
+            texts = self._complaints("" if error is None else str(error))
+            if error is not None:
+                raise error
+            culprits = [f"{self.who(r)}: {texts[r]}" for r in range(self.world_size) if table[r][1]]
+            raise CollectiveMismatchError(
+                f"{signature.op} in {self.label} was not run because other ranks rejected "
+                f"their arguments: " + "; ".join(culprits)
+            )
+        other = next((r for r in range(1, self.world_size) if table[r] != table[0]), None)
+        if other is not None:
+            raise CollectiveMismatchError(self._explain(signature, table, 0, other))
+
+    def _complaints(self, text: str) -> list[str]:
+        """Every rank's ``text`` (its first :data:`_MAX_TEXT` bytes), in rank order: bytes
+        decoded as UTF-8, never unpickled, since these messages are only text and anyone who
+        can inject into the group's connection would choose the bytes."""
+        try:
+            parts = all_gather_bytes(self.cpu_group, text.encode()[:_MAX_TEXT], _MAX_TEXT)
+        except DistributedError:  # a forged size: say so rather than allocate what it asks
+            return ["(a complaint that is not one: its size is out of range)"] * self.world_size
+        return [part.decode(errors="replace") for part in parts]
 
     def _explain(self, signature: Signature, rows: list[list[int]], a: int, b: int) -> str:
         ra, rb = rows[a], rows[b]
@@ -244,13 +274,12 @@ class Agreement:
             )
         if ra[2 : 4 + _MAX_DIMS] != rb[2 : 4 + _MAX_DIMS]:
             return head + (
-                f"ranks disagree on the tensor: {self.who(a)} has shape {_shape_text(ra)} "
-                f"{describe_dtype(ra[2])}, {self.who(b)} has shape {_shape_text(rb)} "
+                f"ranks disagree on the tensor: {self.who(a)} has shape {shape_text(ra)} "
+                f"{describe_dtype(ra[2])}, {self.who(b)} has shape {shape_text(rb)} "
                 f"{describe_dtype(rb[2])}"
             )
-        base = 4 + _MAX_DIMS
         for i in range(_MAX_PARAMS):
-            if ra[base + i] != rb[base + i]:
+            if param(ra, i) != param(rb, i):
                 name = signature.param_names[i] if i < len(signature.param_names) else "args"
                 if name.endswith("#"):  # a hashed value: its number means nothing to a reader
                     return head + (
@@ -258,8 +287,8 @@ class Agreement:
                         "passed different values"
                     )
                 return head + (
-                    f"ranks disagree on {name}: {self.who(a)} passed {ra[base + i]}, "
-                    f"{self.who(b)} passed {rb[base + i]}"
+                    f"ranks disagree on {name}: {self.who(a)} passed {param(ra, i)}, "
+                    f"{self.who(b)} passed {param(rb, i)}"
                 )
         return head + f"{self.who(a)} and {self.who(b)} passed different arguments"
 

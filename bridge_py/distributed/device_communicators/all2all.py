@@ -7,9 +7,6 @@ states, router logits and extra tensors), ``combine`` sums the experts' outputs 
 ranks and hands each rank back the rows of its own tokens (a ``reduce_scatterv``). vLLM
 reads the per-rank token counts from its forward context; here ``dispatch`` exchanges them
 (one small all-gather) and ``combine`` reuses the counts of the latest ``dispatch``.
-
-:class:`All2AllDispatchMixin` routes a communicator's ``dispatch``/``combine`` to its manager
-when it has one and keeps the base class's no-op otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
 )
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 
-__all__ = ["AgRsAll2AllManager", "All2AllDispatchMixin", "NaiveAll2AllManager"]
+__all__ = ["AgRsAll2AllManager", "NaiveAll2AllManager"]
 
 
 class NaiveAll2AllManager(All2AllManagerBase):
@@ -81,41 +78,3 @@ class NaiveAll2AllManager(All2AllManagerBase):
 
 # vLLM's name for the all-gather/reduce-scatter manager.
 AgRsAll2AllManager = NaiveAll2AllManager
-
-
-class All2AllDispatchMixin(DeviceCommunicatorBase):
-    """``dispatch``/``combine`` through ``self.all2all_manager`` when there is one.
-
-    Mixed in before :class:`DeviceCommunicatorBase` (a subclass of it, so that ``super()``
-    reaches the base class's no-ops).
-    """
-
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        router_logits: torch.Tensor,
-        is_sequence_parallel: bool = False,
-        extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
-        """
-        Dispatch the hidden states and router logits to the appropriate device.
-        Without an all-to-all manager this is a no-op, as in the base class.
-        """
-        if self.all2all_manager is None:
-            return super().dispatch(
-                hidden_states, router_logits, is_sequence_parallel, extra_tensors
-            )
-        return self.all2all_manager.dispatch(
-            hidden_states, router_logits, is_sequence_parallel, extra_tensors
-        )
-
-    def combine(
-        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
-    ) -> torch.Tensor:
-        """
-        Combine the hidden states and router logits from the appropriate device.
-        Without an all-to-all manager this is a no-op, as in the base class.
-        """
-        if self.all2all_manager is None:
-            return super().combine(hidden_states, is_sequence_parallel)
-        return self.all2all_manager.combine(hidden_states, is_sequence_parallel)

@@ -13,15 +13,17 @@ differences, all in the caller's favour:
   rank instead of aborting the process or hanging, and the group keeps working;
 * a missing ``device_group`` means the ``cpu_group`` (vLLM would silently use the world).
 
-Collectives go through ``self.dist_module`` (``torch.distributed`` here), the hook where a
-device-specific transport such as a shared-memory all-reduce plugs in.
+Collectives go through ``self.dist_module`` (``torch.distributed``, as vLLM's attribute);
+the all-gather and reduce-scatter steps go through two methods (``_all_gather_wire``,
+``_reduce_scatter_wire``), the hooks where a device-specific transport such as the CPU
+communicator's shared memory plugs in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,10 @@ from bridge_py.distributed.device_communicators.agreement import (
     checks_enabled,
     describe_dtype,
     dtype_code,
+    dtype_of,
     hash_ints,
+    param,
+    shape_text,
 )
 from bridge_py.distributed.device_communicators.torch_compat import (
     all_gather_into,
@@ -47,8 +52,7 @@ from bridge_py.distributed.device_communicators.wire_dtypes import (
 
 __all__ = ["All2AllManagerBase", "DeviceCommunicatorBase"]
 
-_HEADER_DIMS = 8
-_HEADER_WIDTH = 4 + _HEADER_DIMS  # dtype, wire-is-bytes, wire numel, ndim, shape slots
+_T = TypeVar("_T")
 
 
 class All2AllManagerBase:
@@ -144,59 +148,92 @@ class DeviceCommunicatorBase:
             checks_enabled(self.device),
         )
 
-    # ----------------------------------------------------------------- validation helpers
+    # ------------------------------------------------------------- validation, agreement
 
     def _error(self, op: str, message: str, kind: type[Exception] = ValueError) -> Exception:
         who = self.agreement.who(self.rank_in_group)
         return kind(f"{op} on {who} of {self.agreement.label}: {message}")
 
-    def _tensor_error(self, op: str, tensor: Any, reduce: bool = False) -> Exception | None:
+    def _check_tensor(self, op: str, tensor: Any, reduce: bool = False) -> None:
         if not isinstance(tensor, torch.Tensor):
-            return self._error(
+            raise self._error(
                 op, f"expected a torch.Tensor, got {type(tensor).__name__}", TypeError
             )
         if tensor.device.type != self.device.type:
-            return self._error(
+            raise self._error(
                 op,
                 f"the tensor is on {tensor.device} but this communicator serves "
                 f"{self.device.type} tensors",
             )
         if reduce and not reducible(tensor.dtype, self.backend):
-            return self._error(op, f"dtype {tensor.dtype} cannot be summed", TypeError)
-        return None
+            raise self._error(op, f"dtype {tensor.dtype} cannot be summed", TypeError)
 
-    def _dim_error(self, op: str, tensor: torch.Tensor, dim: Any) -> tuple[int, Exception | None]:
+    def _check_dim(self, op: str, tensor: torch.Tensor, dim: Any) -> int:
+        """``dim`` as a non-negative dim of ``tensor``."""
         if isinstance(dim, bool) or not isinstance(dim, int):
-            return 0, self._error(op, f"dim must be an int, got {dim!r}", TypeError)
+            raise self._error(op, f"dim must be an int, got {dim!r}", TypeError)
         if not -tensor.dim() <= dim < tensor.dim():
-            return 0, self._error(
+            raise self._error(
                 op, f"invalid dim ({dim}) for input tensor with shape {tuple(tensor.shape)}"
             )
-        return dim % tensor.dim(), None
+        return dim % tensor.dim()
 
-    def _peer_error(self, op: str, name: str, peer: Any, allow_self: bool) -> Exception | None:
+    def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool) -> int:
         if isinstance(peer, bool) or not isinstance(peer, int):
-            return self._error(
+            raise self._error(
                 op, f"{name} must be an int rank in the group, got {peer!r}", TypeError
             )
         if not 0 <= peer < self.world_size:
-            return self._error(
+            raise self._error(
                 op, f"invalid {name} rank ({peer}): the group has ranks 0..{self.world_size - 1}"
             )
         if not allow_self and peer == self.rank_in_group:
-            return self._error(op, f"{name} ({peer}) is this rank itself")
-        return None
+            raise self._error(op, f"{name} ({peer}) is this rank itself")
+        return peer
 
-    def _sizes_error(self, op: str, sizes: Any) -> Exception | None:
+    def _check_sizes(self, op: str, sizes: Any) -> list[int]:
         if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
-            return self._error(op, f"sizes must be a list of ints, got {sizes!r}", TypeError)
+            raise self._error(op, f"sizes must be a list of ints, got {sizes!r}", TypeError)
         if len(sizes) != self.world_size:
-            return self._error(
+            raise self._error(
                 op, f"sizes has {len(sizes)} entries but the group has {self.world_size} ranks"
             )
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
-            return self._error(op, f"sizes must be non-negative ints, got {list(sizes)}")
-        return None
+            raise self._error(op, f"sizes must be non-negative ints, got {list(sizes)}")
+        return list(sizes)
+
+    @staticmethod
+    def _validated(check: Callable[[], _T]) -> tuple[_T | None, Exception | None]:
+        """``check()``, or the TypeError/ValueError it raised about this rank's arguments."""
+        try:
+            return check(), None
+        except (TypeError, ValueError) as exc:
+            return None, exc
+
+    def _agree(
+        self,
+        op: str,
+        tensor: Any,
+        check: Callable[[], tuple[int, ...]] | None = None,
+        names: tuple[str, ...] = (),
+        reduce: bool = False,
+    ) -> tuple[int, ...]:
+        """Validate this rank's arguments, then agree on them with the other ranks.
+
+        ``tensor`` is checked first (a tensor of this device, summable with ``reduce``);
+        then ``check`` returns the parameters (named by ``names``) that every rank must
+        pass alike, raising TypeError/ValueError for bad ones. Every rank raises unless all
+        ranks passed valid, matching arguments; returns the parameters.
+        """
+
+        def validate() -> tuple[int, ...]:
+            self._check_tensor(op, tensor, reduce)
+            return () if check is None else check()
+
+        params, error = self._validated(validate)
+        self.agreement.check(self._signature(op, tensor, params or (), names), error)
+        assert params is not None  # (an error raised above)
+        return params
 
     @staticmethod
     def _signature(
@@ -210,6 +247,16 @@ class DeviceCommunicatorBase:
             return Signature(op, None, None, params, names)
         return Signature(op, tensor.dtype, shape or tuple(tensor.shape), params, names)
 
+    # ------------------------------------------------------- transport (the device hooks)
+
+    def _all_gather_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
+        """Every rank's flat ``wire`` into ``out``, rank-major (same dtype)."""
+        all_gather_into(out, wire, self.device_group)
+
+    def _reduce_scatter_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
+        """Sum ``wire`` (rows) over the group and keep this rank's rank-major piece."""
+        reduce_scatter_into(out, wire, self.device_group)
+
     # --------------------------------------------------------------------- collectives
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
@@ -217,8 +264,7 @@ class DeviceCommunicatorBase:
 
         ``bool`` tensors come back as the logical OR over the ranks.
         """
-        error = self._tensor_error("all_reduce", input_, reduce=True)
-        self.agreement.check(self._signature("all_reduce", input_), error)
+        self._agree("all_reduce", input_, reduce=True)
         if input_.numel() == 0:
             return input_.clone()
         wire, restore = for_reduction(input_, self.backend)
@@ -229,11 +275,8 @@ class DeviceCommunicatorBase:
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim``, in rank order."""
-        error = self._tensor_error("all_gather", input_)
-        dim_n = 0
-        if error is None:
-            dim_n, error = self._dim_error("all_gather", input_, dim)
-        self.agreement.check(self._signature("all_gather", input_, (dim_n,), ("dim",)), error)
+        op = "all_gather"
+        (dim_n,) = self._agree(op, input_, lambda: (self._check_dim(op, input_, dim),), ("dim",))
         shape = tuple(input_.shape)
         out_shape = (*shape[:dim_n], self.world_size * shape[dim_n], *shape[dim_n + 1 :])
         if input_.numel() == 0:
@@ -245,7 +288,7 @@ class DeviceCommunicatorBase:
         """Every rank's ``tensor`` (same size everywhere), flat and in rank order."""
         wire, restore = for_transport(tensor, self.backend)
         out = torch.empty(self.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
-        all_gather_into(out, wire, self.device_group, self.dist_module)
+        self._all_gather_wire(out, wire)
         return restore(out)
 
     def all_gatherv(
@@ -263,56 +306,45 @@ class DeviceCommunicatorBase:
         op = "all_gatherv"
         single = isinstance(input_, torch.Tensor)
         tensors: list[Any] = [input_] if isinstance(input_, torch.Tensor) else list(input_)
-        error: Exception | None = None
-        dims: list[int] = []
-        if not tensors:
-            error = self._error(op, "no tensors to gather")
-        for tensor in tensors:
-            error = error or self._tensor_error(op, tensor)
-            if error is None:
-                d, error = self._dim_error(op, tensor, dim)
-                dims.append(d)
-        if error is None and sizes is not None:
-            error = self._sizes_error(op, sizes)
-            if error is None:
-                mine = sizes[self.rank_in_group]
-                for tensor, d in zip(tensors, dims, strict=False):
+
+        def validate() -> list[int]:
+            if not tensors:
+                raise self._error(op, "no tensors to gather")
+            dims = []
+            for tensor in tensors:
+                self._check_tensor(op, tensor)
+                dims.append(self._check_dim(op, tensor, dim))
+            if sizes is not None:
+                mine = self._check_sizes(op, sizes)[self.rank_in_group]
+                for tensor, d in zip(tensors, dims, strict=True):
                     if tensor.shape[d] != mine:
-                        error = self._error(
+                        raise self._error(
                             op,
                             f"the tensor has {tensor.shape[d]} entries along dim {dim} but "
                             f"sizes[{self.rank_in_group}] is {mine} (sizes={list(sizes)})",
                         )
-                        break
-        first = tensors[0] if tensors else None
-        masked: tuple[int, ...] | None = None
-        layout = 0
-        if error is None:
-            assert isinstance(first, torch.Tensor)
-            masked = tuple(
-                -2 if (i == dims[0] and sizes is not None) else n for i, n in enumerate(first.shape)
-            )
-            layout = hash_ints(
-                [dtype_code(t.dtype) for t in tensors]
-                + [
-                    n if (i != d or sizes is None) else -2
-                    for t, d in zip(tensors, dims, strict=True)
-                    for i, n in enumerate(t.shape)
-                ]
-                + [t.dim() for t in tensors]
-            )
-        signature = self._signature(
-            op,
-            first,
-            (dims[0] if dims else 0, hash_ints(sizes), len(tensors), layout),
-            ("dim", "sizes#", "number of tensors", "tensor shapes or dtypes#"),
-            masked,
-        )
+            return dims
+
+        dims, error = self._validated(validate)
+        params: tuple[int, ...] = ()
+        masked = None
+        if dims is not None:
+            # What every rank must share: each tensor's dtype and shape, but for the gathered
+            # dim when sizes are given (-2: may differ).
+            shapes = [
+                tuple(-2 if (sizes is not None and i == d) else n for i, n in enumerate(t.shape))
+                for t, d in zip(tensors, dims, strict=True)
+            ]
+            masked = shapes[0]
+            layout = [dtype_code(t.dtype) for t in tensors] + [len(shape) for shape in shapes]
+            layout += [n for shape in shapes for n in shape]
+            params = (dims[0], hash_ints(sizes), len(tensors), hash_ints(layout))
+        names = ("dim", "sizes#", "number of tensors", "tensor shapes or dtypes#")
+        first = tensors[0] if dims is not None else None
+        signature = self._signature(op, first, params, names, masked)
         self.agreement.check(signature, error)
-        results = [
-            self._gather_uneven(t, d, list(sizes) if sizes is not None else None)
-            for t, d in zip(tensors, dims, strict=True)
-        ]
+        assert dims is not None
+        results = [self._gather_uneven(t, d, sizes) for t, d in zip(tensors, dims, strict=True)]
         return results[0] if single else results
 
     def _gather_uneven(
@@ -338,17 +370,18 @@ class DeviceCommunicatorBase:
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum ``input_`` over the group and keep this rank's equal slice along ``dim``."""
         op = "reduce_scatter"
-        error = self._tensor_error(op, input_, reduce=True)
-        dim_n = 0
-        if error is None:
-            dim_n, error = self._dim_error(op, input_, dim)
-        if error is None and input_.shape[dim_n] % self.world_size != 0:
-            error = self._error(
-                op,
-                f"the size along dim {dim} ({input_.shape[dim_n]}) is not divisible by the "
-                f"group size ({self.world_size})",
-            )
-        self.agreement.check(self._signature(op, input_, (dim_n,), ("dim",)), error)
+
+        def check() -> tuple[int]:
+            dim_n = self._check_dim(op, input_, dim)
+            if input_.shape[dim_n] % self.world_size != 0:
+                raise self._error(
+                    op,
+                    f"the size along dim {dim} ({input_.shape[dim_n]}) is not divisible by "
+                    f"the group size ({self.world_size})",
+                )
+            return (dim_n,)
+
+        (dim_n,) = self._agree(op, input_, check, ("dim",), reduce=True)
         chunk = input_.shape[dim_n] // self.world_size
         return self._reduce_rows(input_, dim_n, [chunk] * self.world_size)
 
@@ -363,21 +396,19 @@ class DeviceCommunicatorBase:
         if sizes is None:
             return self.reduce_scatter(input_, dim)
         op = "reduce_scatterv"
-        error = self._tensor_error(op, input_, reduce=True)
-        dim_n = 0
-        if error is None:
-            dim_n, error = self._dim_error(op, input_, dim)
-        if error is None:
-            error = self._sizes_error(op, sizes)
-        if error is None and sum(sizes) != input_.shape[dim_n]:
-            error = self._error(
-                op,
-                f"sum(sizes) = {sum(sizes)} but the tensor has {input_.shape[dim_n]} entries "
-                f"along dim {dim} (sizes={list(sizes)})",
-            )
-        self.agreement.check(
-            self._signature(op, input_, (dim_n, hash_ints(sizes)), ("dim", "sizes#")), error
-        )
+
+        def check() -> tuple[int, int]:
+            dim_n = self._check_dim(op, input_, dim)
+            total = sum(self._check_sizes(op, sizes))
+            if total != input_.shape[dim_n]:
+                raise self._error(
+                    op,
+                    f"sum(sizes) = {total} but the tensor has {input_.shape[dim_n]} entries "
+                    f"along dim {dim} (sizes={list(sizes)})",
+                )
+            return dim_n, hash_ints(sizes)
+
+        dim_n, _ = self._agree(op, input_, check, ("dim", "sizes#"), reduce=True)
         return self._reduce_rows(input_, dim_n, list(sizes))
 
     def _reduce_rows(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
@@ -399,7 +430,7 @@ class DeviceCommunicatorBase:
             rows = padded.reshape((self.world_size * longest, *rest))
         wire, restore = for_reduction(rows.contiguous(), self.backend)
         out = torch.empty((longest, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
-        reduce_scatter_into(out, wire, self.device_group, self.dist_module)
+        self._reduce_scatter_wire(out, wire)
         return restore(out)[:mine].movedim(0, dim).contiguous()
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
@@ -412,12 +443,11 @@ class DeviceCommunicatorBase:
         Returns the concatenation (in rank order) on ``dst`` and None on the other ranks.
         """
         op = "gather"
-        error = self._tensor_error(op, input_) or self._peer_error(op, "dst", dst, True)
-        dim_n = 0
-        if error is None:
-            dim_n, error = self._dim_error(op, input_, dim)
-        dst_code = dst if isinstance(dst, int) else -1
-        self.agreement.check(self._signature(op, input_, (dst_code, dim_n), ("dst", "dim")), error)
+
+        def check() -> tuple[int, int]:
+            return self._check_peer(op, "dst", dst, True), self._check_dim(op, input_, dim)
+
+        _, dim_n = self._agree(op, input_, check, ("dst", "dim"))
         is_dst = self.rank_in_group == dst
         if input_.numel() == 0:
             if not is_dst:
@@ -437,10 +467,12 @@ class DeviceCommunicatorBase:
         Not in vLLM's communicator (its GroupCoordinator calls torch directly); here it
         shares the checks and dtype handling of the other collectives. Returns ``input_``.
         """
-        op = "broadcast"
-        error = self._tensor_error(op, input_) or self._peer_error(op, "src", src, True)
-        src_code = src if isinstance(src, int) else -1
-        self.agreement.check(self._signature(op, input_, (src_code,), ("src",)), error)
+        self._agree(
+            "broadcast",
+            input_,
+            lambda: (self._check_peer("broadcast", "src", src, True),),
+            ("src",),
+        )
         if input_.numel() == 0:
             return input_
         wire, restore = for_transport(input_, self.backend)
@@ -455,18 +487,18 @@ class DeviceCommunicatorBase:
         """Sends a tensor to the destination rank in a blocking way
 
         NOTE: `dst` is the local rank of the destination rank (default: the next rank).
+        With checks on, the tensor is preceded by a header (its agreement row) on the CPU
+        group, which :meth:`recv` compares with what it expects.
         """
-        op = "send"
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        error = self._tensor_error(op, tensor) or self._peer_error(op, "dst", dst, False)
-        if error is not None:
-            raise error
+        self._check_tensor("send", tensor)
+        peer = self.ranks[self._check_peer("send", "dst", dst, False)]
         wire, _ = for_transport(tensor, self.backend)
-        peer = self.ranks[dst]
         if self.agreement.enabled:
-            header = self._header(tensor, wire)
-            self.dist_module.send(header, peer, group=self.cpu_group)
+            self.dist_module.send(
+                self._header(tensor, wire).encode(False), peer, group=self.cpu_group
+            )
         if wire.numel() > 0:
             self.dist_module.send(wire, peer, group=self.device_group)
 
@@ -480,64 +512,45 @@ class DeviceCommunicatorBase:
         op = "recv"
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
-        error = self._peer_error(op, "src", src, False)
-        if error is None and not isinstance(dtype, torch.dtype):
-            error = self._error(op, f"dtype must be a torch.dtype, got {dtype!r}", TypeError)
-        if error is not None:
-            raise error
+        peer = self.ranks[self._check_peer(op, "src", src, False)]
+        if not isinstance(dtype, torch.dtype):
+            raise self._error(op, f"dtype must be a torch.dtype, got {dtype!r}", TypeError)
         tensor = torch.empty(size, dtype=dtype, device=self.device)
-        wire, restore = for_transport(tensor, self.backend)
-        peer = self.ranks[src]
+        wire, _ = for_transport(tensor, self.backend)
         if self.agreement.enabled:
-            got = torch.empty(_HEADER_WIDTH, dtype=torch.int64)
+            expected = self._header(tensor, wire).encode(False)
+            got = torch.empty_like(expected)
             self.dist_module.recv(got, peer, group=self.cpu_group)
-            expected = self._header(tensor, wire)
             if not torch.equal(got, expected):
-                self._drain(got, peer)
+                sent = got.tolist()
+                self._drain(sent, peer)
                 raise self._error(
                     op,
                     f"expected shape {tuple(tensor.shape)} {dtype} from "
-                    f"{self.agreement.who(src)}, but it sent shape "
-                    f"{self._header_shape(got)} {describe_dtype(int(got[0]))}; the message "
-                    "was received and dropped",
+                    f"{self.agreement.who(src)}, but it sent shape {shape_text(sent)} "
+                    f"{describe_dtype(sent[2])}; the message was received and dropped",
                 )
-        if wire.numel() > 0:
+        if wire.numel() > 0:  # the wire views ``tensor`` (torch.empty is contiguous)
             self.dist_module.recv(wire, peer, group=self.device_group)
-            if not tensor.is_contiguous():  # pragma: no cover - torch.empty is contiguous
-                tensor.copy_(restore(wire).reshape(tensor.shape))
         return tensor
 
     @staticmethod
-    def _header(tensor: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
-        shape = list(tensor.shape)
-        values = [
-            dtype_code(tensor.dtype),
-            int(wire.dtype != tensor.dtype),
-            wire.numel(),
-            len(shape),
-        ]
-        dims = shape[:_HEADER_DIMS] + [0] * max(0, _HEADER_DIMS - len(shape))
-        if len(shape) > _HEADER_DIMS:
-            dims[-1] = hash_ints(shape[_HEADER_DIMS - 1 :])
-        return torch.tensor(values + dims, dtype=torch.int64)
+    def _header(tensor: torch.Tensor, wire: torch.Tensor) -> Signature:
+        """What a message carries: its tensor's dtype and shape, and the wire's form."""
+        return Signature(
+            "send",
+            tensor.dtype,
+            tuple(tensor.shape),
+            (int(wire.dtype != tensor.dtype), wire.numel()),
+        )
 
-    @staticmethod
-    def _header_shape(header: torch.Tensor) -> tuple[int, ...] | str:
-        ndim = int(header[3])
-        if ndim > _HEADER_DIMS:
-            return f"<{ndim} dims>"
-        return tuple(int(d) for d in header[4 : 4 + ndim])
-
-    def _drain(self, header: torch.Tensor, peer: int) -> None:
+    def _drain(self, header: list[int], peer: int) -> None:
         """Receive and drop the payload announced by ``header`` (a mismatched send)."""
-        numel = int(header[2])
-        if numel == 0:
+        is_bytes, numel = param(header, 0), param(header, 1)
+        if numel <= 0:
             return
-        code, is_bytes = int(header[0]), bool(header[1])
-        from bridge_py.distributed.device_communicators.agreement import _DTYPES
-
-        dtype = torch.uint8 if is_bytes or not 0 <= code < len(_DTYPES) else _DTYPES[code]
-        scratch = torch.empty(numel, dtype=dtype, device=self.device)
+        dtype = None if is_bytes else dtype_of(header[2])
+        scratch = torch.empty(numel, dtype=dtype or torch.uint8, device=self.device)
         self.dist_module.recv(scratch, peer, group=self.device_group)
 
     # ----------------------------------------------------------------- model & all2all
@@ -564,10 +577,14 @@ class DeviceCommunicatorBase:
     ) -> tuple[Any, ...]:
         """
         Dispatch the hidden states and router logits to the appropriate device.
-        This is a no-op in the base class.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
 
         Returns ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
         """
+        if self.all2all_manager is not None:
+            return self.all2all_manager.dispatch(
+                hidden_states, router_logits, is_sequence_parallel, extra_tensors
+            )
         if extra_tensors is not None:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
@@ -577,6 +594,8 @@ class DeviceCommunicatorBase:
     ) -> torch.Tensor:
         """
         Combine the hidden states and router logits from the appropriate device.
-        This is a no-op in the base class.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
         """
+        if self.all2all_manager is not None:
+            return self.all2all_manager.combine(hidden_states, is_sequence_parallel)
         return hidden_states

@@ -1,15 +1,14 @@
 """CpuCommunicator: collectives of a CPU group, over shared memory on one node, else gloo.
 
-Everything runs through ``self.dist_module``. When every rank of the group can map one
-shared-memory segment (probed once, collectively, at construction; see ``shm_allreduce``),
-``dist_module`` is a :class:`~bridge_py.distributed.device_communicators.shm_allreduce.
-ShmDistModule` (like vLLM's ``_CPUSHMDistributed``): all-reduce, all-gather and
-reduce-scatter go through shared memory, everything else through ``torch.distributed`` on
-the gloo group; the pre-collective argument check (``agreement``) exchanges its table
-through shared memory too, and :meth:`CpuCommunicator.all_reduce` folds that check into its
-data step, so a small all-reduce costs one shared-memory phase. Otherwise (ranks on
-several nodes, no usable ``/dev/shm``, ``VLLM_BRIDGE_CPU_SHM=0``) ``dist_module`` is
-``torch.distributed`` and everything is gloo, as before.
+When every rank of the group can map one shared-memory segment (probed once, collectively,
+at construction; see ``shm_allreduce``), ``self.shm`` holds the group's
+:class:`~bridge_py.distributed.device_communicators.shm_allreduce.ShmCollectives` (like
+vLLM's ``_CPUSHMDistributed``): all-reduce, all-gather and reduce-scatter go through shared
+memory, everything else through ``torch.distributed`` on the gloo group; the pre-collective
+argument check (``agreement``) exchanges its table through shared memory too, and
+:meth:`CpuCommunicator.all_reduce` folds that check into its data step, so a small
+all-reduce costs one shared-memory phase. Otherwise (ranks on several nodes, no usable
+``/dev/shm``, ``VLLM_BRIDGE_CPU_SHM=0``) everything is gloo.
 
 Both transports give the same results: integer sums exactly, floating-point sums of two
 ranks bit for bit; with more ranks the shared-memory sum is the rank-ordered one (the same
@@ -18,27 +17,21 @@ on every rank and every run) while gloo's ring may round differently in the last
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from bridge_py.distributed.device_communicators.all2all import (
-    All2AllDispatchMixin,
-    NaiveAll2AllManager,
-)
+from bridge_py.distributed.device_communicators.agreement import Judge, Signature
+from bridge_py.distributed.device_communicators.all2all import NaiveAll2AllManager
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
-from bridge_py.distributed.device_communicators.shm_dist import ShmAgreement, ShmDistModule
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 
 __all__ = ["CpuCommunicator"]
 
 
-class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
+class CpuCommunicator(DeviceCommunicatorBase):
     """Device communicator for CPU tensors (shared memory or gloo), with all-to-all support
     for EP groups.
 
@@ -70,34 +63,33 @@ class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
                 cpu_group, self.rank_in_group, self.ranks, self.agreement.label, enabled=use_shm
             )
         if self.shm is not None:
-            self.agreement = ShmAgreement(self.agreement, self.shm)
-        self.dist_module = self._select_dist_module()
+            self.agreement.carrier = self.shm.exchange
         if self.use_all2all:
             self.all2all_manager = NaiveAll2AllManager(self)
-
-    def _select_dist_module(self) -> Any:
-        """The transport for this group's collectives: shared memory when every rank of the
-        group is on one node and can map the group's segment, else ``torch.distributed``."""
-        if self.shm is None:
-            return dist
-        return ShmDistModule(self.shm, (self.device_group, self.cpu_group))
 
     # ------------------------------------------------------------------ shared memory
 
     @property
     def shm_all_reduce_calls(self) -> int:
         """All-reduces run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.all_reduce_calls
+        return 0 if self.shm is None else self.shm.calls["all_reduce"]
 
     @property
     def shm_all_gather_calls(self) -> int:
         """All-gathers run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.all_gather_calls
+        return 0 if self.shm is None else self.shm.calls["all_gather"]
 
     @property
     def shm_reduce_scatter_calls(self) -> int:
         """Reduce-scatters run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.reduce_scatter_calls
+        return 0 if self.shm is None else self.shm.calls["reduce_scatter"]
+
+    def _step(self, op: str, wire: torch.Tensor) -> tuple[bytes, Judge]:
+        """The agreement row a shared-memory operation carries in its first step, and its
+        judge. With checks off the row still goes along: ranks out of step raise, never
+        mix data."""
+        signature = Signature(op, wire.dtype, (wire.numel(),))
+        return signature.row(False), lambda rows: self.agreement.judge(signature, rows, None)
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum ``input_`` over the group; returns a new tensor (the input is not modified).
@@ -109,20 +101,29 @@ class CpuCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
         if shm is None:
             return super().all_reduce(input_)
         op = "all_reduce"
-        error = self._tensor_error(op, input_, reduce=True)
+        _, error = self._validated(lambda: self._check_tensor(op, input_, reduce=True))
         signature = self._signature(op, input_)
-        agreement = self.agreement
         if error is not None or input_.numel() == 0:
-            agreement.check(signature, error)  # raises on every rank if anyone failed
+            self.agreement.check(signature, error)  # raises on every rank if anyone failed
             return input_.clone()
-        assert isinstance(agreement, ShmAgreement)
         wire, restore = for_reduction(input_, self.backend)
         out = torch.empty_like(wire)
-        row = signature.encode(False).numpy().tobytes()
-        # With checks off the row still goes along: ranks out of step raise, never mix data.
-        judge = lambda rows: agreement.judge(signature, rows, None)  # noqa: E731
-        shm.all_reduce(wire.reshape(-1), out.view(-1), row, judge)
+        judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
+        shm.all_reduce(wire.reshape(-1), out.view(-1), signature.row(False), judge)
         return restore(out).reshape(input_.shape)
+
+    def _all_gather_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
+        if self.shm is None:
+            super()._all_gather_wire(out, wire)
+        else:
+            self.shm.all_gather(out, wire, *self._step("all_gather", wire))
+
+    def _reduce_scatter_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
+        if self.shm is None:
+            super()._reduce_scatter_wire(out, wire)
+        else:
+            flat = wire.view(-1)
+            self.shm.reduce_scatter(out.view(-1), flat, *self._step("reduce_scatter", flat))
 
     def destroy(self) -> None:
         """Release the all-to-all manager and unmap the shared memory; groups stay."""

@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from bridge_py.distributed.device_communicators.all2all import (
-    All2AllDispatchMixin,
-    NaiveAll2AllManager,
-)
+from bridge_py.distributed.device_communicators.all2all import NaiveAll2AllManager
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
@@ -22,7 +19,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
 __all__ = ["CudaCommunicator"]
 
 
-class CudaCommunicator(All2AllDispatchMixin, DeviceCommunicatorBase):
+class CudaCommunicator(DeviceCommunicatorBase):
     """Device communicator for CUDA tensors (NCCL)."""
 
     def __init__(

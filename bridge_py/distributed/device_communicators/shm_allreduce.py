@@ -45,9 +45,9 @@ Agreement. The first step of every operation also carries one row per rank (an
 :class:`~bridge_py.distributed.device_communicators.agreement.Signature` encoding) in the
 control block; after that step's wait every rank judges the same table, so ranks that call
 different collectives, or with different shapes, all raise instead of reading each other's
-data. :class:`ShmAgreement` runs the communicator's pre-collective argument check through
-these rows (one shared-memory phase instead of a gloo all-gather), and the all-reduce fuses
-the check into its data phase.
+data. :meth:`ShmCollectives.exchange` (a step with the row alone) is the shared-memory
+carrier of the communicator's pre-collective argument check (one phase instead of a gloo
+all-gather); the CPU communicator's all-reduce fuses that check into its data step.
 
 Waiting spins on ``sched_yield`` for 2 ms, then naps (``shm.wait.wait_until``), checks every
 0.2 s that the ranks it waits for are alive, and gives up at the group's timeout. A dead or
@@ -78,10 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from bridge_py.distributed.device_communicators.agreement import (
-    CollectiveMismatchError,
-    Signature,
-)
+from bridge_py.distributed.device_communicators.agreement import ROW_BYTES, Judge
 from bridge_py.distributed.errors import DistributedError, GroupTimeout, PeerGoneError
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.wait import (
@@ -124,14 +121,12 @@ _HEADER = struct.Struct("<4sHHIQ16s")  # magic, version, pad, world_size, slot_b
 _HEADER_BYTES = 256
 _CTRL_BYTES = 512  # per rank: counter at 0, rows at 64 and 192, pid at 320
 _ROW_AT = (64, 192)
-_ROW_BYTES = Signature("").encode(False).numel() * 8
+_ROW_BYTES = ROW_BYTES
 _PID = struct.Struct("<QQ")  # pid, pid namespace
 _PID_AT = 320
 _NAME_BYTES = 64  # the name and token broadcast at set-up
 _ALIGN = 64  # slices handed to ranks start on cache lines
 assert _ROW_AT[1] + _ROW_BYTES <= _PID_AT and _PID_AT + _PID.size <= _CTRL_BYTES
-
-Judge = Callable[[list[bytes]], None]
 
 
 def shm_enabled() -> bool:
@@ -272,10 +267,8 @@ class ShmCollectives:
             _PID.unpack_from(self._buf, _HEADER_BYTES + r * _CTRL_BYTES + _PID_AT)
             for r in range(world_size)
         ]
-        self.all_reduce_calls = 0
-        self.all_gather_calls = 0
-        self.reduce_scatter_calls = 0
-        self.agreement_calls = 0
+        # operations run so far, by name
+        self.calls = dict.fromkeys(("agreement", "all_reduce", "all_gather", "reduce_scatter"), 0)
         self._finalizer = weakref.finalize(self, _release, mapping, self._views)
 
     # ------------------------------------------------------------------------ set-up
@@ -501,26 +494,6 @@ class ShmCollectives:
             self._write_row(half, row)
         return half
 
-    def _judge(self, half: int, judge: Judge | None) -> None:
-        if judge is not None:
-            judge(self._rows(half))
-
-    def _default_judge(self, op: str) -> Judge:
-        def judge(rows: list[bytes]) -> None:
-            if any(row != rows[0] for row in rows):
-                differ = [r for r, row in enumerate(rows) if row != rows[0]]
-                raise CollectiveMismatchError(
-                    f"{op} in {self.label}: ranks {differ} called a different collective, or "
-                    "with a different dtype or size, than rank 0 (every rank of a group must "
-                    "call the same collectives in the same order)"
-                )
-
-        return judge
-
-    @staticmethod
-    def _row(op: str, tensor: torch.Tensor) -> bytes:
-        return Signature(op, tensor.dtype, (tensor.numel(),)).encode(False).numpy().tobytes()
-
     def _bounds(self, n: int, rank: int) -> tuple[int, int]:
         """Slice ``rank`` of ``n`` elements: even split, boundaries on ``_ALIGN`` elements."""
         step = -(-n // self.world_size)
@@ -529,130 +502,114 @@ class ShmCollectives:
 
     # ----------------------------------------------------------------------- collectives
 
+    def _run(
+        self,
+        op: str,
+        dtype: torch.dtype,
+        n: int,
+        per: int,
+        row: bytes,
+        judge: Judge,
+        fill: Callable[[torch.Tensor, int, int], None],
+        drain: Callable[[torch.Tensor, int, int], None],
+    ) -> None:
+        """Run ``op`` over ``n`` elements in steps of at most ``per`` (one operation; see
+        the module docstring). Each step calls ``fill(half, start, k)`` (this rank's writes
+        into ``half``, the step's ``(world_size, slot)`` view of the data area), waits for
+        every rank, and calls ``drain(half, start, k)``; the first step carries ``row``, and
+        ``judge`` sees every rank's row before anything is read."""
+        with self._lock:
+            self._enter()
+            self.calls[op] += 1
+            slots = self._slots(dtype)
+            first: Judge | None = judge
+            start = 0
+            while True:
+                k = min(per, n - start)
+                half = self._begin_step(row if first is not None else None)
+                fill(slots[half], start, k)
+                self._arrive_and_wait(op)
+                if first is not None:
+                    first(self._rows(half))
+                    first = None
+                drain(slots[half], start, k)
+                start += k
+                if start >= n:
+                    return
+
     def exchange(self, row: bytes, judge: Judge) -> None:
         """One step carrying only this rank's agreement row; ``judge`` sees every row."""
-        with self._lock:
-            self._enter()
-            self.agreement_calls += 1
-            half = self._begin_step(row)
-            self._arrive_and_wait("agreement")
-            judge(self._rows(half))
+        self._run("agreement", torch.uint8, 0, 1, row, judge, _nothing, _nothing)
 
-    def all_reduce(
-        self,
-        input_: torch.Tensor,
-        out: torch.Tensor,
-        row: bytes | None = None,
-        judge: Judge | None = None,
-    ) -> torch.Tensor:
+    def all_reduce(self, input_: torch.Tensor, out: torch.Tensor, row: bytes, judge: Judge) -> None:
         """``out`` = the rank-ordered sum of every rank's ``input_`` (flat, same dtype).
 
-        The first step carries ``row`` (default: one naming the operation, dtype and size)
-        and ``judge`` (default: all rows must be equal) decides after its wait whether the
-        ranks may go on; ``out`` may be ``input_`` itself.
+        The first step carries ``row`` (an agreement row), and ``judge`` decides after its
+        wait, on every rank's row, whether the ranks may go on (as in every operation
+        here); ``out`` may be ``input_`` itself.
         """
-        with self._lock:
-            self._enter()
-            self.all_reduce_calls += 1
-            if row is None:
-                row, judge = self._row("all_reduce", input_), self._default_judge("all_reduce")
-            slots = self._slots(input_.dtype)
-            per = slots.shape[2]
-            n = input_.numel()
-            start = 0
-            while True:
-                k = min(per, n - start)
-                half = self._begin_step(row)
-                mine = slots[half, self.rank, :k]
-                _copy(mine, input_[start : start + k])
-                self._arrive_and_wait("all_reduce")
-                if row is not None:
-                    self._judge(half, judge)
-                    row = judge = None
-                part = slots[half, :, :k]
-                target = out[start : start + k]
-                if k * input_.element_size() <= DIRECT_BYTES:
-                    _ordered_sum(list(part.unbind(0)), target)
-                else:
-                    lo, hi = self._bounds(k, self.rank)
-                    _ordered_sum(list(part[:, lo:hi].unbind(0)), target[lo:hi])
-                    _copy(mine[lo:hi], target[lo:hi])
-                    self._arrive_and_wait("all_reduce (all-gather)")
-                    for r in range(self.world_size):
-                        if r != self.rank:
-                            lo, hi = self._bounds(k, r)
-                            _copy(target[lo:hi], part[r, lo:hi])
-                start += k
-                if start >= n:
-                    return out
+        rank, world = self.rank, self.world_size
+        direct = DIRECT_BYTES // input_.element_size()
+
+        def fill(half: torch.Tensor, start: int, k: int) -> None:
+            _copy(half[rank, :k], input_[start : start + k])
+
+        def drain(half: torch.Tensor, start: int, k: int) -> None:
+            part, target = half[:, :k], out[start : start + k]
+            if k <= direct:
+                _ordered_sum(list(part.unbind(0)), target)
+                return
+            lo, hi = self._bounds(k, rank)
+            _ordered_sum(list(part[:, lo:hi].unbind(0)), target[lo:hi])
+            _copy(part[rank, lo:hi], target[lo:hi])
+            self._arrive_and_wait("all_reduce (all-gather)")
+            for r in range(world):
+                if r != rank:
+                    lo, hi = self._bounds(k, r)
+                    _copy(target[lo:hi], part[r, lo:hi])
+
+        per = self._slots(input_.dtype).shape[2]
+        self._run("all_reduce", input_.dtype, input_.numel(), per, row, judge, fill, drain)
 
     def all_gather(
-        self,
-        output: torch.Tensor,
-        input_: torch.Tensor,
-        row: bytes | None = None,
-        judge: Judge | None = None,
-    ) -> torch.Tensor:
+        self, output: torch.Tensor, input_: torch.Tensor, row: bytes, judge: Judge
+    ) -> None:
         """``output`` (flat, ``world_size * input_.numel()``) = every rank's ``input_``, in
-        rank order."""
-        with self._lock:
-            self._enter()
-            self.all_gather_calls += 1
-            if row is None:
-                row, judge = self._row("all_gather", input_), self._default_judge("all_gather")
-            slots = self._slots(input_.dtype)
-            per = slots.shape[2]
-            n = input_.numel()
-            rows_out = output.view(self.world_size, n)
-            start = 0
-            while True:
-                k = min(per, n - start)
-                half = self._begin_step(row)
-                _copy(slots[half, self.rank, :k], input_[start : start + k])
-                self._arrive_and_wait("all_gather")
-                if row is not None:
-                    self._judge(half, judge)
-                    row = judge = None
-                for r in range(self.world_size):
-                    _copy(rows_out[r, start : start + k], slots[half, r, :k])
-                start += k
-                if start >= n:
-                    return output
+        rank order; ``row`` and ``judge`` as in :meth:`all_reduce`."""
+        n = input_.numel()
+        rows_out = output.view(self.world_size, n)
+
+        def fill(half: torch.Tensor, start: int, k: int) -> None:
+            _copy(half[self.rank, :k], input_[start : start + k])
+
+        def drain(half: torch.Tensor, start: int, k: int) -> None:
+            for r in range(self.world_size):
+                _copy(rows_out[r, start : start + k], half[r, :k])
+
+        per = self._slots(input_.dtype).shape[2]
+        self._run("all_gather", input_.dtype, n, per, row, judge, fill, drain)
 
     def reduce_scatter(
-        self,
-        output: torch.Tensor,
-        input_: torch.Tensor,
-        row: bytes | None = None,
-        judge: Judge | None = None,
-    ) -> torch.Tensor:
+        self, output: torch.Tensor, input_: torch.Tensor, row: bytes, judge: Judge
+    ) -> None:
         """``output`` (flat, ``m`` elements) = the rank-ordered sum of piece ``rank`` of every
-        rank's ``input_`` (flat, ``world_size * m``)."""
-        with self._lock:
-            self._enter()
-            self.reduce_scatter_calls += 1
-            if row is None:
-                row = self._row("reduce_scatter", input_)
-                judge = self._default_judge("reduce_scatter")
-            slots = self._slots(input_.dtype)
-            per = slots.shape[2] // self.world_size
-            m = output.numel()
-            pieces = input_.view(self.world_size, m)
-            start = 0
-            while True:
-                k = min(per, m - start)
-                half = self._begin_step(row)
-                mine = slots[half, self.rank, : self.world_size * k].view(self.world_size, k)
-                for r in range(self.world_size):
-                    _copy(mine[r], pieces[r, start : start + k])
-                self._arrive_and_wait("reduce_scatter")
-                if row is not None:
-                    self._judge(half, judge)
-                    row = judge = None
-                chunks = slots[half, :, : self.world_size * k].view(
-                    self.world_size, self.world_size, k
-                )
-                _ordered_sum(list(chunks[:, self.rank].unbind(0)), output[start : start + k])
-                start += k
-                if start >= m:
-                    return output
+        rank's ``input_`` (flat, ``world_size * m``); ``row`` and ``judge`` as in
+        :meth:`all_reduce`."""
+        world, m = self.world_size, output.numel()
+        pieces = input_.view(world, m)
+
+        def fill(half: torch.Tensor, start: int, k: int) -> None:
+            mine = half[self.rank, : world * k].view(world, k)
+            for r in range(world):
+                _copy(mine[r], pieces[r, start : start + k])
+
+        def drain(half: torch.Tensor, start: int, k: int) -> None:
+            chunks = half[:, : world * k].view(world, world, k)
+            _ordered_sum(list(chunks[:, self.rank].unbind(0)), output[start : start + k])
+
+        per = self._slots(input_.dtype).shape[2] // world
+        self._run("reduce_scatter", input_.dtype, m, per, row, judge, fill, drain)
+
+
+def _nothing(half: torch.Tensor, start: int, k: int) -> None:
+    """A step that writes or reads no data (an agreement exchange)."""

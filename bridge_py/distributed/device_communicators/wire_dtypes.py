@@ -35,18 +35,7 @@ _GLOO = frozenset(
         torch.bool,
     }
 )
-_NCCL = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-    }
-)
+_NCCL = _GLOO - {torch.bool}
 
 # dtype -> the dtype it is added in when the backend cannot add it natively.
 _WIDER: dict[torch.dtype, torch.dtype] = {

@@ -24,16 +24,16 @@ the exchange fail).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.distributed import GatherOptions, ProcessGroup
+from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.auth import open_object, seal_object
 from bridge_py.distributed.errors import DistributedError
 
-__all__ = ["ObjectChannel", "ObjectGroup", "object_group"]
+__all__ = ["ObjectChannel", "ObjectGroup", "all_gather_bytes", "object_group"]
 
 
 class ObjectGroup(Protocol):
@@ -85,46 +85,40 @@ class ObjectChannel:
         """``obj`` on ``src``; on the other ranks, ``src``'s object, checked and unpickled."""
         seq = self._next()
         context = f"{self._prefix}/bcast/{src}/{seq}"
-        if self.rank == src:
-            data = seal_object(self._key, context, obj)
-            self._broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
-            self._broadcast(_tensor(data), src)
+        data = seal_object(self._key, context, obj) if self.rank == src else None
+        move = lambda tensor: self._group.broadcast(tensor, src).wait()  # noqa: E731
+        got = self._sized(move, data, f"broadcast from rank {src}")
+        if data is not None:
             return obj
-        size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size, src)
-        buffer = torch.empty(self._size(size, f"broadcast from rank {src}"), dtype=torch.uint8)
-        self._broadcast(buffer, src)
-        return self._open(buffer, context, f"broadcast {seq} from rank {src}")
+        return self._open(got, context, f"broadcast {seq} from rank {src}")
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's object, in group rank order."""
         context = f"{self._prefix}/all_gather/{self._next()}"
-        parts, lengths = self._exchange(seal_object(self._key, f"{context}/{self.rank}", obj))
+        data = seal_object(self._key, f"{context}/{self.rank}", obj)
+        parts = all_gather_bytes(self._group, data, what=f"all_gather on {self._prefix}")
         return [
             obj
             if r == self.rank
-            else self._open(parts[r][: lengths[r]], f"{context}/{r}", f"the value of rank {r}")
+            else self._open(parts[r], f"{context}/{r}", f"the value of rank {r}")
             for r in range(self.world_size)
         ]
 
     def gather(self, obj: Any, dst: int) -> list[Any] | None:
-        """Every rank's object on group rank ``dst`` (in group order), None elsewhere."""
+        """Every rank's object on group rank ``dst`` (in group order), None elsewhere.
+
+        The bytes travel as in :meth:`all_gather` (the others drop what they receive: the
+        objects gathered here are small, and one exchange serves both).
+        """
         context = f"{self._prefix}/gather/{dst}/{self._next()}"
         data = seal_object(self._key, f"{context}/{self.rank}", obj)
-        sizes = self._all_gather([torch.tensor([len(data)], dtype=torch.int64)])
-        lengths = [self._size(size, f"gather from rank {r}") for r, size in enumerate(sizes)]
-        mine = _padded(data, max(lengths))
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        options = GatherOptions()
-        options.rootRank = dst
-        outputs = [parts] if self.rank == dst else []
-        self._group.gather(outputs, [mine], options).wait()
+        parts = all_gather_bytes(self._group, data, what=f"gather on {self._prefix}")
         if self.rank != dst:
             return None
         return [
             obj
             if r == self.rank
-            else self._open(parts[r][: lengths[r]], f"{context}/{r}", f"the value of rank {r}")
+            else self._open(parts[r], f"{context}/{r}", f"the value of rank {r}")
             for r in range(self.world_size)
         ]
 
@@ -135,19 +129,16 @@ class ObjectChannel:
         seq = self._sent[dst]
         self._sent[dst] = seq + 1
         data = seal_object(self._key, f"{self._prefix}/p2p/{self.rank}/{dst}/{seq}", obj)
-        self._group.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0).wait()
-        self._group.send([_tensor(data)], dst, 0).wait()
+        self._sized(lambda tensor: self._group.send([tensor], dst, 0).wait(), data, "")
 
     def recv(self, src: int) -> Any:
         """The next object from group rank ``src``, checked and unpickled."""
         seq = self._received[src]
         self._received[src] = seq + 1  # consumed, whether or not it passes the check
-        size = torch.empty(1, dtype=torch.int64)
-        self._group.recv([size], src, 0).wait()
-        buffer = torch.empty(self._size(size, f"object from rank {src}"), dtype=torch.uint8)
-        self._group.recv([buffer], src, 0).wait()
+        move = lambda tensor: self._group.recv([tensor], src, 0).wait()  # noqa: E731
+        got = self._sized(move, None, f"object from rank {src}")
         context = f"{self._prefix}/p2p/{src}/{self.rank}/{seq}"
-        return self._open(buffer, context, f"object {seq} from rank {src}")
+        return self._open(got, context, f"object {seq} from rank {src}")
 
     # --- ObjectGroup's names ---
 
@@ -166,32 +157,59 @@ class ObjectChannel:
         self._collectives = seq + 1
         return seq
 
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self._group.broadcast(tensor, src).wait()
+    def _sized(
+        self, move: Callable[[torch.Tensor], object], data: bytes | None, what: str
+    ) -> bytes:
+        """Its size, then ``data`` through ``move`` (one side of a send or broadcast), or
+        with ``data`` None the other side: the bytes that arrive (``what``: whose, for
+        the error about a size that is not one)."""
+        if data is not None:
+            move(torch.tensor([len(data)], dtype=torch.int64))
+            move(_tensor(data))
+            return data
+        size = torch.zeros(1, dtype=torch.int64)
+        move(size)
+        buffer = torch.empty(self._size(size, what), dtype=torch.uint8)
+        move(buffer)
+        return buffer.numpy().tobytes()
 
-    def _all_gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        outputs = [torch.empty_like(inputs[0]) for _ in range(self.world_size)]
-        self._group.allgather([outputs], inputs).wait()
-        return outputs
-
-    def _exchange(self, data: bytes) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's bytes (padded to the longest) and their lengths."""
-        sizes = self._all_gather([torch.tensor([len(data)], dtype=torch.int64)])
-        lengths = [self._size(size, f"all_gather from rank {r}") for r, size in enumerate(sizes)]
-        return self._all_gather([_padded(data, max(lengths))]), lengths
-
-    def _open(self, data: torch.Tensor, context: str, what: str) -> Any:
+    def _open(self, data: bytes, context: str, what: str) -> Any:
         """The object in ``data``, unpickled only once its tag is right for ``context``."""
-        return open_object(self._key, context, data.numpy().tobytes(), f"{what} on {self._prefix}")
+        return open_object(self._key, context, data, f"{what} on {self._prefix}")
 
     def _size(self, size: torch.Tensor, what: str) -> int:
-        value = int(size.item())
-        if value < 0:
-            raise DistributedError(
-                f"refused the {what} on {self._prefix}: its size {value} is negative (the "
-                "group's connection carries something other than this channel's values)"
-            )
-        return value
+        return _checked_size(int(size.item()), None, f"{what} on {self._prefix}")
+
+
+def all_gather_bytes(
+    group: ProcessGroup, data: bytes, limit: int | None = None, *, what: str = "all_gather"
+) -> list[bytes]:
+    """Every rank's ``data``, in group rank order, over the torch group ``group``.
+
+    Its size, then its bytes padded to the longest (as torch's ``all_gather_object`` sends
+    them): two tensor all-gathers, nothing unpickled. A size that is negative or over
+    ``limit`` (not what a rank of this code sends) raises DistributedError on every rank
+    rather than allocate what it asks for; ``what`` names the exchange in that message.
+    """
+    world = group.size()
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+    group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+    lengths = [
+        _checked_size(int(s.item()), limit, f"{what} from rank {r}") for r, s in enumerate(sizes)
+    ]
+    parts = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
+    group.allgather([parts], [_padded(data, max(lengths))]).wait()
+    return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
+
+
+def _checked_size(value: int, limit: int | None, what: str) -> int:
+    if value < 0 or (limit is not None and value > limit):
+        bound = "is negative" if value < 0 else f"is over {limit}"
+        raise DistributedError(
+            f"refused the {what}: its size {value} {bound} (the group's connection carries "
+            "something other than this exchange's values)"
+        )
+    return value
 
 
 def object_group(pg: Any, key: bytes | None = None, *, purpose: str = "objects") -> ObjectGroup:
@@ -218,5 +236,6 @@ def _tensor(data: bytes) -> torch.Tensor:
 
 def _padded(data: bytes, length: int) -> torch.Tensor:
     out = torch.zeros(length, dtype=torch.uint8)
-    out[: len(data)] = _tensor(data)
+    if data:
+        out[: len(data)] = _tensor(data)
     return out
