@@ -7,7 +7,12 @@ from memory, replies written to /dev/null, no other process involved) under
 ``valgrind --tool=callgrind``, and the same script with N = 0 is subtracted, which
 leaves the instructions of the read, decode, dispatch, encode and write of one request.
 
-    python bench/python/serve_instructions.py [--op incr|ping] [--requests 2000]
+    python bench/python/serve_instructions.py [--op OP ...] [--requests 2000]
+
+OP is one shape of call (``all``, the default, measures each): ``incr`` (a method
+without arguments), ``incr1`` (one positional argument), ``incr_by`` (one keyword
+argument), ``value`` (an attribute, as the generated getters read one), ``echo`` (a
+module function with one argument) and ``ping``.
 
 Needs ``valgrind`` on PATH (``apt-get install valgrind``); not part of ``make bench``.
 It takes a minute or two (the interpreter and torch start twice under valgrind).
@@ -38,15 +43,32 @@ from tests.worker.sample_exports import table
 dispatcher = Dispatcher(table())
 created = dispatcher.dispatch(pb.Request(id=1, op=pb.CreateInstance("Counter")))
 counter = PLAIN.decode(created.value)
-if {op!r} == "incr":
-    op = pb.CallMethod(counter.handle, "incr")
-else:
-    op = pb.Ping()
+one = PLAIN.encode([1])
+OPS = {{
+    "incr": pb.CallMethod(counter.handle, "incr"),
+    "incr1": pb.CallMethod(counter.handle, "incr", args=one),
+    "incr_by": pb.CallMethod(counter.handle, "incr", kwargs=PLAIN.encode({{"by": 1}})),
+    "value": pb.GetAttribute(counter.handle, "value"),
+    "echo": pb.CallFunction("echo", args=one),
+    "ping": pb.Ping(),
+}}
+op = OPS[{op!r}]
 frame = pb.encode_request(pb.Request(id=7, op=op))
 data = (struct.pack(">I", len(frame)) + frame) * {requests}
 out = os.open(os.devnull, os.O_WRONLY)
 PortTransport(dispatcher, io.BufferedReader(io.BytesIO(data)), out).serve()
 """
+
+
+# Each shape of call, as the rows print it.
+SHAPES = {
+    "incr": "Counter.incr()",
+    "incr1": "Counter.incr(1)",
+    "incr_by": "Counter.incr(by: 1)",
+    "value": "Counter.value (an attribute)",
+    "echo": "echo(1) (a module function)",
+    "ping": "Ping",
+}
 
 
 def instructions(op: str, requests: int) -> int:
@@ -73,14 +95,16 @@ def instructions(op: str, requests: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--op", choices=["incr", "ping"], default="incr")
+    parser.add_argument("--op", choices=[*SHAPES, "all"], default="all", nargs="+")
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not on PATH (apt-get install valgrind)")
-    per_request = (instructions(args.op, args.requests) - instructions(args.op, 0)) / args.requests
-    what = "Counter.incr" if args.op == "incr" else "Ping"
-    print(f"{what}: {per_request:,.0f} instructions per request through PortTransport.serve")
+    ops = list(SHAPES) if "all" in args.op else args.op
+    base = instructions("ping", 0)  # the script without requests: the same for every op
+    for op in ops:
+        per_request = (instructions(op, args.requests) - base) / args.requests
+        print(f"{SHAPES[op]:<34} {per_request:>9,.0f} instructions per request")
     return 0
 
 
