@@ -1,12 +1,22 @@
 Code.require_file("support/test_python.exs", __DIR__)
 Code.require_file("support/fault_helpers.exs", __DIR__)
 Code.require_file("support/telemetry.exs", __DIR__)
+Code.require_file("support/doc_snippets.exs", __DIR__)
 
 defmodule VllmBridge.GuideTest do
-  # Runs the snippets of docs/guide-elixir.md's sections on start-up, lifecycle
-  # limits and telemetry, as written: a `# => value` line after an expression
-  # asserts that the expression equals the value. Not async: the snippets use
-  # fixed pool names and attach a global telemetry handler.
+  # Runs every ```elixir snippet of README.md and docs/guide-elixir.md, as
+  # written: a `# => value` line after an expression asserts that the expression
+  # equals the value. The line before a snippet's fence may say what it needs:
+  #
+  #   <!-- run: start_children -->      start the `children` it binds, as a
+  #                                     supervisor would (each must come up)
+  #   <!-- run: pool=NAME:SIZE -->      a pool of that name and size runs
+  #   <!-- run: torchless -->           `python_without_torch` is bound to a
+  #                                     Python that cannot import torch
+  #
+  # Ports 29_500..29_599 become free ports. Some sections also get a test of
+  # their own below, with checks beyond the snippet. Not async: the snippets
+  # use fixed pool names and attach a global telemetry handler.
   use ExUnit.Case, async: false
 
   import ExUnit.CaptureLog
@@ -28,6 +38,47 @@ defmodule VllmBridge.GuideTest do
     ~r/```elixir\n(.*?)```/s
     |> Regex.scan(section, capture: :all_but_first)
     |> Enum.map(fn [code] -> with_assertions(code) end)
+  end
+
+  @docs Enum.map(
+          ["README.md", "docs/guide-elixir.md"],
+          &Path.join(VllmBridge.TestPython.root(), &1)
+        )
+  for doc <- @docs, do: @external_resource(doc)
+
+  for doc <- @docs, {file, line, options, code} <- VllmBridge.DocSnippets.blocks(doc) do
+    @tag :capture_log
+    test "#{file}:#{line} runs", %{tmp_dir: dir} do
+      run_block!(unquote(Macro.escape(options)), unquote(code), dir)
+    end
+  end
+
+  defp run_block!(options, code, dir) do
+    for {:pool, name, size} <- options do
+      start_supervised!(
+        Supervisor.child_spec({Pool, name: name, size: size, timeout: 60_000}, id: name)
+      )
+    end
+
+    binding =
+      if :torchless in options, do: [python_without_torch: torchless_python!(dir)], else: []
+
+    # Handlers a snippet attaches are detached after it, as a user's would be at exit.
+    attached = Enum.map(:telemetry.list_handlers([]), & &1.id)
+
+    on_exit(fn ->
+      for %{id: id} <- :telemetry.list_handlers([]), id not in attached, do: :telemetry.detach(id)
+    end)
+
+    code = Regex.replace(~r/\b29_5\d\d\b/, code, fn _ -> to_string(free_tcp_port()) end)
+    binding = run!(with_assertions(code), binding)
+
+    if :start_children in options do
+      children = Keyword.fetch!(binding, :children)
+      for child <- children, do: start_supervised!(child)
+
+      for {Pool, opts} <- children, do: warm!(Keyword.fetch!(opts, :name))
+    end
   end
 
   defp with_assertions(code) do

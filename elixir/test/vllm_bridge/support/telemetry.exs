@@ -36,6 +36,14 @@ defmodule :telemetry do
     end)
   end
 
+  # As :telemetry's: the handlers of events that start with `prefix`.
+  def list_handlers(prefix) do
+    for {id, events, fun, config} <- handlers(),
+        event <- events,
+        List.starts_with?(event, prefix),
+        do: %{id: id, event_name: event, function: fun, config: config}
+  end
+
   def execute(event, measurements, metadata) when is_map(measurements) and is_map(metadata) do
     for {id, events, fun, config} <- handlers(), event in events do
       try do
