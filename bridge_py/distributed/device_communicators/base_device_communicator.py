@@ -487,8 +487,9 @@ class DeviceCommunicatorBase:
         """Sends a tensor to the destination rank in a blocking way
 
         NOTE: `dst` is the local rank of the destination rank (default: the next rank).
-        With checks on, the tensor is preceded by a header (its agreement row) on the CPU
-        group, which :meth:`recv` compares with what it expects.
+
+        Implementation: with checks on, the tensor is preceded by a header (its agreement
+        row) on the CPU group, which :meth:`recv` compares with what it expects.
         """
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size

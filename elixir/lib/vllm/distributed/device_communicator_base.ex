@@ -79,7 +79,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
   @doc ~S"""
   Combine the hidden states and router logits from the appropriate device.
-  This is a no-op in the base class.
+  Without an all-to-all manager (always, in the base class) this is a no-op.
 
   ## Parameters
 
@@ -114,7 +114,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
   @doc ~S"""
   Dispatch the hidden states and router logits to the appropriate device.
-  This is a no-op in the base class.
+  Without an all-to-all manager (always, in the base class) this is a no-op.
 
   Returns `(hidden_states, router_logits)`, plus `extra_tensors` when given.
 
