@@ -25,6 +25,7 @@ import torch
 
 from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments as spg_segments
 from bridge_py.distributed.shm.wait import process_alive
 from bridge_py.distributed.spg import keys
@@ -358,7 +359,7 @@ def test_a_segment_holding_another_value_is_refused(keyed_pair) -> None:
         os.pwrite(fd, (generation + 7).to_bytes(8, "big"), 8)  # not the value it names
     finally:
         os.close(fd)
-    with pytest.raises(RuntimeError, match=f"segment {name!r} does not hold that value"):
+    with pytest.raises(SharedMemoryError, match=f"segment {name!r} does not hold that value"):
         rank0.broadcast_obj(None, src=1, timeout=5)
 
 

@@ -74,7 +74,7 @@ class ShmTransport:
     def _wait(
         self,
         op: str,
-        what: str,
+        what: str | Callable[[], str],
         srcs: list[int],
         limit: float,
         ready: Callable[[int], bool | None],
@@ -104,12 +104,15 @@ class ShmTransport:
                 return
             now = time.monotonic()
             if now >= deadline:
-                raise timed_out(op, self.rank, what, waiting if many else waiting[0], start, limit)
+                awaited = what if isinstance(what, str) else what()
+                late = waiting if many else waiting[0]
+                raise timed_out(op, self.rank, awaited, late, start, limit)
             if now >= check_at:
                 check_at = now + LIVENESS_PERIOD
                 gone = self.board.gone(waiting)
                 if gone:
-                    raise exited(op, self.rank, what, gone if many else gone[0], start)
+                    awaited = what if isinstance(what, str) else what()
+                    raise exited(op, self.rank, awaited, gone if many else gone[0], start)
             if sleep:
                 self.board.wait(min(deadline, check_at) - now)
 
@@ -165,7 +168,8 @@ class ShmTransport:
         """Broadcast ``seq`` of this rank: into its ring slot, else under its store key."""
         key = keys.broadcast_value(self.rank, seq)
         value, segment = self.values.pack(key, obj, self._others)
-        self._release(False)
+        if self._sent:
+            self._release(False)
         stored = not self.board.broadcast(seq, value)
         if stored:  # a slot some rank has not read yet, too large, no room on /dev/shm
             set_bytes(self.overflow.store, key, value)
@@ -193,20 +197,17 @@ class ShmTransport:
         """``src``'s broadcast ``seq``, from its ring slot or from the store."""
         board = self.board
         key = keys.broadcast_value(src, seq)
-        found: list[bytes | None] = []
+        found: list[bytes] = []
 
         def ready(src: int) -> bool:
-            sent = board.broadcasts_sent(src)  # before the slot: a value then is in one of them
-            data = board.take_broadcast(src, seq)
-            if data is None and sent <= seq:
+            data = board.poll_broadcast(src, seq)
+            if data is None:
                 return False
-            found.append(data)
+            found.append(data)  # b"": in the store
             return True
 
         self._wait(op, f"key {key!r}", [src], limit, ready)
-        if found[0] is not None:
-            return found[0]
-        return self.overflow.await_key(key, src, op, limit)
+        return found[0] or self.overflow.await_key(key, src, op, limit)
 
     def broadcast_send(self, seq: int, obj: Any) -> None:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""
@@ -222,14 +223,14 @@ class ShmTransport:
         try:
             data = self._fetch(src, seq, "broadcast_obj", self.overflow.limit(timeout))
         except BaseException:
-            board.broadcast_received(src, seq)
+            board.broadcasts_received({src: seq})
             raise
 
         def load() -> Any:
             try:
                 return self.values.unpack(key, data, src, last=False)
             finally:
-                board.broadcast_received(src, seq)  # after loading: the slot may be reused
+                board.broadcasts_received({src: seq})  # after loading: the slot may be reused
 
         return load
 
@@ -241,26 +242,29 @@ class ShmTransport:
             self._connect_all(f"all_gather_obj on rank {self.rank}")
         self._publish(seq, obj)
         limit = self.overflow.default_timeout()
-        got: dict[int, bytes | None] = {}
+        wanted = {src: seqs[src] for src in self._others}
+        got: dict[int, bytes] = {}
 
         def ready(src: int) -> bool:
-            sent = board.broadcasts_sent(src)  # before the slot, as in _fetch
-            got[src] = data = board.take_broadcast(src, seqs[src])
-            return data is not None or sent > seqs[src]
+            data = board.poll_broadcast(src, wanted[src])
+            if data is None:
+                return False
+            got[src] = data  # b"": in the store
+            return True
 
-        what = f"keys {[keys.broadcast_value(src, seqs[src]) for src in self._others]}"
+        def what() -> str:
+            return f"keys {[keys.broadcast_value(src, n) for src, n in wanted.items()]}"
+
         self._wait("all_gather_obj", what, self._others, limit, ready, many=True)
         board.unname()  # every rank has opened this rank's board by now: the names can go
         result = []
-        for src in self._others:
-            key = keys.broadcast_value(src, seqs[src])
-            data = got[src]
-            try:
-                if data is None:  # in the store
-                    data = self.overflow.await_key(key, src, "all_gather_obj", limit)
+        try:
+            for src, number in wanted.items():
+                key = keys.broadcast_value(src, number)
+                data = got[src] or self.overflow.await_key(key, src, "all_gather_obj", limit)
                 result.append(self.values.unpack(key, data, src, last=False))
-            finally:
-                board.broadcast_received(src, seqs[src])
+        finally:
+            board.broadcasts_received(wanted)  # after loading: the slots may be reused
         result.insert(self.rank, obj)
         return result
 

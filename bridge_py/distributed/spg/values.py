@@ -39,6 +39,7 @@ import sys
 from typing import Any
 
 from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
@@ -256,7 +257,7 @@ class SharedValue:
         try:
             value = self._read()
             if self._generation and segments.read_generation(self._fd) != self._generation:
-                raise RuntimeError(
+                raise SharedMemoryError(
                     f"{self._what}: shared-memory segment {self.name!r} was overwritten while "
                     "it was read (something other than its creator writes /dev/shm)"
                 )
@@ -294,7 +295,7 @@ def open_descriptor(
 ) -> SharedValue:
     """Open the segment a descriptor names, for reader ``rank`` (``keyed``: check its digest).
 
-    Raises RuntimeError when the descriptor is malformed, the segment is gone (its creator
+    Raises SharedMemoryError when the descriptor is malformed, the segment is gone (its creator
     died and it was cleaned up), is not a file of this user's that only it may write (see
     ``shm_files``: refused before it is read), holds another value than the descriptor
     names, or is too short.
@@ -306,28 +307,30 @@ def open_descriptor(
         )
         name = bytes(descriptor[head:]).decode("ascii")
     except (struct.error, UnicodeDecodeError):
-        raise RuntimeError(f"{what} is a malformed shared-memory descriptor") from None
+        raise SharedMemoryError(f"{what} is a malformed shared-memory descriptor") from None
     if not segments.NAME_PATTERN.match(name):
-        raise RuntimeError(f"{what} names an invalid shared-memory segment {name!r}")
+        raise SharedMemoryError(f"{what} names an invalid shared-memory segment {name!r}")
     try:
         fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
     except UntrustedFileError as exc:
-        raise RuntimeError(f"{what} is in a shared-memory segment: {exc.strerror}") from None
+        raise SharedMemoryError(f"{what} is in a shared-memory segment: {exc.strerror}") from None
     except OSError as exc:
-        raise RuntimeError(
+        raise SharedMemoryError(
             f"{what} is in shared-memory segment {name!r}, which cannot be opened "
             f"({exc.strerror}): did its sender exit?"
         ) from exc
     try:
         header = segments.read_header(fd)
         if header is None or header[1] != generation or (generation and rank >= header[0]):
-            raise RuntimeError(
+            raise SharedMemoryError(
                 f"{what}: shared-memory segment {name!r} does not hold that value "
                 f"(header {header}, expected generation {generation})"
             )
         offset = segments.data_offset(header[0])
         if os.fstat(fd).st_size < offset + size:
-            raise RuntimeError(f"{what}: shared-memory segment {name!r} is shorter than its value")
+            raise SharedMemoryError(
+                f"{what}: shared-memory segment {name!r} is shorter than its value"
+            )
     except BaseException:
         os.close(fd)
         raise
