@@ -88,10 +88,7 @@ class Function:
     @property
     def arity(self) -> int:
         """The Elixir arity, ``opts`` included (what a doc's ``name/arity`` names)."""
-        arity = int(self.takes_ref) + len(self.positional)
-        if self.kind != "getter":
-            arity += int(self.has_args) + 1
-        return arity
+        return int(self.takes_ref) + len(self.positional) + int(self.has_args) + 1
 
     @property
     def python_name(self) -> str:

@@ -60,7 +60,12 @@ def _doc(fn: Function) -> str:
             "The first argument is `nil`, or a ref whose worker should run the call "
             "(placement only)."
         )
-    if fn.kind != "getter":
+    if fn.kind == "getter":
+        parts.append(
+            "`opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): "
+            "the read runs in the worker that holds the object."
+        )
+    else:
         parts.append(
             "`opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, "
             "timeout:, session:]` (see `VllmBridge.Runtime`)."
@@ -78,8 +83,6 @@ def _doc(fn: Function) -> str:
 def _elixir_params(fn: Function) -> list[str]:
     params = ["ref"] if fn.takes_ref else []
     params += [p.var for p in fn.positional]
-    if fn.kind == "getter":
-        return params
     if fn.has_args:
         params.append("args")
     params.append("opts \\\\ []")
@@ -94,10 +97,9 @@ def _spec(fn: Function, module: Module) -> str:
     elif fn.kind == "static":
         specs.append(f"{self_t} | nil")
     specs += [p.spec for p in fn.positional]
-    if fn.kind != "getter":
-        if fn.has_args:
-            specs.append("[term()]")
-        specs.append("keyword()")
+    if fn.has_args:
+        specs.append("[term()]")
+    specs.append("keyword()")
     returns = "t()" if fn.kind == "constructor" else fn.returns
     return f"@spec {fn.name}({', '.join(specs)}) :: {{:ok, {returns}}} | {ERROR}"
 
@@ -113,7 +115,7 @@ def _body(fn: Function) -> str:
         return f'VllmBridge.Runtime.call_static(ref, "{fn.target}", {positional}, {opts})'
     if fn.kind == "function":
         return f'VllmBridge.Runtime.call_function("{fn.target}", {positional}, {opts})'
-    return f'VllmBridge.Runtime.get_attr(ref, "{fn.target}")'
+    return f'VllmBridge.Runtime.get_attr(ref, "{fn.target}", opts)'
 
 
 def render_function(fn: Function, module: Module) -> str:

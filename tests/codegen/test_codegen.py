@@ -34,8 +34,10 @@ def test_conventions_on_the_sample_table() -> None:
     assert "@spec incr(t(), [term()], keyword()) :: {:ok, integer()}" in counter
     # wait_gate(self, timeout: float = 10.0) -> bool
     assert "{:ok, boolean()}" in counter
-    # Attributes are zero-argument getters.
-    assert "def value(ref) do" in counter and 'get_attr(ref, "value")' in counter
+    # Attributes are getters: the ref, and runtime options like every other call.
+    assert "def value(ref, opts \\\\ []) do" in counter
+    assert 'get_attr(ref, "value", opts)' in counter
+    assert "@spec value(t(), keyword())" in counter
     # Unexported methods get no function.
     assert "secret" not in counter
     sample = files["sample.ex"]

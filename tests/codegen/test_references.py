@@ -25,7 +25,7 @@ def modules() -> dict[str, Module]:
         ("Sample.Docs.Queue", "put", "`put/4`"),
         ("Sample.Docs.Queue", "Queue.put", "`put/4`"),
         ("Sample.Docs.Queue", "pkg.mod.Queue.get", "`get/2`"),
-        ("Sample.Docs.Queue", "self.size", "`size/1`"),
+        ("Sample.Docs.Queue", "self.size", "`size/2`"),
         ("Sample.Docs.Queue", "Queue.__init__", "`new/3`"),
         # Elsewhere: Module.name/arity, and a class is its module.
         ("Sample.Docs.Queue", "Board.post", "`Sample.Docs.Board.post/3`"),
@@ -42,7 +42,7 @@ def modules() -> dict[str, Module]:
         ("Sample.Docs.Queue", "Hidden.put", None),
         ("Sample.Docs.Queue", "Queue.secret", None),
         ("Sample.Docs.Queue", "auth_key", None),
-        ("Sample.Docs", "size", "`Sample.Docs.Queue.size/1`"),
+        ("Sample.Docs", "size", "`Sample.Docs.Queue.size/2`"),
         # A bare member of several classes is ambiguous outside them.
         ("Sample.Docs", "__init__", None),
     ],

@@ -216,37 +216,43 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   The `rank` field of a `DeviceCommunicatorBase`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec rank(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "rank")
+  @spec rank(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "rank", opts)
   end
 
   @doc ~S"""
   The `rank_in_group` field of a `DeviceCommunicatorBase`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec rank_in_group(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def rank_in_group(ref) do
-    VllmBridge.Runtime.get_attr(ref, "rank_in_group")
+  @spec rank_in_group(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def rank_in_group(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "rank_in_group", opts)
   end
 
   @doc ~S"""
   The `ranks` field of a `DeviceCommunicatorBase`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec ranks(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def ranks(ref) do
-    VllmBridge.Runtime.get_attr(ref, "ranks")
+  @spec ranks(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def ranks(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "ranks", opts)
   end
 
   @doc ~S"""
@@ -343,24 +349,28 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   The `unique_name` field of a `DeviceCommunicatorBase`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec unique_name(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def unique_name(ref) do
-    VllmBridge.Runtime.get_attr(ref, "unique_name")
+  @spec unique_name(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def unique_name(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "unique_name", opts)
   end
 
   @doc ~S"""
   The `world_size` field of a `DeviceCommunicatorBase`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec world_size(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def world_size(ref) do
-    VllmBridge.Runtime.get_attr(ref, "world_size")
+  @spec world_size(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def world_size(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "world_size", opts)
   end
 end

@@ -29,12 +29,14 @@ defmodule Vllm.Distributed.GraphCaptureContext do
   @doc ~S"""
   The `stream` field of a `GraphCaptureContext`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec stream(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def stream(ref) do
-    VllmBridge.Runtime.get_attr(ref, "stream")
+  @spec stream(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def stream(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "stream", opts)
   end
 end

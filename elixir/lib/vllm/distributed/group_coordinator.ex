@@ -325,13 +325,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `cpu_group` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `VllmBridge.Ref.t()`
   """
-  @spec cpu_group(t()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  def cpu_group(ref) do
-    VllmBridge.Runtime.get_attr(ref, "cpu_group")
+  @spec cpu_group(t(), keyword()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+  def cpu_group(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "cpu_group", opts)
   end
 
   @doc ~S"""
@@ -413,39 +415,45 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `device` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec device(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def device(ref) do
-    VllmBridge.Runtime.get_attr(ref, "device")
+  @spec device(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def device(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "device", opts)
   end
 
   @doc ~S"""
   The `device_communicator` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `Vllm.Distributed.DeviceCommunicatorBase.t() | nil`
   """
-  @spec device_communicator(t()) ::
+  @spec device_communicator(t(), keyword()) ::
           {:ok, Vllm.Distributed.DeviceCommunicatorBase.t() | nil}
           | {:error, VllmBridge.Error.t()}
-  def device_communicator(ref) do
-    VllmBridge.Runtime.get_attr(ref, "device_communicator")
+  def device_communicator(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "device_communicator", opts)
   end
 
   @doc ~S"""
   The `device_group` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `VllmBridge.Ref.t()`
   """
-  @spec device_group(t()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  def device_group(ref) do
-    VllmBridge.Runtime.get_attr(ref, "device_group")
+  @spec device_group(t(), keyword()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+  def device_group(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "device_group", opts)
   end
 
   @doc ~S"""
@@ -478,13 +486,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the first process in the group
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec first_rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def first_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "first_rank")
+  @spec first_rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def first_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "first_rank", opts)
   end
 
   @doc ~S"""
@@ -540,62 +550,72 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return whether the caller is the first process in the group
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `boolean()`
   """
-  @spec is_first_rank(t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  def is_first_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "is_first_rank")
+  @spec is_first_rank(t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def is_first_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "is_first_rank", opts)
   end
 
   @doc ~S"""
   Return whether the caller is the last process in the group
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `boolean()`
   """
-  @spec is_last_rank(t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  def is_last_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "is_last_rank")
+  @spec is_last_rank(t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def is_last_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "is_last_rank", opts)
   end
 
   @doc ~S"""
   Return the global rank of the last process in the group
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec last_rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def last_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "last_rank")
+  @spec last_rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def last_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "last_rank", opts)
   end
 
   @doc ~S"""
   The `local_rank` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec local_rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def local_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "local_rank")
+  @spec local_rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def local_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "local_rank", opts)
   end
 
   @doc ~S"""
   The `mq_broadcaster` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `Vllm.Distributed.MessageQueue.t() | nil`
   """
-  @spec mq_broadcaster(t()) ::
+  @spec mq_broadcaster(t(), keyword()) ::
           {:ok, Vllm.Distributed.MessageQueue.t() | nil} | {:error, VllmBridge.Error.t()}
-  def mq_broadcaster(ref) do
-    VllmBridge.Runtime.get_attr(ref, "mq_broadcaster")
+  def mq_broadcaster(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "mq_broadcaster", opts)
   end
 
   @doc ~S"""
@@ -649,13 +669,15 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the process that follows the caller
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec next_rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def next_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "next_rank")
+  @spec next_rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def next_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "next_rank", opts)
   end
 
   @doc ~S"""
@@ -680,49 +702,57 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the process that precedes the caller
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec prev_rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def prev_rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "prev_rank")
+  @spec prev_rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def prev_rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "prev_rank", opts)
   end
 
   @doc ~S"""
   The `rank` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "rank")
+  @spec rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "rank", opts)
   end
 
   @doc ~S"""
   The `rank_in_group` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec rank_in_group(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def rank_in_group(ref) do
-    VllmBridge.Runtime.get_attr(ref, "rank_in_group")
+  @spec rank_in_group(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def rank_in_group(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "rank_in_group", opts)
   end
 
   @doc ~S"""
   The `ranks` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `[integer()]`
   """
-  @spec ranks(t()) :: {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
-  def ranks(ref) do
-    VllmBridge.Runtime.get_attr(ref, "ranks")
+  @spec ranks(t(), keyword()) :: {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
+  def ranks(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "ranks", opts)
   end
 
   @doc ~S"""
@@ -950,24 +980,28 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `unique_name` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec unique_name(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def unique_name(ref) do
-    VllmBridge.Runtime.get_attr(ref, "unique_name")
+  @spec unique_name(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def unique_name(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "unique_name", opts)
   end
 
   @doc ~S"""
   The `world_size` field of a `GroupCoordinator`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec world_size(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def world_size(ref) do
-    VllmBridge.Runtime.get_attr(ref, "world_size")
+  @spec world_size(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def world_size(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "world_size", opts)
   end
 end

@@ -18,13 +18,15 @@ defmodule Vllm.Distributed.NFSWorkspace do
   @doc ~S"""
   Whether the workspace is initialized.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `boolean()`
   """
-  @spec is_initialized(t()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  def is_initialized(ref) do
-    VllmBridge.Runtime.get_attr(ref, "is_initialized")
+  @spec is_initialized(t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def is_initialized(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "is_initialized", opts)
   end
 
   @doc ~S"""

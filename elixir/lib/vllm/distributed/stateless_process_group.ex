@@ -109,26 +109,31 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `broadcast_recv_src_counter` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `%{optional(integer()) => integer()}`
   """
-  @spec broadcast_recv_src_counter(t()) ::
+  @spec broadcast_recv_src_counter(t(), keyword()) ::
           {:ok, %{optional(integer()) => integer()}} | {:error, VllmBridge.Error.t()}
-  def broadcast_recv_src_counter(ref) do
-    VllmBridge.Runtime.get_attr(ref, "broadcast_recv_src_counter")
+  def broadcast_recv_src_counter(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "broadcast_recv_src_counter", opts)
   end
 
   @doc ~S"""
   The `broadcast_send_counter` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec broadcast_send_counter(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def broadcast_send_counter(ref) do
-    VllmBridge.Runtime.get_attr(ref, "broadcast_send_counter")
+  @spec broadcast_send_counter(t(), keyword()) ::
+          {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def broadcast_send_counter(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "broadcast_send_counter", opts)
   end
 
   @doc ~S"""
@@ -195,13 +200,16 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `data_expiration_seconds` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec data_expiration_seconds(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def data_expiration_seconds(ref) do
-    VllmBridge.Runtime.get_attr(ref, "data_expiration_seconds")
+  @spec data_expiration_seconds(t(), keyword()) ::
+          {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def data_expiration_seconds(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "data_expiration_seconds", opts)
   end
 
   @doc ~S"""
@@ -261,13 +269,15 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `rank` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec rank(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def rank(ref) do
-    VllmBridge.Runtime.get_attr(ref, "rank")
+  @spec rank(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def rank(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "rank", opts)
   end
 
   @doc ~S"""
@@ -300,27 +310,31 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `recv_src_counter` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `%{optional(integer()) => integer()}`
   """
-  @spec recv_src_counter(t()) ::
+  @spec recv_src_counter(t(), keyword()) ::
           {:ok, %{optional(integer()) => integer()}} | {:error, VllmBridge.Error.t()}
-  def recv_src_counter(ref) do
-    VllmBridge.Runtime.get_attr(ref, "recv_src_counter")
+  def recv_src_counter(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "recv_src_counter", opts)
   end
 
   @doc ~S"""
   The `send_dst_counter` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `%{optional(integer()) => integer()}`
   """
-  @spec send_dst_counter(t()) ::
+  @spec send_dst_counter(t(), keyword()) ::
           {:ok, %{optional(integer()) => integer()}} | {:error, VllmBridge.Error.t()}
-  def send_dst_counter(ref) do
-    VllmBridge.Runtime.get_attr(ref, "send_dst_counter")
+  def send_dst_counter(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "send_dst_counter", opts)
   end
 
   @doc ~S"""
@@ -348,24 +362,28 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `store` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `VllmBridge.Ref.t()`
   """
-  @spec store(t()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
-  def store(ref) do
-    VllmBridge.Runtime.get_attr(ref, "store")
+  @spec store(t(), keyword()) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+  def store(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "store", opts)
   end
 
   @doc ~S"""
   The `world_size` field of a `StatelessProcessGroup`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `integer()`
   """
-  @spec world_size(t()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
-  def world_size(ref) do
-    VllmBridge.Runtime.get_attr(ref, "world_size")
+  @spec world_size(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def world_size(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "world_size", opts)
   end
 end

@@ -11,25 +11,29 @@ defmodule Vllm.Distributed.TensorMetadata do
   @doc ~S"""
   The `device` field of a `TensorMetadata`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec device(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def device(ref) do
-    VllmBridge.Runtime.get_attr(ref, "device")
+  @spec device(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def device(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "device", opts)
   end
 
   @doc ~S"""
   The `dtype` field of a `TensorMetadata`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec dtype(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def dtype(ref) do
-    VllmBridge.Runtime.get_attr(ref, "dtype")
+  @spec dtype(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def dtype(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "dtype", opts)
   end
 
   @doc ~S"""
@@ -55,12 +59,14 @@ defmodule Vllm.Distributed.TensorMetadata do
   @doc ~S"""
   The `size` field of a `TensorMetadata`.
 
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
   ## Returns
 
     * `term()`
   """
-  @spec size(t()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def size(ref) do
-    VllmBridge.Runtime.get_attr(ref, "size")
+  @spec size(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def size(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "size", opts)
   end
 end

@@ -57,6 +57,9 @@ defmodule Vllm.Distributed.StatelessProcessGroupTest do
       assert SPG.rank(group) == {:ok, rank}
       assert SPG.world_size(group) == {:ok, @size}
       assert SPG.data_expiration_seconds(group) == {:ok, 3600}
+      # A getter takes runtime options like every other call.
+      assert SPG.rank(group, __runtime__: [timeout: 5_000]) == {:ok, rank}
+      assert {:error, %VllmBridge.Error{category: :bad_args}} = SPG.rank(group, foo: 1)
     end
   end
 
