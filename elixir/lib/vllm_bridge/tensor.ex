@@ -279,6 +279,34 @@ defmodule VllmBridge.Tensor do
     nest(flat, Tuple.to_list(shape))
   end
 
+  @doc """
+  Returns `count` elements in row-major order, starting at flat index `from`,
+  decoding only those (the rest of `data` is not touched). Fewer come back
+  when the tensor ends first.
+
+  ## Examples
+
+      iex> {:ok, t} = VllmBridge.Tensor.from_list([[1, 2, 3], [4, 5, 6]], {:s, 32})
+      iex> VllmBridge.Tensor.elements(t, 2, 3)
+      [3, 4, 5]
+  """
+  @spec elements(t(), non_neg_integer(), non_neg_integer()) :: [term()]
+  def elements(%__MODULE__{type: {_, bits} = type, data: data}, from, count)
+      when is_integer(from) and from >= 0 and is_integer(count) and count >= 0 do
+    size = div(bits, 8)
+    start = min(from * size, byte_size(data))
+    part = binary_part(data, start, min(count * size, byte_size(data) - start))
+    for <<element::bitstring-size(bits) <- part>>, do: decode_element(element, type)
+  end
+
+  @doc """
+  The element type's short name, as `inspect/2` prints it (`"f32"`, `"bf16"`,
+  `"s64"`, `"u8"`, `"c64"`, `"pred"`).
+  """
+  @spec type_name(type()) :: String.t()
+  def type_name({:pred, 8}), do: "pred"
+  def type_name({kind, bits}), do: "#{kind}#{bits}"
+
   # -- helpers ---------------------------------------------------------------
 
   defp infer_shape(list) when is_list(list) do
@@ -389,4 +417,74 @@ defmodule VllmBridge.Tensor do
       flat |> Enum.chunk_every(chunk) |> Enum.map(&nest(&1, rest))
     end
   end
+end
+
+defimpl Inspect, for: VllmBridge.Tensor do
+  # Shows the type, the shape and the values, as Nx does: at most `opts.limit`
+  # elements (50 by default; `limit: :infinity` for all), decoded from the
+  # front of `data` only, so inspecting a large tensor costs what it prints.
+  import Inspect.Algebra
+
+  alias VllmBridge.Tensor
+
+  def inspect(%Tensor{type: {_, bits} = type, shape: shape, data: data} = tensor, opts) do
+    dims = Tuple.to_list(shape)
+    header = Tensor.type_name(type) <> Enum.map_join(dims, &"[#{&1}]")
+    expected = Enum.reduce(dims, 1, &(&1 * &2)) * div(bits, 8)
+
+    body =
+      if byte_size(data) == expected do
+        budget = if opts.limit == :infinity, do: :infinity, else: max(opts.limit, 1)
+        {doc, _left} = values(tensor, dims, 0, budget, opts)
+        doc
+      else
+        "(invalid: #{byte_size(data)} bytes of data where the shape needs #{expected})"
+      end
+
+    force_unfit(concat([nest(concat([line(), header, line(), body]), 2), line()]))
+    |> then(&concat(["#VllmBridge.Tensor<", &1, ">"]))
+  end
+
+  # The values of the sub-tensor of shape `dims` at flat index `at`, within a
+  # budget of elements: {doc, budget left}.
+  defp values(tensor, [], at, budget, _opts) do
+    [x] = Tensor.elements(tensor, at, 1)
+    {element(x), spend(budget, 1)}
+  end
+
+  defp values(tensor, [n], at, budget, opts) do
+    shown = if budget == :infinity, do: n, else: min(n, budget)
+    docs = tensor |> Tensor.elements(at, shown) |> Enum.map(&element/1)
+    {list(docs, shown < n, opts), spend(budget, shown)}
+  end
+
+  defp values(tensor, [n | rest], at, budget, opts) do
+    chunk = Enum.reduce(rest, 1, &(&1 * &2))
+
+    {docs, budget, cut} =
+      Enum.reduce_while(0..(n - 1)//1, {[], budget, false}, fn i, {docs, left, _} ->
+        if left == 0 do
+          {:halt, {docs, left, true}}
+        else
+          {doc, left} = values(tensor, rest, at + i * chunk, left, opts)
+          {:cont, {[doc | docs], left, false}}
+        end
+      end)
+
+    {list(Enum.reverse(docs), cut, opts), budget}
+  end
+
+  defp list(docs, cut, opts) do
+    docs = if cut, do: docs ++ ["..."], else: docs
+    container_doc("[", docs, "]", %{opts | limit: :infinity}, fn doc, _ -> doc end)
+  end
+
+  defp spend(:infinity, _), do: :infinity
+  defp spend(budget, count), do: budget - count
+
+  defp element(:nan), do: "NaN"
+  defp element(:infinity), do: "Inf"
+  defp element(:neg_infinity), do: "-Inf"
+  defp element({re, im}), do: "#{element(re)}+#{element(im)}i"
+  defp element(x), do: to_string(x)
 end
