@@ -1,5 +1,6 @@
 defmodule Mix.Tasks.VllmBridge.Gen do
-  @shortdoc "Regenerates the Vllm.* modules from the Python export table"
+  # No @shortdoc: `mix help` in a project that depends on :vllm_bridge does not
+  # offer to rewrite the dependency's files.
   @moduledoc """
   Regenerates `elixir/lib/vllm/**` by running the Python code generator,
   `python -m bridge_py.codegen`, with the Python the runtime would use
@@ -10,6 +11,8 @@ defmodule Mix.Tasks.VllmBridge.Gen do
 
   The generated files are checked in and never edited by hand: change the
   Python side (the export table, signatures, docstrings) and run this task.
+  It is a tool for developing vllm_bridge itself: run from a project that
+  merely depends on it, it refuses and changes nothing.
   """
 
   use Mix.Task
@@ -18,6 +21,13 @@ defmodule Mix.Tasks.VllmBridge.Gen do
 
   @impl Mix.Task
   def run(argv) do
+    if Mix.Project.config()[:app] != :vllm_bridge do
+      Mix.raise(
+        "mix vllm_bridge.gen regenerates vllm_bridge's own modules and runs only in the " <>
+          "vllm_bridge project, not in a project that depends on it"
+      )
+    end
+
     python = VllmBridge.Worker.find_python([])
 
     {_, status} =

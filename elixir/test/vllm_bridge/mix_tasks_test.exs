@@ -1,0 +1,47 @@
+defmodule VllmBridge.MixTasksTest do
+  # A project that depends on :vllm_bridge (a path dependency on this checkout,
+  # compiled in a scratch directory) must not be offered, nor be able to run,
+  # the task that rewrites vllm_bridge's generated modules.
+  use ExUnit.Case, async: true
+
+  @moduletag :tmp_dir
+  @moduletag timeout: 300_000
+
+  @root Path.expand("../../..", __DIR__)
+
+  test "a dependency's user neither sees nor runs mix vllm_bridge.gen", %{tmp_dir: dir} do
+    app = Path.join(dir, "user_app")
+    File.mkdir_p!(Path.join(app, "lib"))
+
+    File.write!(Path.join(app, "mix.exs"), """
+    defmodule UserApp.MixProject do
+      use Mix.Project
+
+      def project do
+        [app: :user_app, version: "0.1.0", deps: [{:vllm_bridge, path: #{inspect(@root)}}]]
+      end
+    end
+    """)
+
+    generated = generated_files()
+    mix = fn args -> System.cmd("mix", args, cd: app, stderr_to_stdout: true, env: env()) end
+
+    assert {_, 0} = mix.(["compile"])
+    {help, 0} = mix.(["help"])
+    assert help =~ "mix compile"
+    refute help =~ "vllm_bridge.gen"
+
+    {out, status} = mix.(["vllm_bridge.gen"])
+    assert status != 0
+    assert out =~ "runs only in the vllm_bridge project"
+    assert generated_files() == generated
+  end
+
+  defp env, do: [{"MIX_ENV", "dev"}]
+
+  defp generated_files do
+    for path <- Path.wildcard(Path.join(@root, "elixir/lib/vllm/**/*.ex")),
+        into: %{},
+        do: {path, File.read!(path)}
+  end
+end
