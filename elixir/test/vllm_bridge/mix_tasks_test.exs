@@ -10,6 +10,47 @@ defmodule VllmBridge.MixTasksTest do
   @root Path.expand("../../..", __DIR__)
 
   test "a dependency's user neither sees nor runs mix vllm_bridge.gen", %{tmp_dir: dir} do
+    app = user_app!(dir)
+    generated = generated_files()
+    mix = fn args -> System.cmd("mix", args, cd: app, stderr_to_stdout: true, env: env()) end
+
+    assert {_, 0} = mix.(["compile"])
+    {help, 0} = mix.(["help"])
+    assert help =~ "mix compile"
+    refute help =~ "vllm_bridge.gen"
+
+    {out, status} = mix.(["vllm_bridge.gen"])
+    assert status != 0
+    assert out =~ "runs only in the vllm_bridge project"
+    assert generated_files() == generated
+  end
+
+  # Needs the package index (as `make setup` does): pip builds bridge_py in isolation.
+  test "mix vllm_bridge.setup makes a venv with the dependency's bridge_py", %{tmp_dir: dir} do
+    app = user_app!(dir)
+    venv = Path.join(dir, "venv")
+    args = ["vllm_bridge.setup", "--venv", venv, "--", "--no-deps", "--quiet"]
+    {out, status} = System.cmd("mix", args, cd: app, stderr_to_stdout: true, env: env())
+    assert status == 0, out
+    python = Path.join(venv, "bin/python")
+    assert out =~ "Python for vllm_bridge workers: #{python}"
+
+    # Installed into the venv (not imported from the checkout), with the wire schema.
+    script = "import bridge_py, sys; print(bridge_py.__file__)"
+    {file, 0} = System.cmd(python, ["-c", script], cd: dir)
+    assert String.starts_with?(file, venv)
+
+    {out, status} =
+      System.cmd("mix", ["vllm_bridge.setup", "--bogus"],
+        cd: app,
+        stderr_to_stdout: true,
+        env: env()
+      )
+
+    assert status != 0 and out =~ "unexpected arguments"
+  end
+
+  defp user_app!(dir) do
     app = Path.join(dir, "user_app")
     File.mkdir_p!(Path.join(app, "lib"))
 
@@ -23,18 +64,7 @@ defmodule VllmBridge.MixTasksTest do
     end
     """)
 
-    generated = generated_files()
-    mix = fn args -> System.cmd("mix", args, cd: app, stderr_to_stdout: true, env: env()) end
-
-    assert {_, 0} = mix.(["compile"])
-    {help, 0} = mix.(["help"])
-    assert help =~ "mix compile"
-    refute help =~ "vllm_bridge.gen"
-
-    {out, status} = mix.(["vllm_bridge.gen"])
-    assert status != 0
-    assert out =~ "runs only in the vllm_bridge project"
-    assert generated_files() == generated
+    app
   end
 
   defp env, do: [{"MIX_ENV", "dev"}]
