@@ -356,7 +356,7 @@ def test_a_segment_holding_another_value_is_refused(keyed_pair) -> None:
     fd = os.open(Path(spg_segments.SHM_DIR) / name, os.O_RDWR)
     try:
         generation = spg_segments.read_generation(fd)
-        os.pwrite(fd, (generation + 7).to_bytes(8, "big"), 8)  # not the value it names
+        os.pwrite(fd, (generation + 7).to_bytes(8, "little"), 8)  # not the value it names
     finally:
         os.close(fd)
     with pytest.raises(SharedMemoryError, match=f"segment {name!r} does not hold that value"):

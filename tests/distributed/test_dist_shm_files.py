@@ -281,3 +281,78 @@ def test_a_closed_segment_has_no_memory_to_view() -> None:
             posix.view(segment)
     finally:
         posix.unlink(segment, tracked=False)
+
+
+# --- headers: one format (shm.header), checked on attach --------------------------------------
+
+
+def _patch(path: Path, at: int, data: bytes) -> bytes:
+    """Overwrite ``data`` at ``at`` of file ``path``; return what was there."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, len(data), at)
+        os.pwrite(fd, data, at)
+    finally:
+        os.close(fd)
+    return old
+
+
+def test_a_board_of_another_kind_or_layout_is_refused(boards: tuple[spg_board.Board, ...]) -> None:
+    rank0, rank1 = boards
+    names = [rank0.name, rank1.name]
+    path = SHM / rank1.name
+    magic = _patch(path, 0, b"VBXX")
+    with pytest.raises(spg_board.BoardError, match="not of the expected kind") as info:
+        rank0.connect(names)
+    assert rank1.name in str(info.value) and isinstance(info.value, SharedMemoryError)
+    _patch(path, 0, magic)
+    version = _patch(path, 4, (99).to_bytes(2, "little"))
+    with pytest.raises(spg_board.BoardError, match="layout version 99, expected 1"):
+        rank0.connect(names)
+    _patch(path, 4, version)
+    _patch(path, 8, (3).to_bytes(4, "little"))  # a board of another group's size
+    with pytest.raises(spg_board.BoardError, match="a group of 3 ranks"):
+        rank0.connect(names)
+    _patch(path, 8, (2).to_bytes(4, "little"))
+    assert rank0.connect(names) == [] and rank0.is_open(1)
+
+
+def test_a_segment_of_another_kind_is_refused_naming_it() -> None:
+    owner = SegmentOwner(2)
+    descriptor = spg_shm.dump(None, owner, False, [1], pickled=pickle.dumps(b"v" * (400 << 10)))
+    name = spg_shm.segment_name(descriptor)
+    assert name is not None
+    try:
+        _patch(SHM / name, 0, b"VBXX")
+        with pytest.raises(SharedMemoryError, match="not of the expected kind") as info:
+            spg_shm.open_descriptor(descriptor, False, "the value", 1)
+        assert str(info.value).startswith("the value: ") and repr(name) in str(info.value)
+        _patch(SHM / name, 0, b"VBSG")
+        assert spg_shm.open_descriptor(descriptor, False, "the value", 1).load() == b"v" * (
+            400 << 10
+        )
+    finally:
+        owner.release()
+
+
+def test_an_all_reduce_segment_of_another_layout_is_unusable() -> None:
+    from bridge_py.distributed.device_communicators.shm_allreduce import (
+        MIN_SLOT_BYTES,
+        ShmCollectives,
+    )
+
+    shm, token = ShmCollectives._create_segment(2, MIN_SLOT_BYTES)
+    handle = f"{shm.name}:{token.hex()}".encode()
+    try:
+        _patch(SHM / shm.name, 4, (2).to_bytes(2, "little"))
+        attached, _, why = ShmCollectives._attach(handle, 2)
+        assert attached is None and repr(shm.name) in why and "layout version 2" in why, why
+        _patch(SHM / shm.name, 4, (1).to_bytes(2, "little"))
+        attached, _, why = ShmCollectives._attach(handle, 3)
+        assert attached is None and "not this group's" in why, why
+        attached, slot_bytes, why = ShmCollectives._attach(handle, 2)
+        assert attached is not None and slot_bytes == MIN_SLOT_BYTES and why == ""
+        attached.close()
+    finally:
+        shm.close()
+        posix.unlink(shm)

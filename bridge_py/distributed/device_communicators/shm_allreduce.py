@@ -16,6 +16,10 @@ long as the ranks do)::
     |        | rows, pid and pid namespace    |                                         |
     +--------+--------------------------------+-----------------------------------------+
 
+The header is the shared-memory header (``shm.header``: magic ``VBAR``, layout version,
+world size, slot bytes, and a random token the handle names); a rank refuses a segment
+whose header is not that of its group's.
+
 Protocol. Ranks advance through *phases*: a rank finishes its writes for a phase, then
 publishes the phase number in its counter, and waits until every counter has reached it.
 Work is cut into *steps* (one chunk of a message, at most ``slot_bytes`` per rank); step
@@ -79,8 +83,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.agreement import ROW_BYTES, Judge
-from bridge_py.distributed.errors import DistributedError, GroupTimeout, PeerGoneError
+from bridge_py.distributed.errors import (
+    DistributedError,
+    GroupTimeout,
+    PeerGoneError,
+    SharedMemoryError,
+)
 from bridge_py.distributed.shm import posix
+from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import (
     deadline_after,
     fence,
@@ -115,9 +125,7 @@ _PIECE = 32768  # torch's grain size: smaller elementwise ops stay on the callin
 _PARALLEL_BYTES = 1 << 20  # ops at least this long may use torch's intra-op threads
 _THREADS = os.environ.get(THREADS_ENV, "").strip()
 
-_MAGIC = b"VBAR"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHIQ16s")  # magic, version, pad, world_size, slot_bytes, token
+_HEADER = Header(b"VBAR", 1, "2xIQ16s")  # world_size, slot_bytes, token
 _HEADER_BYTES = 256
 _CTRL_BYTES = 512  # per rank: counter at 0, rows at 64 and 192, pid at 320
 _ROW_AT = (64, 192)
@@ -351,13 +359,9 @@ class ShmCollectives:
         token = secrets.token_bytes(16)
         shm = posix.create(NAME_PREFIX + secrets.token_hex(8), size)
         try:
-            fd = getattr(shm, "_fd", -1)
-            if fd >= 0 and hasattr(os, "posix_fallocate"):
-                # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS later.
-                os.posix_fallocate(fd, 0, size)
-            _HEADER.pack_into(
-                posix.view(shm), 0, _MAGIC, _VERSION, 0, world_size, slot_bytes, token
-            )
+            # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS later.
+            os.posix_fallocate(shm.fileno(), 0, size)
+            _HEADER.pack_into(posix.view(shm), world_size, slot_bytes, token)
             fence()
         except BaseException:
             shm.close()
@@ -376,14 +380,12 @@ class ShmCollectives:
         except (OSError, ValueError) as exc:
             return None, 0, f"cannot open rank 0's segment (another node?): {exc}"
         try:
-            magic, version, _, size, slot_bytes, token = _HEADER.unpack_from(posix.view(shm), 0)
-            if (magic, version, size) != (_MAGIC, _VERSION, world_size) or token.hex() != (
-                token_hex
-            ):
+            size, slot_bytes, token = _HEADER.unpack_from(posix.view(shm), name)
+            if size != world_size or token.hex() != token_hex:
                 raise ValueError("the segment is not this group's")
             if shm.size < _layout(world_size, slot_bytes)[1]:
                 raise ValueError("the segment is smaller than its header says")
-        except (ValueError, struct.error) as exc:
+        except (ValueError, SharedMemoryError) as exc:
             shm.close()
             return None, 0, f"rank 0's segment {name!r} is unusable: {exc}"
         return shm, slot_bytes, ""

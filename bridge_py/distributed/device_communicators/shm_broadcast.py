@@ -651,20 +651,17 @@ class MessageQueue:
             external, handle = open_object(
                 key, context, data, f"the queue handle from writer rank {writer_rank}"
             )
-        if external and handle is None:
-            raise TypeError(
-                f"create_from_process_group on rank {group.rank}: the "
-                f"external_writer_handle given to rank {writer_rank} is not the Handle of a "
-                "MessageQueue (its export_handle())"
-            )
         if external or group.rank != writer_rank:
             # With an outside writer every rank, writer_rank too, reads its queue.
             if not isinstance(handle, Handle):
-                raise TypeError(
-                    f"create_from_process_group on rank {group.rank}: writer rank "
-                    f"{writer_rank} sent {type(handle).__name__}, not the Handle of a "
-                    "MessageQueue: is the writer running another version?"
+                why = (
+                    f"the external_writer_handle given to rank {writer_rank} is not the Handle "
+                    "of a MessageQueue (its export_handle())"
+                    if external
+                    else f"writer rank {writer_rank} sent {type(handle).__name__}, not the "
+                    "Handle of a MessageQueue: is the writer running another version?"
                 )
+                raise TypeError(f"create_from_process_group on rank {group.rank}: {why}")
             queue = MessageQueue.create_from_handle(handle, group.rank, auth_key=key)
         if blocking:
             queue.wait_until_ready()

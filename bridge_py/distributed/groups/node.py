@@ -1,10 +1,11 @@
 """Which ranks of a group share one node's shared memory: one probe for everything that asks.
 
-The rank asked about creates a small segment holding a random token and tells the others
-its name; every rank tries to open it (``shm.posix.attach``: this user's file only) and
-compares the token; an all-gather tells everyone the answers. GroupCoordinator's
-``in_the_same_node_as`` (vLLM's name and signature), the device communicators and
-``MessageQueue.create_from_process_group`` all ask through :func:`same_node_as`.
+The rank asked about creates a small segment holding a random token after the shared-memory
+header (``shm.header``, magic ``VBPR``) and tells the others its name; every rank tries to
+open it (``shm.posix.attach``: this user's file only) and compares the token; an all-gather
+tells everyone the answers. GroupCoordinator's ``in_the_same_node_as`` (vLLM's name and
+signature), the device communicators and ``MessageQueue.create_from_process_group`` all ask
+through :func:`same_node_as`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.auth import resolve_key
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.groups.objects import ObjectGroup, object_group
 from bridge_py.distributed.shm import posix
+from bridge_py.distributed.shm.header import Header
 
 __all__ = ["in_the_same_node_as", "same_node_as"]
 
 PROBE_PREFIX = "vbprobe_"
+_PROBE = Header(b"VBPR", 1, "2x16s")  # the token
 
 
 def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
@@ -31,12 +35,12 @@ def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
     if group.rank == src:
         token = secrets.token_bytes(16)
         try:
-            probe = posix.create(PROBE_PREFIX + secrets.token_hex(8), len(token))
+            probe = posix.create(PROBE_PREFIX + secrets.token_hex(8), _PROBE.size)
         except OSError:  # no shared memory here: nobody shares it with this rank
             group.broadcast_obj(None, src)
             return [bool(x) for x in group.all_gather_obj(True)]
         try:
-            posix.view(probe)[: len(token)] = token
+            _PROBE.pack_into(posix.view(probe), token)
             group.broadcast_obj((probe.name, token), src)
             return [bool(x) for x in group.all_gather_obj(True)]
         finally:
@@ -47,10 +51,10 @@ def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
     same = False
     if isinstance(shared, tuple) and len(shared) == 2:
         name, token = shared
-        with contextlib.suppress(OSError, ValueError, TypeError):
+        with contextlib.suppress(OSError, ValueError, TypeError, SharedMemoryError):
             segment = posix.attach(str(name))
             try:
-                same = bytes(posix.view(segment)[: len(token)]) == token
+                same = _PROBE.unpack_from(posix.view(segment), str(name)) == (token,)
             finally:
                 segment.close()
     return [bool(x) for x in group.all_gather_obj(same)]

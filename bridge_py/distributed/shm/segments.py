@@ -6,15 +6,16 @@ file costs far more than the copy itself: every page is allocated and zeroed by 
 first touch (about 7 ms against 0.5 ms for a 4 MiB value on a small VM). So a rank keeps a few
 segments and writes its next value over one whose readers are all done.
 
-Every segment starts with a header the readers report to::
+Every segment starts with the shared-memory header (``shm.header``), then the marks the
+readers report to::
 
-    offset 0   b"VBSG"
-    offset 4   u32 slots            (the group's world size)
+    offset 0   b"VBSG", u16 layout version
     offset 8   u64 generation       (which value the segment holds now; 0: a one-shot segment)
-    offset 16  slots x u64 marks    (mark r: the last generation rank r finished reading)
+    offset 16  u32 slots            (the group's world size)
+    offset 24  slots x u64 marks    (mark r: the last generation rank r finished reading)
     data_offset(slots)              the pickle (from the next page boundary on)
 
-All integers are big-endian. When a value is written, the marks of the ranks that will not
+All integers are little-endian. When a value is written, the marks of the ranks that will not
 read it are set to its generation; each reader sets its own mark after loading, and the
 segment is free again once every mark equals the generation (one ``pread`` tells). The owner
 writes over a segment only then, so a reader never sees its value change; it checks the
@@ -44,9 +45,12 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR
+from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import pid_namespace, process_alive
 
 __all__ = [
@@ -60,9 +64,9 @@ __all__ = [
     "data_offset",
     "mark_offset",
     "read_generation",
-    "read_header",
     "remove_orphans",
     "unlink",
+    "value_offset",
     "write_mark",
 ]
 
@@ -70,10 +74,10 @@ NAME_PREFIX = "vbspg_"
 NAME_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_[0-9]+\Z")
 POOL_SIZE = 4
 POOL_MAX_BYTES = 32 << 20
-SEGMENT_MAGIC = b"VBSG"
-_HEADER = struct.Struct(">4sIQ")  # magic, slots, generation
-_MARK = struct.Struct(">Q")
-_MARKS_AT = _HEADER.size
+_HEADER = Header(b"VBSG", 1, "2xQI")  # generation, slots
+_GENERATION_AT = 8
+_MARK = struct.Struct("<Q")
+_MARKS_AT = 24
 _PAGE = 4096
 
 
@@ -88,18 +92,29 @@ def mark_offset(rank: int) -> int:
     return _MARKS_AT + _MARK.size * rank
 
 
-def read_header(fd: int) -> tuple[int, int] | None:
-    """``(slots, generation)`` of the segment open as ``fd``; None if it has no header."""
-    raw = os.pread(fd, _HEADER.size, 0)
-    if len(raw) != _HEADER.size:
-        return None
-    magic, slots, generation = _HEADER.unpack(raw)
-    return (slots, generation) if magic == SEGMENT_MAGIC else None
+def value_offset(fd: int, name: str, generation: int, rank: int, size: int) -> int:
+    """Where the value of ``size`` bytes starts in segment ``name`` (open as ``fd``), which
+    must hold ``generation`` for reader ``rank``.
+
+    Raises SharedMemoryError naming the segment when its header is not a segment's (too
+    short, another magic or layout version), says it holds another value, or the file is
+    shorter than the value.
+    """
+    held, slots = _HEADER.read(fd, name)
+    if held != generation or (generation and rank >= slots):
+        raise SharedMemoryError(
+            f"shared-memory segment {name!r} does not hold that value (generation {held} "
+            f"of {slots} readers, expected generation {generation} for rank {rank})"
+        )
+    offset = data_offset(slots)
+    if os.fstat(fd).st_size < offset + size:
+        raise SharedMemoryError(f"shared-memory segment {name!r} is shorter than its value")
+    return offset
 
 
 def read_generation(fd: int) -> int:
     """The generation the segment open as ``fd`` holds now (-1 if unreadable)."""
-    raw = os.pread(fd, _MARK.size, 8)
+    raw = os.pread(fd, _MARK.size, _GENERATION_AT)
     return _MARK.unpack(raw)[0] if len(raw) == _MARK.size else -1
 
 
@@ -193,20 +208,25 @@ class SegmentOwner:
             with self._lock:
                 self._one_shot.append((segment.name, time.time()))
         if not segment.pooled:
-            os.pwrite(segment.fd, _HEADER.pack(SEGMENT_MAGIC, self.slots, 0), 0)
+            os.pwrite(segment.fd, self._header(0), 0)
             segment.close()
             return 0
         with self._lock:
             self._generation += 1
             generation = self._generation
         marks = [0 if rank in readers else generation for rank in range(self.slots)]
-        header = _HEADER.pack(SEGMENT_MAGIC, self.slots, generation)
-        os.pwrite(segment.fd, header + struct.pack(f">{self.slots}Q", *marks), 0)
+        os.pwrite(segment.fd, self._header(generation, marks), 0)
         segment.generation = generation
         segment.since = time.time()
         with self._lock:
             self._busy.append(segment)
         return generation
+
+    def _header(self, generation: int, marks: Sequence[int] = ()) -> bytes:
+        """The header of a segment holding ``generation``, then the readers' ``marks``."""
+        head = bytearray(_MARKS_AT)
+        _HEADER.pack_into(head, generation, self.slots)
+        return bytes(head) + struct.pack(f"<{len(marks)}Q", *marks)
 
     def drop(self, segment: Segment) -> None:
         """Forget ``segment`` and unlink it (writing it failed)."""

@@ -11,8 +11,9 @@ A board has a head, a barrier page and slots of one format, in rings: one ring o
 :data:`BROADCAST_RING` slots read by every other rank (broadcasts, and the values of
 all_gather, which is a broadcast from every rank)::
 
-    0                   b"VBBD", u32 world size, u64 creator pid
-    16                  u64 one past the last broadcast number used
+    0                   the shared-memory header (``shm.header``): b"VBBD", layout version,
+                        u32 world size, u64 creator pid
+    24                  u64 one past the last broadcast number used
     64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
     64 + 8 * (n + dst)  u64 spills[dst]: messages to ``dst`` sent through the store
     64 + 8 * (2n + src) u64 broadcasts of ``src`` this rank is done with (last number + 1)
@@ -38,7 +39,8 @@ opened them; the mappings live on until the group is closed. A waiting rank chec
 
 What a rank trusts: a board or doorbell it opens (named in another rank's node card, which
 is sealed with the group's key) must be a file of its own user that only this user may
-write, and not a link (``shm.files``), or it is refused naming the file. Values on a board
+write, and not a link (``shm.files``), of a board's size and header, or it is refused
+naming the file. Values on a board
 are sealed and checked as they are in the store.
 """
 
@@ -55,8 +57,9 @@ import select
 import struct
 from collections.abc import Callable, Sequence
 
-from bridge_py.distributed.errors import DistributedError
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import open_peer_file
+from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.segments import NAME_PREFIX, SHM_DIR, unlink
 from bridge_py.distributed.shm.wait import (
     fence,
@@ -80,13 +83,12 @@ BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of severa
 MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one slot's value
 LIVENESS_PERIOD = 1.0
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
-MAGIC = b"VBBD"
-_HEAD = struct.Struct("<4sIQ")  # magic, world size, creator pid
+_HEADER = Header(b"VBBD", 1, "2xIQ")  # world size, creator pid
 _U64 = struct.Struct("<Q")
 _SLOT_HEAD = 16
 _PAGE = 4096
 _COUNTERS_AT = 64
-_BROADCASTS_SENT = 16  # in the head: one past the last broadcast number this rank used
+_BROADCASTS_SENT = 24  # in the head: one past the last broadcast number this rank used
 # Barriers (see shm_transport.ShmTransport.barrier): offsets in the barrier page.
 _ARRIVED, _DEPARTED, _DECISIONS, _VERDICT = 0, 8, 64, 64 + 16 * 64
 DECISION_CELLS = 64
@@ -130,7 +132,7 @@ class Layout:
         return self._broadcasts_at + _MESSAGE_SLOT * (number % BROADCAST_RING)
 
 
-class BoardError(DistributedError):
+class BoardError(SharedMemoryError):
     """A board could not be made or opened, or a peer's board is not what it should be."""
 
 
@@ -176,7 +178,7 @@ class Board:
         self._fd = fd  # this rank's values are written with pwrite; on rank 0, also the lock
         if rank == 0:
             self._lock_fd = fd
-        _HEAD.pack_into(board, 0, MAGIC, world_size, os.getpid())
+        _HEADER.pack_into(board, world_size, os.getpid())
         self._maps[rank] = board
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
@@ -212,8 +214,9 @@ class Board:
 
         Each file is checked before it is mapped or rung (``shm_files.open_peer_file``: no
         link, this user's, a regular file or, for a doorbell, a FIFO, writable by this user
-        only). Raises BoardError naming the rank and the file whose board is missing,
-        malformed or refused by those checks.
+        only), and a board's header (``shm.header``) checked once mapped. Raises BoardError
+        naming the rank and the file whose board is missing, malformed or refused by those
+        checks.
         """
         gone = []
         for src, name in enumerate(names):
@@ -228,6 +231,9 @@ class Board:
                     if os.fstat(fd).st_size != self.layout.size:
                         raise ValueError("its size is not that of a board of this group")
                     board = mmap.mmap(fd, self.layout.size)
+                    size, pid = _HEADER.unpack_from(board, name)
+                    if size != self.world_size:
+                        raise ValueError(f"it is the board of a group of {size} ranks")
                     bell = open_peer_file(
                         os.path.join(SHM_DIR, _bell_name(name)),
                         os.O_WRONLY | os.O_NONBLOCK,
@@ -264,15 +270,10 @@ class Board:
                     f"rank {self.rank} cannot ring rank {src}: rank {src} has exited "
                     f"(its doorbell {_bell_name(name)!r} has no reader)"
                 ) from exc
-            except ValueError as exc:
+            except (ValueError, SharedMemoryError) as exc:
                 raise BoardError(
                     f"rank {self.rank} cannot open the board {name!r} of rank {src}: {exc}"
                 ) from exc
-            magic, size, pid = _HEAD.unpack_from(board)
-            if magic != MAGIC or size != self.world_size:
-                board.close()
-                os.close(bell)
-                raise BoardError(f"the board {name!r} of rank {src} is not a board")
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
         return gone
 

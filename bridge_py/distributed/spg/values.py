@@ -320,19 +320,11 @@ def open_descriptor(
             f"({exc.strerror}): did its sender exit?"
         ) from exc
     try:
-        header = segments.read_header(fd)
-        if header is None or header[1] != generation or (generation and rank >= header[0]):
-            raise SharedMemoryError(
-                f"{what}: shared-memory segment {name!r} does not hold that value "
-                f"(header {header}, expected generation {generation})"
-            )
-        offset = segments.data_offset(header[0])
-        if os.fstat(fd).st_size < offset + size:
-            raise SharedMemoryError(
-                f"{what}: shared-memory segment {name!r} is shorter than its value"
-            )
-    except BaseException:
+        offset = segments.value_offset(fd, name, generation, rank, size)
+    except BaseException as exc:
         os.close(fd)
+        if isinstance(exc, SharedMemoryError):
+            raise SharedMemoryError(f"{what}: {exc}") from None
         raise
     return SharedValue(
         name,
