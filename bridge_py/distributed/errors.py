@@ -10,6 +10,7 @@ situations is, so code written for them keeps working; the subclasses say what h
     ├── StoreError                            the store could not be served, reached or joined
     ├── AuthenticationError                   a value whose tag is missing or wrong
     ├── BarrierFailure                        a barrier failed (every rank of it fails)
+    │   └── BarrierStoreError (also StoreError)    because the store was lost
     ├── CollectiveMismatchError (also ValueError)  ranks called different collectives
     └── SharedMemoryError                     a shared-memory file is missing, short or changed
 
@@ -24,6 +25,7 @@ from torch.distributed import DistStoreError
 __all__ = [
     "AuthenticationError",
     "BarrierFailure",
+    "BarrierStoreError",
     "BarrierTimeout",
     "CollectiveMismatchError",
     "DistributedError",
@@ -62,6 +64,10 @@ class BarrierFailure(DistributedError):
 
 class BarrierTimeout(BarrierFailure, GroupTimeout):
     """A barrier failed because some rank did not arrive (or leave) within the timeout."""
+
+
+class BarrierStoreError(BarrierFailure, StoreError):
+    """A barrier failed because this rank lost the store (rank 0, which serves it, exited)."""
 
 
 class CollectiveMismatchError(DistributedError, ValueError):

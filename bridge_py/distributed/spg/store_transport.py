@@ -16,7 +16,9 @@ are named in ``keys``:
 Reads of values that are no longer needed are deleted by the reaper, on its own thread
 (``store.reaper``), so that no operation waits for them. Waits are bounded by the call's
 timeout, or the store's, and fail with GroupTimeout naming this rank, the peer and the key;
-a store that goes away is a StoreError naming them too (``common``).
+a store that goes away is a StoreError naming them too (``common``), whatever request found
+it gone. Store requests run ``with QUIET`` (``store.quiet``): torch logs nothing of the
+failures that these errors report.
 """
 
 from __future__ import annotations
@@ -32,13 +34,22 @@ from torch.distributed import Store
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.errors import (
     BarrierFailure,
+    BarrierStoreError,
     BarrierTimeout,
     GroupTimeout,
     is_store_timeout,
 )
 from bridge_py.distributed.spg import keys, p2p
-from bridge_py.distributed.spg.common import BarrierHooks, arrival_timeout, lost, timed_out
+from bridge_py.distributed.spg.common import (
+    BarrierHooks,
+    arrival_timeout,
+    lost,
+    timed_out,
+    unwritten,
+)
 from bridge_py.distributed.spg.values import SharedValue, Values
+from bridge_py.distributed.store.client import first_line
+from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.reaper import KeyReaper
 from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
 from bridge_py.distributed.store.waiting import BoundedWaiter, pop_before
@@ -150,7 +161,11 @@ class StoreTransport:
 
     def push(self, dst: int, seq: int, value: bytes, name: str) -> None:
         """Push the packed message ``seq`` (named ``name``) on the queue to ``dst``."""
-        self.store.queue_push(self._outbox[dst], p2p.frame(seq, value))
+        try:
+            with QUIET:
+                self.store.queue_push(self._outbox[dst], p2p.frame(seq, value))
+        except RuntimeError as exc:
+            raise unwritten("send_obj", self.rank, name, exc) from exc
         self.entries.append((name, time.time()))
         self.flush()
 
@@ -168,7 +183,8 @@ class StoreTransport:
         start = time.monotonic()
         name = keys.p2p_value(src, self.rank, seq)
         try:
-            data = self.inbox.receive(src, seq, timeout)
+            with QUIET:
+                data = self.inbox.receive(src, seq, timeout)
         except RuntimeError as exc:
             raise lost("recv_obj", self.rank, repr(name), src, start, exc) from exc
         if data is None:
@@ -181,7 +197,11 @@ class StoreTransport:
         """This rank's broadcast ``seq``: set under ``bcast/<rank>/<seq>``."""
         key = keys.broadcast_value(self.rank, seq)
         value = self.values.pack(key, obj, self._others if self._all_local else None)[0]
-        set_bytes(self.store, key, value)
+        try:
+            with QUIET:
+                set_bytes(self.store, key, value)
+        except RuntimeError as exc:
+            raise unwritten("broadcast_obj", self.rank, key, exc) from exc
         now = time.time()
         # The ack counter is the receivers' key, but if they never all read the value it is
         # this rank's expire_data that must remove it.
@@ -203,7 +223,12 @@ class StoreTransport:
             try:
                 payload = self.values.open(key, data, src)  # a segment is open before the ack
             finally:
-                if self.store.add(acks, 1) >= self.world_size - 1:
+                try:
+                    with QUIET:
+                        count = self.store.add(acks, 1)
+                except RuntimeError as exc:
+                    raise unwritten("broadcast_obj", self.rank, acks, exc) from exc
+                if count >= self.world_size - 1:
                     self._trash += (key, acks)
                     if isinstance(payload, SharedValue):
                         payload.retire()
@@ -225,6 +250,16 @@ class StoreTransport:
         therefore never holds a wait that might be abandoned.
         """
         limit = self.limit(timeout)
+        start = time.monotonic()
+        try:
+            with QUIET:
+                return self._await(key, src, op, limit, start)
+        except RuntimeError as exc:
+            if isinstance(exc, GroupTimeout):
+                raise
+            raise lost(op, self.rank, f"key {key!r}", src, start, exc) from exc
+
+    def _await(self, key: str, src: int, op: str, limit: float, start: float) -> bytes:
         slot = (op, src)
         skips = self._eager_skips.get(slot, 0)
         if skips == 0:
@@ -235,14 +270,9 @@ class StoreTransport:
         else:
             self._eager_skips[slot] = skips - 1
         self.flush()
-        start = time.monotonic()
         deadline = start + limit
         while True:
-            try:
-                arrived = self._waiter.wait([key], max(deadline - time.monotonic(), 0.001))
-            except RuntimeError as exc:
-                raise lost(op, self.rank, f"key {key!r}", src, start, exc) from exc
-            if not arrived:
+            if not self._waiter.wait([key], max(deadline - time.monotonic(), 0.001)):
                 raise timed_out(op, self.rank, f"key {key!r}", src, start, limit)
             value = self._peek(key)
             if value is not None:
@@ -257,7 +287,11 @@ class StoreTransport:
         from ``bcast/<r>/<seqs[r]>``."""
         key = keys.broadcast_value(self.rank, seq)
         value, segment = self.values.pack(key, obj, self._others if self._all_local else None)
-        set_bytes(self.store, key, value)
+        try:
+            with QUIET:
+                set_bytes(self.store, key, value)
+        except RuntimeError as exc:
+            raise unwritten("all_gather_obj", self.rank, key, exc) from exc
         self.entries.append((key, time.time()))
         self.flush()
         wanted = [keys.broadcast_value(src, seqs[src]) for src in self._others]
@@ -274,13 +308,17 @@ class StoreTransport:
     def gather(self, wanted: list[str], others: list[int], op: str) -> list[bytes]:
         """The values of ``wanted`` (the values of ``others``, in order), once all exist;
         GroupTimeout naming the ranks that did not write theirs within the store's timeout."""
+        with QUIET:
+            return self._gather(wanted, others, op)
+
+    def _gather(self, wanted: list[str], others: list[int], op: str) -> list[bytes]:
         limit = self.default_timeout()
         start = time.monotonic()
         try:
             got = self.store.multi_get(wanted)
         except RuntimeError as exc:
             if not is_store_timeout(exc):
-                raise lost(op, self.rank, f"the values of ranks {others}", -1, start, exc) from exc
+                raise lost(op, self.rank, f"keys {wanted}", -1, start, exc) from exc
             raise self._gather_late(wanted, others, start, limit, op) from None
         if all(got):
             return list(got)
@@ -292,7 +330,7 @@ class StoreTransport:
             try:
                 fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
             except RuntimeError as exc:
-                raise lost(op, self.rank, f"the values of ranks {others}", -1, start, exc) from exc
+                raise lost(op, self.rank, f"keys {wanted}", -1, start, exc) from exc
             if fetched is None:
                 raise self._gather_late(wanted, others, start, limit, op)
             for i, value in zip(missing, fetched, strict=True):
@@ -355,15 +393,23 @@ class StoreTransport:
            store down, while another rank is still inside; then it deletes ``arrivals``.
 
         On two ranks that is, on the slowest rank, an ``add``, a pop and a ``delete_key``.
+        A store request that fails (rank 0, which serves the store, exited) is a
+        BarrierStoreError (a BarrierFailure and a StoreError) naming the phase and the keys.
         """
+        with QUIET:
+            self._barrier(barrier_id, timeout)
+
+    def _barrier(self, barrier_id: int, timeout: float) -> None:
         rank, world_size, mailbox = self.rank, self.world_size, self._mailbox
         arrivals = keys.barrier_arrivals(barrier_id)
         hooks = self.hooks()
         left = 0  # ranks known to have left (rank 0 may hear of some while it waits in phase 1)
 
         def failure(phase: str, exc: Exception) -> BarrierFailure:
-            return BarrierFailure(
-                f"barrier {barrier_id} failed on rank {rank} in phase {phase}: store error: {exc}"
+            return BarrierStoreError(
+                f"barrier {barrier_id} failed on rank {rank} in phase {phase}: store error "
+                f"on {arrivals!r} or the barrier queues (did rank 0, which serves the store, "
+                f"exit?): {first_line(exc)}"
             )
 
         # Phase 1: arrive, and learn (with every other rank) whether all arrived in time.

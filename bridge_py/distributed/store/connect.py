@@ -19,12 +19,14 @@ import time
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.errors import StoreError
+from bridge_py.distributed.store.client import connect_client, first_line, format_address
 from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter
 
 __all__ = [
     "StoreError",
     "bind_listen_socket",
+    "connect_client",
     "format_address",
     "join_group",
     "open_store",
@@ -53,11 +55,6 @@ def require_queues(store: Store) -> None:
             f"StatelessProcessGroup needs a store with queues (TCPStore or HashStore, also "
             f"under a PrefixStore); {type(inner).__name__} has none: {exc}"
         ) from exc
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with brackets around IPv6 literals (``[::1]:29500``)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
@@ -109,11 +106,6 @@ def _adopt_listen_socket(sock: socket.socket, port: int) -> int:
     return bound_port
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def open_store(
     host: str,
     port: int,
@@ -139,12 +131,13 @@ def open_store(
             raise ValueError("listen_socket is only used by rank 0, which serves the store")
         _resolve(host, port)  # an unknown host fails now, with its own message
         try:
-            store = TCPStore(host, port, None, False, timeout=delta)
-        except RuntimeError as exc:
+            store = connect_client(host, port, time.monotonic() + timeout)
+        except StoreError as exc:
             raise StoreError(
                 f"rank {rank} could not reach the store at {address} within {timeout:g} s "
-                f"(is rank 0 serving it there?): {_first_line(exc)}"
+                f"(is rank 0 serving it there?): {exc}"
             ) from exc
+        store.set_timeout(delta)  # the store's timeout for requests, not what was left
         return store, None
 
     owned = listen_socket is None
@@ -175,7 +168,7 @@ def open_store(
             with contextlib.suppress(OSError):
                 sock.close()
         raise StoreError(
-            f"rank 0 could not serve the store on {address}: {_first_line(exc)}"
+            f"rank 0 could not serve the store on {address}: {first_line(exc)}"
         ) from exc
     return store, sock
 
@@ -214,7 +207,7 @@ def join_group(
     except RuntimeError as exc:
         raise StoreError(
             f"rank {rank} lost the store at {address} while waiting for all {world_size} "
-            f"ranks to join (did rank 0 give up?): {_first_line(exc)}"
+            f"ranks to join (did rank 0 give up?): {first_line(exc)}"
         ) from exc
     if joined > world_size:
         raise StoreError(

@@ -16,7 +16,6 @@ store. A store that is not a ``TCPStore`` gets its deletes on the caller's threa
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
@@ -27,6 +26,8 @@ from collections.abc import Iterable
 
 from torch.distributed import Store, TCPStore
 
+from bridge_py.distributed.store.client import connect_client
+from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.torch_api import uses_libuv
 
 __all__ = ["KeyReaper"]
@@ -138,16 +139,15 @@ def _reap(work: _Work, host: str, port: int, use_libuv: bool, connect_timeout: f
             if key == _STOP:
                 return
             if connection is None:
-                connection = TCPStore(
+                connection = connect_client(
                     host,
                     port,
-                    None,
-                    False,
-                    timeout=datetime.timedelta(seconds=connect_timeout),
-                    wait_for_workers=False,
+                    time.monotonic() + connect_timeout,
                     use_libuv=use_libuv,
+                    wait_for_server=False,
                 )
-            connection.delete_key(key)
+            with QUIET:
+                connection.delete_key(key)
         except Exception as exc:  # the store is gone: the group's own requests will say so
             logger.debug("could not delete %r: %s", key, exc)
             connection = None

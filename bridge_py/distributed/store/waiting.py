@@ -11,7 +11,8 @@ barrier and gathers keep the separate connection, which holds on older torch too
 Opening that connection is bounded by the same deadline: for a ``TCPStore`` it is a new client
 whose connect timeout is what is left of the wait (``Store.clone()`` would retry for the
 store's whole timeout, 300 s by default, when the server has died), so a wait ends on time
-even when rank 0, which serves the store, is gone.
+even when rank 0, which serves the store, is gone; a refused connection (the server has
+exited) fails at once, as a StoreError.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from torch.distributed import DistStoreError, QueueEmptyError, Store, TCPStore
 
 from bridge_py.distributed.errors import is_store_timeout
+from bridge_py.distributed.store.client import connect_client
 from bridge_py.distributed.store.torch_api import clone, timeout_of, uses_libuv
 
 __all__ = ["BoundedWaiter", "pop_before"]
@@ -48,14 +50,13 @@ class BoundedWaiter:
         if self._connection is None:
             store = self._store
             if isinstance(store, TCPStore):
-                self._connection = TCPStore(
+                # A refused connection: the server is gone, and fails at once.
+                self._connection = connect_client(
                     store.host,
                     store.port,
-                    None,
-                    False,
-                    timeout=_seconds(deadline - time.monotonic()),
-                    wait_for_workers=False,
+                    deadline,
                     use_libuv=uses_libuv(store),
+                    wait_for_server=False,
                 )
             else:
                 try:
