@@ -6,7 +6,9 @@ one dispatcher and one handle registry behind both transports.
 
 Before anything else it moves the protocol off file descriptors 0 and 1: fd 1 is
 pointed at stderr, so whatever Python or C code prints can never corrupt a frame, and
-fd 0 at /dev/null, so no child process can steal a frame.
+fd 0 at /dev/null, so no child process can steal a frame. With ``--output frames``
+(what the Elixir runtime uses) fds 1 and 2 go to a pipe instead, whose lines are sent
+to the client as frames of their own (``bridge_py.worker.output``).
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         "past it, calls are refused as busy",
     )
     parser.add_argument(
+        "--output",
+        choices=("stderr", "frames"),
+        default="stderr",
+        help="port: where what the process prints on fds 1 and 2 goes: the inherited "
+        "stderr (default), or frames to the client (Reply id 0, Output; docs/protocol.md)",
+    )
+    parser.add_argument(
         "--grpc",
         metavar="HOST:PORT|unix:PATH",
         help="serve gRPC (port 0: any free port); TCP needs a token, unix:PATH is made 0600",
@@ -151,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     use_stdio = args.grpc is None or args.stdio
     proto_in, proto_out = _claim_stdio()
+    writer = None
+    if use_stdio and args.output == "frames":
+        from bridge_py.worker.output import capture
+        from bridge_py.worker.transports.frames import FrameWriter
+
+        writer = FrameWriter(proto_out)
+        capture(writer)
     if args.require_auth_key:
         from bridge_py.distributed.auth import REQUIRE_ENV_VAR
 
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         PortTransport(
             dispatcher,
             PollingInput(proto_in, spin),
-            proto_out,
+            writer or proto_out,
             max_frame=args.max_frame_bytes or DEFAULT_MAX_FRAME,
             max_threads=args.max_threads or DEFAULT_MAX_THREADS,
         ).serve()

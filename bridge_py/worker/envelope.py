@@ -157,10 +157,22 @@ class Error:
     )
 
 
+@dataclass(slots=True)
+class Output:
+    """What the worker's process wrote on its stdout and stderr (``--output frames``):
+    whole lines, each ending in a newline, and how many lines were dropped before them
+    (over the rate limit; see docs/protocol.md)."""
+
+    text: bytes = b""
+    dropped: int = 0
+    FIELDS: ClassVar = ((1, "text", _BYTES), (2, "dropped", _UINT64))
+
+
 @final
 @dataclass(slots=True)
 class Reply:
-    """The answer to one Request: a msgpack ``value`` or an ``error``, never both.
+    """The answer to one Request: a msgpack ``value`` or an ``error``; or, with id 0,
+    the worker's ``output``. One of the three, never more.
 
     ``value`` may also be a list of byte buffers, the value's bytes in pieces (see
     :func:`encode_reply_chunks`); decoded replies always hold one buffer.
@@ -169,6 +181,7 @@ class Reply:
     id: int = 0
     value: bytes | memoryview | list[bytes | memoryview] | None = None
     error: Error | None = None
+    output: Output | None = None
 
 
 # -- encoding -------------------------------------------------------------------------
@@ -242,6 +255,8 @@ def encode_reply_chunks(reply: Reply) -> list[bytes | memoryview]:
     head = b"\x08" + _varint(reply.id) if reply.id else b""
     if reply.error is not None:
         return [head + _len_field(3, _encode_fields(reply.error))]
+    if reply.output is not None:
+        return [head + _len_field(4, _encode_fields(reply.output))]
     return value_reply_chunks(head, reply.value)
 
 
@@ -355,7 +370,9 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
         else:  # a nested message
             values[name] = _decode_message(kind, buf, pos, stop)
         if cls is Reply:  # its oneof members are separate attributes: the last one wins
-            values.pop("error" if name == "value" else "value", None)
+            for other in _REPLY_RESULT:
+                if other != name:
+                    values.pop(other, None)
         pos = stop
     return cls(**values)
 
@@ -394,14 +411,20 @@ def _skip(cls: type, key: int, buf: Buffer, pos: int, end: int) -> int:
 # and Reply are listed here too (Request's ops all land in ``op``).
 _SPECS: dict[type, dict[int, tuple[str, Any]]] = {
     cls: {number: (name, kind) for number, name, kind in cls.FIELDS}
-    for cls in (*_OPS.values(), Error)
+    for cls in (*_OPS.values(), Error, Output)
 }
 _SPECS[Request] = {
     1: ("id", _UINT64),
     2: ("session", _STRING),
     **{number: ("op", cls) for number, cls in _OPS.items()},
 }
-_SPECS[Reply] = {1: ("id", _UINT64), 2: ("value", _BYTES), 3: ("error", Error)}
+_SPECS[Reply] = {
+    1: ("id", _UINT64),
+    2: ("value", _BYTES),
+    3: ("error", Error),
+    4: ("output", Output),
+}
+_REPLY_RESULT = ("value", "error", "output")  # Reply's oneof result
 # Members of a oneof kept in separate attributes: setting one clears the other.
 
 # Key (field number << 3 | wire type) -> (attribute, kind): what _decode_message reads.
@@ -562,6 +585,7 @@ __all__ = [
     "Error",
     "GetAttribute",
     "Operation",
+    "Output",
     "Ping",
     "ReleaseHandles",
     "ReleaseSession",

@@ -124,6 +124,7 @@ KWARGS = b"\x81\xa3src\x00"  # msgpack %{"src" => 0}
 
 def envelope_cases() -> list[tuple[str, pb.Request | pb.Reply, str]]:
     """(name, envelope, Elixir literal) for the proto codec; names say request or reply."""
+    output_text = b"torch warning\n\xff\n"  # lines of bytes, not always UTF-8
     a, k = ex_bin(ARGS), ex_bin(KWARGS)
     return [
         (
@@ -212,5 +213,15 @@ def envelope_cases() -> list[tuple[str, pb.Request | pb.Reply, str]]:
             pb.Reply(id=0, error=pb.Error("protocol", "x")),
             '%{id: 0, result: {:error, %{category: "protocol", message: "x", python_type: "", '
             'traceback: "", details: ""}}}',
+        ),
+        (
+            "reply_output",
+            pb.Reply(id=0, output=pb.Output(output_text, 300)),
+            f"%{{id: 0, result: {{:output, %{{text: {ex_bin(output_text)}, dropped: 300}}}}}}",
+        ),
+        (
+            "reply_output_empty",
+            pb.Reply(id=0, output=pb.Output()),
+            '%{id: 0, result: {:output, %{text: "", dropped: 0}}}',
         ),
     ]

@@ -40,6 +40,7 @@ class PortClient:
         self._ids = itertools.count(1)
         self._buf = b""
         self._early: dict[int, pb.Reply] = {}
+        self.outputs: list[pb.Output] = []  # frames of --output frames, as they came
         if proc is not None:  # speak to a worker someone else started with pipes
             self.proc = proc
             self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
@@ -86,6 +87,9 @@ class PortClient:
         """The reply to request ``rid`` (others that arrive first are kept)."""
         while rid not in self._early:
             r = pb.decode_reply(self.read_frame(timeout))
+            if r.output is not None:
+                self.outputs.append(r.output)
+                continue
             self._early[r.id] = r
         return self._early.pop(rid)
 

@@ -56,6 +56,8 @@ def _to_official(msg: pb.Request | pb.Reply, official: ModuleType):
                     details=e.details,
                 )
             )
+        elif msg.output is not None:
+            out.output.CopyFrom(official.Output(text=msg.output.text, dropped=msg.output.dropped))
         elif msg.value is not None:
             out.value = msg.value
         return out

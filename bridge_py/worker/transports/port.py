@@ -55,7 +55,7 @@ class PortTransport:
         self,
         dispatcher: Dispatcher,
         infile: ByteSource,
-        out_fd: int,
+        out: int | FrameWriter,
         *,
         max_frame: int = DEFAULT_MAX_FRAME,
         max_threads: int = DEFAULT_MAX_THREADS,
@@ -63,7 +63,8 @@ class PortTransport:
     ) -> None:
         self._dispatcher = dispatcher
         self._reader = FrameReader(infile, max_frame)
-        self._out = FrameWriter(out_fd)
+        # a writer shared with other senders of frames (--output frames), or an fd
+        self._out = out if isinstance(out, FrameWriter) else FrameWriter(out)
         self._max_threads = max_threads
         self._takeover_after = takeover_after
         self._lock = threading.Lock()

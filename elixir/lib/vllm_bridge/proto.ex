@@ -24,6 +24,8 @@ defmodule VllmBridge.Proto do
       %{id: 1, result: {:value, msgpack_bytes}}
       %{id: 1, result: {:error, %{category: s, message: s, python_type: s,
                                   traceback: s, details: b}}}
+      # what the worker's process printed (id 0; see docs/protocol.md)
+      %{id: 0, result: {:output, %{text: b, dropped: i}}}
 
   ## Canonical bytes
 
@@ -74,8 +76,18 @@ defmodule VllmBridge.Proto do
           details: iodata()
         }
 
+  @typedoc """
+  The `output` member of a `Reply` (id 0): lines the worker's process wrote on
+  its stdout and stderr, each ending in a newline, and how many lines it
+  dropped before them.
+  """
+  @type reply_output :: %{text: iodata(), dropped: non_neg_integer()}
+
   @typedoc "A decoded or to-be-encoded bridge.proto `Reply`."
-  @type reply :: %{id: non_neg_integer(), result: {:value, iodata()} | {:error, reply_error()}}
+  @type reply :: %{
+          id: non_neg_integer(),
+          result: {:value, iodata()} | {:error, reply_error()} | {:output, reply_output()}
+        }
 
   # wire types
   @varint 0
@@ -104,6 +116,8 @@ defmodule VllmBridge.Proto do
     {4, :traceback, :string},
     {5, :details, :bytes}
   ]
+
+  @output_fields [{1, :text, :bytes}, {2, :dropped, :uint64}]
 
   ## Requests -----------------------------------------------------------------
 
@@ -179,6 +193,7 @@ defmodule VllmBridge.Proto do
       case result do
         {:value, value} -> bytes_field(2, value, true)
         {:error, %{} = error} -> len_field(3, encode_fields(@error_fields, error))
+        {:output, %{} = output} -> len_field(4, encode_fields(@output_fields, output))
         other -> bad!("not a reply result: #{inspect(other, limit: 8)}")
       end
 
@@ -217,12 +232,13 @@ defmodule VllmBridge.Proto do
         1, @varint, value, acc -> %{acc | id: value}
         2, @len, value, acc -> %{acc | result: {:value, value}}
         3, @len, value, acc -> %{acc | result: {:error, decode_fields(value, @error_fields)}}
-        n, type, _value, _acc when n in 1..3 -> wrong_type(n, type)
+        4, @len, value, acc -> %{acc | result: {:output, decode_fields(value, @output_fields)}}
+        n, type, _value, _acc when n in 1..4 -> wrong_type(n, type)
         _n, _type, _value, acc -> acc
       end)
 
     case acc do
-      %{result: nil} -> {:error, protocol("reply has neither value nor error")}
+      %{result: nil} -> {:error, protocol("reply has no value, error or output")}
       reply -> {:ok, reply}
     end
   catch

@@ -814,6 +814,9 @@ defmodule VllmBridge.Runtime do
       {:ok, %{id: ^id, result: {:error, error}}} ->
         {:error, Error.from_reply(error)}
 
+      {:ok, %{id: ^id, result: {:output, _}}} ->
+        {:error, Error.new(:protocol, "the reply to request #{id} is an output frame")}
+
       {:ok, %{id: other}} ->
         {:error, Error.new(:protocol, "reply id #{other} does not match request id #{id}")}
 

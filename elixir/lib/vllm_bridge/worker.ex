@@ -87,10 +87,13 @@ defmodule VllmBridge.Worker do
   runs. When the handshake is answered, the worker is `:ready`
   (`await_started/2` returns `:ok`). When Python exits before answering (it
   cannot import `bridge_py`, torch or an `--exports` module) or cannot be run
-  at all, that is a failed start: the worker runs the same command once more
-  with its stdin at end-of-file to read what Python printed on stderr, and
-  builds a `:worker` error naming the executable, the exit status and the
-  missing module (`details.missing_module`, `details.stderr`). Callers that
+  at all, that is a failed start: the worker builds a `:worker` error naming
+  the executable, the exit status and the missing module
+  (`details.missing_module`, and the last lines Python printed under
+  `details.stderr`), from the output Python sent before it exited (see
+  "Output"). A Python that fails before it can send any (it cannot import
+  `bridge_py` itself) is run once more with its stdin at end-of-file, to read
+  what it prints on stderr. Callers that
   were waiting get that error, and so does every call until a start succeeds.
 
   A failed start is not a crash: the worker process stays up (its supervisor
@@ -98,6 +101,19 @@ defmodule VllmBridge.Worker do
   doubled for each failure in a row, at most `:backoff_max` ms. A Python that
   cannot start therefore costs one attempt every 30 s at most, not a crash
   loop that brings the supervision tree down.
+
+  ## Output
+
+  Whatever the Python process writes on its stdout or stderr, Python and C
+  code alike (a `print`, a traceback, torch's C++ warnings), is logged here,
+  line by line, at the `:warning` level, as `"<pool> worker <index> (os pid
+  <pid>): <line>"` with Logger metadata `:pool`, `:index` and `:os_pid`.
+  The worker starts Python with `--output frames`: its fds 1 and 2 are a pipe
+  whose lines come back over the port as frames of their own (docs/protocol.md,
+  "Output"), never mixed with replies. Python bounds them: a line keeps its
+  first 4096 bytes, and past a burst of 1000 lines at most 100 lines a second
+  are sent; the others are dropped, and the count of dropped lines is logged.
+  A flood of output therefore costs neither memory nor the worker's answers.
 
   ## Lifecycle limits
 
@@ -578,6 +594,8 @@ defmodule VllmBridge.Worker do
       waiters: [],
       spawned_at: nil,
       diagnosis: nil,
+      # the last lines Python printed while :starting (output frames)
+      output_tail: [],
       # calls answered, and when memory was last read (monotonic ms)
       calls: 0,
       memory_checked: nil,
@@ -637,6 +655,7 @@ defmodule VllmBridge.Worker do
           python: executable,
           phase: :starting,
           spawned_at: System.monotonic_time(),
+          output_tail: [],
           heard: 0,
           health: nil
       }
@@ -653,7 +672,7 @@ defmodule VllmBridge.Worker do
       :exit_status,
       :use_stdio,
       :hide,
-      args: ["-m", "bridge_py.worker" | Keyword.get(spawn, :args, [])],
+      args: ["-m", "bridge_py.worker", "--output", "frames" | Keyword.get(spawn, :args, [])],
       env: port_env(Keyword.get(spawn, :env, []))
     ] ++ if(cd = spawn[:cd], do: [cd: cd], else: [])
   end
@@ -727,12 +746,7 @@ defmodule VllmBridge.Worker do
   def handle_info({port, {:data, reply}}, %{port: port} = state) do
     case Proto.reply_id(reply) do
       {:ok, 0} ->
-        Logger.warning(
-          "#{describe(state)}: the Python worker could not read a request: " <>
-            error_text(reply)
-        )
-
-        {:noreply, state}
+        {:noreply, unsolicited(state, reply)}
 
       {:ok, id} ->
         case :ets.take(state.table, id) do
@@ -864,6 +878,7 @@ defmodule VllmBridge.Worker do
         attempt: 0,
         last_error: nil,
         diagnosis: nil,
+        output_tail: [],
         waiters: [],
         heard: port_input(state.port)
     }
@@ -930,14 +945,18 @@ defmodule VllmBridge.Worker do
     min(state.backoff_max, state.backoff_min * Integer.pow(2, min(attempt - 1, 20)))
   end
 
-  # Why Python did not start, from its own words: the same command is run
-  # again with stdin at EOF and stderr captured (only after a failed start,
-  # once per run of failures). Returns {details, summary}.
+  # Why Python did not start, from its own words: the last lines it printed
+  # (output frames, sent before it exited). When it printed nothing through
+  # them (it never got as far as bridge_py: the package or the interpreter
+  # itself is broken), the same command is run again with stdin at EOF and
+  # stderr captured (once per run of failures). Returns {details, summary}.
+  defp diagnosis(%{output_tail: [_ | _] = lines}), do: diagnose(Enum.join(lines, "\n"))
+
   defp diagnosis(%{diagnosis: %{} = diagnosis}), do: {diagnosis, diagnosis_summary(diagnosis)}
 
-  defp diagnosis(state) do
-    output = rerun(state)
+  defp diagnosis(state), do: diagnose(rerun(state))
 
+  defp diagnose(output) do
     lines =
       output
       |> String.split("\n", trim: true)
@@ -1292,10 +1311,66 @@ defmodule VllmBridge.Worker do
   defp describe(%{pool: nil}), do: "VllmBridge.Worker #{inspect(self())}"
   defp describe(%{pool: pool, index: index}), do: "#{inspect(pool)} worker #{index}"
 
-  defp error_text(reply) do
+  # A reply with id 0: what the Python process printed (an output frame), or
+  # a request it could not read.
+  defp unsolicited(state, reply) do
     case Proto.decode_reply(reply) do
-      {:ok, %{result: {:error, %{message: message}}}} -> message
-      _ -> "(undecodable reply)"
+      {:ok, %{result: {:output, output}}} ->
+        output(state, output)
+
+      {:ok, %{result: {:error, %{message: message}}}} ->
+        Logger.warning(
+          "#{describe(state)}: the Python worker could not read a request: #{message}",
+          log_metadata(state)
+        )
+
+        state
+
+      _ ->
+        Logger.warning("#{describe(state)}: unreadable reply with id 0", log_metadata(state))
+        state
+    end
+  end
+
+  # Logs what the Python process printed, line by line, attributed to this
+  # worker (the Python side has bounded it: see "Output" in the moduledoc);
+  # while starting, keeps the last lines for the diagnosis of a failed start.
+  defp output(state, %{text: text, dropped: dropped}) do
+    metadata = log_metadata(state)
+
+    if dropped > 0 do
+      Logger.warning(
+        "#{describe(state)} (os pid #{state.os_pid}): #{dropped} more lines printed by " <>
+          "the Python worker were dropped (over its output rate limit)",
+        metadata
+      )
+    end
+
+    lines = text |> IO.iodata_to_binary() |> String.split("\n", trim: true)
+
+    for line <- lines do
+      Logger.warning("#{describe(state)} (os pid #{state.os_pid}): #{printable(line)}", metadata)
+    end
+
+    case state do
+      %{phase: :starting} ->
+        %{state | output_tail: Enum.take(state.output_tail ++ lines, -@stderr_lines)}
+
+      _ ->
+        state
+    end
+  end
+
+  defp log_metadata(state), do: [pool: state.pool, index: state.index, os_pid: state.os_pid]
+
+  # Output is bytes; Logger takes text: bytes that are not UTF-8 become U+FFFD.
+  defp printable(line) do
+    if String.valid?(line) do
+      line
+    else
+      for char <- String.codepoints(line),
+          into: "",
+          do: if(String.valid?(char), do: char, else: "\uFFFD")
     end
   end
 

@@ -198,6 +198,11 @@ defmodule VllmBridge.FuzzTest do
               flunk(failure(ctx, "Error.from_reply/1 gave #{inspect(other, limit: 20)}", frame))
           end
 
+        {:ok, %{result: {:output, %{text: text, dropped: dropped}}}} ->
+          # what the worker logs from an output frame
+          assert is_binary(text) and is_integer(dropped) and dropped >= 0,
+                 failure(ctx, "an output frame decoded to bad fields", frame)
+
         {:error, _} ->
           :ok
       end

@@ -126,7 +126,10 @@ defmodule VllmBridge.Fuzz do
     id = Enum.random([1, 127, 128, 0xFFFFFFFFFFFFFFFF, between(1, 1_000_000)])
 
     result =
-      case :rand.uniform(3) do
+      case :rand.uniform(4) do
+        4 ->
+          {:output, %{text: text(), dropped: Enum.random([0, 1, between(2, 1_000_000)])}}
+
         3 ->
           {:error,
            %{
