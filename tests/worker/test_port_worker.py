@@ -242,3 +242,34 @@ def test_a_negative_read_spin_is_refused_at_start() -> None:
         assert b"--spin-us: must be a number >= 0, got -5" in client.stderr.read()
     finally:
         client.close()
+
+
+def test_a_reader_that_went_away_stops_the_worker_quietly(tmp_path) -> None:
+    # The BEAM closed the port while a call was running: the reply's write fails with
+    # EPIPE. The worker stops serving without a traceback on stderr.
+    from tests.worker.processes import start_worker
+
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        proc = start_worker(exports="tests.worker.sample_exports:table", stderr=stderr)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        for id_, op in [(1, pb.Ping()), (2, pb.CallFunction("sleep", args=PLAIN.encode([0.3])))]:
+            frame = pb.encode_request(pb.Request(id=id_, op=op))
+            proc.stdin.write(struct.pack(">I", len(frame)) + frame)
+            proc.stdin.flush()
+            if id_ == 1:  # the worker is up once it answers
+                (size,) = struct.unpack(">I", proc.stdout.read(4))
+                proc.stdout.read(size)
+        proc.stdout.close()  # nobody reads the sleep's reply
+        time.sleep(1.5)  # the call ends, its reply's write fails
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.read_text(errors="replace")
+    assert proc.returncode == 0
+    for noise in ("Traceback", "BrokenPipeError", "Exception in thread"):
+        assert noise not in text, text

@@ -115,9 +115,13 @@ class PortTransport:
                     if self._leader != me:  # a standby took over while this call blocked
                         return
                     self._running = False
+        except (BrokenPipeError, ConnectionResetError):
+            # The reader of our replies is gone (the BEAM closed the port): nobody can
+            # hear us any more, so stop serving, quietly.
+            self._done.set()
         except BaseException:
-            # Only a broken output gets here (admit and run answer everything else):
-            # nobody can hear us any more, so stop serving.
+            # Anything else here is a bug of ours (admit and run answer every request):
+            # stop serving, and let it be seen.
             self._done.set()
             raise
         finally:
