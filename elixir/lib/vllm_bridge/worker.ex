@@ -141,8 +141,7 @@ defmodule VllmBridge.Worker do
   require Logger
 
   alias VllmBridge.{Error, Proto, Telemetry}
-
-  @project_root Path.expand("../../..", __DIR__)
+  alias VllmBridge.Worker.{Command, OSProcess}
 
   @health_interval 5_000
   @health_timeout 5_000
@@ -154,9 +153,7 @@ defmodule VllmBridge.Worker do
   # the back-off between failed starts of a Python process (ms)
   @backoff_min 500
   @backoff_max 30_000
-  # a failed start is run again to read its stderr: this long at most (ms),
-  # and this many of its last lines are kept
-  @diagnosis_timeout 30_000
+  # this many of the last lines a failed start printed are kept
   @stderr_lines 8
   # memory is read at most this often after calls (ms)
   @memory_interval 1_000
@@ -540,20 +537,11 @@ defmodule VllmBridge.Worker do
   documentation).
   """
   @spec find_python(keyword()) :: Path.t()
-  def find_python(opts \\ []) do
-    venv = Path.join(@project_root, ".venv/bin/python")
-
-    cond do
-      python = opts[:python] -> python
-      (python = System.get_env("VLLM_BRIDGE_PYTHON")) not in [nil, ""] -> python
-      File.exists?(venv) -> venv
-      true -> "python3"
-    end
-  end
+  def find_python(opts \\ []), do: Command.find_python(opts)
 
   @doc "The project root, where `bridge_py` lives (fixed at compile time)."
   @spec project_root() :: Path.t()
-  def project_root, do: @project_root
+  def project_root, do: Command.project_root()
 
   ## Server ------------------------------------------------------------------
 
@@ -635,17 +623,15 @@ defmodule VllmBridge.Worker do
     # entries of callers that wrote to the port of a failed start
     if state.last_error, do: fail_all(state, state.last_error)
 
-    executable =
-      if Path.type(python) == :absolute, do: python, else: System.find_executable(python)
+    executable = Command.executable(python)
 
     try do
       if executable == nil, do: raise(ErlangError, original: :enoent)
-      port = Port.open({:spawn_executable, executable}, port_options(state.spawn))
-      {:os_pid, os_pid} = Port.info(port, :os_pid)
+      {port, os_pid} = OSProcess.open(executable, state.spawn)
       id = new_id()
       :ets.insert(state.table, {id, :handshake, nil})
       {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
-      write(port, frame)
+      OSProcess.write(port, frame)
       publish(state.registry, {:channel, self(), port, state.table})
 
       %{
@@ -665,18 +651,6 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  defp port_options(spawn) do
-    [
-      :binary,
-      {:packet, 4},
-      :exit_status,
-      :use_stdio,
-      :hide,
-      args: ["-m", "bridge_py.worker", "--output", "frames" | Keyword.get(spawn, :args, [])],
-      env: port_env(Keyword.get(spawn, :env, []))
-    ] ++ if(cd = spawn[:cd], do: [cd: cd], else: [])
-  end
-
   defp publish(nil, _channel), do: :ok
 
   defp publish({registry, key}, channel) do
@@ -689,7 +663,7 @@ defmodule VllmBridge.Worker do
       when phase in [:starting, :ready] do
     if :ets.insert_new(state.table, {id, from, caller}) do
       try do
-        write(state.port, frame)
+        OSProcess.write(state.port, frame)
         {:noreply, state}
       rescue
         ArgumentError ->
@@ -818,7 +792,7 @@ defmodule VllmBridge.Worker do
           state
 
         %{health: nil} ->
-          case port_input(state.port) do
+          case OSProcess.input_bytes(state.port) do
             heard when heard != state.heard -> %{state | heard: heard}
             _same -> health_ping(state)
           end
@@ -839,7 +813,7 @@ defmodule VllmBridge.Worker do
   def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
     :ets.delete(state.table, id)
 
-    case port_input(state.port) do
+    case OSProcess.input_bytes(state.port) do
       heard when heard != state.heard -> {:noreply, %{state | heard: heard, health: nil}}
       _same -> unresponsive(state)
     end
@@ -880,7 +854,7 @@ defmodule VllmBridge.Worker do
         diagnosis: nil,
         output_tail: [],
         waiters: [],
-        heard: port_input(state.port)
+        heard: OSProcess.input_bytes(state.port)
     }
   end
 
@@ -954,7 +928,7 @@ defmodule VllmBridge.Worker do
 
   defp diagnosis(%{diagnosis: %{} = diagnosis}), do: {diagnosis, diagnosis_summary(diagnosis)}
 
-  defp diagnosis(state), do: diagnose(rerun(state))
+  defp diagnosis(state), do: diagnose(OSProcess.rerun(state.python, state.spawn))
 
   defp diagnose(output) do
     lines =
@@ -978,41 +952,6 @@ defmodule VllmBridge.Worker do
     do: "#{String.trim(List.last(lines))} (Python cannot import '#{module}')"
 
   defp diagnosis_summary(%{stderr: lines}), do: String.trim(List.last(lines))
-
-  defp rerun(state) do
-    args = ["-c", "exec \"$0\" \"$@\" </dev/null 2>&1", state.python, "-m", "bridge_py.worker"]
-    opts = state.spawn
-
-    port_opts =
-      [
-        :binary,
-        :exit_status,
-        :hide,
-        args: args ++ Keyword.get(opts, :args, []),
-        env: port_env(Keyword.get(opts, :env, []))
-      ] ++ if(cd = opts[:cd], do: [cd: cd], else: [])
-
-    port = Port.open({:spawn_executable, System.find_executable("sh") || "/bin/sh"}, port_opts)
-    deadline = System.monotonic_time(:millisecond) + @diagnosis_timeout
-    collect(port, deadline, [])
-  rescue
-    error in [ErlangError, ArgumentError] ->
-      "(could not run it again: #{Exception.message(error)})"
-  end
-
-  defp collect(port, deadline, acc) do
-    wait = max(deadline - System.monotonic_time(:millisecond), 0)
-
-    receive do
-      {^port, {:data, data}} -> collect(port, deadline, [acc, data])
-      {^port, {:exit_status, _}} -> IO.iodata_to_binary(acc)
-    after
-      wait ->
-        with {:os_pid, os_pid} <- Port.info(port, :os_pid), do: kill(os_pid)
-        Port.close(port)
-        IO.iodata_to_binary(acc)
-    end
-  end
 
   # What a call through this process gets while no Python process serves it.
   defp unavailable(%{phase: :retiring} = state) do
@@ -1162,21 +1101,13 @@ defmodule VllmBridge.Worker do
     state
   end
 
-  # Bytes read from the port so far (complete frames: every reply counts).
-  defp port_input(port) do
-    case :erlang.port_info(port, :input) do
-      {:input, bytes} -> bytes
-      :undefined -> :closed
-    end
-  end
-
   defp health_ping(state) do
     id = new_id()
     :ets.insert(state.table, {id, :health, nil})
     {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
 
     try do
-      write(state.port, frame)
+      OSProcess.write(state.port, frame)
     rescue
       # the port closed: its exit notice is on its way
       ArgumentError -> :ok
@@ -1192,7 +1123,7 @@ defmodule VllmBridge.Worker do
   # The reply to the health ping: Python is alive; the next tick looks again.
   defp answered(%{health: {_id, timer}} = state) do
     Process.cancel_timer(timer)
-    %{state | health: nil, heard: port_input(state.port)}
+    %{state | health: nil, heard: OSProcess.input_bytes(state.port)}
   end
 
   defp answered(state), do: state
@@ -1205,7 +1136,7 @@ defmodule VllmBridge.Worker do
         "for #{waited} ms after a health ping, so it was killed"
 
     Logger.error("#{describe(state)} (os pid #{state.os_pid}): #{message}")
-    kill(state.os_pid)
+    OSProcess.kill(state.os_pid)
     exited(state, :unresponsive, nil)
     fail_pending(state, message, %{reason: :unresponsive})
     {:stop, {:shutdown, :unresponsive}, %{state | phase: :gone}}
@@ -1215,13 +1146,6 @@ defmodule VllmBridge.Worker do
   # is still starting.
   defp ping_wait(%{heard: 0} = state), do: max(state.health_timeout, @startup_grace)
   defp ping_wait(state), do: state.health_timeout
-
-  # SIGKILL: a stopped or wedged process ignores anything milder. (It cannot
-  # have been reaped yet, so the pid is still its own: the port holds it.)
-  defp kill(os_pid) do
-    _ = :os.cmd(~c"kill -KILL #{os_pid}")
-    :ok
-  end
 
   # Forgets the entries of callers that died (local ones: a remote caller of
   # the worker's pid cannot be asked cheaply, and its call times out anyway).
@@ -1233,23 +1157,6 @@ defmodule VllmBridge.Worker do
     end
 
     :ok
-  end
-
-  # This process never waits on a busy port (the pipe to a Python that reads
-  # nothing stays full): it could not run its health checks. A frame that
-  # cannot go at once is written by a process of its own, in the background.
-  defp write(port, frame) do
-    unless Port.command(port, frame, [:nosuspend]) do
-      spawn(fn ->
-        try do
-          Port.command(port, frame)
-        rescue
-          ArgumentError -> :ok
-        end
-      end)
-    end
-
-    true
   end
 
   @impl true
@@ -1372,27 +1279,5 @@ defmodule VllmBridge.Worker do
           into: "",
           do: if(String.valid?(char), do: char, else: "\uFFFD")
     end
-  end
-
-  defp port_env(env) do
-    env = Enum.map(env, fn {k, v} -> {to_string(k), v && to_string(v)} end)
-
-    pythonpath =
-      case List.keyfind(env, "PYTHONPATH", 0) do
-        {_, value} when value not in [nil, ""] -> value
-        _ -> System.get_env("PYTHONPATH")
-      end
-
-    pythonpath =
-      if pythonpath in [nil, ""],
-        do: @project_root,
-        else: @project_root <> ":" <> pythonpath
-
-    env
-    |> List.keystore("PYTHONPATH", 0, {"PYTHONPATH", pythonpath})
-    |> Enum.map(fn
-      {k, nil} -> {String.to_charlist(k), false}
-      {k, v} -> {String.to_charlist(k), String.to_charlist(v)}
-    end)
   end
 end
