@@ -141,7 +141,7 @@ defmodule VllmBridge.Worker do
   require Logger
 
   alias VllmBridge.{Error, Proto, Telemetry}
-  alias VllmBridge.Worker.{Command, OSProcess}
+  alias VllmBridge.Worker.{Call, Command, OSProcess, Pending}
 
   @health_interval 5_000
   @health_timeout 5_000
@@ -344,7 +344,7 @@ defmodule VllmBridge.Worker do
        )}
 
     :exit, {reason, _} ->
-      {:error, not_running(worker, reason)}
+      {:error, Call.not_running(worker, reason)}
   end
 
   @doc """
@@ -368,31 +368,21 @@ defmodule VllmBridge.Worker do
   @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
   def request({:channel, pid, port, table}, id, frame, timeout) do
-    with :ok <- check_frame(frame) do
-      # The monitor's alias is the reply address: it stops taking messages when
-      # the monitor goes (alias: :demonitor), so a reply that comes after the
-      # deadline is dropped, as it is for GenServer.call.
-      tag = :erlang.monitor(:process, pid, alias: :demonitor)
-
-      case enter(table, id, tag) do
-        :ok -> command(port, frame, table, id, tag, pid, timeout)
-        {:error, _} = error -> forget(tag, error)
-      end
-    end
+    Call.through_channel(pid, port, table, id, frame, timeout)
   end
 
   def request(worker, id, frame, timeout) do
-    with :ok <- check_frame(frame) do
+    with :ok <- Call.check_frame(frame) do
       GenServer.call(worker, {:request, id, frame}, timeout)
     end
   catch
     :exit, {:timeout, _} ->
       GenServer.cast(worker, {:cancel, id})
 
-      {:error, timed_out(worker, id, timeout)}
+      {:error, Call.timed_out(worker, id, timeout)}
 
     :exit, {reason, _} ->
-      {:error, not_running(worker, reason)}
+      {:error, Call.not_running(worker, reason)}
   end
 
   @doc """
@@ -402,7 +392,7 @@ defmodule VllmBridge.Worker do
   @spec send_request(server(), pos_integer(), iodata()) ::
           {server(), pos_integer(), term() | {:error, Error.t()}}
   def send_request(worker, id, frame) do
-    case check_frame(frame) do
+    case Call.check_frame(frame) do
       :ok -> {worker, id, :gen_server.send_request(worker, {:request, id, frame})}
       {:error, _} = error -> {worker, id, error}
     end
@@ -424,87 +414,11 @@ defmodule VllmBridge.Worker do
       :timeout ->
         GenServer.cast(worker, {:cancel, id})
 
-        {:error, timed_out(worker, id, timeout)}
+        {:error, Call.timed_out(worker, id, timeout)}
 
       {:error, {reason, _}} ->
-        {:error, not_running(worker, reason)}
+        {:error, Call.not_running(worker, reason)}
     end
-  end
-
-  # An entry: {id, reply address, caller pid} (the pid lets the worker find
-  # entries whose caller died; see "Health checks").
-  defp enter(table, id, tag) do
-    if :ets.insert_new(table, {id, tag, self()}),
-      do: :ok,
-      else: {:error, Error.new(:bad_args, "request id #{id} is already in flight")}
-  rescue
-    # The table went with its worker: the monitor's :DOWN says why.
-    ArgumentError -> :ok
-  end
-
-  defp command(port, frame, table, id, tag, pid, timeout) do
-    Port.command(port, frame)
-    await_reply(tag, table, id, pid, timeout)
-  rescue
-    # The port closed (Python exited): the worker's exit notice is on its way
-    # (or, for a Python that failed to start, the worker answers the entry on
-    # its next health tick or start: see "Start-up").
-    ArgumentError -> await_reply(tag, table, id, pid, timeout)
-  end
-
-  defp await_reply(tag, table, id, pid, timeout) do
-    receive do
-      {^tag, result} ->
-        Process.demonitor(tag, [:flush])
-        result
-
-      {:DOWN, ^tag, :process, _, reason} ->
-        {:error, not_running(pid, reason)}
-    after
-      timeout ->
-        leave(table, id)
-
-        # A reply sent before the alias went is kept: it is the answer.
-        forget(
-          tag,
-          {:error, timed_out(pid, id, timeout)}
-        )
-    end
-  end
-
-  defp leave(table, id) do
-    :ets.delete(table, id)
-  rescue
-    ArgumentError -> true
-  end
-
-  defp forget(tag, error) do
-    Process.demonitor(tag, [:flush])
-
-    receive do
-      {^tag, result} -> result
-    after
-      0 -> error
-    end
-  end
-
-  defp timed_out(worker, id, timeout) do
-    Error.new(:timeout, "no reply from the worker within #{timeout} ms",
-      details: %{worker: worker, id: id, timeout: timeout}
-    )
-  end
-
-  defp not_running(worker, reason) do
-    Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
-      details: %{worker: worker, reason: reason}
-    )
-  end
-
-  defp check_frame(frame) do
-    _ = :erlang.iolist_size(frame)
-    :ok
-  rescue
-    ArgumentError -> {:error, Error.new(:bad_args, "request frame is not iodata")}
   end
 
   @doc """
@@ -554,7 +468,7 @@ defmodule VllmBridge.Worker do
     # Entries are {id, reply address, caller pid}; a health ping's is
     # {id, :health, nil}, the start handshake's {id, :handshake, nil}. The
     # table outlives the Python processes of failed starts.
-    table = :ets.new(__MODULE__, [:set, :public, write_concurrency: true])
+    table = Pending.new()
 
     state = %{
       port: nil,
@@ -629,7 +543,7 @@ defmodule VllmBridge.Worker do
       if executable == nil, do: raise(ErlangError, original: :enoent)
       {port, os_pid} = OSProcess.open(executable, state.spawn)
       id = new_id()
-      :ets.insert(state.table, {id, :handshake, nil})
+      Pending.enter_own(state.table, id, :handshake)
       {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
       OSProcess.write(port, frame)
       publish(state.registry, {:channel, self(), port, state.table})
@@ -661,19 +575,21 @@ defmodule VllmBridge.Worker do
   @impl true
   def handle_call({:request, id, frame}, {caller, _} = from, %{phase: phase} = state)
       when phase in [:starting, :ready] do
-    if :ets.insert_new(state.table, {id, from, caller}) do
-      try do
-        OSProcess.write(state.port, frame)
-        {:noreply, state}
-      rescue
-        ArgumentError ->
-          # Port.command also fails on a port that closed because Python exited
-          # (the exit message is still behind this request in the mailbox).
-          :ets.delete(state.table, id)
-          {:reply, {:error, command_error(state)}, state}
-      end
-    else
-      {:reply, {:error, Error.new(:bad_args, "request id #{id} is already in flight")}, state}
+    case Pending.enter(state.table, id, from, caller) do
+      :ok ->
+        try do
+          OSProcess.write(state.port, frame)
+          {:noreply, state}
+        rescue
+          ArgumentError ->
+            # Port.command also fails on a port that closed because Python exited
+            # (the exit message is still behind this request in the mailbox).
+            Pending.delete(state.table, id)
+            {:reply, {:error, command_error(state)}, state}
+        end
+
+      {:error, _} = error ->
+        {:reply, error, state}
     end
   end
 
@@ -690,12 +606,10 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_call(:info, _from, state) do
-    own = :ets.select_count(state.table, [{{:_, :"$1", :_}, [{:is_atom, :"$1"}], [true]}])
-
     info = %{
       os_pid: state.os_pid,
       python: state.python,
-      pending: :ets.info(state.table, :size) - own,
+      pending: Pending.pending(state.table),
       pool: state.pool,
       index: state.index,
       health_interval: state.health_interval,
@@ -712,7 +626,7 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_cast({:cancel, id}, state) do
-    :ets.delete(state.table, id)
+    Pending.delete(state.table, id)
     {:noreply, state}
   end
 
@@ -723,20 +637,20 @@ defmodule VllmBridge.Worker do
         {:noreply, unsolicited(state, reply)}
 
       {:ok, id} ->
-        case :ets.take(state.table, id) do
-          [{_id, :health, _}] ->
+        case Pending.take(state.table, id) do
+          :health ->
             {:noreply, answered(state)}
 
-          [{_id, :handshake, _}] ->
+          :handshake ->
             {:noreply, started(state)}
 
-          [{_id, to, _caller}] ->
-            answer(to, {:ok, reply})
-            after_call(state)
-
           # No entry: the caller timed out and went away; drop the late reply.
-          [] ->
+          nil ->
             {:noreply, state}
+
+          to ->
+            Pending.answer(to, {:ok, reply})
+            after_call(state)
         end
 
       {:error, error} ->
@@ -780,7 +694,7 @@ defmodule VllmBridge.Worker do
   # Every tick: sweep; then, unless checks are off or a ping is in flight,
   # ping Python if nothing came from it since the last tick.
   def handle_info(:health_tick, state) do
-    sweep(state.table)
+    Pending.sweep(state.table)
     if state.phase == :backoff, do: fail_all(state, state.last_error)
 
     state =
@@ -811,7 +725,7 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
-    :ets.delete(state.table, id)
+    Pending.delete(state.table, id)
 
     case OSProcess.input_bytes(state.port) do
       heard when heard != state.heard -> {:noreply, %{state | heard: heard, health: nil}}
@@ -1048,10 +962,8 @@ defmodule VllmBridge.Worker do
   defp drain(%{replace_requested: true} = state), do: {:noreply, state}
 
   defp drain(state) do
-    callers = :ets.select_count(state.table, [{{:_, :_, :"$1"}, [{:is_pid, :"$1"}], [true]}])
-
     cond do
-      callers > 0 ->
+      Pending.callers(state.table) > 0 ->
         {:noreply, state}
 
       replacer = replacer(state.registry) ->
@@ -1103,7 +1015,7 @@ defmodule VllmBridge.Worker do
 
   defp health_ping(state) do
     id = new_id()
-    :ets.insert(state.table, {id, :health, nil})
+    Pending.enter_own(state.table, id, :health)
     {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
 
     try do
@@ -1147,18 +1059,6 @@ defmodule VllmBridge.Worker do
   defp ping_wait(%{heard: 0} = state), do: max(state.health_timeout, @startup_grace)
   defp ping_wait(state), do: state.health_timeout
 
-  # Forgets the entries of callers that died (local ones: a remote caller of
-  # the worker's pid cannot be asked cheaply, and its call times out anyway).
-  defp sweep(table) do
-    for {id, pid} <-
-          :ets.select(table, [{{:"$1", :_, :"$2"}, [{:is_pid, :"$2"}], [{{:"$1", :"$2"}}]}]),
-        node(pid) == node() and not Process.alive?(pid) do
-      :ets.delete(table, id)
-    end
-
-    :ok
-  end
-
   @impl true
   def terminate(_reason, %{port: port} = state) do
     if port != nil and state.phase != :gone,
@@ -1181,12 +1081,6 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
-  # A reply address is a caller's alias (through the channel), a `from`, or
-  # :health for this process's own health ping (nothing to hand over).
-  defp answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
-  defp answer(own, _result) when own in [:health, :handshake], do: :ok
-  defp answer(from, result), do: GenServer.reply(from, result)
-
   defp fail_pending(state, message, details) do
     error =
       Error.new(:worker, message,
@@ -1196,14 +1090,8 @@ defmodule VllmBridge.Worker do
     fail_all(state, error)
   end
 
-  defp fail_all(state, error) do
-    # (taken one by one: terminate/2 sweeps again, and each caller hears once)
-    for {id, _to, _caller} <- :ets.tab2list(state.table),
-        [{_id, to, _caller}] <- [:ets.take(state.table, id)],
-        do: answer(to, {:error, error})
-
-    :ok
-  end
+  # (taken one by one: terminate/2 sweeps again, and each caller hears once)
+  defp fail_all(state, error), do: Pending.fail_all(state.table, error)
 
   defp command_error(state) do
     if Port.info(state.port) == nil do
