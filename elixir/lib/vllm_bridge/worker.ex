@@ -141,7 +141,7 @@ defmodule VllmBridge.Worker do
   require Logger
 
   alias VllmBridge.{Error, Proto, Telemetry}
-  alias VllmBridge.Worker.{Call, Command, OSProcess, Pending}
+  alias VllmBridge.Worker.{Call, Command, OSProcess, Pending, Startup}
 
   @health_interval 5_000
   @health_timeout 5_000
@@ -153,8 +153,6 @@ defmodule VllmBridge.Worker do
   # the back-off between failed starts of a Python process (ms)
   @backoff_min 500
   @backoff_max 30_000
-  # this many of the last lines a failed start printed are kept
-  @stderr_lines 8
   # memory is read at most this often after calls (ms)
   @memory_interval 1_000
   # a retiring worker waits this long for callers that had already looked it up
@@ -776,38 +774,11 @@ defmodule VllmBridge.Worker do
   # before answering its start handshake: every waiting caller gets the
   # error, and the next start is scheduled after a back-off.
   defp start_failed(state, status, reason) do
-    attempt = state.attempt + 1
-    {diagnosis, summary} = if reason, do: {nil, reason}, else: diagnosis(state)
-    delay = backoff(state, attempt)
+    %{attempt: attempt, delay: delay, diagnosis: diagnosis, error: error} =
+      Startup.failure(state, status, reason, describe(state))
 
-    what =
-      if status,
-        do: "#{state.python} -m bridge_py.worker exited with status #{status} before answering: ",
-        else: ""
-
-    message =
-      "#{describe(state)}: the Python worker could not start: #{what}#{summary} " <>
-        "(failed starts in a row: #{attempt}; next try in #{delay} ms)"
-
-    Logger.error(message)
+    Logger.error(error.message)
     if status, do: exited(state, :start_failed, status)
-
-    details = %{
-      pool: state.pool,
-      index: state.index,
-      python: state.python,
-      exit_status: status,
-      attempt: attempt,
-      retry_in: delay
-    }
-
-    details =
-      case diagnosis do
-        %{} -> Map.merge(details, diagnosis)
-        nil -> details
-      end
-
-    error = Error.new(:worker, message, details: details)
 
     for from <- state.waiters, do: GenServer.reply(from, {:error, error})
     fail_all(state, error)
@@ -826,46 +797,6 @@ defmodule VllmBridge.Worker do
         health: nil
     }
   end
-
-  # A bounded exponential back-off: backoff_min, doubled per failed start in
-  # a row, at most backoff_max.
-  defp backoff(state, attempt) do
-    min(state.backoff_max, state.backoff_min * Integer.pow(2, min(attempt - 1, 20)))
-  end
-
-  # Why Python did not start, from its own words: the last lines it printed
-  # (output frames, sent before it exited). When it printed nothing through
-  # them (it never got as far as bridge_py: the package or the interpreter
-  # itself is broken), the same command is run again with stdin at EOF and
-  # stderr captured (once per run of failures). Returns {details, summary}.
-  defp diagnosis(%{output_tail: [_ | _] = lines}), do: diagnose(Enum.join(lines, "\n"))
-
-  defp diagnosis(%{diagnosis: %{} = diagnosis}), do: {diagnosis, diagnosis_summary(diagnosis)}
-
-  defp diagnosis(state), do: diagnose(OSProcess.rerun(state.python, state.spawn))
-
-  defp diagnose(output) do
-    lines =
-      output
-      |> String.split("\n", trim: true)
-      |> Enum.take(-@stderr_lines)
-
-    missing =
-      case Regex.scan(~r/No module named '([^']+)'/, output) do
-        [] -> nil
-        found -> found |> List.last() |> Enum.at(1)
-      end
-
-    diagnosis = %{stderr: lines, missing_module: missing}
-    {diagnosis, diagnosis_summary(diagnosis)}
-  end
-
-  defp diagnosis_summary(%{stderr: []}), do: "it printed nothing on stderr"
-
-  defp diagnosis_summary(%{missing_module: module, stderr: lines}) when is_binary(module),
-    do: "#{String.trim(List.last(lines))} (Python cannot import '#{module}')"
-
-  defp diagnosis_summary(%{stderr: lines}), do: String.trim(List.last(lines))
 
   # What a call through this process gets while no Python process serves it.
   defp unavailable(%{phase: :retiring} = state) do
@@ -1149,7 +1080,7 @@ defmodule VllmBridge.Worker do
 
     case state do
       %{phase: :starting} ->
-        %{state | output_tail: Enum.take(state.output_tail ++ lines, -@stderr_lines)}
+        %{state | output_tail: Startup.keep_tail(state.output_tail, lines)}
 
       _ ->
         state
