@@ -141,7 +141,7 @@ defmodule VllmBridge.Worker do
   require Logger
 
   alias VllmBridge.{Error, Proto, Telemetry}
-  alias VllmBridge.Worker.{Call, Command, OSProcess, Pending, Startup}
+  alias VllmBridge.Worker.{Call, Command, Limits, OSProcess, Options, Pending, Startup}
 
   @health_interval 5_000
   @health_timeout 5_000
@@ -153,8 +153,6 @@ defmodule VllmBridge.Worker do
   # the back-off between failed starts of a Python process (ms)
   @backoff_min 500
   @backoff_max 30_000
-  # memory is read at most this often after calls (ms)
-  @memory_interval 1_000
   # a retiring worker waits this long for callers that had already looked it up
   @drain_grace 50
 
@@ -255,31 +253,7 @@ defmodule VllmBridge.Worker do
       ":health_timeout must be a positive integer (ms), got 0"
   """
   @spec check_health_options(keyword()) :: :ok | {:error, Error.t()}
-  def check_health_options(opts) when is_list(opts) do
-    interval = Keyword.get(opts, :health_interval, @health_interval)
-    timeout = Keyword.get(opts, :health_timeout, @health_timeout)
-
-    cond do
-      not ((is_integer(interval) and interval > 0) or interval == false) ->
-        {:error,
-         Error.new(
-           :bad_args,
-           ":health_interval must be a positive integer (ms) or false, got #{inspect(interval)}",
-           details: %{health_interval: interval}
-         )}
-
-      not (is_integer(timeout) and timeout > 0) ->
-        {:error,
-         Error.new(
-           :bad_args,
-           ":health_timeout must be a positive integer (ms), got #{inspect(timeout)}",
-           details: %{health_timeout: timeout}
-         )}
-
-      true ->
-        :ok
-    end
-  end
+  def check_health_options(opts) when is_list(opts), do: Options.check_health(opts)
 
   @doc """
   Checks the `:max_calls`, `:max_memory_mb`, `:backoff_min` and
@@ -296,30 +270,7 @@ defmodule VllmBridge.Worker do
       ":max_memory_mb must be a positive integer (MB) or nil, got 0"
   """
   @spec check_lifecycle_options(keyword()) :: :ok | {:error, Error.t()}
-  def check_lifecycle_options(opts) when is_list(opts) do
-    checks = [
-      max_calls: {"a positive integer or nil", &(&1 == nil or (is_integer(&1) and &1 > 0))},
-      max_memory_mb:
-        {"a positive integer (MB) or nil", &(&1 == nil or (is_integer(&1) and &1 > 0))},
-      backoff_min: {"a positive integer (ms)", &(is_integer(&1) and &1 > 0)},
-      backoff_max: {"a positive integer (ms)", &(is_integer(&1) and &1 > 0)}
-    ]
-
-    Enum.find_value(checks, :ok, fn {key, {what, valid?}} ->
-      case Keyword.fetch(opts, key) do
-        {:ok, value} ->
-          unless valid?.(value) do
-            {:error,
-             Error.new(:bad_args, "#{inspect(key)} must be #{what}, got #{inspect(value)}",
-               details: %{key => value}
-             )}
-          end
-
-        :error ->
-          nil
-      end
-    end)
-  end
+  def check_lifecycle_options(opts) when is_list(opts), do: Options.check_lifecycle(opts)
 
   @doc """
   Waits until the worker's Python process has answered its start handshake.
@@ -818,60 +769,20 @@ defmodule VllmBridge.Worker do
   defp after_call(state) do
     state = %{state | calls: state.calls + 1}
 
-    cond do
-      is_integer(state.max_calls) and state.calls >= state.max_calls ->
-        {:noreply, retire(state, "it answered #{state.calls} calls (max_calls)")}
-
-      is_integer(state.max_memory_mb) ->
-        check_memory(state, false)
-
-      true ->
-        {:noreply, state}
+    case Limits.calls(state) do
+      {:over, why} -> {:noreply, retire(state, why)}
+      :ok when is_integer(state.max_memory_mb) -> check_memory(state, false)
+      :ok -> {:noreply, state}
     end
   end
 
   # Reads the Python process's resident memory (at most once a second unless
   # `now`) and retires the worker when it is over :max_memory_mb.
   defp check_memory(state, now) do
-    time = System.monotonic_time(:millisecond)
-
-    if now or state.memory_checked == nil or time - state.memory_checked >= @memory_interval do
-      state = %{state | memory_checked: time}
-
-      case rss_mb(state.os_pid) do
-        mb when is_integer(mb) and mb > state.max_memory_mb ->
-          {:noreply,
-           retire(
-             state,
-             "its Python process uses #{mb} MB (max_memory_mb #{state.max_memory_mb})"
-           )}
-
-        _ ->
-          {:noreply, state}
-      end
-    else
-      {:noreply, state}
+    case Limits.memory(state, now) do
+      {:ok, state} -> {:noreply, state}
+      {:over, why, state} -> {:noreply, retire(state, why)}
     end
-  end
-
-  defp rss_mb(nil), do: nil
-
-  defp rss_mb(os_pid) do
-    case File.read("/proc/#{os_pid}/status") do
-      {:ok, status} ->
-        case Regex.run(~r/^VmRSS:\s+(\d+) kB/m, status) do
-          [_, kib] -> div(String.to_integer(kib), 1024)
-          nil -> nil
-        end
-
-      {:error, _} ->
-        case System.cmd("ps", ["-o", "rss=", "-p", Integer.to_string(os_pid)]) do
-          {kib, 0} -> div(String.to_integer(String.trim(kib)), 1024)
-          _ -> nil
-        end
-    end
-  rescue
-    _ -> nil
   end
 
   # Over a limit: leave the registry (no new call is routed here; refs into
