@@ -141,15 +141,21 @@ defmodule VllmBridge.Worker do
   require Logger
 
   alias VllmBridge.{Error, Proto, Telemetry}
-  alias VllmBridge.Worker.{Call, Command, Limits, OSProcess, Options, Pending, Startup}
+
+  alias VllmBridge.Worker.{
+    Call,
+    Command,
+    Health,
+    Limits,
+    OSProcess,
+    Options,
+    Output,
+    Pending,
+    Startup
+  }
 
   @health_interval 5_000
   @health_timeout 5_000
-  # the sweep of dead callers' entries when health checks are off
-  @sweep_interval 5_000
-  # the least time a Python process that has not answered anything yet (it is
-  # starting: importing torch) gets to answer the first health ping
-  @startup_grace 60_000
   # the back-off between failed starts of a Python process (ms)
   @backoff_min 500
   @backoff_max 30_000
@@ -465,7 +471,7 @@ defmodule VllmBridge.Worker do
       )
     end
 
-    {:ok, state |> spawn_python() |> schedule_tick()}
+    {:ok, state |> spawn_python() |> Health.schedule_tick()}
   end
 
   # Counts this start in the pool's array of starts per index: true when a
@@ -493,8 +499,7 @@ defmodule VllmBridge.Worker do
       {port, os_pid} = OSProcess.open(executable, state.spawn)
       id = new_id()
       Pending.enter_own(state.table, id, :handshake)
-      {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
-      OSProcess.write(port, frame)
+      OSProcess.write(port, Health.ping_frame(id))
       publish(state.registry, {:channel, self(), port, state.table})
 
       %{
@@ -583,12 +588,12 @@ defmodule VllmBridge.Worker do
   def handle_info({port, {:data, reply}}, %{port: port} = state) do
     case Proto.reply_id(reply) do
       {:ok, 0} ->
-        {:noreply, unsolicited(state, reply)}
+        {:noreply, printed(state, Output.unsolicited(state, reply))}
 
       {:ok, id} ->
         case Pending.take(state.table, id) do
           :health ->
-            {:noreply, answered(state)}
+            {:noreply, Health.answered(state)}
 
           :handshake ->
             {:noreply, started(state)}
@@ -646,25 +651,7 @@ defmodule VllmBridge.Worker do
     Pending.sweep(state.table)
     if state.phase == :backoff, do: fail_all(state, state.last_error)
 
-    state =
-      case state do
-        %{port: nil} ->
-          state
-
-        %{health_interval: false} ->
-          state
-
-        %{health: nil} ->
-          case OSProcess.input_bytes(state.port) do
-            heard when heard != state.heard -> %{state | heard: heard}
-            _same -> health_ping(state)
-          end
-
-        _ping_in_flight ->
-          state
-      end
-
-    state = schedule_tick(state)
+    state = state |> Health.tick() |> Health.schedule_tick()
 
     # a worker that is idle is checked for memory here, between calls
     case state do
@@ -674,11 +661,9 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
-    Pending.delete(state.table, id)
-
-    case OSProcess.input_bytes(state.port) do
-      heard when heard != state.heard -> {:noreply, %{state | heard: heard, health: nil}}
-      _same -> unresponsive(state)
+    case Health.timed_out(state) do
+      {:alive, state} -> {:noreply, state}
+      :unresponsive -> unresponsive(state)
     end
   end
 
@@ -734,7 +719,7 @@ defmodule VllmBridge.Worker do
     for from <- state.waiters, do: GenServer.reply(from, {:error, error})
     fail_all(state, error)
     publish(state.registry, nil)
-    cancel_health(state)
+    Health.cancel(state)
     Process.send_after(self(), {:retry, delay}, delay)
 
     %{
@@ -845,45 +830,8 @@ defmodule VllmBridge.Worker do
 
   ## Health checks -------------------------------------------------------------
 
-  defp schedule_tick(%{health_interval: false} = state) do
-    Process.send_after(self(), :health_tick, @sweep_interval)
-    state
-  end
-
-  defp schedule_tick(%{health_interval: interval} = state) do
-    Process.send_after(self(), :health_tick, interval)
-    state
-  end
-
-  defp health_ping(state) do
-    id = new_id()
-    Pending.enter_own(state.table, id, :health)
-    {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
-
-    try do
-      OSProcess.write(state.port, frame)
-    rescue
-      # the port closed: its exit notice is on its way
-      ArgumentError -> :ok
-    end
-
-    timer = Process.send_after(self(), {:health_timeout, id}, ping_wait(state))
-    %{state | health: {id, timer}}
-  end
-
-  defp cancel_health(%{health: {_id, timer}}), do: Process.cancel_timer(timer)
-  defp cancel_health(_state), do: false
-
-  # The reply to the health ping: Python is alive; the next tick looks again.
-  defp answered(%{health: {_id, timer}} = state) do
-    Process.cancel_timer(timer)
-    %{state | health: nil, heard: OSProcess.input_bytes(state.port)}
-  end
-
-  defp answered(state), do: state
-
   defp unresponsive(state) do
-    waited = ping_wait(state)
+    waited = Health.ping_wait(state)
 
     message =
       "the Python worker (os pid #{state.os_pid}) stopped answering: nothing came from it " <>
@@ -895,11 +843,6 @@ defmodule VllmBridge.Worker do
     fail_pending(state, message, %{reason: :unresponsive})
     {:stop, {:shutdown, :unresponsive}, %{state | phase: :gone}}
   end
-
-  # How long a health ping waits: Python that has not answered anything yet
-  # is still starting.
-  defp ping_wait(%{heard: 0} = state), do: max(state.health_timeout, @startup_grace)
-  defp ping_wait(state), do: state.health_timeout
 
   @impl true
   def terminate(_reason, %{port: port} = state) do
@@ -945,69 +888,12 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  defp describe(%{pool: nil}), do: "VllmBridge.Worker #{inspect(self())}"
-  defp describe(%{pool: pool, index: index}), do: "#{inspect(pool)} worker #{index}"
+  defp describe(state), do: Output.describe(state)
 
-  # A reply with id 0: what the Python process printed (an output frame), or
-  # a request it could not read.
-  defp unsolicited(state, reply) do
-    case Proto.decode_reply(reply) do
-      {:ok, %{result: {:output, output}}} ->
-        output(state, output)
+  # While starting, the last lines Python printed are kept for the diagnosis
+  # of a failed start.
+  defp printed(%{phase: :starting} = state, lines),
+    do: %{state | output_tail: Startup.keep_tail(state.output_tail, lines)}
 
-      {:ok, %{result: {:error, %{message: message}}}} ->
-        Logger.warning(
-          "#{describe(state)}: the Python worker could not read a request: #{message}",
-          log_metadata(state)
-        )
-
-        state
-
-      _ ->
-        Logger.warning("#{describe(state)}: unreadable reply with id 0", log_metadata(state))
-        state
-    end
-  end
-
-  # Logs what the Python process printed, line by line, attributed to this
-  # worker (the Python side has bounded it: see "Output" in the moduledoc);
-  # while starting, keeps the last lines for the diagnosis of a failed start.
-  defp output(state, %{text: text, dropped: dropped}) do
-    metadata = log_metadata(state)
-
-    if dropped > 0 do
-      Logger.warning(
-        "#{describe(state)} (os pid #{state.os_pid}): #{dropped} more lines printed by " <>
-          "the Python worker were dropped (over its output rate limit)",
-        metadata
-      )
-    end
-
-    lines = text |> IO.iodata_to_binary() |> String.split("\n", trim: true)
-
-    for line <- lines do
-      Logger.warning("#{describe(state)} (os pid #{state.os_pid}): #{printable(line)}", metadata)
-    end
-
-    case state do
-      %{phase: :starting} ->
-        %{state | output_tail: Startup.keep_tail(state.output_tail, lines)}
-
-      _ ->
-        state
-    end
-  end
-
-  defp log_metadata(state), do: [pool: state.pool, index: state.index, os_pid: state.os_pid]
-
-  # Output is bytes; Logger takes text: bytes that are not UTF-8 become U+FFFD.
-  defp printable(line) do
-    if String.valid?(line) do
-      line
-    else
-      for char <- String.codepoints(line),
-          into: "",
-          do: if(String.valid?(char), do: char, else: "\uFFFD")
-    end
-  end
+  defp printed(state, _lines), do: state
 end
