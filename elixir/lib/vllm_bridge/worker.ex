@@ -140,11 +140,12 @@ defmodule VllmBridge.Worker do
 
   require Logger
 
-  alias VllmBridge.{Error, Proto, Telemetry}
+  alias VllmBridge.{Error, Proto}
 
   alias VllmBridge.Worker.{
     Call,
     Command,
+    Events,
     Health,
     Limits,
     OSProcess,
@@ -463,27 +464,10 @@ defmodule VllmBridge.Worker do
       health: nil
     }
 
-    if started_before?(opts[:registry]) do
-      Telemetry.execute(
-        [:vllm_bridge, :worker, :restarted],
-        %{system_time: System.system_time(), delay: 0},
-        %{pool: state.pool, index: state.index, worker: self(), attempt: 0}
-      )
-    end
+    if Events.started_before?(opts[:registry]), do: Events.restarted(state, 0, 0)
 
     {:ok, state |> spawn_python() |> Health.schedule_tick()}
   end
-
-  # Counts this start in the pool's array of starts per index: true when a
-  # worker ran at this index before.
-  defp started_before?({registry, index}) when is_integer(index) do
-    case Registry.meta(registry, :starts) do
-      {:ok, starts} -> :atomics.add_get(starts, index + 1, 1) > 1
-      :error -> false
-    end
-  end
-
-  defp started_before?(_registry), do: false
 
   # Spawns the Python process and writes the start handshake (a ping); calls
   # may be written behind it at once, Python answers them once it runs.
@@ -634,11 +618,7 @@ defmodule VllmBridge.Worker do
 
   # The back-off after a failed start is over: start Python again.
   def handle_info({:retry, delay}, %{phase: :backoff} = state) do
-    Telemetry.execute(
-      [:vllm_bridge, :worker, :restarted],
-      %{system_time: System.system_time(), delay: delay},
-      %{pool: state.pool, index: state.index, worker: self(), attempt: state.attempt}
-    )
+    Events.restarted(state, delay, state.attempt)
 
     {:noreply, spawn_python(state)}
   end
@@ -675,20 +655,7 @@ defmodule VllmBridge.Worker do
   defp started(state) do
     for from <- state.waiters, do: GenServer.reply(from, :ok)
 
-    Telemetry.execute(
-      [:vllm_bridge, :worker, :started],
-      %{
-        system_time: System.system_time(),
-        duration: System.monotonic_time() - state.spawned_at
-      },
-      %{
-        pool: state.pool,
-        index: state.index,
-        worker: self(),
-        os_pid: state.os_pid,
-        python: state.python
-      }
-    )
+    Events.started(state)
 
     if state.attempt > 0 do
       Logger.info("#{describe(state)}: the Python worker started after #{state.attempt} failures")
@@ -813,20 +780,7 @@ defmodule VllmBridge.Worker do
 
   defp replacer(nil), do: nil
 
-  defp exited(state, reason, status) do
-    Telemetry.execute(
-      [:vllm_bridge, :worker, :exited],
-      %{system_time: System.system_time()},
-      %{
-        pool: state.pool,
-        index: state.index,
-        worker: self(),
-        os_pid: state.os_pid,
-        exit_status: status,
-        reason: reason
-      }
-    )
-  end
+  defp exited(state, reason, status), do: Events.exited(state, reason, status)
 
   ## Health checks -------------------------------------------------------------
 
