@@ -140,26 +140,26 @@ defmodule VllmBridge.Worker do
 
   require Logger
 
-  alias VllmBridge.{Error, Proto, Telemetry}
+  alias VllmBridge.{Error, Proto}
 
-  @project_root Path.expand("../../..", __DIR__)
+  alias VllmBridge.Worker.{
+    Call,
+    Command,
+    Events,
+    Health,
+    Limits,
+    OSProcess,
+    Options,
+    Output,
+    Pending,
+    Startup
+  }
 
   @health_interval 5_000
   @health_timeout 5_000
-  # the sweep of dead callers' entries when health checks are off
-  @sweep_interval 5_000
-  # the least time a Python process that has not answered anything yet (it is
-  # starting: importing torch) gets to answer the first health ping
-  @startup_grace 60_000
   # the back-off between failed starts of a Python process (ms)
   @backoff_min 500
   @backoff_max 30_000
-  # a failed start is run again to read its stderr: this long at most (ms),
-  # and this many of its last lines are kept
-  @diagnosis_timeout 30_000
-  @stderr_lines 8
-  # memory is read at most this often after calls (ms)
-  @memory_interval 1_000
   # a retiring worker waits this long for callers that had already looked it up
   @drain_grace 50
 
@@ -260,31 +260,7 @@ defmodule VllmBridge.Worker do
       ":health_timeout must be a positive integer (ms), got 0"
   """
   @spec check_health_options(keyword()) :: :ok | {:error, Error.t()}
-  def check_health_options(opts) when is_list(opts) do
-    interval = Keyword.get(opts, :health_interval, @health_interval)
-    timeout = Keyword.get(opts, :health_timeout, @health_timeout)
-
-    cond do
-      not ((is_integer(interval) and interval > 0) or interval == false) ->
-        {:error,
-         Error.new(
-           :bad_args,
-           ":health_interval must be a positive integer (ms) or false, got #{inspect(interval)}",
-           details: %{health_interval: interval}
-         )}
-
-      not (is_integer(timeout) and timeout > 0) ->
-        {:error,
-         Error.new(
-           :bad_args,
-           ":health_timeout must be a positive integer (ms), got #{inspect(timeout)}",
-           details: %{health_timeout: timeout}
-         )}
-
-      true ->
-        :ok
-    end
-  end
+  def check_health_options(opts) when is_list(opts), do: Options.check_health(opts)
 
   @doc """
   Checks the `:max_calls`, `:max_memory_mb`, `:backoff_min` and
@@ -301,30 +277,7 @@ defmodule VllmBridge.Worker do
       ":max_memory_mb must be a positive integer (MB) or nil, got 0"
   """
   @spec check_lifecycle_options(keyword()) :: :ok | {:error, Error.t()}
-  def check_lifecycle_options(opts) when is_list(opts) do
-    checks = [
-      max_calls: {"a positive integer or nil", &(&1 == nil or (is_integer(&1) and &1 > 0))},
-      max_memory_mb:
-        {"a positive integer (MB) or nil", &(&1 == nil or (is_integer(&1) and &1 > 0))},
-      backoff_min: {"a positive integer (ms)", &(is_integer(&1) and &1 > 0)},
-      backoff_max: {"a positive integer (ms)", &(is_integer(&1) and &1 > 0)}
-    ]
-
-    Enum.find_value(checks, :ok, fn {key, {what, valid?}} ->
-      case Keyword.fetch(opts, key) do
-        {:ok, value} ->
-          unless valid?.(value) do
-            {:error,
-             Error.new(:bad_args, "#{inspect(key)} must be #{what}, got #{inspect(value)}",
-               details: %{key => value}
-             )}
-          end
-
-        :error ->
-          nil
-      end
-    end)
-  end
+  def check_lifecycle_options(opts) when is_list(opts), do: Options.check_lifecycle(opts)
 
   @doc """
   Waits until the worker's Python process has answered its start handshake.
@@ -347,7 +300,7 @@ defmodule VllmBridge.Worker do
        )}
 
     :exit, {reason, _} ->
-      {:error, not_running(worker, reason)}
+      {:error, Call.not_running(worker, reason)}
   end
 
   @doc """
@@ -371,31 +324,21 @@ defmodule VllmBridge.Worker do
   @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
   def request({:channel, pid, port, table}, id, frame, timeout) do
-    with :ok <- check_frame(frame) do
-      # The monitor's alias is the reply address: it stops taking messages when
-      # the monitor goes (alias: :demonitor), so a reply that comes after the
-      # deadline is dropped, as it is for GenServer.call.
-      tag = :erlang.monitor(:process, pid, alias: :demonitor)
-
-      case enter(table, id, tag) do
-        :ok -> command(port, frame, table, id, tag, pid, timeout)
-        {:error, _} = error -> forget(tag, error)
-      end
-    end
+    Call.through_channel(pid, port, table, id, frame, timeout)
   end
 
   def request(worker, id, frame, timeout) do
-    with :ok <- check_frame(frame) do
+    with :ok <- Call.check_frame(frame) do
       GenServer.call(worker, {:request, id, frame}, timeout)
     end
   catch
     :exit, {:timeout, _} ->
       GenServer.cast(worker, {:cancel, id})
 
-      {:error, timed_out(worker, id, timeout)}
+      {:error, Call.timed_out(worker, id, timeout)}
 
     :exit, {reason, _} ->
-      {:error, not_running(worker, reason)}
+      {:error, Call.not_running(worker, reason)}
   end
 
   @doc """
@@ -405,7 +348,7 @@ defmodule VllmBridge.Worker do
   @spec send_request(server(), pos_integer(), iodata()) ::
           {server(), pos_integer(), term() | {:error, Error.t()}}
   def send_request(worker, id, frame) do
-    case check_frame(frame) do
+    case Call.check_frame(frame) do
       :ok -> {worker, id, :gen_server.send_request(worker, {:request, id, frame})}
       {:error, _} = error -> {worker, id, error}
     end
@@ -427,87 +370,11 @@ defmodule VllmBridge.Worker do
       :timeout ->
         GenServer.cast(worker, {:cancel, id})
 
-        {:error, timed_out(worker, id, timeout)}
+        {:error, Call.timed_out(worker, id, timeout)}
 
       {:error, {reason, _}} ->
-        {:error, not_running(worker, reason)}
+        {:error, Call.not_running(worker, reason)}
     end
-  end
-
-  # An entry: {id, reply address, caller pid} (the pid lets the worker find
-  # entries whose caller died; see "Health checks").
-  defp enter(table, id, tag) do
-    if :ets.insert_new(table, {id, tag, self()}),
-      do: :ok,
-      else: {:error, Error.new(:bad_args, "request id #{id} is already in flight")}
-  rescue
-    # The table went with its worker: the monitor's :DOWN says why.
-    ArgumentError -> :ok
-  end
-
-  defp command(port, frame, table, id, tag, pid, timeout) do
-    Port.command(port, frame)
-    await_reply(tag, table, id, pid, timeout)
-  rescue
-    # The port closed (Python exited): the worker's exit notice is on its way
-    # (or, for a Python that failed to start, the worker answers the entry on
-    # its next health tick or start: see "Start-up").
-    ArgumentError -> await_reply(tag, table, id, pid, timeout)
-  end
-
-  defp await_reply(tag, table, id, pid, timeout) do
-    receive do
-      {^tag, result} ->
-        Process.demonitor(tag, [:flush])
-        result
-
-      {:DOWN, ^tag, :process, _, reason} ->
-        {:error, not_running(pid, reason)}
-    after
-      timeout ->
-        leave(table, id)
-
-        # A reply sent before the alias went is kept: it is the answer.
-        forget(
-          tag,
-          {:error, timed_out(pid, id, timeout)}
-        )
-    end
-  end
-
-  defp leave(table, id) do
-    :ets.delete(table, id)
-  rescue
-    ArgumentError -> true
-  end
-
-  defp forget(tag, error) do
-    Process.demonitor(tag, [:flush])
-
-    receive do
-      {^tag, result} -> result
-    after
-      0 -> error
-    end
-  end
-
-  defp timed_out(worker, id, timeout) do
-    Error.new(:timeout, "no reply from the worker within #{timeout} ms",
-      details: %{worker: worker, id: id, timeout: timeout}
-    )
-  end
-
-  defp not_running(worker, reason) do
-    Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
-      details: %{worker: worker, reason: reason}
-    )
-  end
-
-  defp check_frame(frame) do
-    _ = :erlang.iolist_size(frame)
-    :ok
-  rescue
-    ArgumentError -> {:error, Error.new(:bad_args, "request frame is not iodata")}
   end
 
   @doc """
@@ -540,20 +407,11 @@ defmodule VllmBridge.Worker do
   documentation).
   """
   @spec find_python(keyword()) :: Path.t()
-  def find_python(opts \\ []) do
-    venv = Path.join(@project_root, ".venv/bin/python")
-
-    cond do
-      python = opts[:python] -> python
-      (python = System.get_env("VLLM_BRIDGE_PYTHON")) not in [nil, ""] -> python
-      File.exists?(venv) -> venv
-      true -> "python3"
-    end
-  end
+  def find_python(opts \\ []), do: Command.find_python(opts)
 
   @doc "The project root, where `bridge_py` lives (fixed at compile time)."
   @spec project_root() :: Path.t()
-  def project_root, do: @project_root
+  def project_root, do: Command.project_root()
 
   ## Server ------------------------------------------------------------------
 
@@ -566,7 +424,7 @@ defmodule VllmBridge.Worker do
     # Entries are {id, reply address, caller pid}; a health ping's is
     # {id, :health, nil}, the start handshake's {id, :handshake, nil}. The
     # table outlives the Python processes of failed starts.
-    table = :ets.new(__MODULE__, [:set, :public, write_concurrency: true])
+    table = Pending.new()
 
     state = %{
       port: nil,
@@ -606,27 +464,10 @@ defmodule VllmBridge.Worker do
       health: nil
     }
 
-    if started_before?(opts[:registry]) do
-      Telemetry.execute(
-        [:vllm_bridge, :worker, :restarted],
-        %{system_time: System.system_time(), delay: 0},
-        %{pool: state.pool, index: state.index, worker: self(), attempt: 0}
-      )
-    end
+    if Events.started_before?(opts[:registry]), do: Events.restarted(state, 0, 0)
 
-    {:ok, state |> spawn_python() |> schedule_tick()}
+    {:ok, state |> spawn_python() |> Health.schedule_tick()}
   end
-
-  # Counts this start in the pool's array of starts per index: true when a
-  # worker ran at this index before.
-  defp started_before?({registry, index}) when is_integer(index) do
-    case Registry.meta(registry, :starts) do
-      {:ok, starts} -> :atomics.add_get(starts, index + 1, 1) > 1
-      :error -> false
-    end
-  end
-
-  defp started_before?(_registry), do: false
 
   # Spawns the Python process and writes the start handshake (a ping); calls
   # may be written behind it at once, Python answers them once it runs.
@@ -635,17 +476,14 @@ defmodule VllmBridge.Worker do
     # entries of callers that wrote to the port of a failed start
     if state.last_error, do: fail_all(state, state.last_error)
 
-    executable =
-      if Path.type(python) == :absolute, do: python, else: System.find_executable(python)
+    executable = Command.executable(python)
 
     try do
       if executable == nil, do: raise(ErlangError, original: :enoent)
-      port = Port.open({:spawn_executable, executable}, port_options(state.spawn))
-      {:os_pid, os_pid} = Port.info(port, :os_pid)
+      {port, os_pid} = OSProcess.open(executable, state.spawn)
       id = new_id()
-      :ets.insert(state.table, {id, :handshake, nil})
-      {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
-      write(port, frame)
+      Pending.enter_own(state.table, id, :handshake)
+      OSProcess.write(port, Health.ping_frame(id))
       publish(state.registry, {:channel, self(), port, state.table})
 
       %{
@@ -665,18 +503,6 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  defp port_options(spawn) do
-    [
-      :binary,
-      {:packet, 4},
-      :exit_status,
-      :use_stdio,
-      :hide,
-      args: ["-m", "bridge_py.worker", "--output", "frames" | Keyword.get(spawn, :args, [])],
-      env: port_env(Keyword.get(spawn, :env, []))
-    ] ++ if(cd = spawn[:cd], do: [cd: cd], else: [])
-  end
-
   defp publish(nil, _channel), do: :ok
 
   defp publish({registry, key}, channel) do
@@ -687,19 +513,21 @@ defmodule VllmBridge.Worker do
   @impl true
   def handle_call({:request, id, frame}, {caller, _} = from, %{phase: phase} = state)
       when phase in [:starting, :ready] do
-    if :ets.insert_new(state.table, {id, from, caller}) do
-      try do
-        write(state.port, frame)
-        {:noreply, state}
-      rescue
-        ArgumentError ->
-          # Port.command also fails on a port that closed because Python exited
-          # (the exit message is still behind this request in the mailbox).
-          :ets.delete(state.table, id)
-          {:reply, {:error, command_error(state)}, state}
-      end
-    else
-      {:reply, {:error, Error.new(:bad_args, "request id #{id} is already in flight")}, state}
+    case Pending.enter(state.table, id, from, caller) do
+      :ok ->
+        try do
+          OSProcess.write(state.port, frame)
+          {:noreply, state}
+        rescue
+          ArgumentError ->
+            # Port.command also fails on a port that closed because Python exited
+            # (the exit message is still behind this request in the mailbox).
+            Pending.delete(state.table, id)
+            {:reply, {:error, command_error(state)}, state}
+        end
+
+      {:error, _} = error ->
+        {:reply, error, state}
     end
   end
 
@@ -716,12 +544,10 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_call(:info, _from, state) do
-    own = :ets.select_count(state.table, [{{:_, :"$1", :_}, [{:is_atom, :"$1"}], [true]}])
-
     info = %{
       os_pid: state.os_pid,
       python: state.python,
-      pending: :ets.info(state.table, :size) - own,
+      pending: Pending.pending(state.table),
       pool: state.pool,
       index: state.index,
       health_interval: state.health_interval,
@@ -738,7 +564,7 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_cast({:cancel, id}, state) do
-    :ets.delete(state.table, id)
+    Pending.delete(state.table, id)
     {:noreply, state}
   end
 
@@ -746,23 +572,23 @@ defmodule VllmBridge.Worker do
   def handle_info({port, {:data, reply}}, %{port: port} = state) do
     case Proto.reply_id(reply) do
       {:ok, 0} ->
-        {:noreply, unsolicited(state, reply)}
+        {:noreply, printed(state, Output.unsolicited(state, reply))}
 
       {:ok, id} ->
-        case :ets.take(state.table, id) do
-          [{_id, :health, _}] ->
-            {:noreply, answered(state)}
+        case Pending.take(state.table, id) do
+          :health ->
+            {:noreply, Health.answered(state)}
 
-          [{_id, :handshake, _}] ->
+          :handshake ->
             {:noreply, started(state)}
 
-          [{_id, to, _caller}] ->
-            answer(to, {:ok, reply})
-            after_call(state)
-
           # No entry: the caller timed out and went away; drop the late reply.
-          [] ->
+          nil ->
             {:noreply, state}
+
+          to ->
+            Pending.answer(to, {:ok, reply})
+            after_call(state)
         end
 
       {:error, error} ->
@@ -792,11 +618,7 @@ defmodule VllmBridge.Worker do
 
   # The back-off after a failed start is over: start Python again.
   def handle_info({:retry, delay}, %{phase: :backoff} = state) do
-    Telemetry.execute(
-      [:vllm_bridge, :worker, :restarted],
-      %{system_time: System.system_time(), delay: delay},
-      %{pool: state.pool, index: state.index, worker: self(), attempt: state.attempt}
-    )
+    Events.restarted(state, delay, state.attempt)
 
     {:noreply, spawn_python(state)}
   end
@@ -806,28 +628,10 @@ defmodule VllmBridge.Worker do
   # Every tick: sweep; then, unless checks are off or a ping is in flight,
   # ping Python if nothing came from it since the last tick.
   def handle_info(:health_tick, state) do
-    sweep(state.table)
+    Pending.sweep(state.table)
     if state.phase == :backoff, do: fail_all(state, state.last_error)
 
-    state =
-      case state do
-        %{port: nil} ->
-          state
-
-        %{health_interval: false} ->
-          state
-
-        %{health: nil} ->
-          case port_input(state.port) do
-            heard when heard != state.heard -> %{state | heard: heard}
-            _same -> health_ping(state)
-          end
-
-        _ping_in_flight ->
-          state
-      end
-
-    state = schedule_tick(state)
+    state = state |> Health.tick() |> Health.schedule_tick()
 
     # a worker that is idle is checked for memory here, between calls
     case state do
@@ -837,11 +641,9 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
-    :ets.delete(state.table, id)
-
-    case port_input(state.port) do
-      heard when heard != state.heard -> {:noreply, %{state | heard: heard, health: nil}}
-      _same -> unresponsive(state)
+    case Health.timed_out(state) do
+      {:alive, state} -> {:noreply, state}
+      :unresponsive -> unresponsive(state)
     end
   end
 
@@ -853,20 +655,7 @@ defmodule VllmBridge.Worker do
   defp started(state) do
     for from <- state.waiters, do: GenServer.reply(from, :ok)
 
-    Telemetry.execute(
-      [:vllm_bridge, :worker, :started],
-      %{
-        system_time: System.system_time(),
-        duration: System.monotonic_time() - state.spawned_at
-      },
-      %{
-        pool: state.pool,
-        index: state.index,
-        worker: self(),
-        os_pid: state.os_pid,
-        python: state.python
-      }
-    )
+    Events.started(state)
 
     if state.attempt > 0 do
       Logger.info("#{describe(state)}: the Python worker started after #{state.attempt} failures")
@@ -880,7 +669,7 @@ defmodule VllmBridge.Worker do
         diagnosis: nil,
         output_tail: [],
         waiters: [],
-        heard: port_input(state.port)
+        heard: OSProcess.input_bytes(state.port)
     }
   end
 
@@ -888,43 +677,16 @@ defmodule VllmBridge.Worker do
   # before answering its start handshake: every waiting caller gets the
   # error, and the next start is scheduled after a back-off.
   defp start_failed(state, status, reason) do
-    attempt = state.attempt + 1
-    {diagnosis, summary} = if reason, do: {nil, reason}, else: diagnosis(state)
-    delay = backoff(state, attempt)
+    %{attempt: attempt, delay: delay, diagnosis: diagnosis, error: error} =
+      Startup.failure(state, status, reason, describe(state))
 
-    what =
-      if status,
-        do: "#{state.python} -m bridge_py.worker exited with status #{status} before answering: ",
-        else: ""
-
-    message =
-      "#{describe(state)}: the Python worker could not start: #{what}#{summary} " <>
-        "(failed starts in a row: #{attempt}; next try in #{delay} ms)"
-
-    Logger.error(message)
+    Logger.error(error.message)
     if status, do: exited(state, :start_failed, status)
-
-    details = %{
-      pool: state.pool,
-      index: state.index,
-      python: state.python,
-      exit_status: status,
-      attempt: attempt,
-      retry_in: delay
-    }
-
-    details =
-      case diagnosis do
-        %{} -> Map.merge(details, diagnosis)
-        nil -> details
-      end
-
-    error = Error.new(:worker, message, details: details)
 
     for from <- state.waiters, do: GenServer.reply(from, {:error, error})
     fail_all(state, error)
     publish(state.registry, nil)
-    cancel_health(state)
+    Health.cancel(state)
     Process.send_after(self(), {:retry, delay}, delay)
 
     %{
@@ -937,81 +699,6 @@ defmodule VllmBridge.Worker do
         waiters: [],
         health: nil
     }
-  end
-
-  # A bounded exponential back-off: backoff_min, doubled per failed start in
-  # a row, at most backoff_max.
-  defp backoff(state, attempt) do
-    min(state.backoff_max, state.backoff_min * Integer.pow(2, min(attempt - 1, 20)))
-  end
-
-  # Why Python did not start, from its own words: the last lines it printed
-  # (output frames, sent before it exited). When it printed nothing through
-  # them (it never got as far as bridge_py: the package or the interpreter
-  # itself is broken), the same command is run again with stdin at EOF and
-  # stderr captured (once per run of failures). Returns {details, summary}.
-  defp diagnosis(%{output_tail: [_ | _] = lines}), do: diagnose(Enum.join(lines, "\n"))
-
-  defp diagnosis(%{diagnosis: %{} = diagnosis}), do: {diagnosis, diagnosis_summary(diagnosis)}
-
-  defp diagnosis(state), do: diagnose(rerun(state))
-
-  defp diagnose(output) do
-    lines =
-      output
-      |> String.split("\n", trim: true)
-      |> Enum.take(-@stderr_lines)
-
-    missing =
-      case Regex.scan(~r/No module named '([^']+)'/, output) do
-        [] -> nil
-        found -> found |> List.last() |> Enum.at(1)
-      end
-
-    diagnosis = %{stderr: lines, missing_module: missing}
-    {diagnosis, diagnosis_summary(diagnosis)}
-  end
-
-  defp diagnosis_summary(%{stderr: []}), do: "it printed nothing on stderr"
-
-  defp diagnosis_summary(%{missing_module: module, stderr: lines}) when is_binary(module),
-    do: "#{String.trim(List.last(lines))} (Python cannot import '#{module}')"
-
-  defp diagnosis_summary(%{stderr: lines}), do: String.trim(List.last(lines))
-
-  defp rerun(state) do
-    args = ["-c", "exec \"$0\" \"$@\" </dev/null 2>&1", state.python, "-m", "bridge_py.worker"]
-    opts = state.spawn
-
-    port_opts =
-      [
-        :binary,
-        :exit_status,
-        :hide,
-        args: args ++ Keyword.get(opts, :args, []),
-        env: port_env(Keyword.get(opts, :env, []))
-      ] ++ if(cd = opts[:cd], do: [cd: cd], else: [])
-
-    port = Port.open({:spawn_executable, System.find_executable("sh") || "/bin/sh"}, port_opts)
-    deadline = System.monotonic_time(:millisecond) + @diagnosis_timeout
-    collect(port, deadline, [])
-  rescue
-    error in [ErlangError, ArgumentError] ->
-      "(could not run it again: #{Exception.message(error)})"
-  end
-
-  defp collect(port, deadline, acc) do
-    wait = max(deadline - System.monotonic_time(:millisecond), 0)
-
-    receive do
-      {^port, {:data, data}} -> collect(port, deadline, [acc, data])
-      {^port, {:exit_status, _}} -> IO.iodata_to_binary(acc)
-    after
-      wait ->
-        with {:os_pid, os_pid} <- Port.info(port, :os_pid), do: kill(os_pid)
-        Port.close(port)
-        IO.iodata_to_binary(acc)
-    end
   end
 
   # What a call through this process gets while no Python process serves it.
@@ -1034,60 +721,20 @@ defmodule VllmBridge.Worker do
   defp after_call(state) do
     state = %{state | calls: state.calls + 1}
 
-    cond do
-      is_integer(state.max_calls) and state.calls >= state.max_calls ->
-        {:noreply, retire(state, "it answered #{state.calls} calls (max_calls)")}
-
-      is_integer(state.max_memory_mb) ->
-        check_memory(state, false)
-
-      true ->
-        {:noreply, state}
+    case Limits.calls(state) do
+      {:over, why} -> {:noreply, retire(state, why)}
+      :ok when is_integer(state.max_memory_mb) -> check_memory(state, false)
+      :ok -> {:noreply, state}
     end
   end
 
   # Reads the Python process's resident memory (at most once a second unless
   # `now`) and retires the worker when it is over :max_memory_mb.
   defp check_memory(state, now) do
-    time = System.monotonic_time(:millisecond)
-
-    if now or state.memory_checked == nil or time - state.memory_checked >= @memory_interval do
-      state = %{state | memory_checked: time}
-
-      case rss_mb(state.os_pid) do
-        mb when is_integer(mb) and mb > state.max_memory_mb ->
-          {:noreply,
-           retire(
-             state,
-             "its Python process uses #{mb} MB (max_memory_mb #{state.max_memory_mb})"
-           )}
-
-        _ ->
-          {:noreply, state}
-      end
-    else
-      {:noreply, state}
+    case Limits.memory(state, now) do
+      {:ok, state} -> {:noreply, state}
+      {:over, why, state} -> {:noreply, retire(state, why)}
     end
-  end
-
-  defp rss_mb(nil), do: nil
-
-  defp rss_mb(os_pid) do
-    case File.read("/proc/#{os_pid}/status") do
-      {:ok, status} ->
-        case Regex.run(~r/^VmRSS:\s+(\d+) kB/m, status) do
-          [_, kib] -> div(String.to_integer(kib), 1024)
-          nil -> nil
-        end
-
-      {:error, _} ->
-        case System.cmd("ps", ["-o", "rss=", "-p", Integer.to_string(os_pid)]) do
-          {kib, 0} -> div(String.to_integer(String.trim(kib)), 1024)
-          _ -> nil
-        end
-    end
-  rescue
-    _ -> nil
   end
 
   # Over a limit: leave the registry (no new call is routed here; refs into
@@ -1109,10 +756,8 @@ defmodule VllmBridge.Worker do
   defp drain(%{replace_requested: true} = state), do: {:noreply, state}
 
   defp drain(state) do
-    callers = :ets.select_count(state.table, [{{:_, :_, :"$1"}, [{:is_pid, :"$1"}], [true]}])
-
     cond do
-      callers > 0 ->
+      Pending.callers(state.table) > 0 ->
         {:noreply, state}
 
       replacer = replacer(state.registry) ->
@@ -1135,121 +780,22 @@ defmodule VllmBridge.Worker do
 
   defp replacer(nil), do: nil
 
-  defp exited(state, reason, status) do
-    Telemetry.execute(
-      [:vllm_bridge, :worker, :exited],
-      %{system_time: System.system_time()},
-      %{
-        pool: state.pool,
-        index: state.index,
-        worker: self(),
-        os_pid: state.os_pid,
-        exit_status: status,
-        reason: reason
-      }
-    )
-  end
+  defp exited(state, reason, status), do: Events.exited(state, reason, status)
 
   ## Health checks -------------------------------------------------------------
 
-  defp schedule_tick(%{health_interval: false} = state) do
-    Process.send_after(self(), :health_tick, @sweep_interval)
-    state
-  end
-
-  defp schedule_tick(%{health_interval: interval} = state) do
-    Process.send_after(self(), :health_tick, interval)
-    state
-  end
-
-  # Bytes read from the port so far (complete frames: every reply counts).
-  defp port_input(port) do
-    case :erlang.port_info(port, :input) do
-      {:input, bytes} -> bytes
-      :undefined -> :closed
-    end
-  end
-
-  defp health_ping(state) do
-    id = new_id()
-    :ets.insert(state.table, {id, :health, nil})
-    {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
-
-    try do
-      write(state.port, frame)
-    rescue
-      # the port closed: its exit notice is on its way
-      ArgumentError -> :ok
-    end
-
-    timer = Process.send_after(self(), {:health_timeout, id}, ping_wait(state))
-    %{state | health: {id, timer}}
-  end
-
-  defp cancel_health(%{health: {_id, timer}}), do: Process.cancel_timer(timer)
-  defp cancel_health(_state), do: false
-
-  # The reply to the health ping: Python is alive; the next tick looks again.
-  defp answered(%{health: {_id, timer}} = state) do
-    Process.cancel_timer(timer)
-    %{state | health: nil, heard: port_input(state.port)}
-  end
-
-  defp answered(state), do: state
-
   defp unresponsive(state) do
-    waited = ping_wait(state)
+    waited = Health.ping_wait(state)
 
     message =
       "the Python worker (os pid #{state.os_pid}) stopped answering: nothing came from it " <>
         "for #{waited} ms after a health ping, so it was killed"
 
     Logger.error("#{describe(state)} (os pid #{state.os_pid}): #{message}")
-    kill(state.os_pid)
+    OSProcess.kill(state.os_pid)
     exited(state, :unresponsive, nil)
     fail_pending(state, message, %{reason: :unresponsive})
     {:stop, {:shutdown, :unresponsive}, %{state | phase: :gone}}
-  end
-
-  # How long a health ping waits: Python that has not answered anything yet
-  # is still starting.
-  defp ping_wait(%{heard: 0} = state), do: max(state.health_timeout, @startup_grace)
-  defp ping_wait(state), do: state.health_timeout
-
-  # SIGKILL: a stopped or wedged process ignores anything milder. (It cannot
-  # have been reaped yet, so the pid is still its own: the port holds it.)
-  defp kill(os_pid) do
-    _ = :os.cmd(~c"kill -KILL #{os_pid}")
-    :ok
-  end
-
-  # Forgets the entries of callers that died (local ones: a remote caller of
-  # the worker's pid cannot be asked cheaply, and its call times out anyway).
-  defp sweep(table) do
-    for {id, pid} <-
-          :ets.select(table, [{{:"$1", :_, :"$2"}, [{:is_pid, :"$2"}], [{{:"$1", :"$2"}}]}]),
-        node(pid) == node() and not Process.alive?(pid) do
-      :ets.delete(table, id)
-    end
-
-    :ok
-  end
-
-  # This process never waits on a busy port (the pipe to a Python that reads
-  # nothing stays full): it could not run its health checks. A frame that
-  # cannot go at once is written by a process of its own, in the background.
-  defp write(port, frame) do
-    unless Port.command(port, frame, [:nosuspend]) do
-      spawn(fn ->
-        try do
-          Port.command(port, frame)
-        rescue
-          ArgumentError -> :ok
-        end
-      end)
-    end
-
-    true
   end
 
   @impl true
@@ -1274,12 +820,6 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
-  # A reply address is a caller's alias (through the channel), a `from`, or
-  # :health for this process's own health ping (nothing to hand over).
-  defp answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
-  defp answer(own, _result) when own in [:health, :handshake], do: :ok
-  defp answer(from, result), do: GenServer.reply(from, result)
-
   defp fail_pending(state, message, details) do
     error =
       Error.new(:worker, message,
@@ -1289,14 +829,8 @@ defmodule VllmBridge.Worker do
     fail_all(state, error)
   end
 
-  defp fail_all(state, error) do
-    # (taken one by one: terminate/2 sweeps again, and each caller hears once)
-    for {id, _to, _caller} <- :ets.tab2list(state.table),
-        [{_id, to, _caller}] <- [:ets.take(state.table, id)],
-        do: answer(to, {:error, error})
-
-    :ok
-  end
+  # (taken one by one: terminate/2 sweeps again, and each caller hears once)
+  defp fail_all(state, error), do: Pending.fail_all(state.table, error)
 
   defp command_error(state) do
     if Port.info(state.port) == nil do
@@ -1308,91 +842,12 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  defp describe(%{pool: nil}), do: "VllmBridge.Worker #{inspect(self())}"
-  defp describe(%{pool: pool, index: index}), do: "#{inspect(pool)} worker #{index}"
+  defp describe(state), do: Output.describe(state)
 
-  # A reply with id 0: what the Python process printed (an output frame), or
-  # a request it could not read.
-  defp unsolicited(state, reply) do
-    case Proto.decode_reply(reply) do
-      {:ok, %{result: {:output, output}}} ->
-        output(state, output)
+  # While starting, the last lines Python printed are kept for the diagnosis
+  # of a failed start.
+  defp printed(%{phase: :starting} = state, lines),
+    do: %{state | output_tail: Startup.keep_tail(state.output_tail, lines)}
 
-      {:ok, %{result: {:error, %{message: message}}}} ->
-        Logger.warning(
-          "#{describe(state)}: the Python worker could not read a request: #{message}",
-          log_metadata(state)
-        )
-
-        state
-
-      _ ->
-        Logger.warning("#{describe(state)}: unreadable reply with id 0", log_metadata(state))
-        state
-    end
-  end
-
-  # Logs what the Python process printed, line by line, attributed to this
-  # worker (the Python side has bounded it: see "Output" in the moduledoc);
-  # while starting, keeps the last lines for the diagnosis of a failed start.
-  defp output(state, %{text: text, dropped: dropped}) do
-    metadata = log_metadata(state)
-
-    if dropped > 0 do
-      Logger.warning(
-        "#{describe(state)} (os pid #{state.os_pid}): #{dropped} more lines printed by " <>
-          "the Python worker were dropped (over its output rate limit)",
-        metadata
-      )
-    end
-
-    lines = text |> IO.iodata_to_binary() |> String.split("\n", trim: true)
-
-    for line <- lines do
-      Logger.warning("#{describe(state)} (os pid #{state.os_pid}): #{printable(line)}", metadata)
-    end
-
-    case state do
-      %{phase: :starting} ->
-        %{state | output_tail: Enum.take(state.output_tail ++ lines, -@stderr_lines)}
-
-      _ ->
-        state
-    end
-  end
-
-  defp log_metadata(state), do: [pool: state.pool, index: state.index, os_pid: state.os_pid]
-
-  # Output is bytes; Logger takes text: bytes that are not UTF-8 become U+FFFD.
-  defp printable(line) do
-    if String.valid?(line) do
-      line
-    else
-      for char <- String.codepoints(line),
-          into: "",
-          do: if(String.valid?(char), do: char, else: "\uFFFD")
-    end
-  end
-
-  defp port_env(env) do
-    env = Enum.map(env, fn {k, v} -> {to_string(k), v && to_string(v)} end)
-
-    pythonpath =
-      case List.keyfind(env, "PYTHONPATH", 0) do
-        {_, value} when value not in [nil, ""] -> value
-        _ -> System.get_env("PYTHONPATH")
-      end
-
-    pythonpath =
-      if pythonpath in [nil, ""],
-        do: @project_root,
-        else: @project_root <> ":" <> pythonpath
-
-    env
-    |> List.keystore("PYTHONPATH", 0, {"PYTHONPATH", pythonpath})
-    |> Enum.map(fn
-      {k, nil} -> {String.to_charlist(k), false}
-      {k, v} -> {String.to_charlist(k), String.to_charlist(v)}
-    end)
-  end
+  defp printed(state, _lines), do: state
 end

@@ -1,0 +1,106 @@
+defmodule VllmBridge.Worker.Call do
+  @moduledoc """
+  The caller's side of a call to a `VllmBridge.Worker`: what runs in the
+  process that calls `VllmBridge.Worker.request/4`, not in the worker.
+
+  A call through the worker's channel is made here from start to end: the
+  caller enters its reply address in the worker's `VllmBridge.Worker.Pending`
+  table, writes the frame to the port itself, and waits for its reply, the
+  worker's exit or its own deadline. This module also builds the errors a
+  caller gets for a deadline and for a worker that is not running, the same
+  for both ways in.
+  """
+
+  alias VllmBridge.Error
+  alias VllmBridge.Worker.Pending
+
+  @doc """
+  Makes a call through a worker's channel: `pid` is the worker, `port` its
+  port and `table` its pending calls. Results as for
+  `VllmBridge.Worker.request/4`.
+  """
+  @spec through_channel(pid(), port(), Pending.t(), pos_integer(), iodata(), timeout()) ::
+          {:ok, binary()} | {:error, Error.t()}
+  def through_channel(pid, port, table, id, frame, timeout) do
+    with :ok <- check_frame(frame) do
+      # The monitor's alias is the reply address: it stops taking messages when
+      # the monitor goes (alias: :demonitor), so a reply that comes after the
+      # deadline is dropped, as it is for GenServer.call.
+      tag = :erlang.monitor(:process, pid, alias: :demonitor)
+
+      case enter(table, id, tag) do
+        :ok -> command(port, frame, table, id, tag, pid, timeout)
+        {:error, _} = error -> forget(tag, error)
+      end
+    end
+  end
+
+  defp enter(table, id, tag) do
+    Pending.enter(table, id, tag, self())
+  rescue
+    # The table went with its worker: the monitor's :DOWN says why.
+    ArgumentError -> :ok
+  end
+
+  defp command(port, frame, table, id, tag, pid, timeout) do
+    Port.command(port, frame)
+    await_reply(tag, table, id, pid, timeout)
+  rescue
+    # The port closed (Python exited): the worker's exit notice is on its way
+    # (or, for a Python that failed to start, the worker answers the entry on
+    # its next health tick or start: see "Start-up").
+    ArgumentError -> await_reply(tag, table, id, pid, timeout)
+  end
+
+  defp await_reply(tag, table, id, pid, timeout) do
+    receive do
+      {^tag, result} ->
+        Process.demonitor(tag, [:flush])
+        result
+
+      {:DOWN, ^tag, :process, _, reason} ->
+        {:error, not_running(pid, reason)}
+    after
+      timeout ->
+        Pending.delete(table, id)
+
+        # A reply sent before the alias went is kept: it is the answer.
+        forget(tag, {:error, timed_out(pid, id, timeout)})
+    end
+  end
+
+  defp forget(tag, error) do
+    Process.demonitor(tag, [:flush])
+
+    receive do
+      {^tag, result} -> result
+    after
+      0 -> error
+    end
+  end
+
+  @doc "`:ok` when `frame` is iodata, else a `:bad_args` error."
+  @spec check_frame(term()) :: :ok | {:error, Error.t()}
+  def check_frame(frame) do
+    _ = :erlang.iolist_size(frame)
+    :ok
+  rescue
+    ArgumentError -> {:error, Error.new(:bad_args, "request frame is not iodata")}
+  end
+
+  @doc "The `:timeout` error of a call with no reply by its deadline."
+  @spec timed_out(term(), pos_integer(), timeout()) :: Error.t()
+  def timed_out(worker, id, timeout) do
+    Error.new(:timeout, "no reply from the worker within #{timeout} ms",
+      details: %{worker: worker, id: id, timeout: timeout}
+    )
+  end
+
+  @doc "The `:worker` error of a call to a worker that is not running."
+  @spec not_running(term(), term()) :: Error.t()
+  def not_running(worker, reason) do
+    Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})",
+      details: %{worker: worker, reason: reason}
+    )
+  end
+end

@@ -1,0 +1,159 @@
+defmodule VllmBridge.Worker.Startup do
+  @moduledoc """
+  What a `VllmBridge.Worker` makes of a failed start of its Python process:
+  why it failed, the error its callers get, and how long to wait before the
+  next try (see "Start-up" in `VllmBridge.Worker`).
+
+  Why comes from Python's own words: the last lines it printed before it
+  exited (sent as output frames, kept by the worker while it starts). A
+  Python that printed nothing that way never got as far as `bridge_py` (the
+  package or the interpreter itself is broken), so it is run once more with
+  stdin at end-of-file and its stderr read (`VllmBridge.Worker.OSProcess.rerun/2`),
+  once per run of failures.
+
+  Apart from that re-run, everything here is pure: it takes the worker's
+  state and returns data.
+  """
+
+  alias VllmBridge.Error
+  alias VllmBridge.Worker.OSProcess
+
+  # this many of the last lines a failed start printed are kept
+  @stderr_lines 8
+
+  @typedoc """
+  Why a start failed: the last lines Python printed, and the module it could
+  not import, if it said so.
+  """
+  @type diagnosis :: %{stderr: [String.t()], missing_module: String.t() | nil}
+
+  @typedoc "A failed start, as `failure/4` sees it."
+  @type failure :: %{
+          attempt: pos_integer(),
+          delay: pos_integer(),
+          diagnosis: diagnosis() | nil,
+          error: Error.t()
+        }
+
+  @doc """
+  The delay in ms before start number `attempt + 1`, after `attempt` failed
+  starts in a row: `min`, doubled per failure after the first, at most `max`.
+
+  ## Examples
+
+      iex> for attempt <- 1..5, do: VllmBridge.Worker.Startup.backoff(500, 3_000, attempt)
+      [500, 1000, 2000, 3000, 3000]
+  """
+  @spec backoff(pos_integer(), pos_integer(), pos_integer()) :: pos_integer()
+  def backoff(min, max, attempt) do
+    min(max, min * Integer.pow(2, min(attempt - 1, 20)))
+  end
+
+  @doc """
+  Adds the `lines` Python printed to the `tail` kept for a diagnosis: the
+  last #{@stderr_lines} lines.
+  """
+  @spec keep_tail([String.t()], [String.t()]) :: [String.t()]
+  def keep_tail(tail, lines), do: Enum.take(tail ++ lines, -@stderr_lines)
+
+  @doc """
+  Builds what the worker does with a failed start. `state` is the worker's
+  state: its `:pool`, `:index`, `:python`, `:spawn`, `:attempt`,
+  `:backoff_min`, `:backoff_max`, and the `:output_tail` and earlier
+  `:diagnosis` to diagnose from. `status` is Python's exit status (`nil`
+  when it could not be run at all, `reason` then says why), `prefix` names
+  the worker in the message.
+  """
+  @spec failure(map(), non_neg_integer() | nil, String.t() | nil, String.t()) :: failure()
+  def failure(state, status, reason, prefix) do
+    attempt = state.attempt + 1
+    {diagnosis, summary} = if reason, do: {nil, reason}, else: diagnosis(state)
+    delay = backoff(state.backoff_min, state.backoff_max, attempt)
+
+    what =
+      if status,
+        do: "#{state.python} -m bridge_py.worker exited with status #{status} before answering: ",
+        else: ""
+
+    message =
+      "#{prefix}: the Python worker could not start: #{what}#{summary} " <>
+        "(failed starts in a row: #{attempt}; next try in #{delay} ms)"
+
+    details = %{
+      pool: state.pool,
+      index: state.index,
+      python: state.python,
+      exit_status: status,
+      attempt: attempt,
+      retry_in: delay
+    }
+
+    details =
+      case diagnosis do
+        %{} -> Map.merge(details, diagnosis)
+        nil -> details
+      end
+
+    %{
+      attempt: attempt,
+      delay: delay,
+      diagnosis: diagnosis,
+      error: Error.new(:worker, message, details: details)
+    }
+  end
+
+  # Why Python did not start: from the lines it printed, else the earlier
+  # diagnosis of this run of failures, else from running it again.
+  defp diagnosis(%{output_tail: [_ | _] = lines}), do: diagnose(Enum.join(lines, "\n"))
+  defp diagnosis(%{diagnosis: %{} = diagnosis}), do: {diagnosis, summary(diagnosis)}
+  defp diagnosis(state), do: diagnose(OSProcess.rerun(state.python, state.spawn))
+
+  defp diagnose(output) do
+    diagnosis = parse(output)
+    {diagnosis, summary(diagnosis)}
+  end
+
+  @doc """
+  Reads a failed Python's output: its last #{@stderr_lines} lines, and the
+  module it could not import (the last `No module named '...'`).
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Startup.parse("Traceback ...\\nModuleNotFoundError: No module named 'torch'\\n")
+      %{stderr: ["Traceback ...", "ModuleNotFoundError: No module named 'torch'"], missing_module: "torch"}
+  """
+  @spec parse(String.t()) :: diagnosis()
+  def parse(output) do
+    lines =
+      output
+      |> String.split("\n", trim: true)
+      |> Enum.take(-@stderr_lines)
+
+    missing =
+      case Regex.scan(~r/No module named '([^']+)'/, output) do
+        [] -> nil
+        found -> found |> List.last() |> Enum.at(1)
+      end
+
+    %{stderr: lines, missing_module: missing}
+  end
+
+  @doc """
+  A diagnosis in one line, for the error's message.
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Startup.summary(%{stderr: [], missing_module: nil})
+      "it printed nothing on stderr"
+
+      iex> VllmBridge.Worker.Startup.summary(%{stderr: ["ImportError: x "], missing_module: "x"})
+      "ImportError: x (Python cannot import 'x')"
+  """
+  @spec summary(diagnosis()) :: String.t()
+  def summary(%{stderr: []}), do: "it printed nothing on stderr"
+
+  def summary(%{missing_module: module, stderr: lines}) when is_binary(module),
+    do: "#{String.trim(List.last(lines))} (Python cannot import '#{module}')"
+
+  def summary(%{stderr: lines}), do: String.trim(List.last(lines))
+end
