@@ -61,7 +61,7 @@ def _to_official(msg: pb.Request | pb.Reply, official: ModuleType):
         elif msg.value is not None:
             out.value = msg.value
         return out
-    out = official.Request(id=msg.id, session=msg.session)
+    out = official.Request(id=msg.id, session=msg.session, deadline_ms=msg.deadline_ms)
     op_field = pb.op_name(msg.op)
     sub = getattr(out, op_field)
     sub.SetInParent()

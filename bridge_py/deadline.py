@@ -1,0 +1,65 @@
+"""The caller's deadline: how long whoever asked for the running call will wait for it.
+
+A worker (``python -m bridge_py.worker``) runs each request under the deadline its
+caller sent (``Request.deadline_ms``, see docs/protocol.md): the dispatcher sets it here
+for the length of the call, as a ``time.monotonic()`` value. The blocking waits of the
+distributed code (``StatelessProcessGroup.recv_obj``, ``broadcast_obj``,
+``all_gather_obj``, ``barrier``, ``MessageQueue.enqueue``/``dequeue``) clamp their own
+timeouts to it with :func:`clamp`, so a call its caller gave up on gives up too, as a
+timeout of the wait would (a receive that gives up takes nothing: the message stays for
+the next one), instead of holding its group until the store's timeout.
+
+Without a deadline set (every Python user of the package, and requests without one)
+:func:`clamp` returns its argument: nothing changes. This module imports nothing of the
+package, so any layer may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+__all__ = ["DEADLINE", "clamp", "clamp_until", "remaining", "until"]
+
+DEADLINE: ContextVar[float] = ContextVar("bridge_py_deadline", default=0.0)
+"""The running call's deadline, a ``time.monotonic()`` value; 0.0 when it has none."""
+
+# What a clamped wait gets when the deadline has passed already: one quick look (a wait
+# of 0 would mean "no timeout" to some stores).
+_AT_LEAST = 0.001
+
+
+def remaining() -> float | None:
+    """Seconds left before the running call's deadline (0 or less once it has passed);
+    None when it has none."""
+    deadline = DEADLINE.get()
+    return None if not deadline else deadline - time.monotonic()
+
+
+def clamp(timeout: float) -> float:
+    """``timeout`` (seconds), or what is left of the running call's deadline when that is
+    less (at least a millisecond); ``timeout`` unchanged when there is no deadline."""
+    deadline = DEADLINE.get()
+    if not deadline:
+        return timeout
+    return min(timeout, max(deadline - time.monotonic(), _AT_LEAST))
+
+
+def clamp_until(when: float) -> float:
+    """``when`` (a ``time.monotonic()`` value), or the running call's deadline when that
+    comes first."""
+    deadline = DEADLINE.get()
+    return when if not deadline else min(when, deadline)
+
+
+@contextlib.contextmanager
+def until(deadline: float) -> Iterator[None]:
+    """Run the block under ``deadline`` (a ``time.monotonic()`` value; 0 for none), as the
+    worker runs a request under its caller's."""
+    token = DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        DEADLINE.reset(token)
