@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import overload
 
 __all__ = ["DEADLINE", "clamp", "clamp_until", "remaining", "until"]
 
@@ -47,11 +48,17 @@ def clamp(timeout: float) -> float:
     return min(timeout, max(deadline - time.monotonic(), _AT_LEAST))
 
 
-def clamp_until(when: float) -> float:
-    """``when`` (a ``time.monotonic()`` value), or the running call's deadline when that
-    comes first."""
+@overload
+def clamp_until(when: float) -> float: ...
+@overload
+def clamp_until(when: None) -> float | None: ...
+def clamp_until(when: float | None) -> float | None:
+    """``when`` (a ``time.monotonic()`` value; None: never), or the running call's
+    deadline when that comes first."""
     deadline = DEADLINE.get()
-    return when if not deadline else min(when, deadline)
+    if not deadline:
+        return when
+    return deadline if when is None else min(when, deadline)
 
 
 @contextlib.contextmanager

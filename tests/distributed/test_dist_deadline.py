@@ -16,6 +16,7 @@ from torch.distributed import TCPStore
 
 from bridge_py import deadline
 from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.errors import BarrierTimeout, GroupTimeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,3 +69,18 @@ def test_a_shorter_own_timeout_still_wins() -> None:
     with deadline.until(start + 10), pytest.raises(GroupTimeout):
         rank0.recv_obj(1, timeout=0.2)
     assert time.monotonic() - start < 2
+
+
+def test_message_queue_waits_give_up_at_the_deadline() -> None:
+    writer = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        _gives_up_in_time(reader.dequeue, error=TimeoutError)  # nothing written yet
+        writer.enqueue("a")
+        writer.enqueue("b")  # the ring is full: the next enqueue waits for the reader
+        _gives_up_in_time(lambda: writer.enqueue("c"), error=TimeoutError)
+        assert reader.dequeue(timeout=5) == "a"
+        assert reader.dequeue(timeout=5) == "b"
+    finally:
+        reader.close()
+        writer.close()
