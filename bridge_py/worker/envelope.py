@@ -570,8 +570,21 @@ def call_key(frame: bytes, end: int) -> tuple[bytes, int]:
             at += 2 + size
         if frame[at] != 0x18:
             return frame[end:], 0
-        deadline, stop = _read_varint(frame, at + 1, len(frame))
-    except (IndexError, EnvelopeError):
+        deadline = frame[at + 1]
+        stop = at + 2
+        if deadline & 0x80:  # a varint of more bytes (a deadline of 128 ms or more)
+            deadline &= 0x7F
+            shift = 7
+            while True:
+                byte = frame[stop]
+                stop += 1
+                deadline |= (byte & 0x7F) << shift
+                if not byte & 0x80:
+                    break
+                shift += 7
+                if shift > 63:
+                    return frame[end:], 0
+    except IndexError:
         return frame[end:], 0
     if at == end:
         return frame[stop:], deadline
