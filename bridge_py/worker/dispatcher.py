@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bridge_py.deadline import DEADLINE
+from bridge_py.deadline import CURRENT
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
 from bridge_py.worker.codec import CodecError
@@ -89,7 +89,10 @@ class Dispatcher:
         if type(frame) is bytes and len(frame) <= MAX_PLANNED_BYTES:
             end = pb.id_field_end(frame)
             if end:
-                key, deadline_ms = pb.call_key(frame, end)
+                key = frame[end:]
+                deadline_ms = 0
+                if key and (key[0] == 0x18 or key[0] == 0x12):  # a deadline, or a session
+                    key, deadline_ms = pb.call_key(frame, end)
                 plan = self._plan_for(key)
                 if plan is not None:
                     if gate is not None:
@@ -107,7 +110,8 @@ class Dispatcher:
             refused = gate(None if req.op is None else type(req.op), req.session)
             if refused is not None:
                 return pb.Reply(req.id, error=refused), None, None
-        return req, self._reserve(req), frame, _deadline(req.deadline_ms)
+        ms = req.deadline_ms
+        return req, self._reserve(req), frame, time.monotonic() + ms * 0.001 if ms else 0.0
 
     def run(self, job: Job) -> list[bytes | memoryview]:
         """Run a job from :meth:`admit` and return its reply's bytes, in pieces (a large
@@ -153,6 +157,11 @@ class Dispatcher:
         """Run ``req`` in ``turn`` (entered here, and always left), under ``deadline``;
         never raises."""
         try:
+            if not deadline:
+                if turn is None:
+                    return self.operations.reply(req)
+                with turn:
+                    return self.operations.reply(req)
             if turn is None:
                 return self._reply(req, deadline)
             with turn:
@@ -162,17 +171,16 @@ class Dispatcher:
             return error_reply(req.id, internal_failure(exc))
 
     def _reply(self, req: pb.Request, deadline: float) -> pb.Reply:
-        """Run ``req`` now, under ``deadline`` (0.0: none); not at all once it has passed."""
-        if not deadline:
-            return self.operations.reply(req)
+        """Run ``req`` now, under ``deadline``; not at all once it has passed."""
         late = time.monotonic() - deadline
         if late >= 0:
             return error_reply(req.id, expired_failure(late))
-        token = DEADLINE.set(deadline)
+        before = CURRENT.at
+        CURRENT.at = deadline
         try:
             return self.operations.reply(req)
         finally:
-            DEADLINE.reset(token)
+            CURRENT.at = before
 
     # -- planned calls ---------------------------------------------------------------
 
@@ -201,23 +209,32 @@ class Dispatcher:
         if plan.epoch != self.registry.epoch:
             answer = self._answer(pb.decode_request(frame), None, deadline)
             return None, pb.encode_reply_chunks(answer)
-        token = None
+        if deadline:
+            return self._call_planned_until(frame, plan, deadline)
         try:
-            if deadline:
-                late = time.monotonic() - deadline
-                if late >= 0:
-                    failure = expired_failure(late)
-                    return None, pb.encode_reply_chunks(
-                        error_reply(pb.peek_request_id(frame), failure)
-                    )
-                token = DEADLINE.set(deadline)
+            return getattr(plan.obj, plan.method)(), None
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
+            failure = python_failure(exc)
+            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+
+    def _call_planned_until(
+        self, frame: bytes, plan: CallPlan, deadline: float
+    ) -> tuple[Any, list[bytes | memoryview] | None]:
+        """:meth:`_call_planned` under ``deadline``: not run once it has passed."""
+        late = time.monotonic() - deadline
+        if late >= 0:
+            failure = expired_failure(late)
+            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+        current = CURRENT
+        before = current.at
+        current.at = deadline
+        try:
             return getattr(plan.obj, plan.method)(), None
         except BaseException as exc:  # SystemExit too: a call never ends the worker
             failure = python_failure(exc)
             return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
         finally:
-            if token is not None:
-                DEADLINE.reset(token)
+            current.at = before
 
     def _learn(self, frame: Frame, req: pb.Request) -> None:
         """Make a plan for ``req`` if it is a call without arguments in the canonical

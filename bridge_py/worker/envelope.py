@@ -563,7 +563,17 @@ def call_key(frame: bytes, end: int) -> tuple[bytes, int]:
     """
     try:
         at = end
-        if frame[at] == 0x12:  # the session: its length, then its bytes
+        if frame[at] == 0x18:  # what the Elixir runtime sends: no session, a deadline
+            first = frame[at + 1]
+            if first < 0x80:
+                return frame[at + 2 :], first
+            second = frame[at + 2]
+            if second < 0x80:
+                return frame[at + 3 :], (first & 0x7F) | second << 7
+            third = frame[at + 3]
+            if third < 0x80:
+                return frame[at + 4 :], (first & 0x7F) | (second & 0x7F) << 7 | third << 14
+        elif frame[at] == 0x12:  # the session: its length, then its bytes
             size = frame[at + 1]
             if size & 0x80:
                 return frame[end:], 0
@@ -572,10 +582,18 @@ def call_key(frame: bytes, end: int) -> tuple[bytes, int]:
             return frame[end:], 0
         deadline = frame[at + 1]
         stop = at + 2
-        if deadline & 0x80:  # a varint of more bytes (a deadline of 128 ms or more)
+        if deadline & 0x80:  # a varint of more bytes: unrolled up to three (35 minutes)
             deadline &= 0x7F
-            shift = 7
-            while True:
+            byte = frame[stop]
+            stop += 1
+            deadline |= (byte & 0x7F) << 7
+            shift = 14
+            if byte & 0x80:
+                byte = frame[stop]
+                stop += 1
+                deadline |= (byte & 0x7F) << 14
+                shift = 21
+            while byte & 0x80:
                 byte = frame[stop]
                 stop += 1
                 deadline |= (byte & 0x7F) << shift

@@ -221,7 +221,7 @@ class StatelessProcessGroup:
     def _clamped(self, timeout: float | None) -> float | None:
         """A receive's ``timeout`` (None: the store's), clamped to the running call's
         deadline when it has one (``bridge_py.deadline``: a worker's caller's)."""
-        if not deadline.DEADLINE.get():
+        if not deadline.current():
             return timeout
         return deadline.clamp(self._store_transport.limit(timeout))
 

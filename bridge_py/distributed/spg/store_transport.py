@@ -315,7 +315,7 @@ class StoreTransport:
     def _gather(self, wanted: list[str], others: list[int], op: str) -> list[bytes]:
         limit = deadline.clamp(self.default_timeout())
         start = time.monotonic()
-        if deadline.DEADLINE.get():
+        if deadline.current():
             # The main connection waits for the store's timeout: wait on the waiter's.
             got: list[bytes] = [b""] * len(wanted)
         else:
