@@ -292,6 +292,16 @@ VIEW_THRESHOLD = 1 << 16
 
 
 def _read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+    if pos + 3 <= end:  # up to three bytes (below 2^21: ids, deadlines) unrolled
+        first = buf[pos]
+        if first < 0x80:
+            return first, pos + 1
+        second = buf[pos + 1]
+        if second < 0x80:
+            return (first & 0x7F) | second << 7, pos + 2
+        third = buf[pos + 2]
+        if third < 0x80:
+            return (first & 0x7F) | (second & 0x7F) << 7 | third << 14, pos + 3
     result = 0
     shift = 0
     while True:
@@ -486,6 +496,8 @@ def decode_canonical_call(buf: bytes) -> Request | None:
         deadline_ms = 0
         if buf[pos] == 0x18:
             deadline_ms, pos = _read_varint(buf, pos + 1, n)
+            if buf[pos] != 0x5A:  # not a call: the general loop reads it
+                return None
         if pos + 2 > n or buf[pos] != 0x5A:
             return None
         size, pos = _read_varint(buf, pos + 1, n)
