@@ -12,7 +12,8 @@ leaves the instructions of the read, decode, dispatch, encode and write of one r
 OP is one shape of call (``all``, the default, measures each): ``incr`` (a method
 without arguments), ``incr1`` (one positional argument), ``incr_by`` (one keyword
 argument), ``value`` (an attribute, as the generated getters read one), ``echo`` (a
-module function with one argument) and ``ping``.
+module function with one argument) and ``ping``. ``--deadline-ms N`` sends every request
+with that ``deadline_ms``, as the Elixir runtime does (its default timeout: 120000).
 
 Needs ``valgrind`` on PATH (``apt-get install valgrind``); not part of ``make bench``.
 It takes a minute or two (the interpreter and torch start twice under valgrind).
@@ -53,7 +54,7 @@ OPS = {{
     "ping": pb.Ping(),
 }}
 op = OPS[{op!r}]
-frame = pb.encode_request(pb.Request(id=7, op=op))
+frame = pb.encode_request(pb.Request(id=7, op=op, deadline_ms={deadline_ms}))
 data = (struct.pack(">I", len(frame)) + frame) * {requests}
 out = os.open(os.devnull, os.O_WRONLY)
 PortTransport(dispatcher, io.BufferedReader(io.BytesIO(data)), out).serve()
@@ -71,10 +72,12 @@ SHAPES = {
 }
 
 
-def instructions(op: str, requests: int) -> int:
+def instructions(op: str, requests: int, deadline_ms: int = 0) -> int:
     """Instructions callgrind counts for the whole script serving ``requests`` requests."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
-        script.write(SERVE.format(root=str(ROOT), op=op, requests=requests))
+        script.write(
+            SERVE.format(root=str(ROOT), op=op, requests=requests, deadline_ms=deadline_ms)
+        )
     try:
         run = subprocess.run(
             ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
@@ -97,13 +100,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--op", choices=[*SHAPES, "all"], default="all", nargs="+")
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument(
+        "--deadline-ms",
+        type=int,
+        default=0,
+        help="send each request with this deadline_ms, as the Elixir runtime does (0: none)",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not on PATH (apt-get install valgrind)")
     ops = list(SHAPES) if "all" in args.op else args.op
     base = instructions("ping", 0)  # the script without requests: the same for every op
     for op in ops:
-        per_request = (instructions(op, args.requests) - base) / args.requests
+        total = instructions(op, args.requests, args.deadline_ms)
+        per_request = (total - base) / args.requests
         print(f"{SHAPES[op]:<34} {per_request:>9,.0f} instructions per request")
     return 0
 

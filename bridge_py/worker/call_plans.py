@@ -6,9 +6,10 @@ its id. Decoding the envelope, resolving the handle, checking the export table a
 looking up the method cost about twice what the rest of such a call costs, all to get
 the same answer as last time. So once a call has gone the full way and succeeded, the
 dispatcher keeps a plan under the request's bytes after its id field (the session and
-the call; ``envelope.id_field_end`` finds where the id field ends): the object and method
-name, its sequencer and the session's codec. The next request with the same bytes is
-read as its id field and a dictionary lookup (``Dispatcher.admit``), and its reply starts
+the call; ``envelope.id_field_end`` finds where the id field ends), less its deadline
+(``envelope.call_key``: that differs from call to call): the object and method name, its
+sequencer and the session's codec. The next request with the same bytes is read as its
+id field, its deadline and a dictionary lookup (``Dispatcher.admit``), and its reply starts
 with the same id field's bytes.
 
 A plan is only as good as the registry it was made from: every release moves the
@@ -62,20 +63,21 @@ class CallPlans:
     def __init__(self, limit: int = MAX_PLANS) -> None:
         self._plans: dict[bytes, CallPlan] = {}
         self._limit = limit
-        # The plan for a request's bytes after its id field (``frame[id_field_end(frame):]``),
+        # The plan for a request's bytes after its id field, less its deadline (``call_key``),
         # or None: the dictionary's own ``get``, one C call on the hot path. (``clear``
         # empties this same dictionary, so the bound method stays good.)
         self.get: Callable[[bytes], CallPlan | None] = self._plans.get
 
     def learn(self, frame: bytes, plan: CallPlan) -> None:
-        """Keep ``plan`` for requests whose bytes after the id field are ``frame``'s (a
-        frame whose id is not its first field gets none)."""
+        """Keep ``plan`` for requests whose bytes after the id field are ``frame``'s, their
+        deadlines aside (``envelope.call_key``; a frame whose id is not its first field
+        gets none)."""
         end = pb.id_field_end(frame)
         if not end or len(frame) > MAX_PLANNED_BYTES:
             return
         if len(self._plans) >= self._limit:
             self._plans.clear()
-        self._plans[frame[end:]] = plan
+        self._plans[pb.call_key(frame, end)[0]] = plan
 
     def clear(self) -> None:
         """Forget every plan (they hold their objects alive)."""

@@ -18,9 +18,11 @@ every transport, and what each operation does lives in ``operations.py``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
+from bridge_py.deadline import CURRENT
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
 from bridge_py.worker.codec import CodecError
@@ -30,6 +32,7 @@ from bridge_py.worker.operations import (
     Operations,
     encode_failure,
     error_reply,
+    expired_failure,
     internal_failure,
     protocol_error,
     python_failure,
@@ -49,14 +52,21 @@ It returns None to admit the request, or the error to answer instead (the reques
 then not run); it may also raise, and then ``admit`` raises that, having taken nothing."""
 
 Job = (
-    tuple[CallPlan, bytes, int, int]
-    | tuple[pb.Request, Turn | None, Frame]
+    tuple[CallPlan, bytes, int, int, float]
+    | tuple[pb.Request, Turn | None, Frame, float]
     | tuple[pb.Reply, None, None]
 )
 """What :meth:`Dispatcher.admit` made of a frame, for :meth:`Dispatcher.run`: a planned
 call (its plan, the frame, where the frame's id field ends, the number of its turn on
-the plan's sequencer), a decoded request (with the turn it holds, if it takes one, and
-its frame), or a reply known already (an error)."""
+the plan's sequencer, its deadline), a decoded request (with the turn it holds, if it
+takes one, its frame and its deadline), or a reply known already (an error). A deadline
+is the ``time.monotonic()`` value the request's ``deadline_ms`` names, counted from when
+it was admitted; 0.0 for none."""
+
+
+def _deadline(ms: int) -> float:
+    """The ``time.monotonic()`` value ``ms`` milliseconds from now; 0.0 for 0 (none)."""
+    return time.monotonic() + ms * 0.001 if ms else 0.0
 
 
 class Dispatcher:
@@ -79,13 +89,18 @@ class Dispatcher:
         if type(frame) is bytes and len(frame) <= MAX_PLANNED_BYTES:
             end = pb.id_field_end(frame)
             if end:
-                plan = self._plan_for(frame[end:])
+                key = frame[end:]
+                deadline_ms = 0
+                if key and (key[0] == 0x18 or key[0] == 0x12):  # a deadline, or a session
+                    key, deadline_ms = pb.call_key(frame, end)
+                plan = self._plan_for(key)
                 if plan is not None:
                     if gate is not None:
                         refused = gate(plan.op, plan.session)
                         if refused is not None:
                             return pb.Reply(pb.peek_request_id(frame), error=refused), None, None
-                    return plan, frame, end, plan.sequencer.take()
+                    deadline = time.monotonic() + deadline_ms * 0.001 if deadline_ms else 0.0
+                    return plan, frame, end, plan.sequencer.take(), deadline
         try:
             req = pb.decode_request(frame)
         except Exception as exc:  # EnvelopeError, or a bug: a reply either way
@@ -95,7 +110,8 @@ class Dispatcher:
             refused = gate(None if req.op is None else type(req.op), req.session)
             if refused is not None:
                 return pb.Reply(req.id, error=refused), None, None
-        return req, self._reserve(req), frame
+        ms = req.deadline_ms
+        return req, self._reserve(req), frame, time.monotonic() + ms * 0.001 if ms else 0.0
 
     def run(self, job: Job) -> list[bytes | memoryview]:
         """Run a job from :meth:`admit` and return its reply's bytes, in pieces (a large
@@ -103,14 +119,14 @@ class Dispatcher:
         one reply: should anything but the call itself fail, the reply is an error, and
         a turn the job holds is given back."""
         if type(job[0]) is CallPlan:  # the most common request
-            plan, planned_frame, end, number = job
-            return self._run_planned(plan, planned_frame, end, number)
+            plan, planned_frame, end, number, deadline = job
+            return self._run_planned(plan, planned_frame, end, number, deadline)
         if type(job[0]) is pb.Reply:  # worked out by admit (an error)
             known, _, _ = job
             return pb.encode_reply_chunks(known)
-        req, turn, frame = job
+        req, turn, frame, deadline = job
         try:
-            reply = self._answer(req, turn)  # uses the turn up, whatever happens
+            reply = self._answer(req, turn, deadline)  # uses the turn up, whatever happens
             if reply.error is None and type(req.op) is pb.CallMethod:
                 self._learn(frame, req)
             return pb.encode_reply_chunks(reply)
@@ -123,7 +139,7 @@ class Dispatcher:
         included), never raises. (For callers that hold a Request rather than bytes;
         a large tensor result is left in pieces: write it with
         ``envelope.encode_reply_chunks``.)"""
-        return self._answer(req, self._reserve(req))
+        return self._answer(req, self._reserve(req), _deadline(req.deadline_ms))
 
     # -- ordering ------------------------------------------------------------------
 
@@ -137,27 +153,46 @@ class Dispatcher:
         except HandleNotFound:
             return None  # the call reports it
 
-    def _answer(self, req: pb.Request, turn: Turn | None) -> pb.Reply:
-        """Run ``req`` in ``turn`` (entered here, and always left); never raises."""
+    def _answer(self, req: pb.Request, turn: Turn | None, deadline: float) -> pb.Reply:
+        """Run ``req`` in ``turn`` (entered here, and always left), under ``deadline``;
+        never raises."""
         try:
+            if not deadline:
+                if turn is None:
+                    return self.operations.reply(req)
+                with turn:
+                    return self.operations.reply(req)
             if turn is None:
-                return self.operations.reply(req)
+                return self._reply(req, deadline)
             with turn:
-                return self.operations.reply(req)
+                return self._reply(req, deadline)
         except BaseException as exc:  # one reply per request, whatever happened
             # Only a bug of ours gets here (the call's own exceptions are caught below it).
             return error_reply(req.id, internal_failure(exc))
 
+    def _reply(self, req: pb.Request, deadline: float) -> pb.Reply:
+        """Run ``req`` now, under ``deadline``; not at all once it has passed."""
+        late = time.monotonic() - deadline
+        if late >= 0:
+            return error_reply(req.id, expired_failure(late))
+        before = CURRENT.at
+        CURRENT.at = deadline
+        try:
+            return self.operations.reply(req)
+        finally:
+            CURRENT.at = before
+
     # -- planned calls ---------------------------------------------------------------
 
     def _run_planned(
-        self, plan: CallPlan, frame: bytes, id_end: int, number: int
+        self, plan: CallPlan, frame: bytes, id_end: int, number: int, deadline: float
     ) -> list[bytes | memoryview]:
         """The reply to a planned call: the one the full way would give. The call runs
-        in its turn ``number`` on ``plan.sequencer``; if a release has made the plan
-        stale, it takes the full way in that turn."""
+        in its turn ``number`` on ``plan.sequencer``, under ``deadline``; if a release has
+        made the plan stale, it takes the full way in that turn."""
         try:
-            value, reply = plan.sequencer.run_turn(number, self._call_planned, frame, plan)
+            call = self._call_planned
+            value, reply = plan.sequencer.run_turn(number, call, frame, plan, deadline)
             if reply is not None:
                 return reply
             data = plan.codec.encode_pieces(value)
@@ -167,17 +202,39 @@ class Dispatcher:
         return pb.value_reply_chunks(frame[:id_end], data)
 
     def _call_planned(
-        self, frame: bytes, plan: CallPlan
+        self, frame: bytes, plan: CallPlan, deadline: float
     ) -> tuple[Any, list[bytes | memoryview] | None]:
         """The planned call, in its turn: ``(result, None)``, or ``(None, reply)`` when it
-        failed or the plan has gone stale."""
+        failed, its deadline had passed or the plan has gone stale."""
         if plan.epoch != self.registry.epoch:
-            return None, pb.encode_reply_chunks(self._answer(pb.decode_request(frame), None))
+            answer = self._answer(pb.decode_request(frame), None, deadline)
+            return None, pb.encode_reply_chunks(answer)
+        if deadline:
+            return self._call_planned_until(frame, plan, deadline)
         try:
             return getattr(plan.obj, plan.method)(), None
         except BaseException as exc:  # SystemExit too: a call never ends the worker
             failure = python_failure(exc)
             return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+
+    def _call_planned_until(
+        self, frame: bytes, plan: CallPlan, deadline: float
+    ) -> tuple[Any, list[bytes | memoryview] | None]:
+        """:meth:`_call_planned` under ``deadline``: not run once it has passed."""
+        late = time.monotonic() - deadline
+        if late >= 0:
+            failure = expired_failure(late)
+            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+        current = CURRENT
+        before = current.at
+        current.at = deadline
+        try:
+            return getattr(plan.obj, plan.method)(), None
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
+            failure = python_failure(exc)
+            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+        finally:
+            current.at = before
 
     def _learn(self, frame: Frame, req: pb.Request) -> None:
         """Make a plan for ``req`` if it is a call without arguments in the canonical

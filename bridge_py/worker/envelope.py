@@ -137,6 +137,9 @@ class Request:
     id: int = 0
     session: str = ""
     op: Operation | None = None
+    # How long the caller will wait for the reply, in ms from when it sent the request
+    # (0: no limit). See :mod:`bridge_py.deadline`.
+    deadline_ms: int = 0
 
 
 @dataclass(slots=True)
@@ -230,7 +233,7 @@ def _encode_fields(msg: Any, fields: tuple[tuple[int, str, str], ...] | None = N
 
 
 # The non-oneof fields of Request (its op is written apart).
-_REQUEST_HEAD = ((1, "id", _UINT64), (2, "session", _STRING))
+_REQUEST_HEAD = ((1, "id", _UINT64), (2, "session", _STRING), (3, "deadline_ms", _UINT64))
 
 
 def encode_request(req: Request) -> bytes:
@@ -289,6 +292,16 @@ VIEW_THRESHOLD = 1 << 16
 
 
 def _read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+    if pos + 3 <= end:  # up to three bytes (below 2^21: ids, deadlines) unrolled
+        first = buf[pos]
+        if first < 0x80:
+            return first, pos + 1
+        second = buf[pos + 1]
+        if second < 0x80:
+            return (first & 0x7F) | second << 7, pos + 2
+        third = buf[pos + 2]
+        if third < 0x80:
+            return (first & 0x7F) | (second & 0x7F) << 7 | third << 14, pos + 3
     result = 0
     shift = 0
     while True:
@@ -416,6 +429,7 @@ _SPECS: dict[type, dict[int, tuple[str, Any]]] = {
 _SPECS[Request] = {
     1: ("id", _UINT64),
     2: ("session", _STRING),
+    3: ("deadline_ms", _UINT64),
     **{number: ("op", cls) for number, cls in _OPS.items()},
 }
 _SPECS[Reply] = {
@@ -463,8 +477,8 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
 def decode_canonical_call(buf: bytes) -> Request | None:
     """A method call laid out the way every encoder writes one, or None.
 
-    The common request, read without the general loop: ``id``, maybe ``session``,
-    then ``call`` (``handle``, ``method``, maybe ``args``, maybe ``kwargs``) to the
+    The common request, read without the general loop: ``id``, maybe ``session``, maybe
+    ``deadline_ms``, then ``call`` (``handle``, ``method``, maybe ``args``, maybe ``kwargs``) to the
     end, each once and in field order. Anything else, valid or not, returns None and
     is left to :func:`_decode_message`, which decodes it the same way or says what
     is wrong with it.
@@ -479,6 +493,11 @@ def decode_canonical_call(buf: bytes) -> Request | None:
             size, pos = _read_varint(buf, pos + 1, n)
             session = buf[pos : pos + size].decode("utf-8")
             pos += size
+        deadline_ms = 0
+        if buf[pos] == 0x18:
+            deadline_ms, pos = _read_varint(buf, pos + 1, n)
+            if buf[pos] != 0x5A:  # not a call: the general loop reads it
+                return None
         if pos + 2 > n or buf[pos] != 0x5A:
             return None
         size, pos = _read_varint(buf, pos + 1, n)
@@ -503,7 +522,7 @@ def decode_canonical_call(buf: bytes) -> Request | None:
         return None
     if pos != n or not handle or not method:
         return None
-    return Request(rid, session, CallMethod(handle, method, args, kwargs))
+    return Request(rid, session, CallMethod(handle, method, args, kwargs), deadline_ms)
 
 
 def decode_reply(data: bytes | bytearray | memoryview) -> Reply:
@@ -542,6 +561,64 @@ def id_field_end(frame: bytes) -> int:
     except IndexError:  # the frame ends inside the varint
         pass
     return 0
+
+
+def call_key(frame: bytes, end: int) -> tuple[bytes, int]:
+    """The bytes of a request after its id field (which ends at ``end``: see
+    :func:`id_field_end`) less its ``deadline_ms`` field, and that field's value (0 when
+    it has none).
+
+    What stays is what names the call (its session and operation), the same for every
+    request that makes the same call whatever its deadline: the key of its call plan.
+    Only the layout every encoder writes is looked at (the deadline right after the id,
+    or after a session shorter than 128 bytes); any other keeps its bytes as they are.
+    """
+    try:
+        at = end
+        if frame[at] == 0x18:  # what the Elixir runtime sends: no session, a deadline
+            first = frame[at + 1]
+            if first < 0x80:
+                return frame[at + 2 :], first
+            second = frame[at + 2]
+            if second < 0x80:
+                return frame[at + 3 :], (first & 0x7F) | second << 7
+            third = frame[at + 3]
+            if third < 0x80:
+                return frame[at + 4 :], (first & 0x7F) | (second & 0x7F) << 7 | third << 14
+        elif frame[at] == 0x12:  # the session: its length, then its bytes
+            size = frame[at + 1]
+            if size & 0x80:
+                return frame[end:], 0
+            at += 2 + size
+        if frame[at] != 0x18:
+            return frame[end:], 0
+        deadline = frame[at + 1]
+        stop = at + 2
+        if deadline & 0x80:  # a varint of more bytes: unrolled up to three (35 minutes)
+            deadline &= 0x7F
+            byte = frame[stop]
+            stop += 1
+            deadline |= (byte & 0x7F) << 7
+            shift = 14
+            if byte & 0x80:
+                byte = frame[stop]
+                stop += 1
+                deadline |= (byte & 0x7F) << 14
+                shift = 21
+            while byte & 0x80:
+                byte = frame[stop]
+                stop += 1
+                deadline |= (byte & 0x7F) << shift
+                if not byte & 0x80:
+                    break
+                shift += 7
+                if shift > 63:
+                    return frame[end:], 0
+    except IndexError:
+        return frame[end:], 0
+    if at == end:
+        return frame[stop:], deadline
+    return frame[end:at] + frame[stop:], deadline
 
 
 def peek_request_id(data: bytes | bytearray | memoryview) -> int:
@@ -591,6 +668,7 @@ __all__ = [
     "ReleaseSession",
     "Reply",
     "Request",
+    "call_key",
     "decode_canonical_call",
     "decode_reply",
     "decode_request",

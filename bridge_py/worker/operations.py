@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bridge_py import deadline
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.arguments import BadArguments, accepts_no_arguments, prepare_call
 from bridge_py.worker.codec import Codec, CodecError, RefValue
@@ -34,7 +35,7 @@ class Failure(Exception):
         self.python_type = type(exc).__name__ if exc is not None else ""
         self.tb = (
             "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            if exc is not None and category == "python"
+            if exc is not None and category in ("python", "timeout")
             else ""
         )
 
@@ -212,8 +213,24 @@ def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:
 
 
 def python_failure(exc: BaseException) -> Failure:
-    """What an exported call that raised ``exc`` answers: a ``python`` error."""
-    return Failure("python", f"{type(exc).__name__}: {exc}", exc)
+    """What an exported call that raised ``exc`` answers: a ``python`` error; or, for a
+    TimeoutError raised once the call's deadline has passed (a wait that gave up at the
+    deadline, see :mod:`bridge_py.deadline`), a ``timeout`` error."""
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, TimeoutError):
+        left = deadline.remaining()
+        if left is not None and left <= 0:
+            return Failure("timeout", f"{message} (at the caller's deadline)", exc)
+    return Failure("python", message, exc)
+
+
+def expired_failure(late: float) -> Failure:
+    """What a request answers when its deadline had passed before its turn came: a
+    ``timeout`` error (the call was not run)."""
+    return Failure(
+        "timeout",
+        f"not run: the caller's deadline had passed {late * 1000:.0f} ms before its turn came",
+    )
 
 
 def encode_failure(exc: BaseException) -> Failure:

@@ -114,8 +114,11 @@ def _ref(handle: int, class_name: str) -> str:
     return f"%VllmBridge.Ref{{id: {handle}, class: {ex_str(class_name)}}}"
 
 
-def _req(req_id: int, session: str, op_name: str, fields: str) -> str:
-    return f"%{{id: {req_id}, session: {ex_str(session)}, op: {{:{op_name}, %{{{fields}}}}}}}"
+def _req(req_id: int, session: str, op_name: str, fields: str, deadline_ms: int = 0) -> str:
+    # The Elixir codec's map has :deadline_ms only when the request has one.
+    deadline = f", deadline_ms: {deadline_ms}" if deadline_ms else ""
+    op = f"{{:{op_name}, %{{{fields}}}}}"
+    return f"%{{id: {req_id}, session: {ex_str(session)}{deadline}, op: {op}}}"
 
 
 ARGS = struct.pack(">B", 0x92) + b"\x01\xa1a"  # msgpack [1, "a"]
@@ -183,6 +186,18 @@ def envelope_cases() -> list[tuple[str, pb.Request | pb.Reply, str]]:
             _req(9, "job-7", "release_session", ""),
         ),
         ("request_describe", pb.Request(id=10, op=pb.Describe()), _req(10, "", "describe", "")),
+        (
+            "request_call_deadline",
+            pb.Request(id=14, op=pb.CallMethod(7, "recv_obj", b"\x91\x00", b""), deadline_ms=500),
+            _req(
+                14, "", "call", 'handle: 7, method: "recv_obj", args: <<145, 0>>, kwargs: ""', 500
+            ),
+        ),
+        (
+            "request_call_session_deadline",
+            pb.Request(id=15, session="s1", op=pb.CallMethod(7, "rank"), deadline_ms=120_000),
+            _req(15, "s1", "call", 'handle: 7, method: "rank", args: "", kwargs: ""', 120_000),
+        ),
         ("reply_value", pb.Reply(id=11, value=b"\xc0"), "%{id: 11, result: {:value, <<192>>}}"),
         ("reply_value_empty", pb.Reply(id=12, value=b""), '%{id: 12, result: {:value, ""}}'),
         (

@@ -61,7 +61,7 @@ def _to_official(msg: pb.Request | pb.Reply, official: ModuleType):
         elif msg.value is not None:
             out.value = msg.value
         return out
-    out = official.Request(id=msg.id, session=msg.session)
+    out = official.Request(id=msg.id, session=msg.session, deadline_ms=msg.deadline_ms)
     op_field = pb.op_name(msg.op)
     sub = getattr(out, op_field)
     sub.SetInParent()
@@ -193,3 +193,16 @@ def test_the_method_call_fast_path_decodes_exactly_like_the_general_decoder(
             if candidate is data:
                 assert ours == req
                 assert official.Request.FromString(data).call.method == call.method
+
+
+@pytest.mark.parametrize("session", ["", "s1", "grpc-" + "ab" * 32])
+def test_call_key_leaves_out_the_deadline(session: str) -> None:
+    call = pb.CallMethod(3, "incr")
+    key = pb.encode_request(pb.Request(0, session, call))
+    for deadline_ms in (0, 1, 127, 128, 119_975, 2**40, 2**64 - 1):
+        frame = pb.encode_request(pb.Request(300, session, call, deadline_ms))
+        assert pb.call_key(frame, pb.id_field_end(frame)) == (key, deadline_ms)
+    # A truncated deadline keeps the bytes as they are (the full decode says what is wrong).
+    frame = pb.encode_request(pb.Request(300, session, deadline_ms=2**20))[:-1]
+    end = pb.id_field_end(frame)
+    assert pb.call_key(frame, end) == (frame[end:], 0)

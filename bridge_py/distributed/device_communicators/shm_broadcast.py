@@ -39,6 +39,7 @@ import socket
 import threading
 from typing import Any
 
+from bridge_py.deadline import clamp_until
 from bridge_py.distributed.auth import AuthKey, open_object, resolve_key, seal_object
 from bridge_py.distributed.device_communicators.shm_remote import (
     READY,
@@ -379,7 +380,7 @@ class MessageQueue:
             raise RuntimeError("Only writers can enqueue")
         if self._publisher is not None and not self._ready:
             raise RuntimeError("call wait_until_ready() before enqueue: remote readers join there")
-        deadline = deadline_after(timeout)
+        deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
@@ -455,7 +456,7 @@ class MessageQueue:
         """
         if self._is_writer:
             raise RuntimeError("Only readers can dequeue")
-        deadline = deadline_after(timeout)
+        deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
             while True:  # one chunk at a time, from the ring or the writer's stream alike
                 total, part, view = self._next_chunk(deadline, cancel, not indefinite)

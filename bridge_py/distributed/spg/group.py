@@ -37,6 +37,7 @@ from typing import Any
 
 from torch.distributed import Store
 
+from bridge_py import deadline
 from bridge_py.distributed.auth import AuthKey, resolve_key
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.spg import values
@@ -211,10 +212,18 @@ class StatelessProcessGroup:
             validate_rank(src, self.world_size, "src")
         if timeout is not None:
             self._store_transport.limit(timeout)  # checked before anything else
+        timeout = self._clamped(timeout)
         seq = self.recv_src_counter[src]
         load = self._transport.recv(src, seq, timeout)
         self.recv_src_counter[src] = seq + 1  # received: consumed, whether or not it loads
         return load()
+
+    def _clamped(self, timeout: float | None) -> float | None:
+        """A receive's ``timeout`` (None: the store's), clamped to the running call's
+        deadline when it has one (``bridge_py.deadline``: a worker's caller's)."""
+        if not deadline.current():
+            return timeout
+        return deadline.clamp(self._store_transport.limit(timeout))
 
     # --- collectives --------------------------------------------------------------------
 
@@ -235,7 +244,7 @@ class StatelessProcessGroup:
             self.broadcast_send_counter += 1
             return obj
         seq = self.broadcast_recv_src_counter[src]
-        load = self._transport.broadcast_recv(src, seq, timeout)
+        load = self._transport.broadcast_recv(src, seq, self._clamped(timeout))
         self.broadcast_recv_src_counter[src] = seq + 1  # received: consumed, whatever loads
         return load()
 
@@ -289,6 +298,7 @@ class StatelessProcessGroup:
         """
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        timeout = deadline.clamp(timeout)
         barrier_id = self._barrier_count
         self._barrier_count += 1
         self._transport.barrier(barrier_id, timeout)

@@ -29,6 +29,7 @@ from typing import Any
 
 from torch.distributed import Store
 
+from bridge_py import deadline
 from bridge_py.distributed.errors import BarrierFailure, BarrierTimeout, PeerGoneError
 from bridge_py.distributed.spg import keys, p2p
 from bridge_py.distributed.spg.board import (
@@ -241,7 +242,7 @@ class ShmTransport:
         if not board.connected:
             self._connect_all(f"all_gather_obj on rank {self.rank}")
         self._publish(seq, obj)
-        limit = self.overflow.default_timeout()
+        limit = deadline.clamp(self.overflow.default_timeout())
         wanted = {src: seqs[src] for src in self._others}
         got: dict[int, bytes] = {}
 
@@ -289,7 +290,7 @@ class ShmTransport:
             self._connect_all(f"barrier {barrier_id} failed on rank {rank}")
         hooks = self.overflow.hooks((lambda: self._release(True)) if self._sent else None)
         start = time.monotonic()
-        deadline = start + timeout
+        until = deadline.clamp_until(start + timeout)
         check_at = start + LIVENESS_PERIOD
         board.arrive(barrier_id)
         waited = False
@@ -307,7 +308,7 @@ class ShmTransport:
                 hooks.while_waiting()
                 continue
             now = time.monotonic()
-            if now >= deadline:
+            if now >= until:
                 verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
                 outcome, verdict = board.decide(barrier_id, FAILED, verdict)
                 failure = BarrierTimeout
@@ -319,7 +320,7 @@ class ShmTransport:
                     verdict = f"ranks {gone} exited before arriving (seen by rank {rank})"
                     outcome, verdict = board.decide(barrier_id, FAILED, verdict)
                     break
-            board.wait(min(deadline, check_at) - now)
+            board.wait(min(until, check_at) - now)
         if outcome != PASSED:
             raise failure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
         if hooks.all_arrived is not None:
@@ -328,16 +329,16 @@ class ShmTransport:
         board.unname()  # every rank has opened this rank's board by now
         if rank != 0:
             return
-        deadline = time.monotonic() + timeout
+        until = deadline.clamp_until(time.monotonic() + timeout)
         while missing := board.not_departed(barrier_id):
             now = time.monotonic()
-            if now >= deadline:
+            if now >= until:
                 raise BarrierTimeout(
                     f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
                     f"phase 3 (departure): {world_size - len(missing)} of {world_size} ranks "
                     "departed"
                 )
-            board.wait(deadline - now)
+            board.wait(until - now)
 
     def _connect_all(self, what: str) -> None:
         """Open every rank's board (for a collective); PeerGoneError starting with ``what``

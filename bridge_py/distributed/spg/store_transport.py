@@ -31,6 +31,7 @@ from typing import Any
 
 from torch.distributed import Store
 
+from bridge_py import deadline
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.errors import (
     BarrierFailure,
@@ -312,21 +313,26 @@ class StoreTransport:
             return self._gather(wanted, others, op)
 
     def _gather(self, wanted: list[str], others: list[int], op: str) -> list[bytes]:
-        limit = self.default_timeout()
+        limit = deadline.clamp(self.default_timeout())
         start = time.monotonic()
-        try:
-            got = self.store.multi_get(wanted)
-        except RuntimeError as exc:
-            if not is_store_timeout(exc):
-                raise lost(op, self.rank, f"keys {wanted}", -1, start, exc) from exc
-            raise self._gather_late(wanted, others, start, limit, op) from None
+        if deadline.current():
+            # The main connection waits for the store's timeout: wait on the waiter's.
+            got: list[bytes] = [b""] * len(wanted)
+        else:
+            try:
+                got = self.store.multi_get(wanted)
+            except RuntimeError as exc:
+                if not is_store_timeout(exc):
+                    raise lost(op, self.rank, f"keys {wanted}", -1, start, exc) from exc
+                raise self._gather_late(wanted, others, start, limit, op) from None
         if all(got):
             return list(got)
-        # Woken early (see _await): fetch what is missing on the waiter's connection.
+        # Woken early (see _await), or under a deadline: fetch what is missing on the
+        # waiter's connection.
         missing = [i for i, value in enumerate(got) if not value]
-        deadline = start + limit
+        until = start + limit
         while missing:
-            left = max(deadline - time.monotonic(), 0.001)
+            left = max(until - time.monotonic(), 0.001)
             try:
                 fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
             except RuntimeError as exc:
@@ -446,9 +452,9 @@ class StoreTransport:
         # Phase 3: rank 0 leaves last.
         gone = 1 + left
         try:
-            deadline = time.monotonic() + timeout
+            until = deadline.clamp_until(time.monotonic() + timeout)
             while gone < world_size:
-                message = mailbox.receive(barrier_id, deadline)
+                message = mailbox.receive(barrier_id, until)
                 if message is None:
                     break
                 if message[0] in (_LEFT, _ARRIVED_AND_LEFT):
@@ -469,9 +475,9 @@ class StoreTransport:
         Returns how many ranks this rank heard leave meanwhile (only rank 0 hears of that).
         """
         rank, world_size = self.rank, self.world_size
-        deadline = time.monotonic() + timeout
+        until = deadline.clamp_until(time.monotonic() + timeout)
         left = 0
-        while (message := self._mailbox.receive(barrier_id, deadline)) is not None:
+        while (message := self._mailbox.receive(barrier_id, until)) is not None:
             kind, _sender, text = message
             if kind == _FAILED:
                 raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {text.decode()}")
@@ -493,9 +499,9 @@ class StoreTransport:
 
     def _verdict_of_others(self, barrier_id: int, timeout: float) -> str:
         """The message for a rank that finds the barrier already failed: the first verdict."""
-        deadline = time.monotonic() + timeout
+        until = deadline.clamp_until(time.monotonic() + timeout)
         verdict = "another rank gave up before all ranks arrived"
-        while (message := self._mailbox.receive(barrier_id, deadline)) is not None:
+        while (message := self._mailbox.receive(barrier_id, until)) is not None:
             if message[0] == _FAILED:
                 verdict = message[2].decode()
                 break

@@ -8,7 +8,7 @@ defmodule VllmBridge.Error do
 
   ## Categories
 
-  Seven categories come from a Python worker (see `docs/protocol.md`):
+  Seven categories come only from a Python worker (see `docs/protocol.md`):
 
     * `:protocol` - a frame, envelope or value could not be decoded
     * `:not_found` - unknown handle, a released one, or one of another session
@@ -22,10 +22,16 @@ defmodule VllmBridge.Error do
       reader is blocked in a call (a barrier, a recv); it is safe to retry
       once one of them returns
 
-  Three are added by the Elixir runtime and never come from a worker:
+  One comes from either side:
 
-    * `:timeout` - no reply within the caller's deadline (the late reply is
-      dropped)
+    * `:timeout` - the caller's deadline passed. From the worker: the call
+      was not run (its turn came too late), or a wait in it (a `recv_obj`,
+      a barrier) gave up at the deadline, and `:python_type` names the
+      exception. From the runtime: no reply by the deadline (the late reply
+      is dropped)
+
+  Two are added by the Elixir runtime and never come from a worker:
+
     * `:worker` - the worker process died, is restarting, or the pool does not
       exist
     * `:stale_ref` - a ref names a worker that is no longer the one running at

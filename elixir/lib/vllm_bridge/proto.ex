@@ -9,6 +9,8 @@ defmodule VllmBridge.Proto do
 
       # Request
       %{id: 1, session: "", op: {:ping, %{payload: <<0x91, 0x01>>}}}
+      # with a deadline: the worker gives up on it 500 ms after reading it
+      %{id: 2, session: "", deadline_ms: 500, op: {:describe, %{}}}
 
       # ops
       {:create, %{class_name: s, args: b, kwargs: b}}
@@ -45,7 +47,8 @@ defmodule VllmBridge.Proto do
   Decoders accept anything a conforming proto3 encoder may write: fields in
   any order, unknown fields (skipped), repeated fields packed or not, and a
   field given twice (the last one wins; messages are not merged). Decoded
-  messages have every field, defaults filled in. A message whose `oneof` is
+  messages have every field, defaults filled in, except a request's
+  `:deadline_ms`, which is there only when it is not 0 (none). A message whose `oneof` is
   not set is refused: the bridge never sends one.
   """
 
@@ -54,7 +57,12 @@ defmodule VllmBridge.Proto do
   alias VllmBridge.Error
 
   @typedoc "A decoded or to-be-encoded bridge.proto `Request`."
-  @type request :: %{id: pos_integer(), session: binary(), op: op()}
+  @type request :: %{
+          required(:id) => pos_integer(),
+          required(:session) => binary(),
+          optional(:deadline_ms) => non_neg_integer(),
+          required(:op) => op()
+        }
 
   @type op ::
           {:create, %{class_name: binary(), args: iodata(), kwargs: iodata()}}
@@ -136,7 +144,14 @@ defmodule VllmBridge.Proto do
   @spec encode_request(request()) :: {:ok, iodata()} | {:error, Error.t()}
   def encode_request(%{id: id, op: {op, fields}} = request) when is_map(fields) do
     session = Map.get(request, :session, "")
-    {:ok, [uint64_field(1, id), string_field(2, session) | encode_op(op, fields)]}
+    deadline = Map.get(request, :deadline_ms, 0)
+
+    {:ok,
+     [
+       uint64_field(1, id),
+       string_field(2, session),
+       uint64_field(3, deadline) | encode_op(op, fields)
+     ]}
   catch
     {__MODULE__, error} -> {:error, error}
   end
@@ -157,8 +172,10 @@ defmodule VllmBridge.Proto do
       fold_fields(binary, %{id: 0, session: "", op: nil}, fn
         1, @varint, value, acc -> %{acc | id: value}
         2, @len, value, acc -> %{acc | session: value}
+        3, @varint, 0, acc -> Map.delete(acc, :deadline_ms)
+        3, @varint, value, acc -> Map.put(acc, :deadline_ms, value)
         n, @len, value, acc when n in 10..17 -> %{acc | op: decode_op(n, value)}
-        n, type, _value, _acc when n in [1, 2] or n in 10..17 -> wrong_type(n, type)
+        n, type, _value, _acc when n in [1, 2, 3] or n in 10..17 -> wrong_type(n, type)
         _n, _type, _value, acc -> acc
       end)
 

@@ -33,7 +33,11 @@ defmodule VllmBridge.Runtime do
         a worker pid, or a `VllmBridge.Ref` (run next to that object).
         Default: the worker of the first ref among the top-level arguments,
         else round-robin
-      * `:timeout` - ms to wait for the reply (default: the pool's `:timeout`)
+      * `:timeout` - ms to wait for the reply (default: the pool's `:timeout`).
+        The worker is told too (the request's `deadline_ms`): a call whose
+        turn comes after it is not run, and a wait in Python (a `recv_obj`, a
+        barrier) gives up at it instead of running on; see "Timeouts" in
+        `docs/guide-elixir.md`
       * `:session` - the session that owns created handles and may use them
         (default `""`, the worker's default session; calls on a ref default
         to the ref's session)
@@ -104,6 +108,12 @@ defmodule VllmBridge.Runtime do
   # Slack added to a caller's timeout for a call forwarded to another node, so
   # that the remote node's own :timeout error normally arrives first.
   @remote_margin 5_000
+
+  # The worker's deadline is the caller's timeout less this much (at most; a
+  # twentieth of short timeouts): the worker gives up first, so its own
+  # :timeout reply normally arrives in time and a wait that gave up has taken
+  # nothing, rather than giving up just after the caller stopped waiting.
+  @deadline_margin 25
 
   @typedoc "Positional arguments."
   @type args :: [term()]
@@ -766,7 +776,8 @@ defmodule VllmBridge.Runtime do
     id = Worker.new_id()
 
     with {:ok, timeout} <- call_timeout(ctx, target.pool),
-         {:ok, frame} <- Proto.encode_request(%{id: id, session: session, op: op}) do
+         request = %{id: id, session: session, deadline_ms: deadline_ms(timeout), op: op},
+         {:ok, frame} <- Proto.encode_request(request) do
       {:ok, session, id, frame, timeout}
     end
   end
@@ -795,6 +806,10 @@ defmodule VllmBridge.Runtime do
   defp operation({:call_function, %{function: name}}, _target), do: {:call_function, name}
   defp operation({:get_attr, %{name: name}}, _target), do: {:get_attr, name}
   defp operation({kind, _}, _target), do: {kind, nil}
+
+  # The request's deadline_ms for a caller's timeout (0: none).
+  defp deadline_ms(:infinity), do: 0
+  defp deadline_ms(ms), do: max(ms - min(div(ms, 20), @deadline_margin), 1)
 
   defp call_timeout(%{timeout: nil}, pool), do: Pool.timeout(pool)
   defp call_timeout(%{timeout: timeout}, _pool), do: {:ok, timeout}
