@@ -203,9 +203,7 @@ def capture(writer: FrameWriter, drain_timeout: float = 1.0) -> OutputPump:
 
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
     original = os.dup(2)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_python_streams()
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)
@@ -217,9 +215,7 @@ def capture(writer: FrameWriter, drain_timeout: float = 1.0) -> OutputPump:
     pump.start()
 
     def restore() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush_python_streams()
         os.dup2(original, 1)
         os.dup2(original, 2)
         pump.drain(drain_timeout)
@@ -229,3 +225,10 @@ def capture(writer: FrameWriter, drain_timeout: float = 1.0) -> OutputPump:
 
 
 __all__ = ["BURST", "LINES_PER_SECOND", "MAX_LINE", "LineLimiter", "OutputPump", "capture"]
+
+
+def _flush_python_streams() -> None:
+    """Write out what Python buffered for fds 1 and 2 before they are pointed elsewhere."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

@@ -38,6 +38,21 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
+def join_gloo(rank: int, port: int, world_size: int = 2) -> None:
+    """torch.distributed's default group over gloo, rendezvous on 127.0.0.1:``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (bind to port 0, then release it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -14,7 +14,6 @@ MessageQueue made with a key over a torch group seals the objects of its set-up 
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 from pathlib import Path
@@ -33,7 +32,7 @@ from bridge_py.distributed.device_communicators.torch_compat import all_gather_i
 from bridge_py.distributed.errors import DistributedError
 from bridge_py.distributed.parallel_state import GroupCoordinator, in_the_same_node_as
 from tests.distributed import test_group_coordinator_mq, test_group_coordinator_p2p
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,13 +107,7 @@ def _attacked(rank: int, port: int, marker: str) -> list[str]:
     """Rank 1 injects into rank 0's object paths on their gloo group."""
     os.environ[auth.ENV_VAR] = KEY
     os.environ[CHECK_ENV] = "0"  # no agreement round: the attacker need not play along
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port)
     # The world group's gloo group is the one the coordinator's objects travel on.
     g = GroupCoordinator([[0, 1]], rank, "gloo", False, group_name="keyed")
     evil = pickle.dumps(Evil(marker))
@@ -163,13 +156,7 @@ def test_tampered_objects_are_refused_before_unpickling(tmp_path: Path) -> None:
 def _complaint_attacked(rank: int, port: int, marker: str) -> str:
     """Rank 0 rejects its arguments; rank 1 answers the complaint exchange with a pickle."""
     os.environ[ENABLE_ENV] = "0"  # the agreement's table over gloo too, not shared memory
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port)
     g = GroupCoordinator([[0, 1]], rank, "gloo", False, group_name="complaints")
     if rank == 0:
         try:
@@ -207,13 +194,7 @@ def test_the_agreements_complaint_exchange_unpickles_nothing(tmp_path: Path) -> 
 
 def _queue_probe_attacked(rank: int, port: int, marker: str) -> str:
     """Rank 1 makes a keyed queue over a torch group; rank 0 answers its probe with a pickle."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port)
     pg = dist.new_group([0, 1], backend="gloo")
     message = ""
     if rank == 0:  # what the queue's writer would broadcast first: its probe's name
@@ -245,13 +226,7 @@ def _negative_size(rank: int, port: int) -> str:
     """Rank 1 announces an object of size -5 where rank 0 waits for one (no key)."""
     os.environ.pop(auth.ENV_VAR, None)
     os.environ[CHECK_ENV] = "0"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port)
     g = GroupCoordinator([[0, 1]], rank, "gloo", False, group_name="sizes")
     message = ""
     if rank == 1:

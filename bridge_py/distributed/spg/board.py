@@ -307,9 +307,7 @@ class Board:
         """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
         fence()
         _U64.pack_into(self._map(self.rank), _BROADCASTS_SENT, number + 1)
-        for bell in self._bells:
-            if bell >= 0:
-                _ring(bell)
+        self.ring_all()
 
     def broadcasts_read(self) -> int:
         """How many of this rank's broadcasts every other rank is done with."""

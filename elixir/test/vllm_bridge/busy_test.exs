@@ -14,16 +14,8 @@ defmodule VllmBridge.BusyTest do
 
   test "with every thread blocked, a call is :busy, a ping is answered, and calls resume",
        %{test: test} do
-    pool = start_pool!(:"#{test}", 1, args: sample_args() ++ ["--max-threads", "3"])
+    {pool, counter, blocked} = saturated_pool!(:"#{test}")
     rt = [__runtime__: [pool: pool]]
-    {:ok, counter} = Runtime.call_class("Counter", [], rt)
-    gates = for _ <- 1..2, do: elem(Runtime.call_class("Counter", [], rt), 1)
-
-    # two calls hold two threads; the third reads on with nobody behind it
-    blocked =
-      for gate <- gates, do: Task.async(fn -> Runtime.call_method(gate, "wait_gate", [2.0]) end)
-
-    Process.sleep(500)
 
     assert {:ok, :still_here} = Runtime.ping(:still_here, rt)
     assert {:ok, 0} = Runtime.get_attr(counter, "value")

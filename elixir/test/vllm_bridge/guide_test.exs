@@ -32,12 +32,7 @@ defmodule VllmBridge.GuideTest do
 
   # The ```elixir blocks of the section under `heading`, up to the next heading.
   defp snippets(heading) do
-    [_, section] = String.split(File.read!(@guide), "\n" <> heading <> "\n", parts: 2)
-    [section | _] = String.split(section, ~r/\n#+ (?!=>)/, parts: 2)
-
-    ~r/```elixir\n(.*?)```/s
-    |> Regex.scan(section, capture: :all_but_first)
-    |> Enum.map(fn [code] -> with_assertions(code) end)
+    @guide |> VllmBridge.DocSnippets.in_section(heading) |> Enum.map(&with_assertions/1)
   end
 
   @docs Enum.map(

@@ -124,16 +124,8 @@ defmodule VllmBridge.TelemetryTest do
     end
 
     test "a :busy call is pool saturated", %{test: test} do
-      pool = start_pool!(:"#{test}", 1, args: sample_args() ++ ["--max-threads", "3"])
+      {pool, counter, blocked} = saturated_pool!(:"#{test}")
       forward_events!(pool)
-      rt = [__runtime__: [pool: pool]]
-      {:ok, counter} = Runtime.call_class("Counter", [], rt)
-      gates = for _ <- 1..2, do: elem(Runtime.call_class("Counter", [], rt), 1)
-
-      blocked =
-        for gate <- gates, do: Task.async(fn -> Runtime.call_method(gate, "wait_gate", [2.0]) end)
-
-      Process.sleep(500)
 
       assert {:error, %Error{category: :busy}} = Runtime.call_method(counter, "incr", [])
 

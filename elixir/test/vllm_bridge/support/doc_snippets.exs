@@ -18,6 +18,42 @@ defmodule VllmBridge.DocSnippets do
     end)
   end
 
+  @doc "The code of the elixir blocks of `path` in the section under `heading` (the whole line)."
+  def in_section(path, heading) do
+    lines = path |> File.read!() |> String.split("\n")
+    headings = section_headings(lines)
+
+    for {_file, line, _options, code} <- blocks(path),
+        Map.get(headings, line - 1) == heading,
+        do: code
+  end
+
+  # Line number of each fence -> the heading it is under (lines inside fences are code).
+  defp section_headings(lines) do
+    {headings, _, _} =
+      lines
+      |> Enum.with_index(1)
+      |> Enum.reduce({%{}, nil, false}, fn {line, number}, {map, heading, fenced} ->
+        trimmed = String.trim(line)
+
+        cond do
+          String.starts_with?(trimmed, "```") and not fenced ->
+            {Map.put(map, number, heading), heading, true}
+
+          String.starts_with?(trimmed, "```") ->
+            {map, heading, false}
+
+          not fenced and String.starts_with?(line, "#") ->
+            {map, line, fenced}
+
+          true ->
+            {map, heading, fenced}
+        end
+      end)
+
+    headings
+  end
+
   defp options(line) do
     case Regex.run(~r/<!--\s*run:\s*(.*?)\s*-->/, line) do
       nil -> []

@@ -74,6 +74,26 @@ defmodule VllmBridge.PoolHelpers do
     pool
   end
 
+  @doc """
+  A pool of one worker (`--max-threads 3`) with two of its threads blocked in
+  calls for 2 s, so that the next call that may block is refused as :busy.
+  Returns `{pool, counter, blocked}`: a Counter ref on that worker and the two
+  blocked calls' tasks (each ends `{:ok, false}`).
+  """
+  def saturated_pool!(name) do
+    pool = start_pool!(name, 1, args: @sample_args ++ ["--max-threads", "3"])
+    rt = [__runtime__: [pool: pool]]
+    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+    gates = for _ <- 1..2, do: elem(Runtime.call_class("Counter", [], rt), 1)
+
+    # two calls hold two threads; the third reads on with nobody behind it
+    blocked =
+      for gate <- gates, do: Task.async(fn -> Runtime.call_method(gate, "wait_gate", [2.0]) end)
+
+    Process.sleep(500)
+    {pool, counter, blocked}
+  end
+
   @doc "Polls `fun` every 20 ms until it returns a truthy value, for at most `ms`."
   def eventually(fun, ms \\ 10_000) do
     deadline = System.monotonic_time(:millisecond) + ms
