@@ -182,14 +182,17 @@ defmodule VllmBridge.LifecycleTest do
       forward_events!(pool)
       # torch alone takes more than 1 MB: over after the first call
       start_pool!(pool, 1, max_memory_mb: 1)
-      worker = worker_pid(pool, 0)
-      {:ok, os_pid} = Worker.os_pid(worker)
+      # From the start event: the worker may be replaced before anyone could ask it.
+      assert_receive {:telemetry, [:vllm_bridge, :worker, :started], _, %{os_pid: os_pid}}
 
       assert_receive {:telemetry, [:vllm_bridge, :worker, :exited], _,
                       %{os_pid: ^os_pid, reason: :replaced}},
                      5_000
 
-      eventually(fn -> worker_pid(pool, 0) not in [nil, worker] end, 30_000)
+      assert_receive {:telemetry, [:vllm_bridge, :worker, :started], _, %{os_pid: new_os_pid}},
+                     30_000
+
+      assert new_os_pid != os_pid
       assert wait_os_exit([os_pid], 5_000)
     end
 
