@@ -38,46 +38,45 @@ defmodule Bench.EchoRouter do
 end
 
 defmodule Bench.Calls do
+  alias Vllm.Distributed.StatelessProcessGroup
   alias VllmBridge.{Pool, Proto, Runtime, Tensor, Worker}
 
   @bench "calls"
   @pool Bench.CallsPool
   @no_spin_pool Bench.CallsPoolNoSpin
+  @always_spin_pool Bench.CallsPoolAlwaysSpin
+  @dist_pool Bench.CallsPoolDistributed
 
   def run do
     quick = Bench.quick?()
+    sample = ["--exports", "tests.worker.sample_exports:table"]
 
     {:ok, _sup} =
       Supervisor.start_link(
         [
-          Supervisor.child_spec(
-            {Pool,
-             name: @pool, size: 1, args: ["--exports", "tests.worker.sample_exports:table"]},
-            id: @pool
-          ),
-          # The same worker reading as a plain blocking read does: what the spin saves.
-          Supervisor.child_spec(
-            {Pool,
-             name: @no_spin_pool,
-             size: 1,
-             args: ["--exports", "tests.worker.sample_exports:table", "--spin-us", "0"]},
-            id: @no_spin_pool
-          )
+          pool_spec(@pool, sample),
+          # The same worker reading as a plain blocking read does, and one that spins
+          # whenever calls come back to back: the two behaviours the default measures
+          # between.
+          pool_spec(@no_spin_pool, sample ++ ["--spin-us", "0"]),
+          pool_spec(@always_spin_pool, sample ++ ["--spin-us", "200"]),
+          # The shipped export table, called through the generated modules.
+          pool_spec(@dist_pool, [])
         ],
         strategy: :one_for_one
       )
 
-    rt = [__runtime__: [pool: @pool, timeout: 120_000]]
-    {:ok, counter} = Runtime.call_class("Counter", [], rt)
-
-    {:ok, no_spin} =
-      Runtime.call_class("Counter", [], __runtime__: [pool: @no_spin_pool, timeout: 120_000])
+    counters =
+      Map.new([ours: @pool, no_spin: @no_spin_pool, always_spin: @always_spin_pool], fn {k, pool} ->
+        {:ok, counter} = Runtime.call_class("Counter", [], __runtime__: [pool: pool])
+        {k, counter}
+      end)
 
     {:ok, frame} =
       Proto.encode_request(%{
         id: Worker.new_id(),
         session: "",
-        op: {:call, %{handle: counter.id, method: "incr", args: "", kwargs: ""}}
+        op: {:call, %{handle: counters.ours.id, method: "incr", args: "", kwargs: ""}}
       })
 
     frame = IO.iodata_to_binary(frame)
@@ -86,65 +85,111 @@ defmodule Bench.Calls do
     bare = open_bare_worker()
     grpc = open_grpc()
     {:ok, router} = Bench.EchoRouter.start_link(nil)
+    group = one_rank_group()
+
+    ctx = %{
+      counters: counters,
+      group: group,
+      echo: echo,
+      spin_echo: spin_echo,
+      router: router,
+      frame: frame,
+      grpc: grpc,
+      bare: bare
+    }
 
     rows =
-      latency(quick, {counter, no_spin}, {echo, spin_echo}, router, frame, grpc, bare) ++
-        reductions(quick, counter, echo, frame) ++
-        throughput(quick, counter, router, frame) ++ tensor(quick, echo)
+      latency(quick, ctx) ++
+        reductions(quick, counters.ours, echo, frame) ++
+        throughput(quick, counters.ours, router, frame) ++ tensor(quick, echo)
 
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
   end
 
+  defp pool_spec(name, args) do
+    Supervisor.child_spec({Pool, name: name, size: 1, args: args}, id: name)
+  end
+
+  # A StatelessProcessGroup of one rank on the shipped table's worker: what the
+  # generated modules' rows call.
+  defp one_rank_group do
+    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
+    {:ok, port} = :inet.port(socket)
+    :ok = :gen_tcp.close(socket)
+
+    {:ok, group} =
+      StatelessProcessGroup.create(nil, "127.0.0.1", port, 0, 1, [],
+        __runtime__: [pool: @dist_pool, timeout: 120_000]
+      )
+
+    group
+  end
+
   ## 1. sequential latency --------------------------------------------------------
 
-  defp latency(quick, {counter, no_spin}, {echo, spin_echo}, router, frame, grpc, bare) do
+  # The sequential calls, each timed alone; every path runs a batch per round, in an
+  # order that alternates between rounds.
+  defp latency(quick, ctx) do
     {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
-    {:ok, start} = Runtime.call_method(counter, "incr", [])
-    {:ok, no_spin_start} = Runtime.call_method(no_spin, "incr", [])
+    %{counters: counters, group: group, echo: echo, spin_echo: spin_echo} = ctx
+    spin_kinds = [:ours, :no_spin, :always_spin]
 
-    # Warm-up of every path, untimed.
-    _ = ours_batch(counter, start, 20)
-    _ = ours_batch(no_spin, no_spin_start, 20)
-    _ = echo_batch(echo, frame, 20)
-    _ = echo_batch(spin_echo, frame, 20)
-    _ = grpc_batch(grpc, 20)
-    _ = bare_batch(bare, 20)
-    {:ok, start} = Runtime.call_method(counter, "incr", [])
-    {:ok, no_spin_start} = Runtime.call_method(no_spin, "incr", [])
-    paths = [:ours, :no_spin, :ping, :echo, :spin_echo, :hop, :grpc, :bare]
+    steps = fn ->
+      Enum.map(spin_kinds, fn k -> {k, fn n -> ours_batch(counters[k], n) end} end) ++
+        [
+          {:getter, fn n -> getter_batch(group, n) end},
+          {:method_args, fn n -> method_args_batch(group, n) end},
+          {:function, fn n -> function_batch(n) end},
+          {:ping, fn n -> ping_batch(n) end},
+          {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
+          {:spin_echo, fn n -> echo_batch(spin_echo, ctx.frame, n) end},
+          {:hop, fn n -> hop_batch(ctx.router, ctx.frame, n) end},
+          {:bare, fn n -> bare_batch(ctx.bare, n) end},
+          {:grpc, fn n -> grpc_batch(ctx.grpc, n) end}
+        ]
+    end
 
-    {acc, _} =
-      Enum.reduce(
-        1..rounds,
-        {Map.new(paths, &{&1, []}), {start, no_spin_start}},
-        fn
-          r, {acc, {v, w}} ->
-            steps = [
-              {:ours, fn -> ours_batch(counter, v, n) end},
-              {:no_spin, fn -> ours_batch(no_spin, w, n) end},
-              {:ping, fn -> ping_batch(n) end},
-              {:echo, fn -> echo_batch(echo, frame, n) end},
-              {:spin_echo, fn -> echo_batch(spin_echo, frame, n) end},
-              {:hop, fn -> hop_batch(router, frame, n) end},
-              {:bare, fn -> bare_batch(bare, n) end},
-              {:grpc, fn -> grpc_batch(grpc, n) end}
-            ]
+    # Warm-up of every path, untimed (and long enough for the default worker to have
+    # measured both ways of waiting).
+    for {_, f} <- steps.(), do: f.(if quick, do: 20, else: 200)
 
-            steps = if rem(r, 2) == 0, do: steps, else: Enum.reverse(steps)
-
-            acc =
-              Enum.reduce(steps, acc, fn {k, f}, acc -> Map.update!(acc, k, &(f.() ++ &1)) end)
-
-            {acc, {v + n, w + n}}
-        end
-      )
+    acc =
+      Enum.reduce(1..rounds, %{}, fn r, acc ->
+        ordered = if rem(r, 2) == 0, do: steps.(), else: Enum.reverse(steps.())
+        Enum.reduce(ordered, acc, fn {k, f}, acc -> Map.update(acc, k, f.(n), &(f.(n) ++ &1)) end)
+      end)
 
     [p50, p99] = for p <- [50, 99], do: Map.new(acc, fn {k, v} -> {k, Bench.percentile(v, p)} end)
     what = "Counter.incr (no-op method), sequential"
+    echo_name = "raw port echo"
 
     [
-      Bench.time_row(@bench, "#{what}, p50", p50.ours, p50.echo, "raw port echo", at_most: 2.5),
-      Bench.time_row(@bench, "#{what}, p99", p99.ours, p99.echo, "raw port echo"),
+      Bench.time_row(@bench, "#{what}, p50", p50.ours, p50.echo, echo_name, at_most: 2),
+      Bench.time_row(@bench, "#{what}, p99", p99.ours, p99.echo, echo_name),
+      Bench.time_row(
+        @bench,
+        "StatelessProcessGroup.rank(group) (a getter, generated module), p50",
+        p50.getter,
+        p50.echo,
+        echo_name,
+        at_most: 2
+      ),
+      Bench.time_row(
+        @bench,
+        "StatelessProcessGroup.broadcast_obj(group, 7, 0) (method with arguments, 1 rank), p50",
+        p50.method_args,
+        p50.echo,
+        echo_name,
+        at_most: 2
+      ),
+      Bench.time_row(
+        @bench,
+        "Vllm.Distributed.model_parallel_is_initialized() (a function), p50",
+        p50.function,
+        p50.echo,
+        echo_name,
+        at_most: 2
+      ),
       Bench.time_row(@bench, "#{what}, p50", p50.ours, p50.grpc, "gRPC unary (bridge_py.client)",
         faster_by: 10
       ),
@@ -153,44 +198,83 @@ defmodule Bench.Calls do
         @bench,
         "#{what}, p50",
         p50.ours,
-        p50.spin_echo,
-        "raw port echo that reads as the worker does (--spin-us 200)"
+        p50.no_spin,
+        "the same call, worker that never spins (--spin-us 0)",
+        at_most: 1.05
       ),
       Bench.time_row(
         @bench,
         "#{what}, p50",
         p50.ours,
-        p50.no_spin,
-        "the same call, worker reading without a spin (--spin-us 0)"
+        p50.always_spin,
+        "the same call, worker that always spins (--spin-us 200)",
+        at_most: 1.05
+      ),
+      Bench.time_row(
+        @bench,
+        "#{what}, p50",
+        p50.ours,
+        p50.spin_echo,
+        "raw port echo that reads as a spinning worker does (--spin-us 200)"
       ),
       Bench.time_row(
         @bench,
         "Runtime.ping (inline op), sequential, p50",
         p50.ping,
         p50.echo,
-        "raw port echo"
+        echo_name
       ),
       Bench.time_row(
         @bench,
         "Ping frame to a worker through a caller-owned port (no runtime), p50",
         p50.bare,
         p50.echo,
-        "raw port echo"
+        echo_name
       ),
       Bench.time_row(
         @bench,
         "raw echo behind a GenServer (the Worker's process hop), p50",
         p50.hop,
         p50.echo,
-        "raw port echo"
+        echo_name
       )
     ]
   end
 
-  defp ours_batch(counter, start, n) do
+  # Results are checked as values that only the right call gives (the counter's
+  # value before each batch is read first).
+  defp ours_batch(counter, n) do
+    {:ok, start} = Runtime.get_attr(counter, "value")
+
     for i <- 1..n do
       {us, result} = Bench.tc(fn -> Runtime.call_method(counter, "incr", []) end)
       Bench.check!(result == {:ok, start + i}, "Counter.incr returned #{inspect(result)}")
+      us
+    end
+  end
+
+  defp getter_batch(group, n) do
+    for _ <- 1..n do
+      {us, result} = Bench.tc(fn -> StatelessProcessGroup.rank(group) end)
+      Bench.check!(result == {:ok, 0}, "rank returned #{inspect(result)}")
+      us
+    end
+  end
+
+  defp method_args_batch(group, n) do
+    for i <- 1..n do
+      {us, result} = Bench.tc(fn -> StatelessProcessGroup.broadcast_obj(group, i, 0) end)
+      Bench.check!(result == {:ok, i}, "broadcast_obj returned #{inspect(result)}")
+      us
+    end
+  end
+
+  defp function_batch(n) do
+    rt = [__runtime__: [pool: @dist_pool]]
+
+    for _ <- 1..n do
+      {us, result} = Bench.tc(fn -> Vllm.Distributed.model_parallel_is_initialized(rt) end)
+      Bench.check!(result == {:ok, false}, "model_parallel_is_initialized: #{inspect(result)}")
       us
     end
   end

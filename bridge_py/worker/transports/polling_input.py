@@ -8,12 +8,15 @@ that finds nothing, the reader keeps trying for ``spin`` seconds (the BEAM's own
 schedulers busy-wait before sleeping for the same reason), and only then sleeps in
 ``poll``.
 
-The spin adapts: it is skipped after a wait that outlasted it (requests are sparse,
-so spinning would only burn a CPU) and resumes after a wait shorter than it (requests
-are coming back to back again). An idle worker therefore never spins, and a busy one
-spends at most ``spin`` seconds of one CPU per request. ``spin=0`` always sleeps at
-once, as a plain blocking read does. Each attempt releases the GIL, so other threads'
-calls run meanwhile.
+Whether to spin at all is measured (``measured=True``, the worker's default): where
+wake-ups are fast, a spinning worker only takes a CPU from the BEAM and every call gets
+slower, so :class:`~bridge_py.worker.transports.spin_policy.SpinPolicy` times the waits
+in both modes and keeps the faster. Either way the spin is skipped after a wait that
+outlasted it (requests are sparse, so spinning would only burn a CPU) and resumes after
+a wait shorter than it (requests are coming back to back again). An idle worker
+therefore never spins, and a busy one spends at most ``spin`` seconds of one CPU per
+request. ``spin=0`` always sleeps at once, as a plain blocking read does. Each attempt
+releases the GIL, so other threads' calls run meanwhile.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import stat
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from bridge_py.worker.transports.spin_policy import SpinPolicy
 
 _A = TypeVar("_A")
 _R = TypeVar("_R")
@@ -38,10 +43,11 @@ class PollingInput:
     ``read1`` and ``readinto``, with a buffered file's semantics: they wait for at least
     one byte and return ``b""``/0 only at end of input. A pipe or socket is made
     non-blocking; anything else (a terminal, a file) is read blocking, with no spin. The
-    caller keeps ownership of the descriptor. One thread reads at a time.
+    caller keeps ownership of the descriptor. One thread reads at a time. With
+    ``measured=False`` it spins whenever requests come back to back, on any machine.
     """
 
-    def __init__(self, fd: int, spin: float = DEFAULT_SPIN) -> None:
+    def __init__(self, fd: int, spin: float = DEFAULT_SPIN, *, measured: bool = True) -> None:
         if not spin >= 0:  # also refuses nan
             raise ValueError(f"spin must be >= 0 seconds, got {spin}")
         mode = os.fstat(fd).st_mode
@@ -54,13 +60,19 @@ class PollingInput:
         self._fd = fd
         self._spin = spin
         self._spinning = spin > 0
+        self._policy = SpinPolicy() if measured and spin > 0 else None
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
     @property
     def spinning(self) -> bool:
         """Whether the next read that finds nothing spins before it sleeps."""
-        return self._spinning
+        return self._spinning and (self._policy is None or self._policy.spinning)
+
+    @property
+    def policy(self) -> SpinPolicy | None:
+        """The measurement that decides whether to spin (None when the choice is fixed)."""
+        return self._policy
 
     def read1(self, size: int) -> bytes:
         """Up to ``size`` bytes, as soon as there are any; ``b""`` at end of input."""
@@ -81,23 +93,26 @@ class PollingInput:
             self._spinning = self._spin > 0  # it was already there: requests come fast
             return got
         start = time.perf_counter()
+        spinning = self.spinning
         while True:
-            self._wait(start)
+            self._wait(start, spinning)
             try:
                 got = attempt(self._fd, arg)
             except BlockingIOError:
                 continue
-            self._learn(start)
+            self._learn(time.perf_counter() - start)
             return got
 
-    def _wait(self, start: float) -> None:
+    def _wait(self, start: float, spinning: bool) -> None:
         """Return at once while spinning; otherwise sleep until input comes."""
-        if not (self._spinning and time.perf_counter() - start < self._spin):
+        if not (spinning and time.perf_counter() - start < self._spin):
             self._poll.poll()  # readable, or the writer closed (POLLHUP)
 
-    def _learn(self, start: float) -> None:
+    def _learn(self, waited: float) -> None:
         """Spin next time only if this wait was short enough for a spin to catch."""
-        self._spinning = self._spin > 0 and time.perf_counter() - start < self._spin
+        self._spinning = self._spin > 0 and waited < self._spin
+        if self._policy is not None:
+            self._policy.record(waited)
 
 
 def _readv_into(fd: int, view: memoryview) -> int:

@@ -1,0 +1,67 @@
+"""The port transport's choice to spin or sleep while waiting, driven by measured waits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bridge_py.worker.transports.polling_input import PollingInput
+from bridge_py.worker.transports.spin_policy import SpinPolicy
+
+
+def _run(policy: SpinPolicy, waits: int, spin_wait: float, sleep_wait: float) -> int:
+    """Feed ``waits`` waits, each as long as the current mode takes; count those spent spinning."""
+    spun = 0
+    for _ in range(waits):
+        spun += policy.spinning
+        policy.record(spin_wait if policy.spinning else sleep_wait)
+    return spun
+
+
+def test_where_wake_ups_are_slow_it_settles_on_spinning() -> None:
+    policy = SpinPolicy()
+    spun = _run(policy, 100_000, spin_wait=15e-6, sleep_wait=120e-6)
+    assert policy.spinning
+    assert policy.estimates == {True: pytest.approx(15e-6), False: pytest.approx(120e-6)}
+    assert 100_000 - spun < 100_000 / 200  # the losing mode is tried rarely once settled
+
+
+def test_where_spinning_slows_the_caller_it_settles_on_sleeping() -> None:
+    policy = SpinPolicy()
+    spun = _run(policy, 100_000, spin_wait=28e-6, sleep_wait=16e-6)
+    assert not policy.spinning
+    assert spun < 100_000 / 200
+
+
+def test_it_follows_a_machine_whose_behaviour_changes() -> None:
+    policy = SpinPolicy()
+    _run(policy, 100_000, spin_wait=15e-6, sleep_wait=120e-6)
+    assert policy.spinning
+    # The longest run between measurements bounds how long a stale choice lasts.
+    _run(policy, 2 * SpinPolicy.LONGEST_RUN + 4 * SpinPolicy.WINDOW, 60e-6, 20e-6)
+    assert not policy.spinning
+
+
+def test_the_callers_own_pauses_are_left_out() -> None:
+    policy = SpinPolicy()
+    for _ in range(1000):  # a caller that pauses 5 ms between calls decides nothing
+        policy.record(5e-3)
+    assert policy.spinning and policy.estimates == {}
+
+
+def test_the_reader_records_each_wait_and_a_fixed_spin_measures_nothing() -> None:
+    r, w = os.pipe()
+    try:
+        measured = PollingInput(r, 200e-6)
+        assert measured.policy is not None
+        for i in range(SpinPolicy.WINDOW):
+            os.write(w, bytes([i]))
+            assert measured.read1(1) == bytes([i])  # already there: no wait to record
+        assert measured.policy.estimates == {}
+        fixed = PollingInput(r, 200e-6, measured=False)
+        assert fixed.policy is None and fixed.spinning
+        assert PollingInput(r, 0.0).policy is None  # never spins: nothing to choose
+    finally:
+        os.close(r)
+        os.close(w)
