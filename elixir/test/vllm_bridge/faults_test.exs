@@ -57,7 +57,7 @@ defmodule VllmBridge.FaultsTest do
 
   @tag :capture_log
   @tag timeout: 60_000
-  test "SIGKILL mid-call: pending callers fail within 1 s, a new worker, stale refs, others unaffected",
+  test "SIGKILL mid-call: pending callers fail at once, a new worker, stale refs, others unaffected",
        %{test: test} do
     pool = start_pool!(:"#{test}", 2)
     rt = fn index -> [__runtime__: [pool: pool, worker: index]] end
@@ -91,9 +91,11 @@ defmodule VllmBridge.FaultsTest do
     killed_at = now_ms()
     kill9(os_pid)
 
+    # At once: the port's exit fails them, not their 30 s calls or a timeout (the
+    # bound is slack for a loaded machine, far below both).
     for task <- doomed do
       assert {{:error, %Error{category: :worker}}, at} = Task.await(task, 5_000)
-      assert at - killed_at < 1_000, "a pending caller waited #{at - killed_at} ms"
+      assert at - killed_at < 3_000, "a pending caller waited #{at - killed_at} ms"
     end
 
     assert_receive {:DOWN, ^monitor, :process, ^w0, _}, 1_000
@@ -392,6 +394,7 @@ defmodule VllmBridge.FaultsTest do
   end
 
   @tag timeout: 120_000
+  @tag :capture_log
   test "megabytes printed from Python and from C to fd 1 never corrupt a frame",
        %{test: test, tmp_dir: dir} do
     pool = start_pool!(:"#{test}", 1, python: quiet_python!(dir))
