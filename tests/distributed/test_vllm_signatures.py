@@ -16,9 +16,24 @@ import pytest
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
 REQUIRED = inspect.Parameter.empty
+MiB = 1024 * 1024
 
 # (where vLLM defines it, our callable, vLLM's parameters as (name, default))
 VLLM: list[tuple[str, Callable[..., Any], list[tuple[str, Any]]]] = [
+    (
+        "shm_broadcast.MessageQueue.__init__",
+        MessageQueue.__init__,
+        [
+            ("self", REQUIRED),
+            ("n_reader", REQUIRED),
+            ("n_local_reader", REQUIRED),
+            ("local_reader_ranks", None),
+            ("max_chunk_bytes", 24 * MiB),
+            ("max_chunks", 10),
+            ("connect_ip", None),
+            ("enable_shm_tensor_arena", False),
+        ],
+    ),
     (
         "shm_broadcast.MessageQueue.enqueue",
         MessageQueue.enqueue,

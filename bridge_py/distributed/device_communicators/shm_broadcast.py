@@ -149,9 +149,10 @@ class MessageQueue:
         n_reader: int,
         n_local_reader: int,
         local_reader_ranks: list[int] | None = None,
-        max_chunk_bytes: int = 1024 * 1024 * 10,
+        max_chunk_bytes: int = 1024 * 1024 * 24,
         max_chunks: int = 10,
         connect_ip: str | None = None,
+        enable_shm_tensor_arena: bool = False,
         *,
         remote_reader_ranks: list[int] | None = None,
         auth_key: AuthKey | None = None,
@@ -164,9 +165,14 @@ class MessageQueue:
         ``remote_reader_ranks`` (default: the ranks after the local ones when
         ``local_reader_ranks`` is None, else any rank) limits who may connect. Ranks are
         those readers pass to :meth:`create_from_handle`. The queue holds ``max_chunks``
-        chunks of ``max_chunk_bytes`` bytes for the local readers (a message larger than a
-        chunk spans several); :meth:`enqueue` waits while they all hold messages some local
-        reader has not read. ``auth_key`` (None:
+        chunks of ``max_chunk_bytes`` bytes (vLLM's default: 24 MiB, so 240 MiB of shared
+        memory, whose pages are used only once written) for the local readers; a message
+        larger than a chunk spans several. :meth:`enqueue` waits while they all hold
+        messages some local reader has not read.
+        ``enable_shm_tensor_arena`` is accepted for vLLM's signature and changes nothing:
+        vLLM's opt-in arena copies large CPU tensors once into a second shared-memory
+        region that every reader views without copying; here every message, tensors
+        included, streams through the ring's chunks. ``auth_key`` (None:
         ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every message; readers
         must be given the same key.
 

@@ -219,9 +219,14 @@ defmodule Vllm.Distributed.MessageQueue do
   `remote_reader_ranks` (default: the ranks after the local ones when
   `local_reader_ranks` is None, else any rank) limits who may connect. Ranks are
   those readers pass to `create_from_handle/4`. The queue holds `max_chunks`
-  chunks of `max_chunk_bytes` bytes for the local readers (a message larger than a
-  chunk spans several); `enqueue/4` waits while they all hold messages some local
-  reader has not read. `auth_key` (None:
+  chunks of `max_chunk_bytes` bytes (vLLM's default: 24 MiB, so 240 MiB of shared
+  memory, whose pages are used only once written) for the local readers; a message
+  larger than a chunk spans several. `enqueue/4` waits while they all hold
+  messages some local reader has not read.
+  `enable_shm_tensor_arena` is accepted for vLLM's signature and changes nothing:
+  vLLM's opt-in arena copies large CPU tensors once into a second shared-memory
+  region that every reader views without copying; here every message, tensors
+  included, streams through the ring's chunks. `auth_key` (None:
   `$VLLM_BRIDGE_AUTH_KEY` if set, read now) authenticates every message; readers
   must be given the same key.
 
@@ -230,9 +235,10 @@ defmodule Vllm.Distributed.MessageQueue do
     * `n_reader` (`integer()`)
     * `n_local_reader` (`integer()`)
     * `local_reader_ranks` (`[integer()] | nil`, default: `nil`) (in `args`, position 0)
-    * `max_chunk_bytes` (`integer()`, default: `10485760`) (in `args`, position 1)
+    * `max_chunk_bytes` (`integer()`, default: `25165824`) (in `args`, position 1)
     * `max_chunks` (`integer()`, default: `10`) (in `args`, position 2)
     * `connect_ip` (`String.t() | nil`, default: `nil`) (in `args`, position 3)
+    * `enable_shm_tensor_arena` (`boolean()`, default: `false`) (in `args`, position 4)
     * `remote_reader_ranks` (`[integer()] | nil`, default: `nil`) (keyword option `remote_reader_ranks:`)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
