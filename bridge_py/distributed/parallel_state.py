@@ -37,7 +37,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Backend
+from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.coordinator.group import (
     GraphCaptureContext,
@@ -45,6 +45,7 @@ from bridge_py.distributed.coordinator.group import (
     TensorMetadata,
 )
 from bridge_py.distributed.groups.node import in_the_same_node_as
+from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = [
     "GraphCaptureContext",
@@ -349,6 +350,23 @@ def destroy_model_parallel() -> None:
         if group is not None:
             group.destroy()
     _TP = _PP = _DP = _EP = None
+
+
+def _node_count(pg: ProcessGroup | StatelessProcessGroup) -> int:
+    """The number of nodes the ranks of ``pg`` run on (a collective over ``pg``).
+
+    A node is what :func:`in_the_same_node_as` tells apart: ranks that share shared
+    memory. ``pg`` is a gloo ProcessGroup or a StatelessProcessGroup; one probe runs per
+    node found, from its lowest rank.
+    """
+    source, count = 0, 1
+    same = in_the_same_node_as(pg, source_rank=source)
+    left = {rank for rank, shared in enumerate(same) if not shared and rank != source}
+    while left:
+        source, count = min(left), count + 1
+        same = in_the_same_node_as(pg, source_rank=source)
+        left -= {source, *(rank for rank, shared in enumerate(same) if shared)}
+    return count
 
 
 def destroy_distributed_environment() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bridge_py.distributed import parallel_state as ps
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
 REQUIRED = inspect.Parameter.empty
@@ -62,6 +63,7 @@ VLLM: list[tuple[str, Callable[..., Any], list[tuple[str, Any]]]] = [
             ("blocking", True),
         ],
     ),
+    ("parallel_state._node_count", ps._node_count, [("pg", REQUIRED)]),
 ]
 
 
