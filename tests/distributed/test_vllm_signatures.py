@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bridge_py.distributed import parallel_state as ps
+from bridge_py.distributed import utils
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 
 REQUIRED = inspect.Parameter.empty
@@ -64,6 +65,20 @@ VLLM: list[tuple[str, Callable[..., Any], list[tuple[str, Any]]]] = [
         ],
     ),
     ("parallel_state._node_count", ps._node_count, [("pg", REQUIRED)]),
+    (
+        "utils.stateless_init_torch_distributed_process_group",
+        utils.stateless_init_torch_distributed_process_group,
+        [
+            ("host", REQUIRED),
+            ("port", REQUIRED),
+            ("rank", REQUIRED),
+            ("world_size", REQUIRED),
+            ("backend", REQUIRED),
+            ("group_name", None),
+            ("return_store", False),
+            ("listen_socket", None),
+        ],
+    ),
 ]
 
 

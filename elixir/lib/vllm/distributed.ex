@@ -556,7 +556,11 @@ defmodule Vllm.Distributed do
   store on `host:port` (or on `listen_socket`, already bound); every rank returns once
   all `world_size` ranks have joined, or raises `StoreError` (a RuntimeError) saying
   why not. `timeout` (a timedelta or seconds; torch's default for the backend when None)
-  bounds joining and every collective. Release the group with
+  bounds joining and every collective. With `group_name` the group takes that name and
+  is registered under it in this process (as torch's named groups are, so that
+  torch's functional collectives find it; ValueError if the name is taken). With
+  `return_store` it returns `(pg, store)`: the group's store (its keys live under a
+  prefix there), for the caller's own keys. Release the group with
   `stateless_destroy_torch_distributed_process_group/2`.
 
   ## Parameters
@@ -566,14 +570,16 @@ defmodule Vllm.Distributed do
     * `rank` (`integer()`)
     * `world_size` (`integer()`)
     * `backend` (`String.t()`, default: `"gloo"`) (in `args`, position 0)
+    * `group_name` (`String.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `return_store` (`boolean()`, default: `false`) (in `args`, position 2)
+    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 3)
     * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `nil`) (keyword option `timeout:`)
-    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `listen_socket:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `VllmBridge.Ref.t()`
+    * `VllmBridge.Ref.t() | {VllmBridge.Ref.t(), VllmBridge.Ref.t()}`
   """
   @spec stateless_init_torch_distributed_process_group(
           String.t(),
@@ -582,7 +588,9 @@ defmodule Vllm.Distributed do
           integer(),
           [term()],
           keyword()
-        ) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+        ) ::
+          {:ok, VllmBridge.Ref.t() | {VllmBridge.Ref.t(), VllmBridge.Ref.t()}}
+          | {:error, VllmBridge.Error.t()}
   def stateless_init_torch_distributed_process_group(
         host,
         port,
