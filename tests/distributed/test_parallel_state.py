@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def _tensor_parallel(rank: int) -> None:
     assert not ps.model_parallel_is_initialized()
     with pytest.raises(RuntimeError, match="tensor model parallel group is not initialized"):
         ps.get_tp_group()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps.initialize_model_parallel(2, 1, 1, 1, "gloo")  # vLLM's order: backend comes fifth
     assert ps.model_parallel_is_initialized()
     tp = ps.get_tp_group()
     assert tp.ranks == ([0, 1] if rank < 2 else [2, 3])
@@ -61,6 +62,7 @@ def _tensor_parallel(rank: int) -> None:
     assert ps.get_dp_group().ranks == [rank]
     assert ps.get_ep_group().ranks == tp.ranks
     ps.ensure_model_parallel_initialized(2, 1)
+    ps.ensure_model_parallel_initialized(2, 1, 1, None, "gloo")
     with pytest.raises(RuntimeError, match="unexpected size"):
         ps.ensure_model_parallel_initialized(4, 1)
     with pytest.raises(RuntimeError, match="already initialized"):
@@ -192,6 +194,20 @@ def test_node_count() -> None:
     results = run_ranks(_node_counts, 3, [free_port(), free_port()], 3, 2, timeout=60)
     nodes = 2 if results[2][0] else 1  # rank 2 alone on its /dev/shm: a second node
     assert [counts for _, counts in results] == [(nodes, nodes)] * 3
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ps.initialize_model_parallel(1, 1, 2),
+        lambda: ps.initialize_model_parallel(1, 1, 1, 2),
+        lambda: ps.ensure_model_parallel_initialized(1, 1, 2),
+    ],
+    ids=["prefill", "decode", "ensure"],
+)
+def test_context_parallelism_is_refused_clearly(call: Callable[[], None]) -> None:
+    with pytest.raises(NotImplementedError, match="context parallelism is not supported"):
+        call()
 
 
 def test_get_distributed_init_method() -> None:

@@ -66,6 +66,28 @@ VLLM: list[tuple[str, Callable[..., Any], list[tuple[str, Any]]]] = [
     ),
     ("parallel_state._node_count", ps._node_count, [("pg", REQUIRED)]),
     (
+        "parallel_state.initialize_model_parallel",
+        ps.initialize_model_parallel,
+        [
+            ("tensor_model_parallel_size", 1),
+            ("pipeline_model_parallel_size", 1),
+            ("prefill_context_model_parallel_size", 1),
+            ("decode_context_model_parallel_size", 1),
+            ("backend", None),
+        ],
+    ),
+    (
+        "parallel_state.ensure_model_parallel_initialized",
+        ps.ensure_model_parallel_initialized,
+        [
+            ("tensor_model_parallel_size", REQUIRED),
+            ("pipeline_model_parallel_size", REQUIRED),
+            ("prefill_context_model_parallel_size", 1),
+            ("decode_context_model_parallel_size", 1),
+            ("backend", None),
+        ],
+    ),
+    (
         "utils.stateless_init_torch_distributed_process_group",
         utils.stateless_init_torch_distributed_process_group,
         [

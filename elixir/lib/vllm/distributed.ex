@@ -120,11 +120,15 @@ defmodule Vllm.Distributed do
   or ensure tensor-parallel and pipeline-parallel sizes are equal to expected
   values if the model parallel groups are initialized.
 
+  The context parallel sizes must be 1, as in `initialize_model_parallel/2`.
+
   ## Parameters
 
     * `tensor_model_parallel_size` (`integer()`)
     * `pipeline_model_parallel_size` (`integer()`)
-    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
+    * `prefill_context_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 0)
+    * `decode_context_model_parallel_size` (`integer() | nil`, default: `1`) (in `args`, position 1)
+    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 2)
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -464,7 +468,11 @@ defmodule Vllm.Distributed do
       parallelism.
     * `pipeline_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 1) - number of GPUs used for pipeline model
       parallelism.
-    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 2) - name of torch distributed communication backend (default: the world
+    * `prefill_context_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 2) - vLLM's prefill context parallelism; only 1
+      (NotImplementedError otherwise: no PCP group is built here).
+    * `decode_context_model_parallel_size` (`integer() | nil`, default: `1`) (in `args`, position 3) - vLLM's decode context parallelism; only 1
+      or None (NotImplementedError otherwise: no DCP group is built here).
+    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 4) - name of torch distributed communication backend (default: the world
       group's).
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`) - number of data parallel replicas that run together (vLLM
       reads it from its config).
