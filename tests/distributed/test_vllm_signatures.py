@@ -66,6 +66,20 @@ VLLM: list[tuple[str, Callable[..., Any], list[tuple[str, Any]]]] = [
     ),
     ("parallel_state._node_count", ps._node_count, [("pg", REQUIRED)]),
     (
+        "parallel_state.GroupCoordinator.__init__",
+        ps.GroupCoordinator.__init__,
+        [
+            ("self", REQUIRED),
+            ("group_ranks", REQUIRED),
+            ("local_rank", REQUIRED),
+            ("torch_distributed_backend", REQUIRED),
+            ("use_device_communicator", REQUIRED),
+            ("use_message_queue_broadcaster", False),
+            ("group_name", None),
+            ("use_all2all", False),
+        ],
+    ),
+    (
         "parallel_state.initialize_model_parallel",
         ps.initialize_model_parallel,
         [

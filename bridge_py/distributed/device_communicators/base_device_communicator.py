@@ -121,9 +121,9 @@ class DeviceCommunicatorBase:
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature.
 
-        ``use_all2all`` (not in vLLM, which reads its config) asks subclasses for an
-        all-to-all manager so that ``dispatch``/``combine`` move tokens; GroupCoordinator
-        passes vLLM's rule (an expert-parallel group while data parallelism is on).
+        ``use_all2all`` asks subclasses for an all-to-all manager so that
+        ``dispatch``/``combine`` move tokens; GroupCoordinator passes its own
+        ``use_all2all`` (vLLM's rule: an expert-parallel group while data parallelism is on).
         """
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cpu_group = cpu_group

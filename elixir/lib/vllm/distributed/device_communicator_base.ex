@@ -168,9 +168,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  `use_all2all` (not in vLLM, which reads its config) asks subclasses for an
-  all-to-all manager so that `dispatch`/`combine` move tokens; GroupCoordinator
-  passes vLLM's rule (an expert-parallel group while data parallelism is on).
+  `use_all2all` asks subclasses for an all-to-all manager so that
+  `dispatch`/`combine` move tokens; GroupCoordinator passes its own
+  `use_all2all` (vLLM's rule: an expert-parallel group while data parallelism is on).
 
   ## Parameters
 
