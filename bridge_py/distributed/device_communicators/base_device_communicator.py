@@ -50,7 +50,13 @@ from bridge_py.distributed.device_communicators.wire_dtypes import (
     reducible,
 )
 
-__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase"]
+__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase", "Dispatched"]
+
+# What ``dispatch`` returns (vLLM's annotation): the hidden states and router logits of the
+# tokens, then the extra tensors when some were given.
+Dispatched = (
+    tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+)
 
 _T = TypeVar("_T")
 
@@ -85,7 +91,7 @@ class All2AllManagerBase:
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Dispatched:
         """Send each rank's tokens to the ranks that need them."""
         raise NotImplementedError
 
@@ -575,7 +581,7 @@ class DeviceCommunicatorBase:
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Dispatched:
         """
         Dispatch the hidden states and router logits to the appropriate device.
         Without an all-to-all manager (always, in the base class) this is a no-op.
