@@ -22,6 +22,12 @@ _SIMPLE: dict[Any, str] = {
     torch.dtype: "VllmBridge.Tensor.type()",
     torch.device: "String.t()",
     torch.Size: "tuple()",
+    # Unparameterized containers: any of their kind (typing.Tuple's args are (), as
+    # tuple[()]'s, which is the empty tuple).
+    tuple: "tuple()",
+    typing.Tuple: "tuple()",  # noqa: UP006  (the unparameterized one, not tuple[()])
+    list: "list()",
+    dict: "map()",
 }
 
 

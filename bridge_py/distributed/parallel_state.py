@@ -19,7 +19,8 @@ Differences from vLLM (no config system, no custom ops, no torch.compile registr
 * bad arguments raise clear errors on every rank before data moves (see
   ``device_communicators.agreement``);
 * :func:`initialize_model_parallel` takes ``data_parallel_size`` as an argument (vLLM reads
-  it from its config) and builds the groups TP, PP, DP and EP (not vLLM's DCP/PCP);
+  it from its config) and builds the groups TP, PP, DP and EP; it takes vLLM's context
+  parallel sizes, but builds no DCP/PCP groups, so only 1 is accepted;
 * with an auth key (``$VLLM_BRIDGE_AUTH_KEY``, read when a group is made) every object that
   a GroupCoordinator sends between ranks (``broadcast_object``, ``broadcast_object_list``,
   ``send_object``/``recv_object``, the metadata of the tensor dicts, the queue handles of
@@ -37,7 +38,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Backend
+from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.coordinator.group import (
     GraphCaptureContext,
@@ -45,6 +46,7 @@ from bridge_py.distributed.coordinator.group import (
     TensorMetadata,
 )
 from bridge_py.distributed.groups.node import in_the_same_node_as
+from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = [
     "GraphCaptureContext",
@@ -202,9 +204,19 @@ def init_distributed_environment(
         raise RuntimeError("world group already initialized with a different world size")
 
 
+def _check_context_parallel(prefill: int, decode: int | None) -> None:
+    if prefill != 1 or decode not in (1, None):
+        raise NotImplementedError(
+            "context parallelism is not supported: prefill_context_model_parallel_size and "
+            f"decode_context_model_parallel_size must be 1, got {prefill!r} and {decode!r}"
+        )
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    prefill_context_model_parallel_size: int = 1,
+    decode_context_model_parallel_size: int | None = 1,
     backend: str | None = None,
     *,
     data_parallel_size: int = 1,
@@ -217,6 +229,10 @@ def initialize_model_parallel(
             parallelism.
         pipeline_model_parallel_size: number of GPUs used for pipeline model
             parallelism.
+        prefill_context_model_parallel_size: vLLM's prefill context parallelism; only 1
+            (NotImplementedError otherwise: no PCP group is built here).
+        decode_context_model_parallel_size: vLLM's decode context parallelism; only 1
+            or None (NotImplementedError otherwise: no DCP group is built here).
         backend: name of torch distributed communication backend (default: the world
             group's).
         data_parallel_size: number of data parallel replicas that run together (vLLM
@@ -226,6 +242,7 @@ def initialize_model_parallel(
     and PP 4: TP groups [0, 1], [2, 3], [4, 5], [6, 7]; PP groups [0, 2, 4, 6],
     [1, 3, 5, 7]. The expert parallel group of a rank spans DP x TP at its pipeline stage.
     """
+    _check_context_parallel(prefill_context_model_parallel_size, decode_context_model_parallel_size)
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call init_distributed_environment"
@@ -291,6 +308,8 @@ def initialize_model_parallel(
 def ensure_model_parallel_initialized(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
+    prefill_context_model_parallel_size: int = 1,
+    decode_context_model_parallel_size: int | None = 1,
     backend: str | None = None,
     *,
     data_parallel_size: int = 1,
@@ -298,12 +317,15 @@ def ensure_model_parallel_initialized(
     """Helper to initialize model parallel groups if they are not initialized,
     or ensure tensor-parallel and pipeline-parallel sizes are equal to expected
     values if the model parallel groups are initialized.
+
+    The context parallel sizes must be 1, as in :func:`initialize_model_parallel`.
     """
+    _check_context_parallel(prefill_context_model_parallel_size, decode_context_model_parallel_size)
     if not model_parallel_is_initialized():
         initialize_model_parallel(
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
-            backend,
+            backend=backend,
             data_parallel_size=data_parallel_size,
         )
         return
@@ -349,6 +371,23 @@ def destroy_model_parallel() -> None:
         if group is not None:
             group.destroy()
     _TP = _PP = _DP = _EP = None
+
+
+def _node_count(pg: ProcessGroup | StatelessProcessGroup) -> int:
+    """The number of nodes the ranks of ``pg`` run on (a collective over ``pg``).
+
+    A node is what :func:`in_the_same_node_as` tells apart: ranks that share shared
+    memory. ``pg`` is a gloo ProcessGroup or a StatelessProcessGroup; one probe runs per
+    node found, from its lowest rank.
+    """
+    source, count = 0, 1
+    same = in_the_same_node_as(pg, source_rank=source)
+    left = {rank for rank, shared in enumerate(same) if not shared and rank != source}
+    while left:
+        source, count = min(left), count + 1
+        same = in_the_same_node_as(pg, source_rank=source)
+        left -= {source, *(rank for rank, shared in enumerate(same) if shared)}
+    return count
 
 
 def destroy_distributed_environment() -> None:

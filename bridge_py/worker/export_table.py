@@ -150,9 +150,11 @@ def default_exports() -> ExportTable:
                     "dequeue",
                     "enqueue",
                     "export_handle",
+                    "shutdown",
                     "wait_until_ready",
                 ),
                 static_methods=("create_from_handle", "create_from_process_group"),
+                attributes=("shutting_down",),
             ),
             ExportedClass(
                 name="NFSWorkspace",

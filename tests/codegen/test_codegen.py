@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from bridge_py.codegen.__main__ import generate, main
 from bridge_py.codegen.model import build, underscore
+from bridge_py.codegen.typespecs import typespec
 from tests.worker.sample_exports import table as sample_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +83,26 @@ def test_docstrings_that_would_break_a_heredoc_are_refused(bad: str) -> None:
 
     with pytest.raises(ValueError):
         _heredoc(f"line\n{bad}\nmore")
+
+
+def test_tuple_annotations_become_tuple_typespecs() -> None:
+    tensor = "VllmBridge.Tensor.t()"
+    assert typespec(tuple[torch.Tensor, int], {}) == f"{{{tensor}, integer()}}"
+    assert typespec(tuple[Any, Any], {}) == "{term(), term()}"
+    assert typespec(tuple[()], {}) == "{}"  # the empty tuple
+    for any_tuple in (tuple, typing.Tuple, tuple[int, ...]):  # noqa: UP006
+        assert typespec(any_tuple, {}) == "tuple()", any_tuple
+    assert (typespec(list, {}), typespec(dict, {})) == ("list()", "map()")
+
+
+def test_dispatch_returns_the_tensors_it_moves() -> None:
+    """vLLM's annotation: (hidden_states, router_logits), plus the extra tensors if given."""
+    tensor = "VllmBridge.Tensor.t()"
+    for path in ("device_communicator_base.ex", "group_coordinator.ex"):
+        source = (ROOT / "elixir" / "lib" / "vllm" / "distributed" / path).read_text()
+        spec = source[source.index("@spec dispatch(") :].split("def dispatch(")[0]
+        assert " ".join(spec.split()) == (
+            f"@spec dispatch(t(), {tensor}, {tensor}, [term()], keyword()) :: "
+            f"{{:ok, {{{tensor}, {tensor}}} | {{{tensor}, {tensor}, [{tensor}]}}}} "
+            "| {:error, VllmBridge.Error.t()}"
+        ), path

@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _resolve_process_group
 
 from bridge_py.distributed import (
     StoreError,
@@ -50,6 +51,36 @@ def test_gloo_collectives_without_global_state() -> None:
         assert result["gathered"] == [[r, r * r] for r in range(world_size)]
         assert result["initialized"] is False
         assert result["initialized_after"] is False
+
+
+def _named_with_store(rank: int, port: int) -> dict:
+    pg, store = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", port, rank, 2, "gloo", "side", True, timeout=60
+    )
+    result = {"name": pg.group_name, "found": _resolve_process_group("side") is pg}
+    with pytest.raises(ValueError, match="'side' exists in this process already"):
+        stateless_init_torch_distributed_process_group("127.0.0.1", 0, 0, 1, "gloo", pg.group_name)
+    summed = torch.ones(2) * (rank + 1)
+    pg.allreduce([summed]).wait()
+    store.set(f"from/{rank}", str(rank))  # the caller's own keys, beside the group's
+    result["peer"] = store.get(f"from/{1 - rank}").decode()
+    result["summed"] = summed.tolist()
+    pg.barrier().wait()  # rank 0 serves the store: the peer has read its key
+    stateless_destroy_torch_distributed_process_group(pg)
+    with pytest.raises(RuntimeError, match="Could not resolve"):
+        _resolve_process_group("side")
+    return result
+
+
+def test_group_name_and_return_store() -> None:
+    results = run_ranks(_named_with_store, 2, free_port())
+    for rank, result in enumerate(results):
+        assert result == {
+            "name": "side",
+            "found": True,
+            "peer": str(1 - rank),
+            "summed": [3.0, 3.0],
+        }
 
 
 def test_port_in_use_is_reported_like_create() -> None:

@@ -198,3 +198,21 @@ def test_broadcast_object_from_process_group(kind: str) -> None:
             assert roles == (True, False, world_size - 1)
         else:
             assert roles[:2] == (False, True)
+
+
+@pytest.mark.timeout(60)
+def test_vllms_defaults_and_the_tensor_arena_flag() -> None:
+    """24 MiB chunks by default, as vLLM's; ``enable_shm_tensor_arena`` is taken and a
+    tensor larger than a chunk still arrives whole (through two chunks of the ring)."""
+    writer = MessageQueue(1, 1, enable_shm_tensor_arena=True)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        assert writer.buffer is not None and writer.buffer.max_chunk_bytes == 24 * 1024 * 1024
+        writer.wait_until_ready(TIMEOUT)
+        reader.wait_until_ready(TIMEOUT)
+        tensor = torch.arange(30 * 1024 * 1024 // 8, dtype=torch.float64)  # 30 MiB
+        writer.enqueue(tensor, timeout=TIMEOUT)
+        assert torch.equal(reader.dequeue(timeout=TIMEOUT), tensor)
+    finally:
+        reader.close()
+        writer.close()

@@ -1,4 +1,4 @@
-"""MessageQueue when things go wrong: timeouts, cancel, dead peers, misuse, cleanup.
+"""MessageQueue when things go wrong: timeouts, cancel, shutdown, dead peers, misuse, cleanup.
 
 Peers that die are real processes killed with SIGKILL; after each test no segment of ours may
 be left in /dev/shm (the killed-writer test removes the one a killed writer cannot).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import multiprocessing
 import os
 import signal
@@ -31,7 +32,7 @@ from bridge_py.distributed.device_communicators.shm_remote import READY
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
-from bridge_py.distributed.shm import segments
+from bridge_py.distributed.shm import segments, wait
 from tests.distributed.harness import free_port, run_ranks
 from tests.distributed.test_message_queue import orphaned_segments
 
@@ -107,6 +108,100 @@ def test_timeouts_are_prompt_and_resumable() -> None:
         message, seconds = reader["cancelled"]
         assert message == "RuntimeError: cancelled" and seconds < 2.0
         assert reader["received"] is True
+
+
+def _shut_down_from_a_thread(queue: MessageQueue, call: Callable[[], object]) -> dict:
+    """Call ``call`` (it must wait) while a thread shuts ``queue`` down 0.3 s later:
+    ``{"error", "woke": seconds from shutdown() to the error, "later": a second call}``."""
+    shut_at: list[float] = []
+
+    def shut() -> None:
+        time.sleep(0.3)
+        shut_at.append(time.monotonic())
+        queue.shutdown()
+
+    assert queue.shutting_down is False
+    thread = threading.Thread(target=shut)
+    thread.start()
+    error, _ = _timed(call)
+    woke = time.monotonic() - shut_at[0] if shut_at else -1.0
+    thread.join(TIMEOUT)
+    return {"error": error, "woke": woke, "later": _timed(call), "flag": queue.shutting_down}
+
+
+def _shutdown(rank: int, port: int) -> dict:
+    """Rank 0 writes, rank 1 reads shared memory, rank 2 reads over TCP; each end is shut
+    down by a thread of its own process while it waits."""
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 3)
+    if rank == 0:
+        queue = MessageQueue(2, 1, max_chunk_bytes=1024, max_chunks=2)
+        pg.broadcast_obj(queue.export_handle(), 0)
+        queue.wait_until_ready(TIMEOUT)
+        pg.barrier(TIMEOUT)  # the readers were shut down while nothing was written
+        queue.enqueue("m1", timeout=TIMEOUT)
+        queue.enqueue("m2", timeout=TIMEOUT)  # the ring is full now: "m3" has to wait
+        result = _shut_down_from_a_thread(queue, lambda: queue.enqueue("m3"))
+        pg.barrier(TIMEOUT)  # the readers take m1 and m2
+        pg.barrier(TIMEOUT)
+        queue.enqueue("m4", timeout=TIMEOUT)  # room again: m3 is finished, then m4 goes
+        pg.barrier(TIMEOUT)
+        pg.barrier(TIMEOUT)
+        queue.close()
+        return result
+    queue = MessageQueue.create_from_handle(pg.broadcast_obj(None, 0), rank - 1)
+    queue.wait_until_ready(TIMEOUT)
+    result = _shut_down_from_a_thread(queue, queue.dequeue)  # no timeout: only shutdown ends it
+    pg.barrier(TIMEOUT)
+    pg.barrier(TIMEOUT)
+    result["written"] = [queue.dequeue(timeout=TIMEOUT) for _ in range(2)]
+    result["drained"] = _timed(queue.dequeue, timeout=TIMEOUT)
+    pg.barrier(TIMEOUT)
+    pg.barrier(TIMEOUT)
+    result["written"] += [queue.dequeue(timeout=TIMEOUT) for _ in range(2)]
+    pg.barrier(TIMEOUT)
+    queue.close()
+    return result
+
+
+def test_shutdown_wakes_every_wait_and_later_waits_fail_at_once() -> None:
+    writer, local, remote = run_ranks(_shutdown, 3, free_port(), timeout=60)
+    for end in (writer, local, remote):
+        assert end["error"] == "RuntimeError: cancelled", end
+        assert 0 <= end["woke"] < 0.5, end  # 10 ms but for a busy machine
+        message, seconds = end["later"]
+        assert message == "RuntimeError: cancelled" and seconds < 0.5, end
+        assert end["flag"] is True
+    for reader in (local, remote):
+        # What is there is still read after shutdown (vLLM's readers too); nothing is waited for.
+        assert reader["written"] == ["m1", "m2", "m3", "m4"]
+        message, seconds = reader["drained"]
+        assert message == "RuntimeError: cancelled" and seconds < 0.5
+
+
+@pytest.mark.timeout(60)
+def test_dequeue_takes_vllms_positional_order(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``dequeue(timeout, indefinite)``: a True second argument silences the long-wait log."""
+    monkeypatch.setattr(wait, "LOG_INTERVAL_SECONDS", 0.05)
+    writer = MessageQueue(2, 1, max_chunk_bytes=256, max_chunks=2)
+    local = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    remote = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    try:
+        for end in (writer, local, remote):
+            end.wait_until_ready(TIMEOUT)
+        for reader in (local, remote):
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger=wait.__name__):
+                with pytest.raises(TimeoutError):
+                    reader.dequeue(0.3, True)
+                assert "still waiting" not in caplog.text
+                with pytest.raises(TimeoutError):
+                    reader.dequeue(0.3, False)
+                assert "still waiting for a message" in caplog.text
+    finally:
+        for end in (remote, local, writer):
+            end.close()
 
 
 def _fork(target: Callable[..., None], *args: object) -> int:

@@ -7,6 +7,10 @@ TP 2 x DP 2 (expert parallel dispatch/combine) -> destroy, in the same processes
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +24,7 @@ from bridge_py.distributed.utils import (
     get_pp_indices,
     split_tensor_along_last_dim,
 )
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 
 def _init(rank: int, port: int) -> None:
@@ -47,7 +51,7 @@ def _tensor_parallel(rank: int) -> None:
     assert not ps.model_parallel_is_initialized()
     with pytest.raises(RuntimeError, match="tensor model parallel group is not initialized"):
         ps.get_tp_group()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps.initialize_model_parallel(2, 1, 1, 1, "gloo")  # vLLM's order: backend comes fifth
     assert ps.model_parallel_is_initialized()
     tp = ps.get_tp_group()
     assert tp.ranks == ([0, 1] if rank < 2 else [2, 3])
@@ -58,6 +62,7 @@ def _tensor_parallel(rank: int) -> None:
     assert ps.get_dp_group().ranks == [rank]
     assert ps.get_ep_group().ranks == tp.ranks
     ps.ensure_model_parallel_initialized(2, 1)
+    ps.ensure_model_parallel_initialized(2, 1, 1, None, "gloo")
     with pytest.raises(RuntimeError, match="unexpected size"):
         ps.ensure_model_parallel_initialized(4, 1)
     with pytest.raises(RuntimeError, match="already initialized"):
@@ -155,6 +160,54 @@ def _lifecycle(rank: int, ports: list[int]) -> str:
 def test_init_model_parallel_destroy_and_init_again() -> None:
     ports = [free_port() for _ in range(4)]
     assert run_ranks(_lifecycle, 4, ports, timeout=120) == ["ok"] * 4
+
+
+def _own_shared_memory() -> bool:
+    """Give this process a /dev/shm of its own (a private tmpfs), as on another node;
+    False where that is not permitted (it takes CAP_SYS_ADMIN)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS: a mount namespace of its own
+        return False
+    libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE
+    mount = ["mount", "-t", "tmpfs", "tmpfs", "/dev/shm"]
+    try:
+        return subprocess.run(mount, capture_output=True, timeout=10).returncode == 0
+    except OSError:  # no mount(8)
+        return False
+
+
+def _node_counts(rank: int, ports: list[int], world_size: int, apart: int | None) -> tuple:
+    """``_node_count`` of a gloo ProcessGroup and of a StatelessProcessGroup of every rank,
+    rank ``apart`` on a node of its own when it can be; and whether it could."""
+    alone = rank == apart and _own_shared_memory()
+    join_gloo(rank, ports[0], world_size)
+    spg = StatelessProcessGroup.create("127.0.0.1", ports[1], rank, world_size)
+    counts = (ps._node_count(dist.group.WORLD), ps._node_count(spg))
+    spg.barrier(timeout=30)  # rank 0 serves the store until every rank is done
+    dist.destroy_process_group()
+    return alone, counts
+
+
+def test_node_count() -> None:
+    results = run_ranks(_node_counts, 2, [free_port(), free_port()], 2, None, timeout=60)
+    assert results == [(False, (1, 1))] * 2
+    results = run_ranks(_node_counts, 3, [free_port(), free_port()], 3, 2, timeout=60)
+    nodes = 2 if results[2][0] else 1  # rank 2 alone on its /dev/shm: a second node
+    assert [counts for _, counts in results] == [(nodes, nodes)] * 3
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ps.initialize_model_parallel(1, 1, 2),
+        lambda: ps.initialize_model_parallel(1, 1, 1, 2),
+        lambda: ps.ensure_model_parallel_initialized(1, 1, 2),
+    ],
+    ids=["prefill", "decode", "ensure"],
+)
+def test_context_parallelism_is_refused_clearly(call: Callable[[], None]) -> None:
+    with pytest.raises(NotImplementedError, match="context parallelism is not supported"):
+        call()
 
 
 def test_get_distributed_init_method() -> None:

@@ -36,6 +36,7 @@ from bridge_py.distributed.coordinator.tensor_dicts import (
 from bridge_py.distributed.device_communicators.agreement import Signature
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
+    Dispatched,
 )
 from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from bridge_py.distributed.groups.objects import ObjectChannel
@@ -634,7 +635,7 @@ class GroupCoordinator:
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Dispatched:
         """Move each rank's tokens to the ranks that need them (expert parallelism).
 
         Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;

@@ -11,13 +11,12 @@ reads the per-rank token counts from its forward context; here ``dispatch`` exch
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     All2AllManagerBase,
     DeviceCommunicatorBase,
+    Dispatched,
 )
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 
@@ -46,7 +45,7 @@ class NaiveAll2AllManager(All2AllManagerBase):
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Dispatched:
         """Gather the tokens (rows) of every rank, in rank order.
 
         Returns ``(hidden_states, router_logits)`` holding all ranks' tokens, plus the

@@ -50,7 +50,13 @@ from bridge_py.distributed.device_communicators.wire_dtypes import (
     reducible,
 )
 
-__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase"]
+__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase", "Dispatched"]
+
+# What ``dispatch`` returns (vLLM's annotation): the hidden states and router logits of the
+# tokens, then the extra tensors when some were given.
+Dispatched = (
+    tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+)
 
 _T = TypeVar("_T")
 
@@ -85,7 +91,7 @@ class All2AllManagerBase:
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Dispatched:
         """Send each rank's tokens to the ranks that need them."""
         raise NotImplementedError
 
@@ -121,9 +127,9 @@ class DeviceCommunicatorBase:
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature.
 
-        ``use_all2all`` (not in vLLM, which reads its config) asks subclasses for an
-        all-to-all manager so that ``dispatch``/``combine`` move tokens; GroupCoordinator
-        passes vLLM's rule (an expert-parallel group while data parallelism is on).
+        ``use_all2all`` asks subclasses for an all-to-all manager so that
+        ``dispatch``/``combine`` move tokens; GroupCoordinator passes its own
+        ``use_all2all`` (vLLM's rule: an expert-parallel group while data parallelism is on).
         """
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cpu_group = cpu_group
@@ -575,7 +581,7 @@ class DeviceCommunicatorBase:
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Dispatched:
         """
         Dispatch the hidden states and router logits to the appropriate device.
         Without an all-to-all manager (always, in the base class) this is a no-op.

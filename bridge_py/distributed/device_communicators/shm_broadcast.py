@@ -15,6 +15,8 @@ it does better in these ways:
   second while sleeping; remote ones: the connection closes or TCP keepalive gives up);
 * waiting spins for 2 ms, then sleeps in naps of at most 1 ms (10 ms after a second idle):
   an idle queue costs about 1% of a core, not a whole one;
+* :meth:`MessageQueue.shutdown` ends every wait of that end within 10 ms (vLLM's wakes only
+  a local reader's): a reader's dequeue, shared memory or TCP, and a writer's enqueue;
 * clear errors: a rank that is not a reader, a local handle used on another host, a reader
   slot held twice, a writer or reader used the wrong way round;
 * :meth:`MessageQueue.close` (and garbage collection, and interpreter exit) unlinks the
@@ -57,6 +59,7 @@ from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.shm.wait import (
+    Cancel,
     PeerGoneError,
     deadline_after,
     pid_namespace,
@@ -146,9 +149,10 @@ class MessageQueue:
         n_reader: int,
         n_local_reader: int,
         local_reader_ranks: list[int] | None = None,
-        max_chunk_bytes: int = 1024 * 1024 * 10,
+        max_chunk_bytes: int = 1024 * 1024 * 24,
         max_chunks: int = 10,
         connect_ip: str | None = None,
+        enable_shm_tensor_arena: bool = False,
         *,
         remote_reader_ranks: list[int] | None = None,
         auth_key: AuthKey | None = None,
@@ -161,9 +165,14 @@ class MessageQueue:
         ``remote_reader_ranks`` (default: the ranks after the local ones when
         ``local_reader_ranks`` is None, else any rank) limits who may connect. Ranks are
         those readers pass to :meth:`create_from_handle`. The queue holds ``max_chunks``
-        chunks of ``max_chunk_bytes`` bytes for the local readers (a message larger than a
-        chunk spans several); :meth:`enqueue` waits while they all hold messages some local
-        reader has not read. ``auth_key`` (None:
+        chunks of ``max_chunk_bytes`` bytes (vLLM's default: 24 MiB, so 240 MiB of shared
+        memory, whose pages are used only once written) for the local readers; a message
+        larger than a chunk spans several. :meth:`enqueue` waits while they all hold
+        messages some local reader has not read.
+        ``enable_shm_tensor_arena`` is accepted for vLLM's signature and changes nothing:
+        vLLM's opt-in arena copies large CPU tensors once into a second shared-memory
+        region that every reader views without copying; here every message, tensors
+        included, streams through the ring's chunks. ``auth_key`` (None:
         ``$VLLM_BRIDGE_AUTH_KEY`` if set, read now) authenticates every message; readers
         must be given the same key.
 
@@ -252,6 +261,7 @@ class MessageQueue:
         self._incoming: _Incoming | None = None
         self._namespace = pid_namespace()
         self._lock = threading.Lock()
+        self._shutdown = threading.Event()  # ends every wait of this end (shutdown())
 
     def export_handle(self) -> Handle:
         """The handle readers pass to :meth:`create_from_handle` (picklable)."""
@@ -337,15 +347,18 @@ class MessageQueue:
                     lambda: not missing(),
                     lambda: f"local readers to attach: local reader ranks {missing()} did not",
                     deadline,
+                    cancel=self._shutdown,
                 )
             if self._publisher is not None:
-                self._publisher.accept(deadline)
+                self._publisher.accept(deadline, self._shutdown)
                 self._publisher.publish(READY, memoryview(b""))
-                self._publisher.flush(deadline)
+                self._publisher.flush(deadline, self._shutdown)
             if buffer is not None:
                 buffer.set_ready()
         elif subscriber is not None:
-            total, _, view = subscriber.next_chunk(deadline, None, True, "the READY signal")
+            total, _, view = subscriber.next_chunk(
+                deadline, self._shutdown, True, "the READY signal"
+            )
             view.release()
             if total != 0:
                 raise DistributedError(
@@ -359,6 +372,7 @@ class MessageQueue:
                 "the writer to see every reader join (wait_until_ready)",
                 deadline,
                 check=lambda: self._check_writer(None),
+                cancel=self._shutdown,
             )
         self._ready = True
 
@@ -372,9 +386,10 @@ class MessageQueue:
         bounds the whole call: on GroupTimeout (a TimeoutError, naming the readers that
         lag), a message already partly written is finished by the next ``enqueue`` (it is
         never torn) and ``obj`` was not sent if the interrupted message was an earlier one.
-        Raises PeerGoneError when a reader it waits for has exited or closed its end, and
-        RuntimeError on a reader's end, or before :meth:`wait_until_ready` when there are
-        remote readers.
+        Raises PeerGoneError when a reader it waits for has exited or closed its end,
+        RuntimeError("cancelled") when it has to wait after :meth:`shutdown` (within 10 ms
+        for a wait under way), and RuntimeError on a reader's end, or before
+        :meth:`wait_until_ready` when there are remote readers.
         """
         if not self._is_writer:
             raise RuntimeError("Only writers can enqueue")
@@ -408,7 +423,7 @@ class MessageQueue:
                 publisher.publish(CHUNK.pack(len(payload), outgoing.part, len(piece)), piece)
             outgoing.part += 1
         if publisher is not None:
-            publisher.flush(deadline)
+            publisher.flush(deadline, self._shutdown)
         self._outgoing = None
 
     def _wait_free(self, buffer: ShmRingBuffer, idx: int, deadline: float | None) -> None:
@@ -421,6 +436,7 @@ class MessageQueue:
             ),
             deadline,
             check=lambda: self._check_readers(idx),
+            cancel=self._shutdown,
         )
 
     def _check_readers(self, idx: int) -> None:
@@ -442,24 +458,28 @@ class MessageQueue:
     def dequeue(
         self,
         timeout: float | None = None,
-        cancel: threading.Event | None = None,
         indefinite: bool = False,
+        *,
+        cancel: threading.Event | None = None,
     ) -> Any:
         """Read from message queue with optional timeout (in seconds).
 
         Raises GroupTimeout (a TimeoutError) after ``timeout`` seconds (a message partly
         received by then is kept and completed by the next call), RuntimeError("cancelled")
-        soon after ``cancel`` is set, and PeerGoneError once the writer has closed the queue
+        within 10 ms of :meth:`shutdown` or of ``cancel`` being set (then at once whenever
+        there is nothing to read), and PeerGoneError once the writer has closed the queue
         or exited and every message it wrote has been read. With ``timeout=None`` it waits
         as long as the writer lives; ``indefinite`` only silences the periodic "still
-        waiting" log.
+        waiting" log, as in vLLM.
         """
         if self._is_writer:
             raise RuntimeError("Only readers can dequeue")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
             while True:  # one chunk at a time, from the ring or the writer's stream alike
-                total, part, view = self._next_chunk(deadline, cancel, not indefinite)
+                total, part, view = self._next_chunk(
+                    deadline, (cancel, self._shutdown), not indefinite
+                )
                 with view:
                     message = self._assemble(total, part, view)
                 self._release_chunk()
@@ -467,7 +487,7 @@ class MessageQueue:
                     return self._loads(message)
 
     def _next_chunk(
-        self, deadline: float | None, cancel: threading.Event | None, log: bool
+        self, deadline: float | None, cancel: Cancel, log: bool
     ) -> tuple[int, int, memoryview]:
         if self._subscriber is not None:
             return self._subscriber.next_chunk(deadline, cancel, log, "a message")
@@ -558,6 +578,25 @@ class MessageQueue:
         return self.dequeue(timeout)
 
     # --- lifecycle ---
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether :meth:`shutdown` has been called on this end."""
+        return self._shutdown.is_set()
+
+    def shutdown(self) -> None:
+        """Wake whatever waits on this end, so that its process can clean up and stop.
+
+        Safe from any thread, and idempotent. A :meth:`dequeue` waiting on this end (a
+        local or a remote reader) raises RuntimeError("cancelled") within 10 ms, as
+        vLLM's local readers do; so do this end's :meth:`enqueue` and
+        :meth:`wait_until_ready` (vLLM's writer keeps waiting). Later calls still return
+        what is already there (a message to read, a free chunk to write) and raise
+        RuntimeError("cancelled") instead of waiting. The queue stays open: :meth:`close`
+        releases it. (A bridge worker runs the calls on one object one at a time, so a
+        shutdown sent to it while a dequeue runs there takes effect after that dequeue.)
+        """
+        self._shutdown.set()
 
     def close(self) -> None:
         """Release this end. The writer marks the queue closed (readers get PeerGoneError

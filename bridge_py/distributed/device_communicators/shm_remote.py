@@ -23,11 +23,10 @@ import logging
 import select
 import socket
 import struct
-import threading
 
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
 from bridge_py.distributed.errors import PeerGoneError
-from bridge_py.distributed.shm.wait import remaining, wait_until
+from bridge_py.distributed.shm.wait import Cancel, remaining, wait_until
 
 __all__ = [
     "READY",
@@ -91,7 +90,7 @@ class RemotePublisher:
         self._peers: dict[int, socket.socket] = {}
         self._pending: dict[int, collections.deque[memoryview]] = {}
 
-    def accept(self, deadline: float | None) -> None:
+    def accept(self, deadline: float | None, cancel: Cancel = None) -> None:
         """Accept connections until every expected remote reader has said hello, then stop
         listening."""
         expected = "" if self._ranks is None else f" of ranks {self._ranks}"
@@ -102,6 +101,7 @@ class RemotePublisher:
                 f"{self._n_reader}{expected} connected ({sorted(self._peers)})"
             ),
             deadline,
+            cancel=cancel,
             sleep=lambda seconds: select.select([self._listener], [], [], seconds),
         )
         with contextlib.suppress(OSError):
@@ -145,7 +145,7 @@ class RemotePublisher:
             if len(payload):
                 queue.append(payload)
 
-    def flush(self, deadline: float | None) -> None:
+    def flush(self, deadline: float | None, cancel: Cancel = None) -> None:
         """Send what is queued; on GroupTimeout the rest stays queued for the next call."""
         busy = [rank for rank, queue in self._pending.items() if queue]  # the queue's lock held
         wait_until(
@@ -154,6 +154,7 @@ class RemotePublisher:
                 f"remote readers {[rank for rank in busy if self._pending[rank]]} to take a message"
             ),
             deadline,
+            cancel=cancel,
             sleep=lambda seconds: select.select(
                 [], [self._peers[rank] for rank in busy if self._pending[rank]], [], seconds
             ),
@@ -231,7 +232,7 @@ class RemoteSubscriber:
         return self._complete() > 0
 
     def next_chunk(
-        self, deadline: float | None, cancel: threading.Event | None, log: bool, what: str
+        self, deadline: float | None, cancel: Cancel, log: bool, what: str
     ) -> tuple[int, int, memoryview]:
         """``(total, part, a view of the part)`` of the next chunk, waiting for it; the view
         must be released before :meth:`release`."""

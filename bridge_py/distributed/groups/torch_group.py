@@ -16,9 +16,11 @@ import datetime
 import socket
 import time
 import traceback
+from typing import Any
 
 import torch
-from torch.distributed import Backend, PrefixStore, ProcessGroup, TCPStore
+from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+from torch.distributed import Backend, PrefixStore, ProcessGroup, Store, TCPStore
 from torch.distributed.distributed_c10d import _get_default_timeout, is_nccl_available
 
 from bridge_py.distributed.spg.group import validate_rank
@@ -85,10 +87,12 @@ def stateless_init_torch_distributed_process_group(
     rank: int,
     world_size: int,
     backend: str = "gloo",
+    group_name: str | None = None,
+    return_store: bool = False,
+    listen_socket: socket.socket | None = None,
     *,
     timeout: datetime.timedelta | float | None = None,
-    listen_socket: socket.socket | None = None,
-) -> ProcessGroup:
+) -> ProcessGroup | tuple[ProcessGroup, Store]:
     """A replacement for `torch.distributed.init_process_group` that does not
     pollute the global state.
 
@@ -97,10 +101,16 @@ def stateless_init_torch_distributed_process_group(
     store on ``host:port`` (or on ``listen_socket``, already bound); every rank returns once
     all ``world_size`` ranks have joined, or raises ``StoreError`` (a RuntimeError) saying
     why not. ``timeout`` (a timedelta or seconds; torch's default for the backend when None)
-    bounds joining and every collective. Release the group with
+    bounds joining and every collective. With ``group_name`` the group takes that name and
+    is registered under it in this process (as torch's named groups are, so that
+    torch's functional collectives find it; ValueError if the name is taken). With
+    ``return_store`` it returns ``(pg, store)``: the group's store (its keys live under a
+    prefix there), for the caller's own keys. Release the group with
     :func:`stateless_destroy_torch_distributed_process_group`.
     """
     validate_rank(rank, world_size)
+    if group_name is not None and _registered(group_name):
+        raise ValueError(f"a process group named {group_name!r} exists in this process already")
     backend_name = Backend(backend)
     delta = _as_timedelta(timeout, backend_name)
     seconds = delta.total_seconds()
@@ -110,6 +120,10 @@ def stateless_init_torch_distributed_process_group(
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
         join_group(store, rank, world_size, address, seconds, deadline)
         pg = _assemble(store, rank, world_size, backend_name, delta)
+        if group_name is not None:
+            name: Any = group_name  # a GroupName (a NewType of str) in newer torch
+            pg._set_group_name(name)
+            _register_process_group(name, pg)
     except BaseException as exc:
         # Let rank 0's store server stop now rather than when the traceback is collected.
         del store
@@ -121,7 +135,15 @@ def stateless_init_torch_distributed_process_group(
         if listen_socket is None and sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-    return pg
+    return (pg, store) if return_store else pg
+
+
+def _registered(group_name: Any) -> bool:  # a GroupName (a NewType of str) in newer torch
+    try:
+        _resolve_process_group(group_name)
+    except RuntimeError:
+        return False
+    return True
 
 
 def stateless_destroy_torch_distributed_process_group(pg: ProcessGroup) -> None:

@@ -8,11 +8,12 @@ flowing, then sleeps with exponentially growing naps capped at one millisecond (
 wait is a second old), so an idle queue costs about 1% of a core (vLLM keeps one core busy
 for 10 s after each message, then sleeps 0.1 s at a time).
 
-Every wait takes a deadline (``TimeoutError`` names what was awaited), an optional ``cancel``
-event, and a liveness check run a few times a second that raises :class:`PeerGoneError` when
-the peer it waits for has exited, so a dead peer is reported even without a deadline. What
-can be waited on with a file descriptor (a socket, a FIFO doorbell) passes a ``sleep`` that
-blocks on it for at most the nap, so it wakes as soon as the other side acts.
+Every wait takes a deadline (``TimeoutError`` names what was awaited), optional ``cancel``
+events (a caller's, a MessageQueue's ``shutdown``), and a liveness check run a few times a
+second that raises :class:`PeerGoneError` when the peer it waits for has exited, so a dead
+peer is reported even without a deadline. What can be waited on with a file descriptor (a
+socket, a FIFO doorbell) passes a ``sleep`` that blocks on it for at most the nap, so it
+wakes as soon as the other side acts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from bridge_py.distributed.errors import GroupTimeout, PeerGoneError
 
 __all__ = [
+    "Cancel",
     "PeerGoneError",
     "deadline_after",
     "fence",
@@ -48,6 +50,9 @@ IDLE_NAP_SECONDS = 1e-2
 # How often the liveness check runs once sleeping, and how often a long wait is logged.
 CHECK_INTERVAL_SECONDS = 0.2
 LOG_INTERVAL_SECONDS = 60.0
+
+# What ends a wait early: an event, or any of several (None: nothing).
+Cancel = threading.Event | tuple[threading.Event | None, ...] | None
 
 _fence_lock = threading.Lock()
 
@@ -78,20 +83,21 @@ def wait_until(
     deadline: float | None,
     *,
     check: Callable[[], None] | None = None,
-    cancel: threading.Event | None = None,
+    cancel: Cancel = None,
     log: bool = True,
     sleep: Callable[[float], object] = time.sleep,
 ) -> None:
     """Return once ``ready()`` is true; spin, then sleep (``sleep(seconds)``), between tries.
 
     Raises GroupTimeout (a TimeoutError, naming ``what``, or what ``what()`` says then: who
-    is late) at ``deadline``,
-    RuntimeError("cancelled") when ``cancel`` is set, and whatever ``check()`` raises (it runs every
-    ``CHECK_INTERVAL_SECONDS`` once sleeping, to notice a dead peer). With ``log``, a wait
-    longer than ``LOG_INTERVAL_SECONDS`` is logged at that interval.
+    is late) at ``deadline``, RuntimeError("cancelled") within a nap (at most 10 ms) of
+    ``cancel`` (an event, or any of a tuple of them) being set, and whatever ``check()``
+    raises (it runs every ``CHECK_INTERVAL_SECONDS`` once sleeping, to notice a dead peer).
+    With ``log``, a wait longer than ``LOG_INTERVAL_SECONDS`` is logged at that interval.
     """
     if ready():
         return
+    stops = [e for e in (cancel if isinstance(cancel, tuple) else (cancel,)) if e is not None]
     start = time.monotonic()
     spin_until = start + SPIN_SECONDS
     next_check = start
@@ -99,7 +105,7 @@ def wait_until(
     nap = FIRST_NAP_SECONDS
     while not ready():
         now = time.monotonic()
-        if cancel is not None and cancel.is_set():
+        if any(stop.is_set() for stop in stops):
             raise RuntimeError("cancelled")
         if deadline is not None and now >= deadline:
             awaited = what() if callable(what) else what

@@ -120,11 +120,15 @@ defmodule Vllm.Distributed do
   or ensure tensor-parallel and pipeline-parallel sizes are equal to expected
   values if the model parallel groups are initialized.
 
+  The context parallel sizes must be 1, as in `initialize_model_parallel/2`.
+
   ## Parameters
 
     * `tensor_model_parallel_size` (`integer()`)
     * `pipeline_model_parallel_size` (`integer()`)
-    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
+    * `prefill_context_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 0)
+    * `decode_context_model_parallel_size` (`integer() | nil`, default: `1`) (in `args`, position 1)
+    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 2)
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -464,7 +468,11 @@ defmodule Vllm.Distributed do
       parallelism.
     * `pipeline_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 1) - number of GPUs used for pipeline model
       parallelism.
-    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 2) - name of torch distributed communication backend (default: the world
+    * `prefill_context_model_parallel_size` (`integer()`, default: `1`) (in `args`, position 2) - vLLM's prefill context parallelism; only 1
+      (NotImplementedError otherwise: no PCP group is built here).
+    * `decode_context_model_parallel_size` (`integer() | nil`, default: `1`) (in `args`, position 3) - vLLM's decode context parallelism; only 1
+      or None (NotImplementedError otherwise: no DCP group is built here).
+    * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 4) - name of torch distributed communication backend (default: the world
       group's).
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`) - number of data parallel replicas that run together (vLLM
       reads it from its config).
@@ -556,7 +564,11 @@ defmodule Vllm.Distributed do
   store on `host:port` (or on `listen_socket`, already bound); every rank returns once
   all `world_size` ranks have joined, or raises `StoreError` (a RuntimeError) saying
   why not. `timeout` (a timedelta or seconds; torch's default for the backend when None)
-  bounds joining and every collective. Release the group with
+  bounds joining and every collective. With `group_name` the group takes that name and
+  is registered under it in this process (as torch's named groups are, so that
+  torch's functional collectives find it; ValueError if the name is taken). With
+  `return_store` it returns `(pg, store)`: the group's store (its keys live under a
+  prefix there), for the caller's own keys. Release the group with
   `stateless_destroy_torch_distributed_process_group/2`.
 
   ## Parameters
@@ -566,14 +578,16 @@ defmodule Vllm.Distributed do
     * `rank` (`integer()`)
     * `world_size` (`integer()`)
     * `backend` (`String.t()`, default: `"gloo"`) (in `args`, position 0)
+    * `group_name` (`String.t() | nil`, default: `nil`) (in `args`, position 1)
+    * `return_store` (`boolean()`, default: `false`) (in `args`, position 2)
+    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 3)
     * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `nil`) (keyword option `timeout:`)
-    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `listen_socket:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
-    * `VllmBridge.Ref.t()`
+    * `VllmBridge.Ref.t() | {VllmBridge.Ref.t(), VllmBridge.Ref.t()}`
   """
   @spec stateless_init_torch_distributed_process_group(
           String.t(),
@@ -582,7 +596,9 @@ defmodule Vllm.Distributed do
           integer(),
           [term()],
           keyword()
-        ) :: {:ok, VllmBridge.Ref.t()} | {:error, VllmBridge.Error.t()}
+        ) ::
+          {:ok, VllmBridge.Ref.t() | {VllmBridge.Ref.t(), VllmBridge.Ref.t()}}
+          | {:error, VllmBridge.Error.t()}
   def stateless_init_torch_distributed_process_group(
         host,
         port,

@@ -129,10 +129,13 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
   ## Returns
 
-    * `tuple()`
+    * `{VllmBridge.Tensor.t(), VllmBridge.Tensor.t()} | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}`
   """
   @spec dispatch(t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
-          {:ok, tuple()} | {:error, VllmBridge.Error.t()}
+          {:ok,
+           {VllmBridge.Tensor.t(), VllmBridge.Tensor.t()}
+           | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
+          | {:error, VllmBridge.Error.t()}
   def dispatch(ref, hidden_states, router_logits, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
       {:__args__, args} | opts
@@ -168,9 +171,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  `use_all2all` (not in vLLM, which reads its config) asks subclasses for an
-  all-to-all manager so that `dispatch`/`combine` move tokens; GroupCoordinator
-  passes vLLM's rule (an expert-parallel group while data parallelism is on).
+  `use_all2all` asks subclasses for an all-to-all manager so that
+  `dispatch`/`combine` move tokens; GroupCoordinator passes its own
+  `use_all2all` (vLLM's rule: an expert-parallel group while data parallelism is on).
 
   ## Parameters
 

@@ -473,10 +473,13 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   ## Returns
 
-    * `tuple()`
+    * `{VllmBridge.Tensor.t(), VllmBridge.Tensor.t()} | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}`
   """
   @spec dispatch(t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
-          {:ok, tuple()} | {:error, VllmBridge.Error.t()}
+          {:ok,
+           {VllmBridge.Tensor.t(), VllmBridge.Tensor.t()}
+           | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
+          | {:error, VllmBridge.Error.t()}
   def dispatch(ref, hidden_states, router_logits, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
       {:__args__, args} | opts

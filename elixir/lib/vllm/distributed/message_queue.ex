@@ -143,16 +143,17 @@ defmodule Vllm.Distributed.MessageQueue do
 
   Raises GroupTimeout (a TimeoutError) after `timeout` seconds (a message partly
   received by then is kept and completed by the next call), RuntimeError("cancelled")
-  soon after `cancel` is set, and PeerGoneError once the writer has closed the queue
+  within 10 ms of `shutdown/2` or of `cancel` being set (then at once whenever
+  there is nothing to read), and PeerGoneError once the writer has closed the queue
   or exited and every message it wrote has been read. With `timeout=None` it waits
   as long as the writer lives; `indefinite` only silences the periodic "still
-  waiting" log.
+  waiting" log, as in vLLM.
 
   ## Parameters
 
     * `timeout` (`float() | nil`, default: `nil`) (in `args`, position 0)
-    * `cancel` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
-    * `indefinite` (`boolean()`, default: `false`) (in `args`, position 2)
+    * `indefinite` (`boolean()`, default: `false`) (in `args`, position 1)
+    * `cancel` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `cancel:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -173,9 +174,10 @@ defmodule Vllm.Distributed.MessageQueue do
   bounds the whole call: on GroupTimeout (a TimeoutError, naming the readers that
   lag), a message already partly written is finished by the next `enqueue` (it is
   never torn) and `obj` was not sent if the interrupted message was an earlier one.
-  Raises PeerGoneError when a reader it waits for has exited or closed its end, and
-  RuntimeError on a reader's end, or before `wait_until_ready/3` when there are
-  remote readers.
+  Raises PeerGoneError when a reader it waits for has exited or closed its end,
+  RuntimeError("cancelled") when it has to wait after `shutdown/2` (within 10 ms
+  for a wait under way), and RuntimeError on a reader's end, or before
+  `wait_until_ready/3` when there are remote readers.
 
   ## Parameters
 
@@ -217,9 +219,14 @@ defmodule Vllm.Distributed.MessageQueue do
   `remote_reader_ranks` (default: the ranks after the local ones when
   `local_reader_ranks` is None, else any rank) limits who may connect. Ranks are
   those readers pass to `create_from_handle/4`. The queue holds `max_chunks`
-  chunks of `max_chunk_bytes` bytes for the local readers (a message larger than a
-  chunk spans several); `enqueue/4` waits while they all hold messages some local
-  reader has not read. `auth_key` (None:
+  chunks of `max_chunk_bytes` bytes (vLLM's default: 24 MiB, so 240 MiB of shared
+  memory, whose pages are used only once written) for the local readers; a message
+  larger than a chunk spans several. `enqueue/4` waits while they all hold
+  messages some local reader has not read.
+  `enable_shm_tensor_arena` is accepted for vLLM's signature and changes nothing:
+  vLLM's opt-in arena copies large CPU tensors once into a second shared-memory
+  region that every reader views without copying; here every message, tensors
+  included, streams through the ring's chunks. `auth_key` (None:
   `$VLLM_BRIDGE_AUTH_KEY` if set, read now) authenticates every message; readers
   must be given the same key.
 
@@ -228,9 +235,10 @@ defmodule Vllm.Distributed.MessageQueue do
     * `n_reader` (`integer()`)
     * `n_local_reader` (`integer()`)
     * `local_reader_ranks` (`[integer()] | nil`, default: `nil`) (in `args`, position 0)
-    * `max_chunk_bytes` (`integer()`, default: `10485760`) (in `args`, position 1)
+    * `max_chunk_bytes` (`integer()`, default: `25165824`) (in `args`, position 1)
     * `max_chunks` (`integer()`, default: `10`) (in `args`, position 2)
     * `connect_ip` (`String.t() | nil`, default: `nil`) (in `args`, position 3)
+    * `enable_shm_tensor_arena` (`boolean()`, default: `false`) (in `args`, position 4)
     * `remote_reader_ranks` (`[integer()] | nil`, default: `nil`) (keyword option `remote_reader_ranks:`)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
@@ -256,6 +264,43 @@ defmodule Vllm.Distributed.MessageQueue do
     VllmBridge.Runtime.call_class("MessageQueue", [n_reader, n_local_reader], [
       {:__args__, args} | opts
     ])
+  end
+
+  @doc ~S"""
+  Wake whatever waits on this end, so that its process can clean up and stop.
+
+  Safe from any thread, and idempotent. A `dequeue/3` waiting on this end (a
+  local or a remote reader) raises RuntimeError("cancelled") within 10 ms, as
+  vLLM's local readers do; so do this end's `enqueue/4` and
+  `wait_until_ready/3` (vLLM's writer keeps waiting). Later calls still return
+  what is already there (a message to read, a free chunk to write) and raise
+  RuntimeError("cancelled") instead of waiting. The queue stays open: `close/2`
+  releases it. (A bridge worker runs the calls on one object one at a time, so a
+  shutdown sent to it while a dequeue runs there takes effect after that dequeue.)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec shutdown(t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def shutdown(ref, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "shutdown", [], opts)
+  end
+
+  @doc ~S"""
+  Whether `shutdown/2` has been called on this end.
+
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
+  ## Returns
+
+    * `boolean()`
+  """
+  @spec shutting_down(t(), keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def shutting_down(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "shutting_down", opts)
   end
 
   @doc ~S"""
