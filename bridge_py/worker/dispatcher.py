@@ -3,8 +3,9 @@
 Both transports (the stdin/stdout port and gRPC) are thin loops over two calls:
 
 * :meth:`Dispatcher.admit` takes the bytes of one request, on the thread that read it,
-  and works out what they are: a call it has a plan for (``call_plans``: not decoded
-  at all), a decoded request, or the error reply to bytes that are not a request. A
+  and works out what they are: a call it has a plan for (``call_plans``: only its key,
+  id, deadline and argument bytes read), a decoded request, or the error reply to
+  bytes that are not a request. A
   method call also takes its turn on its object here (``sequencer``), which is what
   makes calls on one object run in the order they were admitted, whichever threads
   run them. A transport's own checks come in as a ``gate``, called before any turn is
@@ -29,13 +30,14 @@ from bridge_py.worker.codec import CodecError
 from bridge_py.worker.exports import ExportTable
 from bridge_py.worker.operations import (
     DEFAULT_SESSION,
+    EXPECTED,
     Operations,
+    as_failure,
     encode_failure,
     error_reply,
     expired_failure,
     internal_failure,
     protocol_error,
-    python_failure,
 )
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry
 from bridge_py.worker.sequencer import Turn
@@ -52,13 +54,14 @@ It returns None to admit the request, or the error to answer instead (the reques
 then not run); it may also raise, and then ``admit`` raises that, having taken nothing."""
 
 Job = (
-    tuple[CallPlan, bytes, int, int, float]
+    tuple[CallPlan, bytes, int, int, float, bytes, bytes]
     | tuple[pb.Request, Turn | None, Frame, float]
     | tuple[pb.Reply, None, None]
 )
 """What :meth:`Dispatcher.admit` made of a frame, for :meth:`Dispatcher.run`: a planned
 call (its plan, the frame, where the frame's id field ends, the number of its turn on
-the plan's sequencer, its deadline), a decoded request (with the turn it holds, if it
+the plan's sequencer (-1 for none), its deadline, its argument bytes), a decoded
+request (with the turn it holds, if it
 takes one, its frame and its deadline), or a reply known already (an error). A deadline
 is the ``time.monotonic()`` value the request's ``deadline_ms`` names, counted from when
 it was admitted; 0.0 for none."""
@@ -75,7 +78,7 @@ class Dispatcher:
     def __init__(self, exports: ExportTable, registry: HandleRegistry | None = None) -> None:
         self.exports = exports
         self.registry = registry if registry is not None else HandleRegistry()
-        # Calls without arguments seen before, by their bytes after the id (call_plans).
+        # Calls seen before, by what they name (call_plans).
         self.plans = CallPlans()
         # A release drops every plan: they hold their objects alive.
         self.operations = Operations(exports, self.registry, on_release=self.plans.clear)
@@ -87,12 +90,9 @@ class Dispatcher:
         """What one request frame is (see the module docstring); a method call takes its
         turn now. Never raises, unless ``gate`` does (then nothing was taken)."""
         if type(frame) is bytes and len(frame) <= MAX_PLANNED_BYTES:
-            end = pb.id_field_end(frame)
-            if end:
-                key = frame[end:]
-                deadline_ms = 0
-                if key and (key[0] == 0x18 or key[0] == 0x12):  # a deadline, or a session
-                    key, deadline_ms = pb.call_key(frame, end)
+            split = pb.split_call(frame)
+            if split is not None:
+                end, key, deadline_ms, args, kwargs = split
                 plan = self._plan_for(key)
                 if plan is not None:
                     if gate is not None:
@@ -100,7 +100,9 @@ class Dispatcher:
                         if refused is not None:
                             return pb.Reply(pb.peek_request_id(frame), error=refused), None, None
                     deadline = time.monotonic() + deadline_ms * 0.001 if deadline_ms else 0.0
-                    return plan, frame, end, plan.sequencer.take(), deadline
+                    sequencer = plan.sequencer
+                    number = -1 if sequencer is None else sequencer.take()
+                    return plan, frame, end, number, deadline, args, kwargs
         try:
             req = pb.decode_request(frame)
         except Exception as exc:  # EnvelopeError, or a bug: a reply either way
@@ -119,15 +121,14 @@ class Dispatcher:
         one reply: should anything but the call itself fail, the reply is an error, and
         a turn the job holds is given back."""
         if type(job[0]) is CallPlan:  # the most common request
-            plan, planned_frame, end, number, deadline = job
-            return self._run_planned(plan, planned_frame, end, number, deadline)
+            return self._run_planned(*job)
         if type(job[0]) is pb.Reply:  # worked out by admit (an error)
             known, _, _ = job
             return pb.encode_reply_chunks(known)
         req, turn, frame, deadline = job
         try:
             reply = self._answer(req, turn, deadline)  # uses the turn up, whatever happens
-            if reply.error is None and type(req.op) is pb.CallMethod:
+            if reply.error is None and type(frame) is bytes:
                 self._learn(frame, req)
             return pb.encode_reply_chunks(reply)
         except Exception as exc:  # a bug of ours: the caller still hears
@@ -185,14 +186,25 @@ class Dispatcher:
     # -- planned calls ---------------------------------------------------------------
 
     def _run_planned(
-        self, plan: CallPlan, frame: bytes, id_end: int, number: int, deadline: float
+        self,
+        plan: CallPlan,
+        frame: bytes,
+        id_end: int,
+        number: int,
+        deadline: float,
+        args: bytes,
+        kwargs: bytes,
     ) -> list[bytes | memoryview]:
-        """The reply to a planned call: the one the full way would give. The call runs
-        in its turn ``number`` on ``plan.sequencer``, under ``deadline``; if a release has
-        made the plan stale, it takes the full way in that turn."""
+        """The reply to a planned call: the one the full way would give. A method call
+        runs in its turn ``number`` on ``plan.sequencer``; all run under ``deadline``; if
+        a release has made the plan stale, the request takes the full way instead."""
         try:
-            call = self._call_planned
-            value, reply = plan.sequencer.run_turn(number, call, frame, plan, deadline)
+            sequencer = plan.sequencer
+            if sequencer is None:
+                value, reply = self._call_planned(frame, plan, deadline, args, kwargs)
+            else:
+                call = self._call_planned
+                value, reply = sequencer.run_turn(number, call, frame, plan, deadline, args, kwargs)
             if reply is not None:
                 return reply
             data = plan.codec.encode_pieces(value)
@@ -202,58 +214,53 @@ class Dispatcher:
         return pb.value_reply_chunks(frame[:id_end], data)
 
     def _call_planned(
-        self, frame: bytes, plan: CallPlan, deadline: float
+        self, frame: bytes, plan: CallPlan, deadline: float, args: bytes, kwargs: bytes
     ) -> tuple[Any, list[bytes | memoryview] | None]:
-        """The planned call, in its turn: ``(result, None)``, or ``(None, reply)`` when it
-        failed, its deadline had passed or the plan has gone stale."""
+        """The planned call (in its turn, if it takes one): ``(result, None)``, or
+        ``(None, reply)`` when it failed, its deadline had passed or the plan has gone
+        stale."""
         if plan.epoch != self.registry.epoch:
             answer = self._answer(pb.decode_request(frame), None, deadline)
             return None, pb.encode_reply_chunks(answer)
-        if deadline:
-            return self._call_planned_until(frame, plan, deadline)
-        try:
-            return getattr(plan.obj, plan.method)(), None
-        except BaseException as exc:  # SystemExit too: a call never ends the worker
-            failure = python_failure(exc)
-            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
-
-    def _call_planned_until(
-        self, frame: bytes, plan: CallPlan, deadline: float
-    ) -> tuple[Any, list[bytes | memoryview] | None]:
-        """:meth:`_call_planned` under ``deadline``: not run once it has passed."""
-        late = time.monotonic() - deadline
-        if late >= 0:
-            failure = expired_failure(late)
-            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
         current = CURRENT
         before = current.at
-        current.at = deadline
+        if deadline:
+            late = time.monotonic() - deadline
+            if late >= 0:
+                failure = expired_failure(late)
+                return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+            current.at = deadline
         try:
-            return getattr(plan.obj, plan.method)(), None
-        except BaseException as exc:  # SystemExit too: a call never ends the worker
-            failure = python_failure(exc)
-            return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+            return plan.run(args, kwargs), None
+        except EXPECTED as exc:
+            reply = error_reply(pb.peek_request_id(frame), as_failure(exc))
+            return None, pb.encode_reply_chunks(reply)
         finally:
             current.at = before
 
-    def _learn(self, frame: Frame, req: pb.Request) -> None:
-        """Make a plan for ``req`` if it is a call without arguments in the canonical
-        layout (the id first and once, so the rest of the frame names the call alone)."""
+    def _learn(self, frame: bytes, req: pb.Request) -> None:
+        """Make a plan for ``req``, which has just succeeded, if its frame is in the layout
+        every encoder writes (so that its key names the call alone: ``split_call``)."""
+        split = pb.split_call(frame)
         op = req.op
-        if type(op) is not pb.CallMethod or op.args or op.kwargs or type(frame) is not bytes:
+        if split is None or op is None:
             return
-        epoch = self.registry.epoch  # read first: a release from here on voids the plan
         session = req.session or DEFAULT_SESSION
+        epoch = self.registry.epoch  # read first: a release from here on voids the plan
         try:
-            obj = self.registry.get(op.handle, session)
-            sequencer = self.registry.sequencer(op.handle, session)
-        except HandleNotFound:
+            run = self.operations.plan(req)
+            sequencer = (
+                self.registry.sequencer(op.handle, session)
+                if isinstance(op, pb.CallMethod)
+                else None
+            )
+        except EXPECTED:
             return  # released since
-        if not self.operations.is_bare(obj, op.method) or pb.decode_canonical_call(frame) != req:
-            return
+        if run is None or pb.encode_request(req) != frame:
+            return  # not an operation with plans, or not its canonical bytes
         codec = self.operations.codec(session)
-        plan = CallPlan(obj, op.method, sequencer, codec, epoch, req.session, pb.CallMethod)
-        self.plans.learn(frame, plan)
+        plan = CallPlan(run, sequencer, codec, epoch, req.session, type(op))
+        self.plans.learn(split[1], plan)
 
 
 def _why(exc: BaseException) -> str:

@@ -466,63 +466,9 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
     Small ``bytes`` fields are copies; long ones (tensors) are views of ``data``.
     """
     if type(data) is bytes:
-        call = decode_canonical_call(data)
-        if call is not None:
-            return call
         return _decode_message(Request, data, 0, len(data))
     buf = memoryview(data).cast("B")
     return _decode_message(Request, buf, 0, len(buf))
-
-
-def decode_canonical_call(buf: bytes) -> Request | None:
-    """A method call laid out the way every encoder writes one, or None.
-
-    The common request, read without the general loop: ``id``, maybe ``session``, maybe
-    ``deadline_ms``, then ``call`` (``handle``, ``method``, maybe ``args``, maybe ``kwargs``) to the
-    end, each once and in field order. Anything else, valid or not, returns None and
-    is left to :func:`_decode_message`, which decodes it the same way or says what
-    is wrong with it.
-    """
-    n = len(buf)
-    try:
-        if n < 8 or buf[0] != 0x08:
-            return None
-        rid, pos = _read_varint(buf, 1, n)
-        session = ""
-        if buf[pos] == 0x12:
-            size, pos = _read_varint(buf, pos + 1, n)
-            session = buf[pos : pos + size].decode("utf-8")
-            pos += size
-        deadline_ms = 0
-        if buf[pos] == 0x18:
-            deadline_ms, pos = _read_varint(buf, pos + 1, n)
-            if buf[pos] != 0x5A:  # not a call: the general loop reads it
-                return None
-        if pos + 2 > n or buf[pos] != 0x5A:
-            return None
-        size, pos = _read_varint(buf, pos + 1, n)
-        if pos + size != n or buf[pos] != 0x08:
-            return None
-        handle, pos = _read_varint(buf, pos + 1, n)
-        if pos >= n or buf[pos] != 0x12:
-            return None
-        size, pos = _read_varint(buf, pos + 1, n)
-        method = buf[pos : pos + size].decode("utf-8")
-        pos += size
-        args = kwargs = b""
-        if pos < n and buf[pos] == 0x1A:
-            size, pos = _read_varint(buf, pos + 1, n)
-            args = buf[pos : pos + size]
-            pos += size
-        if pos < n and buf[pos] == 0x22:
-            size, pos = _read_varint(buf, pos + 1, n)
-            kwargs = buf[pos : pos + size]
-            pos += size
-    except (EnvelopeError, IndexError, UnicodeDecodeError):
-        return None
-    if pos != n or not handle or not method:
-        return None
-    return Request(rid, session, CallMethod(handle, method, args, kwargs), deadline_ms)
 
 
 def decode_reply(data: bytes | bytearray | memoryview) -> Reply:
@@ -563,62 +509,121 @@ def id_field_end(frame: bytes) -> int:
     return 0
 
 
-def call_key(frame: bytes, end: int) -> tuple[bytes, int]:
-    """The bytes of a request after its id field (which ends at ``end``: see
-    :func:`id_field_end`) less its ``deadline_ms`` field, and that field's value (0 when
-    it has none).
+Split = tuple[int, bytes, int, bytes, bytes]
+"""What :func:`split_call` finds in a request: where its id field ends, the key of its
+call, its ``deadline_ms`` (0: none), and its argument bytes (args, kwargs; a ping's
+payload and b"")."""
 
-    What stays is what names the call (its session and operation), the same for every
-    request that makes the same call whatever its deadline: the key of its call plan.
-    Only the layout every encoder writes is looked at (the deadline right after the id,
-    or after a session shorter than 128 bytes); any other keeps its bytes as they are.
+
+def split_call(frame: bytes) -> Split | None:
+    """A request laid out the way every encoder writes one, split into what varies from
+    one call of the same thing to the next and the key that names that thing; or None.
+
+    The layout: the id first (see :func:`id_field_end`), maybe a session (shorter than
+    128 bytes), maybe a ``deadline_ms``, then a method call, a function call, an
+    attribute read or a ping to the end, each field once and in order, none of them
+    empty. The key is the session field, the operation's field key and the fields that
+    name the target (handle and method, function, handle and attribute): two requests
+    with the same key call the same thing in the same session. Anything else returns
+    None (the general decoder reads it, or says what is wrong with it); no text is
+    decoded here, so a frame with invalid text may be split (its key is then no valid
+    frame's key).
+
+    On the hot path of every planned call: unrolled for one-byte lengths and handles
+    and deadlines of up to three bytes, with :func:`_read_varint` for the rest.
     """
+    n = len(frame)
     try:
-        at = end
-        if frame[at] == 0x18:  # what the Elixir runtime sends: no session, a deadline
-            first = frame[at + 1]
-            if first < 0x80:
-                return frame[at + 2 :], first
-            second = frame[at + 2]
-            if second < 0x80:
-                return frame[at + 3 :], (first & 0x7F) | second << 7
-            third = frame[at + 3]
-            if third < 0x80:
-                return frame[at + 4 :], (first & 0x7F) | (second & 0x7F) << 7 | third << 14
-        elif frame[at] == 0x12:  # the session: its length, then its bytes
-            size = frame[at + 1]
+        pos = id_field_end(frame)
+        if not pos:
+            return None
+        end = pos
+        byte = frame[pos]
+        if byte == 0x12:  # the session: its length, then its bytes
+            size = frame[pos + 1]
             if size & 0x80:
-                return frame[end:], 0
-            at += 2 + size
-        if frame[at] != 0x18:
-            return frame[end:], 0
-        deadline = frame[at + 1]
-        stop = at + 2
-        if deadline & 0x80:  # a varint of more bytes: unrolled up to three (35 minutes)
-            deadline &= 0x7F
-            byte = frame[stop]
-            stop += 1
-            deadline |= (byte & 0x7F) << 7
-            shift = 14
-            if byte & 0x80:
-                byte = frame[stop]
-                stop += 1
-                deadline |= (byte & 0x7F) << 14
-                shift = 21
-            while byte & 0x80:
-                byte = frame[stop]
-                stop += 1
-                deadline |= (byte & 0x7F) << shift
-                if not byte & 0x80:
-                    break
-                shift += 7
-                if shift > 63:
-                    return frame[end:], 0
-    except IndexError:
-        return frame[end:], 0
-    if at == end:
-        return frame[stop:], deadline
-    return frame[end:at] + frame[stop:], deadline
+                return None
+            pos += 2 + size
+            byte = frame[pos]
+        session_end = pos
+        deadline = 0
+        if byte == 0x18:
+            deadline, pos = _read_varint(frame, pos + 1, n)
+            byte = frame[pos]
+        op_at = pos
+        if byte == 0x8A:  # ping, field 17: two bytes
+            if frame[pos + 1] != 0x01:
+                return None
+            pos += 1
+        elif byte != 0x5A and byte != 0x62 and byte != 0x6A:
+            return None
+        op_end = pos + 1
+        size = frame[op_end]
+        if size < 0x80:
+            body = op_end + 1
+        else:
+            size, body = _read_varint(frame, op_end, n)
+        if body + size != n:
+            return None
+        pos = body
+        # The fields that name the target: a handle (call, get_attr), then a name.
+        if byte == 0x5A or byte == 0x6A:
+            if frame[pos] != 0x08:
+                return None
+            handle = frame[pos + 1]
+            if handle < 0x80:
+                pos += 2
+            else:
+                handle, pos = _read_varint(frame, pos + 1, n)
+            if not handle:
+                return None
+            if frame[pos] != 0x12:
+                return None
+        elif byte == 0x62 and frame[pos] != 0x0A:
+            return None
+        if byte != 0x8A:
+            size = frame[pos + 1]
+            if size < 0x80:
+                pos += 2 + size
+            else:
+                size, pos = _read_varint(frame, pos + 1, n)
+                pos += size
+            if not size:
+                return None
+        named = pos
+        # The fields that carry arguments, each maybe: (args, kwargs) or (payload,).
+        args = kwargs = b""
+        if pos < n:
+            if byte == 0x6A:
+                return None
+            first = 0x1A if byte == 0x5A else 0x12 if byte == 0x62 else 0x0A
+            if frame[pos] == first:
+                size = frame[pos + 1]
+                if size < 0x80:
+                    pos += 2
+                else:
+                    size, pos = _read_varint(frame, pos + 1, n)
+                args = frame[pos : pos + size]
+                pos += size
+            if pos < n and frame[pos] == first + 8 and byte != 0x8A:
+                size = frame[pos + 1]
+                if size < 0x80:
+                    pos += 2
+                else:
+                    size, pos = _read_varint(frame, pos + 1, n)
+                kwargs = frame[pos : pos + size]
+                pos += size
+    except (IndexError, EnvelopeError):
+        return None
+    if pos != n:
+        return None
+    return (
+        end,
+        frame[end:session_end] + frame[op_at:op_end] + frame[body:named],
+        deadline,
+        args,
+        kwargs,
+    )
 
 
 def peek_request_id(data: bytes | bytearray | memoryview) -> int:
@@ -668,8 +673,6 @@ __all__ = [
     "ReleaseSession",
     "Reply",
     "Request",
-    "call_key",
-    "decode_canonical_call",
     "decode_reply",
     "decode_request",
     "encode_reply",
@@ -678,5 +681,6 @@ __all__ = [
     "id_field_end",
     "op_name",
     "peek_request_id",
+    "split_call",
     "value_reply_chunks",
 ]

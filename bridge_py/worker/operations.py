@@ -104,12 +104,45 @@ class Operations:
                 raise Failure("protocol", "request has no operation")
             codec = self.codec(session)
             return _value_reply(req.id, codec, run(op, session, codec))
-        except Failure as failure:
-            return error_reply(req.id, failure)
-        except HandleNotFound as exc:
-            return error_reply(req.id, Failure("not_found", str(exc)))
-        except NotExported as exc:
-            return error_reply(req.id, Failure("not_exported", str(exc)))
+        except EXPECTED as exc:
+            return error_reply(req.id, as_failure(exc))
+
+    def plan(self, req: pb.Request) -> Callable[[bytes, bytes], Any] | None:
+        """How to run requests that name what ``req`` names (``call_plans``): a function
+        of their argument bytes (args and kwargs; a ping's payload) that makes the call
+        as :meth:`reply` would, raising what :func:`as_failure` takes when it fails.
+        None for the operations that get no plan. ``req`` has just succeeded; raises
+        what resolving it raises should that no longer hold."""
+        op = req.op
+        session = req.session or DEFAULT_SESSION
+        codec = self.codec(session)
+        arguments = self._arguments
+        if isinstance(op, pb.CallMethod):
+            obj = self.registry.get(op.handle, session)
+            name = op.method
+            target = self._methods.get((type(obj), name)) or self._method(obj, name)
+            bare = target.bare
+
+            def call_method(args: bytes, kwargs: bytes) -> Any:
+                if bare and not args and not kwargs:
+                    try:
+                        return getattr(obj, name)()
+                    except BaseException as exc:  # SystemExit too: a call never ends the worker
+                        raise python_failure(exc) from exc
+                return _call(getattr(obj, name), target.name, *arguments(codec, args, kwargs))
+
+            return call_method
+        if isinstance(op, pb.CallFunction):
+            fn = self.exports.function(op.function)
+            function = op.function
+            return lambda args, kwargs: _call(fn, function, *arguments(codec, args, kwargs))
+        if isinstance(op, pb.GetAttribute):
+            obj = self.registry.get(op.handle, session)
+            attribute, attr = self.exports.attribute, op.name
+            return lambda _args, _kwargs: attribute(obj, attr)
+        if isinstance(op, pb.Ping):
+            return lambda payload, _: _decode(codec, payload, "ping payload") if payload else None
+        return None
 
     # -- operations -----------------------------------------------------------------
 
@@ -179,6 +212,19 @@ class Operations:
         if type(kw) is not dict or not all(isinstance(k, str) for k in kw):
             raise Failure("bad_args", "kwargs must be a msgpack map with string keys")
         return pos, kw
+
+
+EXPECTED = (Failure, HandleNotFound, NotExported)
+"""What an operation raises when it fails in a way its caller is told about."""
+
+
+def as_failure(exc: Failure | HandleNotFound | NotExported) -> Failure:
+    """The failure an exception of :data:`EXPECTED` answers."""
+    if isinstance(exc, HandleNotFound):
+        return Failure("not_found", str(exc))
+    if isinstance(exc, NotExported):
+        return Failure("not_exported", str(exc))
+    return exc
 
 
 def _decode(codec: Codec, data: bytes, what: str) -> Any:

@@ -1,9 +1,9 @@
-"""Call plans: a repeated call without arguments skips decoding, and answers as before.
+"""Call plans: a call made before skips decoding and resolving, and answers as the full way.
 
 The dispatcher is driven the way both transports drive it (``admit`` on the frame, then
-``run``; a planned call takes its turn from the plan's sequencer as it runs), and once
-through the real ``PortTransport``. Every planned reply is compared with what the full
-path answers.
+``run``; a planned method call takes its turn from the plan's sequencer as it runs), and
+once through the real ``PortTransport``. Planned replies are compared with what the full
+way answers.
 """
 
 from __future__ import annotations
@@ -29,8 +29,16 @@ from tests.worker.sample_exports import table
 pytestmark = pytest.mark.timeout(60)
 
 
-def _frame(request_id: int, handle: int, method: str, args: bytes = b"") -> bytes:
-    return pb.encode_request(pb.Request(request_id, "", pb.CallMethod(handle, method, args)))
+def _frame(
+    request_id: int, handle: int, method: str, args: bytes = b"", kwargs: bytes = b""
+) -> bytes:
+    return pb.encode_request(
+        pb.Request(request_id, "", pb.CallMethod(handle, method, args, kwargs))
+    )
+
+
+def _request(request_id: int, op: pb.Operation, session: str = "", deadline_ms: int = 0) -> bytes:
+    return pb.encode_request(pb.Request(request_id, session, op, deadline_ms))
 
 
 def _counter(d: Dispatcher, step: object = 1) -> int:
@@ -60,7 +68,7 @@ def _planned(d: Dispatcher, frame: bytes) -> pb.Reply:
     return _reply(d, job)
 
 
-def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
+def test_a_call_is_planned_after_it_succeeds_and_its_arguments_may_change() -> None:
     d = Dispatcher(table())
     handle = _counter(d)
     assert PLAIN.decode(_full(d, _frame(2, handle, "incr")).value) == 1
@@ -71,26 +79,105 @@ def test_a_call_without_arguments_is_planned_after_it_succeeds() -> None:
     for big in (300, 2**14 + 1, 2**21 + 1, 2**40 + 7, 2**63 - 1):
         assert _planned(d, _frame(big, handle, "incr")).id == big
     assert _full(d, _frame(2**63, handle, "incr")).id == 2**63
+    # The same plan serves the method with other arguments, positional or keyword,
+    # short or long, each decoded and checked as the full way does.
+    value = PLAIN.decode(_planned(d, _frame(7, handle, "incr")).value)
+    for by in (1, 10, 2**40, -3):
+        value += by
+        assert (
+            PLAIN.decode(_planned(d, _frame(8, handle, "incr", PLAIN.encode([by]))).value) == value
+        )
+        kwargs = PLAIN.encode({"by": by})
+        value += by
+        assert PLAIN.decode(_planned(d, _frame(9, handle, "incr", b"", kwargs)).value) == value
     # Another session's bytes are another call: no plan for them.
     other = pb.encode_request(pb.Request(9, "s2", pb.CallMethod(handle, "incr")))
     assert _full(d, other).error.category == "not_found"
 
 
-def test_calls_with_arguments_failures_and_odd_layouts_get_no_plan() -> None:
+def test_getters_functions_and_pings_are_planned_too() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    getter = pb.GetAttribute(handle, "value")
+    assert PLAIN.decode(_full(d, _request(2, getter)).value) == 0
+    for i in range(4, 7):
+        d.run(d.admit(_frame(i, handle, "incr")))
+        assert PLAIN.decode(_planned(d, _request(i, getter, deadline_ms=5000)).value) == i - 3
+    for value in ([1, "two", {"3": 4.0}], None, b"\x00" * 300):
+        echo = pb.CallFunction("echo", PLAIN.encode([value]))
+        if len(d.plans) < 3:
+            _full(d, _request(10, echo))
+        assert PLAIN.decode(_planned(d, _request(11, echo)).value) == value
+    for payload in (b"", PLAIN.encode("hello"), PLAIN.encode(list(range(100)))):
+        ping = pb.Ping(payload)
+        if not any(p.op is pb.Ping for p in d.plans._plans.values()):
+            _full(d, _request(12, ping))
+        reply = _planned(d, _request(13, ping))
+        assert reply.value == (payload or PLAIN.encode(None))
+    assert {p.op for p in d.plans._plans.values()} == {
+        pb.CallMethod,
+        pb.GetAttribute,
+        pb.CallFunction,
+        pb.Ping,
+    }
+
+
+def test_planned_calls_with_bad_arguments_answer_as_the_full_way() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    _full(d, _frame(2, handle, "incr", PLAIN.encode([1])))
+    for args, kwargs in (
+        (PLAIN.encode(["one"]), b""),  # the wrong type
+        (PLAIN.encode([1, 2, 3]), b""),  # too many
+        (b"", PLAIN.encode({"nope": 1})),  # an unknown keyword
+        (b"\xc1", b""),  # not msgpack
+        (PLAIN.encode({"by": 1}), b""),  # args that are not an array
+    ):
+        frame = _frame(3, handle, "incr", args, kwargs)
+        planned = _planned(d, frame).error
+        full = d.dispatch(pb.decode_request(frame)).error
+        assert planned is not None and full is not None
+        assert (planned.category, planned.message) == (full.category, full.message)
+        assert planned.category == "bad_args"
+    assert PLAIN.decode(_planned(d, _frame(4, handle, "incr", PLAIN.encode([5]))).value) == 6
+
+
+def test_a_planned_call_resolves_refs_in_its_arguments_each_time() -> None:
+    d = Dispatcher(table())
+    handle = _counter(d)
+    first, second = _counter(d), _counter(d)
+    ref = lambda h: PLAIN.encode([pb_ref(d, h)])  # noqa: E731
+    _full(d, _request(2, pb.CallFunction("open_gate", ref(first))))
+    assert _planned(d, _request(3, pb.CallFunction("open_gate", ref(second)))).error is None
+    assert d.registry.get(second, "default")._gate.is_set()
+    d.dispatch(pb.Request(4, "", pb.ReleaseHandles([first])))
+    reply = _full(d, _request(5, pb.CallFunction("open_gate", ref(first))))  # plans dropped
+    assert reply.error.category == "not_found"
+    assert handle
+
+
+def pb_ref(d: Dispatcher, handle: int) -> object:
+    """A ref to ``handle`` as a value in arguments (what the codec decodes to the object)."""
+    from bridge_py.worker.codec import RefValue
+
+    return RefValue(handle, "Counter")
+
+
+def test_calls_that_fail_and_odd_layouts_get_no_plan() -> None:
     d = Dispatcher(table())
     handle = _counter(d, step=None)  # incr() raises TypeError
-    assert _full(d, _frame(2, handle, "incr", PLAIN.encode([2]))).error is None
     assert _full(d, _frame(3, handle, "incr")).error is not None
     assert _full(d, _frame(4, handle, "secret")).error.category == "not_exported"
+    assert _full(d, _request(5, pb.GetAttribute(handle, "_gate"))).error is not None
     # The id again after the call: valid protobuf (the last id wins), not the layout
-    # whose bytes after the first id name the call alone.
+    # whose bytes name the call alone.
     d.registry.get(handle, "default").step = 1
     odd = _frame(5, handle, "incr") + b"\x08\x09"
     assert _full(d, odd).id == 9
     assert len(d.plans) == 0
-    for _ in range(2):  # none of them made one (each is admitted, and run: it holds a turn)
-        assert _full(d, _frame(6, handle, "incr", PLAIN.encode([2]))).error is None
+    for _ in range(2):  # nor does it make one (each is admitted, and run: it holds a turn)
         assert _full(d, odd).error is None
+    assert len(d.plans) == 0
 
 
 def test_a_planned_call_that_raises_answers_as_the_full_path() -> None:
@@ -164,35 +251,38 @@ def test_a_planned_call_waits_for_its_turn() -> None:
     assert PLAIN.decode(results["incr"].value) == 2
 
 
-def test_frames_longer_than_any_call_without_arguments_are_not_planned() -> None:
-    # Their bytes are neither learned nor looked up (copying and hashing a long frame
-    # would cost more than a plan saves); they are answered the full way.
+def test_frames_with_long_arguments_take_the_full_way() -> None:
+    # Slicing their arguments out would copy them: even with a plan for the function,
+    # they are decoded the full way (and answered as the planned ones are).
     d = Dispatcher(table())
-    session = "s" * MAX_PLANNED_BYTES
-    created = d.dispatch(pb.Request(1, session, pb.CreateInstance("Counter")))
-    handle = PLAIN.decode(created.value).handle
-    frame = pb.encode_request(pb.Request(2, session, pb.CallMethod(handle, "incr")))
-    assert len(frame) > MAX_PLANNED_BYTES
-    for i in range(1, 4):
-        assert PLAIN.decode(_full(d, frame).value) == i
-    assert len(d.plans) == 0
+    _full(d, _request(1, pb.CallFunction("echo", PLAIN.encode([1]))))
+    big = PLAIN.encode([b"x" * MAX_PLANNED_BYTES])
+    for i in range(2, 4):
+        frame = _request(i, pb.CallFunction("echo", big))
+        assert len(frame) > MAX_PLANNED_BYTES
+        assert len(PLAIN.decode(_full(d, frame).value)) == MAX_PLANNED_BYTES
+    assert (
+        PLAIN.decode(_planned(d, _request(4, pb.CallFunction("echo", PLAIN.encode([2])))).value)
+        == 2
+    )
 
 
 def test_plans_are_bounded() -> None:
     plans = CallPlans(limit=2)
-    plan = CallPlan(object(), "incr", None, None, 0)  # type: ignore[arg-type]
+    plan = CallPlan(lambda a, k: None, None, None, 0)  # type: ignore[arg-type]
     for handle in range(1, 6):
-        plans.learn(_frame(1, handle, "incr"), plan)
+        split = pb.split_call(_frame(1, handle, "incr"))
+        assert split is not None
+        plans.learn(split[1], plan)
         assert len(plans) <= 2
-    frame = _frame(9, 5, "incr")
-    assert plans.get(frame[pb.id_field_end(frame) :]) is plan  # its id field: 08 09
-    assert pb.id_field_end(frame) == 2
+    split = pb.split_call(_frame(9, 5, "incr", PLAIN.encode([1])))
+    assert split is not None and plans.get(split[1]) is plan
 
 
 def test_the_port_transport_decodes_a_repeated_call_once(monkeypatch) -> None:
     d = Dispatcher(table())
     handle = _counter(d)
-    frames = [_frame(100 + i, handle, "incr") for i in range(50)]
+    frames = [_frame(100 + i, handle, "incr", PLAIN.encode([1 + i % 2])) for i in range(50)]
     data = b"".join(struct.pack(">I", len(f)) + f for f in frames)
     decoded: list[int] = []
     decode = pb.decode_request
@@ -207,5 +297,7 @@ def test_the_port_transport_decodes_a_repeated_call_once(monkeypatch) -> None:
         out.seek(0)
         reader = FrameReader(out, max_frame=1 << 20)  # type: ignore[arg-type]
         replies = [pb.decode_reply(reader.read()) for _ in frames]
-    assert [(r.id, PLAIN.decode(r.value)) for r in replies] == [(100 + i, i + 1) for i in range(50)]
+    values = [PLAIN.decode(r.value) for r in replies]
+    assert [r.id for r in replies] == [100 + i for i in range(50)]
+    assert values == [sum(1 + j % 2 for j in range(i + 1)) for i in range(50)]
     assert len(decoded) == 1

@@ -160,49 +160,96 @@ def _mutations(data: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-def test_the_method_call_fast_path_decodes_exactly_like_the_general_decoder(
-    official: ModuleType,
-) -> None:
-    # decode_request reads canonical method calls without the general field loop;
-    # on every input, valid or not, it must agree with the general decoder (and with
-    # protobuf's parser where the bytes are valid).
-    rng = random.Random(7)
-    for _ in range(300):
-        call = pb.CallMethod(
+def _random_request(rng: random.Random) -> pb.Request:
+    ops: list[pb.Operation] = [
+        pb.CallMethod(
             handle=rng.choice([0, 1, 127, 128, 2**40]),
             method=rng.choice(["", "incr", "é" * rng.randrange(1, 80)]),
             args=rng.randbytes(rng.choice([0, 1, 130, 300])),
             kwargs=rng.randbytes(rng.choice([0, 2, 200])),
-        )
-        req = pb.Request(
-            id=rng.choice([0, 1, 300]), session=rng.choice(["", "s", "x" * 200]), op=call
-        )
+        ),
+        pb.CallFunction(
+            rng.choice(["", "echo", "f" * 200]),
+            args=rng.randbytes(rng.choice([0, 1, 130])),
+            kwargs=rng.randbytes(rng.choice([0, 2])),
+        ),
+        pb.GetAttribute(rng.choice([0, 5, 2**40]), rng.choice(["", "rank", "x" * 150])),
+        pb.Ping(rng.randbytes(rng.choice([0, 1, 200]))),
+        pb.CreateInstance("Counter", rng.randbytes(3)),
+    ]
+    return pb.Request(
+        id=rng.choice([0, 1, 300]),
+        session=rng.choice(["", "s", "x" * 200]),
+        op=rng.choice(ops),
+        deadline_ms=rng.choice([0, 5, 120_000, 2**40]),
+    )
+
+
+def _named(req: pb.Request) -> tuple[object, ...]:
+    """What a call plan's key must stand for: the session, the operation and its target."""
+    op = req.op
+    if isinstance(op, pb.CallMethod):
+        return (req.session, pb.CallMethod, op.handle, op.method)
+    if isinstance(op, pb.CallFunction):
+        return (req.session, pb.CallFunction, op.function)
+    if isinstance(op, pb.GetAttribute):
+        return (req.session, pb.GetAttribute, op.handle, op.name)
+    return (req.session, type(op))
+
+
+def _carried(req: pb.Request) -> tuple[bytes, bytes]:
+    op = req.op
+    if isinstance(op, pb.Ping):
+        return op.payload, b""
+    if isinstance(op, (pb.CallMethod, pb.CallFunction)):
+        return op.args, op.kwargs
+    return b"", b""
+
+
+def test_split_call_agrees_with_the_general_decoder() -> None:
+    # On every input, valid or not: when split_call splits a frame, the general decoder
+    # reads the same id, deadline and argument bytes from it, and frames with equal keys
+    # name the same thing in the same session. (It splits some invalid frames too, such
+    # as text that is not UTF-8: their keys are never those of a valid frame, so they
+    # never find a plan and take the full way, which says what is wrong.)
+    rng = random.Random(7)
+    named_by_key: dict[bytes, tuple[object, ...]] = {}
+    invalid_keys: set[bytes] = set()
+    splits = 0
+    for _ in range(300):
+        req = _random_request(rng)
         data = pb.encode_request(req)
         for candidate in [data, *_mutations(data, rng)]:
+            split = pb.split_call(candidate)
+            if split is None:
+                continue
+            splits += 1
+            end, key, deadline_ms, args, kwargs = split
             try:
-                general: pb.Request | str = pb._decode_message(
-                    pb.Request, candidate, 0, len(candidate)
-                )
-            except pb.EnvelopeError as exc:
-                general = f"error: {exc}"
-            try:
-                ours: pb.Request | str = pb.decode_request(candidate)
-            except pb.EnvelopeError as exc:
-                ours = f"error: {exc}"
-            assert ours == general, candidate
-            if candidate is data:
-                assert ours == req
-                assert official.Request.FromString(data).call.method == call.method
+                decoded = pb.decode_request(candidate)
+            except pb.EnvelopeError:
+                invalid_keys.add(key)
+                continue
+            assert pb.decode_request(candidate[:end]) == pb.Request(decoded.id)  # the id field
+            assert (deadline_ms, (args, kwargs)) == (decoded.deadline_ms, _carried(decoded))
+            assert named_by_key.setdefault(key, _named(decoded)) == _named(decoded), candidate
+    assert splits > 300
+    assert not invalid_keys & named_by_key.keys()
 
 
 @pytest.mark.parametrize("session", ["", "s1", "grpc-" + "ab" * 32])
-def test_call_key_leaves_out_the_deadline(session: str) -> None:
-    call = pb.CallMethod(3, "incr")
-    key = pb.encode_request(pb.Request(0, session, call))
+def test_split_call_leaves_the_id_deadline_and_arguments_out_of_the_key(session: str) -> None:
+    keys = set()
     for deadline_ms in (0, 1, 127, 128, 119_975, 2**40, 2**64 - 1):
-        frame = pb.encode_request(pb.Request(300, session, call, deadline_ms))
-        assert pb.call_key(frame, pb.id_field_end(frame)) == (key, deadline_ms)
-    # A truncated deadline keeps the bytes as they are (the full decode says what is wrong).
-    frame = pb.encode_request(pb.Request(300, session, deadline_ms=2**20))[:-1]
-    end = pb.id_field_end(frame)
-    assert pb.call_key(frame, end) == (frame[end:], 0)
+        for args in (b"", b"\x91\x01", b"\x91" + b"\x00" * 300):
+            call = pb.CallMethod(3, "incr", args, b"\x80")
+            frame = pb.encode_request(pb.Request(300, session, call, deadline_ms))
+            split = pb.split_call(frame)
+            assert split is not None
+            assert split[0] == 3 and split[2:] == (deadline_ms, args, b"\x80")
+            keys.add(split[1])
+    assert len(keys) == 1
+    # A truncated deadline, or one that ends the frame, is not split.
+    frame = pb.encode_request(pb.Request(300, session, deadline_ms=2**20))
+    assert pb.split_call(frame[:-1]) is None
+    assert pb.split_call(frame) is None
