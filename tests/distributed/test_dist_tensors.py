@@ -320,6 +320,32 @@ def test_a_tensor_travels_as_dtype_shape_and_bytes_not_as_a_pickle(pair) -> None
     assert torch.equal(leaf.detach(), sent) and leaf.grad_fn is None
 
 
+def test_payloads_round_trip_and_those_that_do_not_add_up_are_refused() -> None:
+    for tensor in (
+        torch.tensor(3.5),  # no dimensions
+        torch.empty(0, 4),  # no elements
+        torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate
+        torch.tensor([True, False]),
+        torch.arange(12, dtype=torch.float16).reshape(3, 4)[:, ::2],  # a strided view
+    ):
+        got = tensors.decode(tensors.encode(tensor), tensor, "v")
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor.resolve_conj())
+    good = tensors.encode(torch.zeros(2, 3))
+    name_at = len(tensors.MAGIC) + 1
+    absurd = tensors.encode(torch.zeros(2)).replace(
+        (2).to_bytes(8, "big"), (1 << 63).to_bytes(8, "big")
+    )
+    for payload in (
+        good[:-1],  # a byte short
+        good + b"\x00",  # a byte long
+        good[: name_at + 3],  # the header cut
+        good[:name_at] + b"floatXX" + good[name_at + 7 :],  # an unknown dtype
+        absurd,  # a shape beyond torch's sizes
+    ):
+        with pytest.raises(CollectiveMismatchError, match=r"^v is"):
+            tensors.decode(payload, None, "v")
+
+
 def test_a_pickle_where_a_tensor_is_expected_is_never_unpickled(pair, tmp_path: Path) -> None:
     rank0, rank1 = pair
     target = tmp_path / "pwned"

@@ -141,8 +141,8 @@ def decode(
     view = memoryview(payload)
     if not is_tensor(view):
         raise CollectiveMismatchError(
-            f"refused {what}: a tensor was expected, but it holds a pickled object (sent "
-            "with send_obj or broadcast_obj?), which was not unpickled"
+            f"refused {what}: a tensor was expected, but it is none (a pickled object, sent "
+            "with send_obj or broadcast_obj?), and it was not unpickled"
         )
     dtype, shape, start = _header(view, what)
     if like is not None and (dtype, shape) != (like.dtype, tuple(like.shape)):
