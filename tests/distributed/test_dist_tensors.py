@@ -96,7 +96,8 @@ def _p2p(group: StatelessProcessGroup, out: dict) -> None:
         out["recv", dtype] = (got is into, got.clone())
     for size in SIZES:
         into = torch.empty(size)
-        out["recv", size] = torch.equal(group.recv(into, src=prv, timeout=30), _ramp(prv, size))
+        got = group.recv(into, src=prv, timeout=30)
+        out["recv", size] = got is into and torch.equal(into, _ramp(prv, size))
 
 
 def _broadcasts(group: StatelessProcessGroup, out: dict) -> None:
@@ -314,6 +315,11 @@ def test_a_tensor_travels_as_dtype_shape_and_bytes_not_as_a_pickle(pair) -> None
         pickle.loads(stored)
     _put(rank0.store, 1, 0, 0, stored)
     assert torch.equal(rank0.recv_obj(1, timeout=5), sent)  # recv_obj takes it as a new tensor
+    rank1.send(sent, dst=0)
+    wrong = torch.zeros(3, 2, dtype=torch.bfloat16)
+    with pytest.raises(CollectiveMismatchError, match=r"shape \(2, 3\).*\(different shape\)"):
+        rank0.recv(wrong, src=1, timeout=5)
+    assert not wrong.any()  # nothing written
     rank1.send(sent, dst=0)
     leaf = torch.zeros(2, 3, dtype=torch.bfloat16, requires_grad=True)
     assert rank0.recv(leaf, src=1, timeout=5) is leaf  # filled; autograd records nothing

@@ -393,7 +393,7 @@ class StatelessProcessGroup:
         """
         fold = tensors.reducer(op)
         mine = tensors.on_cpu(tensor)
-        gathered = self._all_gather(tensors.Encoded(mine), mine)
+        gathered = self._all_gather(tensors.Encoded(mine), tensors.spec(mine))
         gathered[self.rank] = mine
         return tensors.reduce(gathered, fold).to(tensor.device)
 

@@ -36,6 +36,7 @@ __all__ = [
     "on_cpu",
     "reduce",
     "reducer",
+    "spec",
 ]
 
 MAGIC = b"\x00VBT1"
@@ -131,12 +132,14 @@ def _header(payload: memoryview, what: str) -> tuple[torch.dtype, tuple[int, ...
 def decode(
     payload: bytes | bytearray | memoryview, like: torch.Tensor | None, what: str
 ) -> torch.Tensor:
-    """A new CPU tensor holding ``payload``'s elements, which must fit ``like`` (its dtype
+    """A CPU tensor holding ``payload``'s elements, which must fit ``like`` (its dtype
     and shape; None: any) and be exactly as many bytes as they say.
 
-    CollectiveMismatchError (a ValueError) naming ``what`` (the value, its sender and its
-    receiver) and what does not match otherwise, or when ``payload`` is no tensor (a
-    pickle, which is then never unpickled).
+    That is ``like`` itself, written in one copy, when it is a contiguous CPU tensor (what
+    ``recv`` and ``broadcast`` fill), else a new tensor (a ``like`` on the meta device only
+    describes one). Nothing is written unless everything fits: CollectiveMismatchError (a
+    ValueError) names ``what`` (the value, its sender and its receiver) and what does not
+    match, or says that ``payload`` is no tensor (a pickle, which is never unpickled).
     """
     view = memoryview(payload)
     if not is_tensor(view):
@@ -161,17 +164,29 @@ def decode(
             f"{what} is a {dtype} tensor of shape {shape}, which takes {size} bytes, but it "
             f"holds {len(view) - start}"
         )
-    out = torch.empty(shape, dtype=dtype)
+    out = like if like is not None and _writable(like) else torch.empty(shape, dtype=dtype)
     if size:
-        elements: Any = out.reshape(-1).view(torch.uint8).numpy()
+        elements: Any = out.detach().reshape(-1).view(torch.uint8).numpy()
         memoryview(elements)[:] = view[start:]  # one copy, into aligned memory
     return out
 
 
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether the bytes of ``tensor`` can be written as they are (one copy, no torch op)."""
+    return tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg())
+
+
+def spec(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``tensor``'s dtype and shape, without memory: a ``like`` that
+    :func:`decode` does not write into."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
 def fill(tensor: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
     """``tensor`` (any device, any strides; autograd does not record it) holding
-    ``received``."""
-    tensor.detach().copy_(received)
+    ``received`` (which :func:`decode` may have written into ``tensor`` already)."""
+    if received is not tensor:
+        tensor.detach().copy_(received)
     return tensor
 
 
