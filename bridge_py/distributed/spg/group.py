@@ -12,7 +12,10 @@ counters, method signatures, pickled objects between ranks), and better in these
 * with a shared key (``create(..., auth_key=...)``, ``group.auth_key = ...`` or the
   environment variable ``VLLM_BRIDGE_AUTH_KEY``) every value carries an HMAC-SHA256 tag
   bound to its name, checked before unpickling: whoever can reach the store but lacks the
-  key cannot make a rank unpickle anything.
+  key cannot make a rank unpickle anything;
+* ``send``, ``recv``, ``broadcast`` and ``all_reduce`` move a tensor as its dtype, shape and
+  bytes (``tensors.py``), never as a pickle, and check it against the receiver's tensor;
+  ``all_reduce`` reduces in rank order, so every rank gets the same bits.
 
 Implementation: the group is a thin facade over one transport, chosen once when ``create``
 has learnt where its ranks run (each rank publishes a node card: its machine, and the name
@@ -35,12 +38,14 @@ import weakref
 from collections import deque
 from typing import Any
 
-from torch.distributed import Store
+import torch
+from torch.distributed import ReduceOp, Store
 
 from bridge_py import deadline
-from bridge_py.distributed.auth import AuthKey, resolve_key
+from bridge_py.distributed.auth import AuthenticationError, AuthKey, resolve_key
+from bridge_py.distributed.errors import CollectiveMismatchError
 from bridge_py.distributed.shm import segments
-from bridge_py.distributed.spg import values
+from bridge_py.distributed.spg import tensors, values
 from bridge_py.distributed.spg.board import Board, BoardError
 from bridge_py.distributed.spg.shm_transport import ShmTransport, queue_flusher
 from bridge_py.distributed.spg.store_transport import StoreTransport
@@ -71,7 +76,9 @@ class StatelessProcessGroup:
 
     Objects are pickled between ranks: only form groups with processes you trust, or give
     every rank the same auth key (see :meth:`create`), so that values written by anyone
-    without the key are refused before they are unpickled.
+    without the key are refused before they are unpickled. Tensors (:meth:`send`,
+    :meth:`recv`, :meth:`broadcast`, :meth:`all_reduce`) travel as their bytes, never
+    pickled, and are sealed with the same key.
     """
 
     rank: int
@@ -208,13 +215,17 @@ class StatelessProcessGroup:
         AuthenticationError (a RuntimeError) naming the object and ``src``, and is dropped
         without being unpickled.
         """
+        return self._recv(src, timeout, None)
+
+    def _recv(self, src: int, timeout: float | None, like: torch.Tensor | None) -> Any:
+        """``recv_obj``, or (``like``: a tensor like it is expected) ``recv``'s receive."""
         if type(src) is not int or not 0 <= src < self.world_size:
             validate_rank(src, self.world_size, "src")
         if timeout is not None:
             self._store_transport.limit(timeout)  # checked before anything else
         timeout = self._clamped(timeout)
         seq = self.recv_src_counter[src]
-        load = self._transport.recv(src, seq, timeout)
+        load = self._transport.recv(src, seq, timeout, like)
         self.recv_src_counter[src] = seq + 1  # received: consumed, whether or not it loads
         return load()
 
@@ -243,8 +254,12 @@ class StatelessProcessGroup:
                 self._transport.broadcast_send(self.broadcast_send_counter, obj)
             self.broadcast_send_counter += 1
             return obj
+        return self._broadcast_recv(src, timeout, None)
+
+    def _broadcast_recv(self, src: int, timeout: float | None, like: torch.Tensor | None) -> Any:
+        """A receiver's ``broadcast_obj`` (``like``: or ``broadcast``, see ``_recv``)."""
         seq = self.broadcast_recv_src_counter[src]
-        load = self._transport.broadcast_recv(src, seq, self._clamped(timeout))
+        load = self._transport.broadcast_recv(src, seq, self._clamped(timeout), like)
         self.broadcast_recv_src_counter[src] = seq + 1  # received: consumed, whatever loads
         return load()
 
@@ -256,18 +271,31 @@ class StatelessProcessGroup:
         GroupTimeout naming the ranks whose values are missing, or PeerGoneError naming
         those that exited.
         """
+        return self._all_gather(obj, None)
+
+    def _all_gather(self, obj: Any, like: torch.Tensor | None) -> list[Any]:
+        """``all_gather_obj`` (``like``: of tensors, see ``_recv``). A value that arrived
+        but does not load is consumed, as ``recv_obj``'s is: the counters advance."""
         if self.world_size == 1:
             self.broadcast_send_counter += 1
             return [obj]
         self._expire_if_due()
         counters = self.broadcast_recv_src_counter
         seqs = [counters[r] for r in range(self.world_size)]
-        result = self._transport.all_gather(self.broadcast_send_counter, seqs, obj)
+        try:
+            result = self._transport.all_gather(self.broadcast_send_counter, seqs, obj, like)
+        except (CollectiveMismatchError, AuthenticationError):
+            self._gathered(counters)
+            raise
+        self._gathered(counters)
+        return result
+
+    def _gathered(self, counters: dict[int, int]) -> None:
+        """Every rank's value of an all_gather has been received: count them."""
         self.broadcast_send_counter += 1
         for src in range(self.world_size):
             if src != self.rank:
                 counters[src] += 1
-        return result
 
     def barrier(self, timeout: float = 30.0) -> None:
         """A robust barrier to synchronize all ranks.
@@ -302,6 +330,72 @@ class StatelessProcessGroup:
         barrier_id = self._barrier_count
         self._barrier_count += 1
         self._transport.barrier(barrier_id, timeout)
+
+    # --- tensors ------------------------------------------------------------------------
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, timeout: float | None = None
+    ) -> torch.Tensor:
+        """Broadcast a tensor from source rank to all other ranks.
+
+        ``src`` sends ``tensor`` (its dtype, shape and bytes, never a pickle) and returns
+        it. Every other rank fills its own ``tensor`` in place and returns it: it must have
+        the dtype and shape of the source's, else CollectiveMismatchError (a ValueError)
+        names both ranks and what differs. vLLM's returns a new tensor and leaves
+        ``tensor`` alone; code that uses the result works with either. Numbered, waited
+        for and cleaned up as ``broadcast_obj`` is (its errors name that operation).
+        """
+        validate_rank(src, self.world_size, "src")
+        if self.rank == src:
+            self.broadcast_obj(tensors.Encoded(tensor), src)
+            return tensor
+        like = tensors.checked(tensor)  # before anything is received
+        return tensors.fill(tensor, self._broadcast_recv(src, timeout, like))
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send a tensor to a destination rank.
+
+        Sends its dtype, shape and bytes (never a pickle; a tensor off the CPU is copied
+        to it first), numbered with the objects ``send_obj`` sends and as promptly: ``dst``
+        receives it with ``recv`` (or, as a new CPU tensor, with ``recv_obj``).
+        """
+        self.send_obj(tensors.Encoded(tensor), dst)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
+        """Receive a tensor from a source rank.
+
+        Fills ``tensor`` in place with the next tensor ``src`` sent (with ``send``), and
+        returns it. The tensor received must have the dtype and shape of ``tensor``, else
+        CollectiveMismatchError (a ValueError) names both ranks and what differs; an
+        object sent with ``send_obj`` is refused the same way, and never unpickled. It is
+        consumed either way, so the next call receives the next one. Waits and raises
+        as ``recv_obj`` does (its errors name that operation).
+        """
+        like = tensors.checked(tensor)  # before anything is received
+        return tensors.fill(tensor, self._recv(src, timeout, like))
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType | str = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """All-reduce a tensor across all ranks.
+
+        Returns a new tensor, on the device of ``tensor`` (which is left unchanged, as in
+        vLLM), that reduces every rank's ``tensor`` with ``op``: ``ReduceOp.SUM``,
+        ``PRODUCT``, ``MAX`` or ``MIN``, or its name as a string ("max"); any other op
+        raises ValueError before anything is sent. Each rank's tensor travels once, as
+        its dtype, shape and bytes (never a pickle), and every rank reduces the same
+        tensors on the CPU in rank order, so all ranks get the same result, bit for bit,
+        floating-point sums included. A tensor off the CPU is copied to it, and the
+        result back. Tensors of different dtypes or shapes raise
+        CollectiveMismatchError (a ValueError) on the ranks that receive them. The
+        counters advance, and waits end, as for ``all_gather_obj`` (whose errors name
+        that operation).
+        """
+        fold = tensors.reducer(op)
+        mine = tensors.on_cpu(tensor)
+        gathered = self._all_gather(tensors.Encoded(mine), tensors.spec(mine))
+        gathered[self.rank] = mine
+        return tensors.reduce(gathered, fold).to(tensor.device)
 
     # --- expiry -------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from torch import Tensor
 from torch.distributed import Store
 
 from bridge_py import deadline
@@ -129,11 +130,13 @@ class ShmTransport:
             self.board.spilled(dst, self._queue_sent[dst])
         self.overflow.flush()
 
-    def recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
+    def recv(
+        self, src: int, seq: int, timeout: float | None, like: Tensor | None = None
+    ) -> Callable[[], Any]:
         """Receive message ``seq`` from ``src``, from its ring slot or the store queue it
         took; returns what loads it (see ``StoreTransport.recv``)."""
         if not self.board.is_open(src):  # src had closed its group when this rank joined
-            return self.overflow.recv(src, seq, timeout)
+            return self.overflow.recv(src, seq, timeout, like)
         self.overflow.flush()
         board, inbox = self.board, self.overflow.inbox
         name = keys.p2p_value(src, self.rank, seq)
@@ -161,7 +164,7 @@ class ShmTransport:
             self._wait("recv_obj", repr(name), [src], self.overflow.limit(timeout), ready)
         board.received(src, seq + 1)  # a copy was taken: the slot is free
         message = found[0]
-        return lambda: self.values.unpack(name, message, src, label="message")
+        return lambda: self.values.unpack(name, message, src, label="message", like=like)
 
     # --- broadcast and all_gather ---------------------------------------------------------
 
@@ -214,12 +217,14 @@ class ShmTransport:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""
         self._publish(seq, obj)
 
-    def broadcast_recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
+    def broadcast_recv(
+        self, src: int, seq: int, timeout: float | None, like: Tensor | None = None
+    ) -> Callable[[], Any]:
         """A receiver's side of broadcast ``seq`` of ``src``, from its ring slot or the
         store; returns what loads it (see ``StoreTransport.recv``)."""
         board = self.board
         if not board.is_open(src):
-            return self.overflow.broadcast_recv(src, seq, timeout)
+            return self.overflow.broadcast_recv(src, seq, timeout, like)
         key = keys.broadcast_value(src, seq)
         try:
             data = self._fetch(src, seq, "broadcast_obj", self.overflow.limit(timeout))
@@ -229,15 +234,17 @@ class ShmTransport:
 
         def load() -> Any:
             try:
-                return self.values.unpack(key, data, src, last=False)
+                return self.values.unpack(key, data, src, last=False, like=like)
             finally:
                 board.broadcasts_received({src: seq})  # after loading: the slot may be reused
 
         return load
 
-    def all_gather(self, seq: int, seqs: list[int], obj: Any) -> list[Any]:
+    def all_gather(
+        self, seq: int, seqs: list[int], obj: Any, like: Tensor | None = None
+    ) -> list[Any]:
         """Every rank's object: this rank's broadcast ``seq``, and rank ``r``'s broadcast
-        ``seqs[r]``, all waited for at once."""
+        ``seqs[r]``, all waited for at once (``like``: see ``StoreTransport.all_gather``)."""
         board = self.board
         if not board.connected:
             self._connect_all(f"all_gather_obj on rank {self.rank}")
@@ -263,7 +270,7 @@ class ShmTransport:
             for src, number in wanted.items():
                 key = keys.broadcast_value(src, number)
                 data = got[src] or self.overflow.await_key(key, src, "all_gather_obj", limit)
-                result.append(self.values.unpack(key, data, src, last=False))
+                result.append(self.values.unpack(key, data, src, last=False, like=like))
         finally:
             board.broadcasts_received(wanted)  # after loading: the slots may be reused
         result.insert(self.rank, obj)

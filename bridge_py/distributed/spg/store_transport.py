@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from torch import Tensor
 from torch.distributed import Store
 
 from bridge_py import deadline
@@ -170,13 +171,15 @@ class StoreTransport:
         self.entries.append((name, time.time()))
         self.flush()
 
-    def recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
+    def recv(
+        self, src: int, seq: int, timeout: float | None, like: Tensor | None = None
+    ) -> Callable[[], Any]:
         """Receive object ``seq`` from ``src``, waiting at most ``timeout`` (None: the
         store's); returns what loads it (once received, it is consumed whether or not it
-        loads)."""
+        loads). ``like``: a tensor like it is expected (``Values.unpack``)."""
         data = self.pop(src, seq, timeout)
         name = keys.p2p_value(src, self.rank, seq)
-        return lambda: self.values.unpack(name, data, src, label="message")
+        return lambda: self.values.unpack(name, data, src, label="message", like=like)
 
     def pop(self, src: int, seq: int, timeout: float | None) -> memoryview:
         """The packed message ``seq`` from ``src``, popped from its queue."""
@@ -209,14 +212,16 @@ class StoreTransport:
         self.entries.extend(((key, now), (keys.broadcast_acks(self.rank, seq), now)))
         self.flush()
 
-    def broadcast_recv(self, src: int, seq: int, timeout: float | None) -> Callable[[], Any]:
+    def broadcast_recv(
+        self, src: int, seq: int, timeout: float | None, like: Tensor | None = None
+    ) -> Callable[[], Any]:
         """A receiver's side of broadcast ``seq`` of ``src``: waits for it, then returns
         what loads it (see :meth:`recv`)."""
         key = keys.broadcast_value(src, seq)
         data = self.await_key(key, src, "broadcast_obj", timeout)
         if self.world_size == 2:  # the only receiver is the last
             self._trash.append(key)
-            return lambda: self.values.unpack(key, data, src)
+            return lambda: self.values.unpack(key, data, src, like=like)
         acks = keys.broadcast_acks(src, seq)
 
         def load() -> Any:
@@ -233,7 +238,7 @@ class StoreTransport:
                     self._trash += (key, acks)
                     if isinstance(payload, SharedValue):
                         payload.retire()
-            return self.values.load(payload)
+            return self.values.load(payload, like, self.values.describe(key, src))
 
         return load
 
@@ -283,9 +288,11 @@ class StoreTransport:
 
     # --- all_gather -----------------------------------------------------------------------
 
-    def all_gather(self, seq: int, seqs: list[int], obj: Any) -> list[Any]:
+    def all_gather(
+        self, seq: int, seqs: list[int], obj: Any, like: Tensor | None = None
+    ) -> list[Any]:
         """Every rank's object: this rank's as ``bcast/<rank>/<seq>``, rank ``r``'s read
-        from ``bcast/<r>/<seqs[r]>``."""
+        from ``bcast/<r>/<seqs[r]>`` (``like``: tensors like it are expected)."""
         key = keys.broadcast_value(self.rank, seq)
         value, segment = self.values.pack(key, obj, self._others if self._all_local else None)
         try:
@@ -300,7 +307,7 @@ class StoreTransport:
         # Every rank has written this gather's value, so it has read this rank's earlier one.
         self.keep_own_gather(key, segment)
         result = [
-            self.values.unpack(name, data, src, last=False)
+            self.values.unpack(name, data, src, last=False, like=like)
             for name, data, src in zip(wanted, got, self._others, strict=True)
         ]
         result.insert(self.rank, obj)

@@ -1,9 +1,9 @@
 """Large values of a StatelessProcessGroup through shared memory, when all ranks share a node.
 
-A value whose pickle exceeds :data:`THRESHOLD` bytes (256 KiB; ``$VLLM_BRIDGE_SPG_SHM_THRESHOLD``
-overrides it) is pickled straight into a file under ``/dev/shm`` (a *segment*, see
-``shm.segments``: reused once its readers are done), and only a small *descriptor* goes into
-the store::
+A value whose pickle (or a tensor's payload, see ``tensors``: never pickled) exceeds
+:data:`THRESHOLD` bytes (256 KiB; ``$VLLM_BRIDGE_SPG_SHM_THRESHOLD`` overrides it) is written
+straight into a file under ``/dev/shm`` (a *segment*, see ``shm.segments``: reused once its
+readers are done), and only a small *descriptor* goes into the store::
 
     DESCRIPTOR_MAGIC (b"\\x00VBS2") || u64be(size) || u64be(generation) || digest (32 bytes)
         || segment name
@@ -38,12 +38,15 @@ import struct
 import sys
 from typing import Any
 
+import torch
+
 from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
 from bridge_py.distributed.shm.wait import pid_namespace
+from bridge_py.distributed.spg import tensors
 
 __all__ = [
     "DESCRIPTOR_MAGIC",
@@ -248,14 +251,15 @@ class SharedValue:
         if self._generation == 0:
             segments.unlink(self.name)
 
-    def load(self) -> Any:
+    def load(self, like: torch.Tensor | None = None) -> Any:
         """The object in the segment (its digest checked first, when there is one); closes it.
 
+        ``like``: a tensor is expected, of its dtype and shape (see ``tensors.decode``).
         A pooled segment is marked as read by this rank, even when loading fails (it is
         done with it either way).
         """
         try:
-            value = self._read()
+            value = self._read(like)
             if self._generation and segments.read_generation(self._fd) != self._generation:
                 raise SharedMemoryError(
                     f"{self._what}: shared-memory segment {self.name!r} was overwritten while "
@@ -268,20 +272,24 @@ class SharedValue:
                     segments.write_mark(self._fd, self._rank, self._generation)
             self.close()
 
-    def _read(self) -> Any:
+    def _read(self, like: torch.Tensor | None) -> Any:
         with open(self._fd, "rb", buffering=0, closefd=False) as file:
             file.seek(self._offset)
-            if self._digest is None:
+            if self._digest is None and like is None and not self._holds_tensor():
                 return pickle.load(file)
             data = bytearray(self._size)
             if file.readinto(data) != self._size:
                 raise AuthenticationError(f"refused {self._what}: its segment is truncated")
-            if not hmac.compare_digest(hashlib.sha256(data).digest(), self._digest):
+            tag = self._digest
+            if tag is not None and not hmac.compare_digest(hashlib.sha256(data).digest(), tag):
                 raise AuthenticationError(
                     f"refused {self._what}: the contents of shared-memory segment "
                     f"{self.name!r} do not match its authenticated digest"
                 )
-            return pickle.loads(data)
+            return decode(data, like, self._what)
+
+    def _holds_tensor(self) -> bool:
+        return tensors.is_tensor(os.pread(self._fd, len(tensors.MAGIC), self._offset))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -365,13 +373,14 @@ class Values:
         """
         limit = self._threshold
         keyed = self.key is not None
-        if readers and (self._spilled or sys.getsizeof(obj) > limit):
+        raw = obj.payload if type(obj) is tensors.Encoded else None  # sent as it is
+        if raw is None and readers and (self._spilled or sys.getsizeof(obj) > limit):
             # Looks large (or the last value was): pickle straight into a segment.
             payload = dump(obj, self.segments, keyed, readers)
         else:
             # Pickling into a spill file costs several times a plain pickle, so small objects
             # (most) are pickled plainly, and copied to a segment only if that was wrong.
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if raw is None else raw
             if not readers or len(payload) <= limit:
                 return seal_payload(self.key, _context(name), payload), None
             payload = dump(obj, self.segments, keyed, readers, pickled=payload)
@@ -382,34 +391,49 @@ class Values:
     def open(self, name: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
         """The checked payload of ``data`` (``name``, from ``src``): bytes, or an open
         :class:`SharedValue`. ``label`` says what ``name`` is in error messages."""
-        what = f"the value of {label} {name!r} from rank {src} (received by rank {self.rank})"
+        return self._open(name, data, self.describe(name, src, label))
+
+    def _open(self, name: str, data: bytes | memoryview, what: str) -> Any:
         payload = open_payload(self.key, _context(name), data, what)
         if is_descriptor(payload):
             return open_descriptor(payload, self.key is not None, what, self.rank)
         return payload
 
+    def describe(self, name: str, src: int, label: str = "key") -> str:
+        """The value ``name`` from ``src``, as error messages name it."""
+        return f"the value of {label} {name!r} from rank {src} (received by rank {self.rank})"
+
     @staticmethod
-    def load(payload: Any) -> Any:
-        """The object in a payload from :meth:`open`."""
+    def load(payload: Any, like: torch.Tensor | None, what: str) -> Any:
+        """The object in a payload from :meth:`open` (``what``, see :meth:`unpack`)."""
         if isinstance(payload, SharedValue):
-            return payload.load()
-        return pickle.loads(payload)
+            return payload.load(like)
+        return decode(payload, like, what)
 
     def unpack(
-        self, name: str, data: bytes | memoryview, src: int, last: bool = True, label: str = "key"
+        self,
+        name: str,
+        data: bytes | memoryview,
+        src: int,
+        last: bool = True,
+        label: str = "key",
+        like: torch.Tensor | None = None,
     ) -> Any:
-        """The object in ``data`` (``name``, from ``src``), checked, then unpickled.
+        """The object in ``data`` (``name``, from ``src``), checked, then unpickled or (a
+        tensor) decoded.
 
         ``last``: this rank is the value's last reader (a one-shot segment is unlinked once
-        open). Without a key a plain pickle (it starts with the PROTO opcode, which neither
-        a tag nor a descriptor does) is unpickled at once.
+        open). ``like``: a tensor of its dtype and shape is expected, and nothing is
+        unpickled. Without a key a plain pickle (it starts with the PROTO opcode, which
+        neither a tag nor a descriptor does) is unpickled at once where no tensor is.
         """
-        if self.key is None and data[:1] == b"\x80":
+        if self.key is None and data[:1] == b"\x80" and like is None:
             return pickle.loads(data)
-        payload = self.open(name, data, src, label)
+        what = self.describe(name, src, label)
+        payload = self._open(name, data, what)
         if last and isinstance(payload, SharedValue):
             payload.retire()
-        return self.load(payload)
+        return self.load(payload, like, what)
 
     def seal(self, name: str, data: bytes) -> bytes:
         """``data`` (not a pickle: a node card) sealed for ``name``."""
@@ -418,6 +442,14 @@ class Values:
     def unseal(self, name: str, data: bytes, what: str) -> bytes:
         """The inverse of :meth:`seal`; AuthenticationError naming ``what`` if forged."""
         return bytes(open_payload(self.key, _context(name), data, what))
+
+
+def decode(payload: bytes | bytearray | memoryview, like: torch.Tensor | None, what: str) -> Any:
+    """The object in a checked payload: a tensor (which must fit ``like``, if given), or,
+    where no tensor is expected (``like`` None), a pickle."""
+    if like is None and not tensors.is_tensor(payload):
+        return pickle.loads(payload)
+    return tensors.decode(payload, like, what)
 
 
 def _context(name: str) -> str:

@@ -9,7 +9,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Objects are pickled between ranks: only form groups with processes you trust, or give
   every rank the same auth key (see `create/7`), so that values written by anyone
-  without the key are refused before they are unpickled.
+  without the key are refused before they are unpickled. Tensors (`send/4`,
+  `recv/4`, `broadcast/4`, `all_reduce/4`) travel as their bytes, never
+  pickled, and are sealed with the same key.
   """
   @typedoc "A `StatelessProcessGroup` held by a Python worker."
   @type t :: VllmBridge.Ref.t()
@@ -35,6 +37,38 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @spec all_gather_obj(t(), term(), keyword()) :: {:ok, [term()]} | {:error, VllmBridge.Error.t()}
   def all_gather_obj(ref, obj, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gather_obj", [obj], opts)
+  end
+
+  @doc ~S"""
+  All-reduce a tensor across all ranks.
+
+  Returns a new tensor, on the device of `tensor` (which is left unchanged, as in
+  vLLM), that reduces every rank's `tensor` with `op`: `ReduceOp.SUM`,
+  `PRODUCT`, `MAX` or `MIN`, or its name as a string ("max"); any other op
+  raises ValueError before anything is sent. Each rank's tensor travels once, as
+  its dtype, shape and bytes (never a pickle), and every rank reduces the same
+  tensors on the CPU in rank order, so all ranks get the same result, bit for bit,
+  floating-point sums included. A tensor off the CPU is copied to it, and the
+  result back. Tensors of different dtypes or shapes raise
+  CollectiveMismatchError (a ValueError) on the ranks that receive them. The
+  counters advance, and waits end, as for `all_gather_obj` (whose errors name
+  that operation).
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `op` (`VllmBridge.Ref.t() | String.t()`, default: `<RedOpType.SUM: 0>` (Python)) (in `args`, position 0)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t()`
+  """
+  @spec all_reduce(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def all_reduce(ref, tensor, args, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "all_reduce", [tensor], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
@@ -77,6 +111,34 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @spec barrier(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def barrier(ref, args, opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "barrier", [], [{:__args__, args} | opts])
+  end
+
+  @doc ~S"""
+  Broadcast a tensor from source rank to all other ranks.
+
+  `src` sends `tensor` (its dtype, shape and bytes, never a pickle) and returns
+  it. Every other rank fills its own `tensor` in place and returns it: it must have
+  the dtype and shape of the source's, else CollectiveMismatchError (a ValueError)
+  names both ranks and what differs. vLLM's returns a new tensor and leaves
+  `tensor` alone; code that uses the result works with either. Numbered, waited
+  for and cleaned up as `broadcast_obj` is (its errors name that operation).
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `src` (`integer()`)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t()`
+  """
+  @spec broadcast(t(), VllmBridge.Tensor.t(), integer(), keyword()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def broadcast(ref, tensor, src, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "broadcast", [tensor, src], opts)
   end
 
   @doc ~S"""
@@ -281,6 +343,34 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
+  Receive a tensor from a source rank.
+
+  Fills `tensor` in place with the next tensor `src` sent (with `send`), and
+  returns it. The tensor received must have the dtype and shape of `tensor`, else
+  CollectiveMismatchError (a ValueError) names both ranks and what differs; an
+  object sent with `send_obj` is refused the same way, and never unpickled. It is
+  consumed either way, so the next call receives the next one. Waits and raises
+  as `recv_obj` does (its errors name that operation).
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `src` (`integer()`)
+    * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t()`
+  """
+  @spec recv(t(), VllmBridge.Tensor.t(), integer(), keyword()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def recv(ref, tensor, src, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "recv", [tensor, src], opts)
+  end
+
+  @doc ~S"""
   Receive an object from a source rank.
 
   Blocks until `src` has sent its next object, then returns it. Waits at most
@@ -320,6 +410,30 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
           {:ok, %{optional(integer()) => integer()}} | {:error, VllmBridge.Error.t()}
   def recv_src_counter(ref, opts \\ []) do
     VllmBridge.Runtime.get_attr(ref, "recv_src_counter", opts)
+  end
+
+  @doc ~S"""
+  Send a tensor to a destination rank.
+
+  Sends its dtype, shape and bytes (never a pickle; a tensor off the CPU is copied
+  to it first), numbered with the objects `send_obj` sends and as promptly: `dst`
+  receives it with `recv` (or, as a new CPU tensor, with `recv_obj`).
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `dst` (`integer()`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec send(t(), VllmBridge.Tensor.t(), integer(), keyword()) ::
+          {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def send(ref, tensor, dst, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "send", [tensor, dst], opts)
   end
 
   @doc ~S"""
