@@ -61,7 +61,7 @@ def _both(group: Any, env: dict[str, str] | None = None) -> dict[str, PyNcclComm
     try:
         comms = {"shm": PyNcclCommunicator(group, "cpu")}
         os.environ[ENABLE_ENV] = "0"
-        comms["gloo"] = PyNcclCommunicator(group, device=torch.device("cpu"))
+        comms["gloo"] = PyNcclCommunicator(group, device=torch.device("cpu", 0))
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -82,7 +82,7 @@ def _as_device(device: int | str | torch.device) -> torch.device:
     found = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if found.type == "cuda" and found.index is None and torch.cuda.is_available():
         found = torch.device("cuda", torch.cuda.current_device())
-    return found
+    return torch.device("cpu") if found.type == "cpu" else found  # CPU tensors have no index
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
