@@ -23,12 +23,14 @@ Same constructor, attributes and methods as vLLM's
   before data moves (`VLLM_BRIDGE_CHECK_COLLECTIVES=0` turns that off; the shared-memory
   path checks anyway, at no cost), so a mismatch raises on every rank instead of aborting
   a process. Tensors must be contiguous (vLLM's would read the wrong memory).
-* Every method returns its output tensor (vLLM's return None, but `all_reduce`): a caller
+* The methods that fill a tensor return it (vLLM's return None, but `all_reduce`): a caller
   from Elixir needs that, its tensors being copies.
 * A CUDA device without CUDA or NCCL raises at construction; vLLM's disables itself there,
   and a weight sync then silently does nothing. In a group of one rank `available` is
   False, `disabled` True and every method returns None at once, as in vLLM.
-* No NCCL windows (`register_comm_window`): torch's backend does not expose them.
+* No NCCL windows (`register_comm_window`): torch's backend does not expose them; no
+  `batch_isend_irecv` (torch's `P2POp` needs torch's default group): use `send` and `recv`
+  between `group_start` and `group_end`.
 
 Streams (CUDA): torch's NCCL backend runs each operation on an internal stream, ordered
 after the work queued on `stream` (default: the current stream) before the call and
