@@ -21,6 +21,7 @@ TITLES = {
     "spg": "StatelessProcessGroup vs gloo, slowest rank (bench/python/spg.py)",
     "allreduce": "GroupCoordinator.all_reduce on CPU (bench/python/allreduce.py)",
     "mq": "MessageQueue broadcast (bench/python/mq.py)",
+    "weight_sync": "Weight sync on CPU: PyNcclCommunicator vs gloo (bench/python/weight_sync.py)",
 }
 
 

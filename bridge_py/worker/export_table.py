@@ -63,6 +63,7 @@ def default_exports() -> ExportTable:
     from bridge_py.distributed.device_communicators.base_device_communicator import (
         DeviceCommunicatorBase,
     )
+    from bridge_py.distributed.device_communicators.pynccl import PyNcclCommunicator
     from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
     from bridge_py.distributed.distribute.nfs import NFSWorkspace
 
@@ -131,6 +132,23 @@ def default_exports() -> ExportTable:
                 elixir_module=f"{_DISTRIBUTED}.DeviceCommunicatorBase",
                 methods=_DEVICE_COMMUNICATOR_METHODS,
                 attributes=("rank", "world_size", "ranks", "rank_in_group", "unique_name"),
+            ),
+            ExportedClass(
+                name="PyNcclCommunicator",
+                cls=PyNcclCommunicator,
+                elixir_module=f"{_DISTRIBUTED}.PyNcclCommunicator",
+                methods=(
+                    "all_gather",
+                    "all_gatherv",
+                    "all_reduce",
+                    "broadcast",
+                    "destroy",
+                    "recv",
+                    "reduce_scatter",
+                    "reduce_scatterv",
+                    "send",
+                ),
+                attributes=("rank", "world_size", "available", "disabled", "device", "group"),
             ),
             ExportedClass(
                 name="TensorMetadata",

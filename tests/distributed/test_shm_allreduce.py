@@ -4,9 +4,10 @@ Each rank builds every rank's input itself (seeded), so results are compared exa
 the rank-ordered sum computed locally, and with gloo's result in the same run (plain
 ``torch.distributed`` on the group's gloo group): bit for bit on 2 ranks; on 4 ranks exactly
 for integers and within a few units in the last place for floats (gloo's ring adds in
-another order). Every dtype the communicator supports, sizes 0, 1, odd, 4 KiB, 4 MiB and
-larger than the buffer (chunked), 500 back-to-back all-reduces, the fallback to gloo, a
-killed rank (the creator of the segment), and a timing table (printed, run with ``-s``; or
+another order). Every dtype the communicator supports (all-gather, reduce-scatter and
+broadcast too), sizes 0, 1, odd, 4 KiB, 4 MiB and larger than the buffer (chunked), 500
+back-to-back all-reduces, the fallback to gloo, a killed rank (the creator of the segment),
+and a timing table (printed, run with ``-s``; or
 ``python -m tests.distributed.test_shm_allreduce``).
 """
 
@@ -181,17 +182,22 @@ def _all_dtypes(rank: int, port: int, world_size: int) -> dict[str, int]:
         assert torch.equal(gathered, torch.cat(inputs, dim=0)), f"all_gather {dtype}"
         scattered = small.reduce_scatter(inputs[rank], dim=-1)
         assert torch.equal(scattered, ordered_sum(inputs)[:, rank : rank + 1]), f"rs {dtype}"
+        # and broadcast, here into a non-contiguous tensor (a transposed view)
+        got = small.broadcast(inputs[rank].clone().t(), src=world_size - 1)
+        assert torch.equal(got, inputs[-1].t()), f"broadcast {dtype}"
     # a 4 MiB all-gather and reduce-scatter through a buffer smaller than them
     big = [make(r, torch.float32, 1 << 20, 7) for r in range(world_size)]
     assert torch.equal(small.all_gather(big[rank], dim=0), torch.cat(big))
     part = (1 << 20) // world_size
     reduced = small.reduce_scatter(big[rank], dim=0)
     assert torch.equal(reduced, ordered_sum(big)[rank * part : (rank + 1) * part])
+    assert torch.equal(small.broadcast(big[rank].clone(), src=1), big[1])
     counts = {
         "all_reduce": comm.shm_all_reduce_calls,
         "small_all_reduce": small.shm_all_reduce_calls,
         "all_gather": small.shm_all_gather_calls,
         "reduce_scatter": small.shm_reduce_scatter_calls,
+        "broadcast": small.shm_broadcast_calls,
     }
     small.destroy()
     g.destroy()
@@ -206,6 +212,7 @@ def test_every_dtype_and_size_matches_gloo(world_size: int) -> None:
         # zero-size all-reduces only run the agreement: 11 dtypes x 3 or 4 non-empty sizes
         assert counts["all_reduce"] == counts["small_all_reduce"] == 37, counts
         assert counts["all_gather"] == 12 and counts["reduce_scatter"] == 12, counts
+        assert counts["broadcast"] == 12, counts
 
 
 # ------------------------------------------------------------------ many in a row

@@ -3,12 +3,13 @@
 When every rank of the group can map one shared-memory segment (probed once, collectively,
 at construction; see ``shm_allreduce``), ``self.shm`` holds the group's
 :class:`~bridge_py.distributed.device_communicators.shm_allreduce.ShmCollectives` (like
-vLLM's ``_CPUSHMDistributed``): all-reduce, all-gather and reduce-scatter go through shared
-memory, everything else through ``torch.distributed`` on the gloo group; the pre-collective
-argument check (``agreement``) exchanges its table through shared memory too, and
-:meth:`CpuCommunicator.all_reduce` folds that check into its data step, so a small
-all-reduce costs one shared-memory phase. Otherwise (ranks on several nodes, no usable
-``/dev/shm``, ``VLLM_BRIDGE_CPU_SHM=0``) everything is gloo.
+vLLM's ``_CPUSHMDistributed``): all-reduce, all-gather, reduce-scatter and broadcast go
+through shared memory, everything else through ``torch.distributed`` on the gloo group;
+the pre-collective argument check (``agreement``) exchanges its table through shared memory
+too, and :meth:`CpuCommunicator.all_reduce` and :meth:`CpuCommunicator.broadcast` fold that
+check into their data step, so a small all-reduce costs one shared-memory phase. Otherwise
+(ranks on several nodes, no usable ``/dev/shm``, ``VLLM_BRIDGE_CPU_SHM=0``) everything is
+gloo.
 
 Both transports give the same results: integer sums exactly, floating-point sums of two
 ranks bit for bit; with more ranks the shared-memory sum is the rank-ordered one (the same
@@ -84,6 +85,11 @@ class CpuCommunicator(DeviceCommunicatorBase):
         """Reduce-scatters run over shared memory so far (0 on gloo)."""
         return 0 if self.shm is None else self.shm.calls["reduce_scatter"]
 
+    @property
+    def shm_broadcast_calls(self) -> int:
+        """Broadcasts run over shared memory so far (0 on gloo)."""
+        return 0 if self.shm is None else self.shm.calls["broadcast"]
+
     def _step(self, op: str, wire: torch.Tensor) -> tuple[bytes, Judge]:
         """The agreement row a shared-memory operation carries in its first step, and its
         judge. With checks off the row still goes along: ranks out of step raise, never
@@ -111,6 +117,30 @@ class CpuCommunicator(DeviceCommunicatorBase):
         judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
         shm.all_reduce(wire.reshape(-1), out.view(-1), signature.row(False), judge)
         return restore(out).reshape(input_.shape)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``input_`` from the group's rank ``src`` into every rank's ``input_``;
+        returns ``input_``. Over shared memory, the argument check travels in the data step."""
+        shm = self.shm
+        if shm is None:
+            return super().broadcast(input_, src)
+        op = "broadcast"
+
+        def check() -> tuple[int]:
+            self._check_tensor(op, input_)
+            return (self._check_peer(op, "src", src, True),)
+
+        params, error = self._validated(check)
+        signature = self._signature(op, input_, params or (), ("src",))
+        if error is not None or input_.numel() == 0:
+            self.agreement.check(signature, error)  # raises on every rank if anyone failed
+            return input_
+        data = input_.contiguous()
+        judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
+        shm.broadcast(data.view(-1).view(torch.uint8), src, signature.row(False), judge)
+        if data.data_ptr() != input_.data_ptr():
+            input_.copy_(data)
+        return input_
 
     def _all_gather_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
         if self.shm is None:

@@ -1,4 +1,5 @@
-"""Shared-memory all-reduce, all-gather and reduce-scatter for the CPU ranks of one node.
+"""Shared-memory all-reduce, all-gather, reduce-scatter and broadcast for the CPU ranks of one
+node.
 
 Over gloo, every collective between processes of one machine crosses the loopback TCP
 stack: two copies through the kernel, a wake-up per message, and gloo's own ring steps.
@@ -36,6 +37,8 @@ consecutive collectives race, without a trailing barrier.
   ``1/world_size`` of the chunk).
 * all-gather: copy in, one wait, copy every slot out. reduce-scatter: copy in, one wait,
   sum this rank's piece of every slot.
+* broadcast: the source copies its chunk into the whole half (every rank's slot: nobody
+  else writes data), one wait, the others copy it out.
 
 Determinism: every element is summed as ``((x0 + x1) + x2) + ...`` in group-rank order, in
 the tensor's dtype (each partial sum rounded to it, as torch's own ``+``), on every rank and
@@ -276,7 +279,9 @@ class ShmCollectives:
             for r in range(world_size)
         ]
         # operations run so far, by name
-        self.calls = dict.fromkeys(("agreement", "all_reduce", "all_gather", "reduce_scatter"), 0)
+        self.calls = dict.fromkeys(
+            ("agreement", "all_reduce", "all_gather", "reduce_scatter", "broadcast"), 0
+        )
         self._finalizer = weakref.finalize(self, _release, mapping, self._views)
 
     # ------------------------------------------------------------------------ set-up
@@ -295,7 +300,9 @@ class ShmCollectives:
     ) -> ShmCollectives | None:
         """Set up the transport on every rank of ``cpu_group``, or None on all of them.
 
-        A collective (a broadcast, an all-reduce and a barrier on ``cpu_group``): rank 0 creates the
+        A collective (a broadcast, an all-reduce and a barrier on ``cpu_group``, called on the
+        group object with group ranks, so that a group unknown to torch.distributed's global
+        state works too; ``ranks`` only gives the group's size): rank 0 creates the
         segment, the others attach and check its token, and all learn whether every rank
         succeeded, so that they all take the same transport. The segment is unlinked before
         this returns. ``enabled``/``buffer_bytes``/``timeout`` default to the environment
@@ -316,7 +323,7 @@ class ShmCollectives:
                 name[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
             except (OSError, ValueError) as exc:
                 why = f"cannot create a shared-memory segment: {exc}"
-        dist.broadcast(name, src=ranks[0], group=cpu_group)
+        cpu_group.broadcast(name, 0).wait()
         if rank != 0 and offer:
             shm, slot_bytes, why = cls._attach(bytes(name.tolist()).rstrip(b"\0"), world_size)
         mapping: mmap.mmap | None = None
@@ -330,12 +337,14 @@ class ShmCollectives:
                 why = f"cannot map the segment: {exc}"
         ok = mapping is not None
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+        minimum = dist.AllreduceOptions()
+        minimum.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+        cpu_group.allreduce([flag], minimum).wait()
         if rank == 0 and shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()  # every rank has it mapped (or gave up): remove the name now
         if int(flag.item()) == 1:
-            dist.barrier(group=cpu_group)  # ... so that no rank returns before it is gone
+            cpu_group.barrier().wait()  # ... so that no rank returns before it is gone
         # (``shm`` is set whenever ``mapping`` is: tested for the type checker's sake.)
         if int(flag.item()) == 0 or mapping is None or shm is None:
             if mapping is not None:
@@ -611,6 +620,24 @@ class ShmCollectives:
 
         per = self._slots(input_.dtype).shape[2] // world
         self._run("reduce_scatter", input_.dtype, m, per, row, judge, fill, drain)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, row: bytes, judge: Judge) -> None:
+        """Every rank's ``tensor`` (flat) = rank ``src``'s, in place; ``row`` and ``judge`` as
+        in :meth:`all_reduce`. A step carries up to a whole half of the data area, since
+        only the source writes."""
+        mine = self.rank == src
+
+        def fill(half: torch.Tensor, start: int, k: int) -> None:
+            if mine:
+                _copy(half.view(-1)[:k], tensor[start : start + k])
+
+        def drain(half: torch.Tensor, start: int, k: int) -> None:
+            if not mine:
+                _copy(tensor[start : start + k], half.view(-1)[:k])
+
+        slots = self._slots(tensor.dtype)
+        per = slots.shape[1] * slots.shape[2]
+        self._run("broadcast", tensor.dtype, tensor.numel(), per, row, judge, fill, drain)
 
 
 def _nothing(half: torch.Tensor, start: int, k: int) -> None:

@@ -1,0 +1,654 @@
+"""PyNcclCommunicator: vLLM's weight-sync communicator, on CUDA through torch's NCCL, and on CPU.
+
+RL trainers (TRL, TorchRL) push new weights into vLLM's inference ranks with it:
+
+    pg = StatelessProcessGroup.create(host, port, rank, world_size)
+    comm = PyNcclCommunicator(pg, device=device)
+    for tensor in state_dict.values():
+        comm.broadcast(tensor, src=0)
+    comm.group.barrier()
+
+Same constructor, attributes and methods as vLLM's
+(`vllm.distributed.device_communicators.pynccl`), with these differences:
+
+* No NCCL library is loaded by hand: on CUDA the operations are torch's NCCL backend
+  (`ProcessGroupNCCL`), built on the group's store without `init_process_group`, so
+  torch.distributed's global state stays untouched; `library_path` is accepted and ignored.
+* It works on CPU (`device="cpu"`), so trainer code runs, and is tested, without a GPU: a
+  gloo group built on the group's store carries the data, and when every rank shares one
+  machine, sums (all-reduce, reduce-scatter), all-gathers and broadcasts go through the CPU
+  communicator's shared-memory collectives (`ShmCollectives`) instead.
+* Arguments are checked, and errors name the operation, the rank and the parameter (vLLM
+  asserts, or NCCL fails). On CPU the ranks also agree on every operation's arguments
+  before data moves (`VLLM_BRIDGE_CHECK_COLLECTIVES=0` turns that off; the shared-memory
+  path checks anyway, at no cost), so a mismatch raises on every rank instead of aborting
+  a process. Tensors must be contiguous (vLLM's would read the wrong memory).
+* The methods that fill a tensor return it (vLLM's return None, but `all_reduce`): a caller
+  from Elixir needs that, its tensors being copies.
+* A CUDA device without CUDA or NCCL raises at construction; vLLM's disables itself there,
+  and a weight sync then silently does nothing. In a group of one rank `available` is
+  False, `disabled` True and every method returns None at once, as in vLLM.
+* No NCCL windows (`register_comm_window`): torch's backend does not expose them; no
+  `batch_isend_irecv` (torch's `P2POp` needs torch's default group): use `send` and `recv`
+  between `group_start` and `group_end`.
+
+Streams (CUDA): torch's NCCL backend runs each operation on an internal stream, ordered
+after the work queued on `stream` (default: the current stream) before the call and
+before the work queued on it afterwards; the host does not wait. vLLM's enqueues on
+`stream` itself: the order of work is the same. On CPU every operation has completed when
+it returns, and `stream` is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Backend, PrefixStore, ProcessGroup, ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import _get_default_timeout
+
+from bridge_py.distributed.device_communicators.agreement import (
+    Agreement,
+    Judge,
+    Signature,
+    checks_enabled,
+    describe_dtype,
+    hash_ints,
+    param,
+    shape_text,
+)
+from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
+from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
+from bridge_py.distributed.groups.torch_group import (
+    _assemble,
+    stateless_destroy_torch_distributed_process_group,
+)
+from bridge_py.distributed.spg.group import StatelessProcessGroup
+
+__all__ = ["PyNcclCommunicator"]
+
+_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+# An operation over shared memory (given the agreement row and its judge), or on the group.
+ShmRun = Callable[[ShmCollectives, bytes, Judge], None]
+Run = Callable[[], Any]
+
+
+def _as_device(device: int | str | torch.device) -> torch.device:
+    if isinstance(device, bool):
+        raise TypeError(f"device must be an int, a str or a torch.device, got {device!r}")
+    found = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if found.type == "cuda" and found.index is None and torch.cuda.is_available():
+        found = torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if found.type == "cpu" else found  # CPU tensors have no index
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat bytes (exact for every dtype, on every backend)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _store_of(group: ProcessGroup | StatelessProcessGroup) -> dist.Store:
+    if not isinstance(group, ProcessGroup):
+        return group.store
+    get = getattr(group, "get_group_store", None)
+    if get is not None:
+        return get()
+    from torch.distributed.distributed_c10d import _world  # torch before get_group_store
+
+    if group in _world.pg_map:
+        return _world.pg_map[group][1]
+    raise ValueError("this torch cannot tell the store of a group it did not register")
+
+
+def _agreed_token(group: ProcessGroup | StatelessProcessGroup, rank: int) -> str:
+    """Rank 0's random token, on every rank: the prefix of this communicator's store keys."""
+    token = secrets.token_bytes(8)
+    if not isinstance(group, ProcessGroup):
+        return str(group.broadcast_obj(token.hex() if rank == 0 else None, src=0))
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group unknown to torch's global state
+        backend = str(group.name())
+    if backend == Backend.NCCL:
+        raise ValueError("PyNcclCommunicator should be attached to a non-NCCL group.")
+    tensor = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+    group.broadcast(tensor, 0).wait()
+    return bytes(tensor.tolist()).hex()
+
+
+class PyNcclCommunicator:
+    """vLLM's NCCL communicator for a group of ranks, on CUDA (torch's NCCL) or on CPU.
+
+    Made from a `StatelessProcessGroup` (or a gloo ProcessGroup) and a device; its
+    operations take tensors on that device, and group ranks as `src` and `dst`. On CPU,
+    ranks on one machine move data through shared memory, others through gloo.
+    """
+
+    group: ProcessGroup | StatelessProcessGroup
+    rank: int
+    world_size: int
+    device: torch.device
+    available: bool
+    disabled: bool
+
+    def __init__(
+        self,
+        group: ProcessGroup | StatelessProcessGroup,
+        device: int | str | torch.device,
+        library_path: str | None = None,
+    ) -> None:
+        """Join the other ranks of `group`: a collective, every rank constructs its own.
+
+        Args:
+            group: the ranks: a `StatelessProcessGroup`, or a torch ProcessGroup (gloo).
+            device: where the tensors are: `"cpu"`, or a CUDA device (an int `i` means
+                `cuda:i`; each rank should have a GPU of its own).
+            library_path: ignored (torch's own NCCL is used).
+        """
+        if isinstance(group, ProcessGroup):
+            self.rank, self.world_size = group.rank(), group.size()
+        else:
+            self.rank, self.world_size = group.rank, group.world_size
+        self.group = group
+        self.device = _as_device(device)
+        self.nccl_version: int | None = None
+        self.available = self.world_size > 1
+        self.disabled = not self.available
+        self.label = f"PyNcclCommunicator ({self.device.type}, {self.world_size} ranks)"
+        self._shm: ShmCollectives | None = None
+        self._pg: ProcessGroup | None = None
+        self._depth = 0  # group_start nesting
+        self._sends: list[Any] = []  # CPU, inside a group: posted sends, waited by group_end
+        self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
+        cpu = self.device.type == "cpu"
+        if self.available:
+            self._pg = self._connect(group, cpu)
+        self.agreement = Agreement(
+            cast(ProcessGroup, self._pg),
+            self.rank,
+            list(range(self.world_size)),
+            self.label,
+            cpu and checks_enabled(self.device),
+        )
+        self.agreement.carrier = self._rows_over_group
+        if self._pg is not None and cpu:
+            ranks = list(range(self.world_size))
+            self._shm = ShmCollectives.create(self._pg, self.rank, ranks, self.label)
+            if self._shm is not None:
+                self.agreement.carrier = self._shm.exchange
+        elif self._pg is not None:
+            major, minor, patch = torch.cuda.nccl.version()[:3]
+            self.nccl_version = major * 10000 + minor * 100 + patch
+            with torch.cuda.device(self.device):  # NCCL sets its communicator up now
+                self.all_reduce(torch.zeros(1, device=self.device))
+                torch.cuda.current_stream().synchronize()
+
+    def _connect(self, group: ProcessGroup | StatelessProcessGroup, cpu: bool) -> ProcessGroup:
+        """This communicator's own torch group (gloo or NCCL) on the group's store."""
+        if not cpu and self.device.type != "cuda":
+            raise ValueError(f"PyNcclCommunicator serves 'cpu' or CUDA, not {self.device}")
+        if not cpu and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise RuntimeError(
+                f"PyNcclCommunicator on {self.device} needs CUDA and a torch built with "
+                "NCCL; use device='cpu' on a machine without them"
+            )
+        backend = Backend("gloo" if cpu else "nccl")
+        store = PrefixStore(f"pynccl/{_agreed_token(group, self.rank)}/", _store_of(group))
+        timeout = _get_default_timeout(backend)
+        # (_assemble only wraps the store in another PrefixStore: any store does.)
+        return _assemble(cast(TCPStore, store), self.rank, self.world_size, backend, timeout)
+
+    def destroy(self) -> None:
+        """Release the shared memory and the torch group; the communicator is then disabled."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        if self._pg is not None:
+            with contextlib.suppress(Exception):
+                stateless_destroy_torch_distributed_process_group(self._pg)
+            self._pg = None
+        self.available, self.disabled = False, True
+
+    # ----------------------------------------------------------------- plumbing
+
+    @property
+    def _backend(self) -> str:
+        return "gloo" if self.device.type == "cpu" else "nccl"
+
+    @property
+    def _group(self) -> ProcessGroup:
+        if self._pg is None:
+            raise RuntimeError(f"{self.label} was destroyed")
+        return self._pg
+
+    def _rows_over_group(self, row: bytes, judge: Judge) -> None:
+        """The agreement's carrier without shared memory: one all-gather of every row."""
+        mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
+        table = torch.empty(self.world_size * len(row), dtype=torch.uint8)
+        self._group._allgather_base(table, mine).wait()
+        data = table.numpy().tobytes()
+        judge([data[r * len(row) : (r + 1) * len(row)] for r in range(self.world_size)])
+
+    def _error(self, op: str, message: str, kind: type[Exception] = ValueError) -> Exception:
+        return kind(f"{op} on rank {self.rank} of {self.label}: {message}")
+
+    def _check(self, op: str, name: str, tensor: Any, like: torch.Tensor | None = None) -> None:
+        """`tensor` is a contiguous tensor of this device (and of `like`'s dtype)."""
+        if not isinstance(tensor, torch.Tensor):
+            kind = type(tensor).__name__
+            raise self._error(op, f"{name} must be a torch.Tensor, got {kind}", TypeError)
+        if tensor.device != self.device:
+            raise self._error(op, f"{name} is on {tensor.device}, not on {self.device}")
+        if not tensor.is_contiguous():
+            raise self._error(op, f"{name} must be contiguous (shape {tuple(tensor.shape)})")
+        if like is not None and tensor.dtype != like.dtype:
+            raise self._error(op, f"{name} is {tensor.dtype} but the input is {like.dtype}")
+
+    def _check_numel(self, op: str, name: str, tensor: torch.Tensor, numel: int, how: str) -> None:
+        if tensor.numel() != numel:
+            shape = tuple(tensor.shape)
+            raise self._error(
+                op, f"{name} has {tensor.numel()} elements (shape {shape}), {how} = {numel}"
+            )
+
+    def _check_rank(self, op: str, name: str, peer: Any, allow_self: bool = True) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise self._error(op, f"{name} must be an int group rank, got {peer!r}", TypeError)
+        if not 0 <= peer < self.world_size or (peer == self.rank and not allow_self):
+            which = "this rank itself" if peer == self.rank else "not a rank of the group"
+            raise self._error(op, f"{name}={peer} is {which} (ranks 0..{self.world_size - 1})")
+        return peer
+
+    def _check_rows(self, op: str, output: Any, inp: Any, sizes: Any, scatter: bool) -> list[int]:
+        """The checks of `all_gatherv` and (`scatter`) `reduce_scatterv`: `sizes` rows."""
+        self._check(op, "input_tensor", inp)
+        self._check(op, "output_tensor", output, inp)
+        if (
+            not isinstance(sizes, Sequence)
+            or len(sizes) != self.world_size
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes)
+        ):
+            raise self._error(op, f"sizes must be {self.world_size} ints >= 0, got {sizes!r}")
+        counts, rest = list(sizes), tuple(inp.shape[1:])
+        rows = (sum(counts), counts[self.rank]) if scatter else (counts[self.rank], sum(counts))
+        for name, tensor, n in zip(
+            ("input_tensor", "output_tensor"), (inp, output), rows, strict=True
+        ):
+            if tensor.dim() == 0 or tuple(tensor.shape) != (n, *rest):
+                shape = tuple(tensor.shape)
+                raise self._error(op, f"{name} has shape {shape}, not {(n, *rest)} ({sizes=})")
+        return counts
+
+    def _check_op(self, op: str, reduce_op: Any, dtype: torch.dtype) -> int:
+        if reduce_op not in _OPS:
+            raise self._error(
+                op,
+                f"op must be ReduceOp.SUM, AVG, PRODUCT, MIN or MAX, not {reduce_op!r}",
+                TypeError,
+            )
+        # Sums work for every dtype (bool: a logical OR), averages for floating types; the
+        # others are not defined for complex numbers, nor MIN and MAX for uint64 (which
+        # travels as int64 bits).
+        defined = reducible(dtype, self._backend)
+        if reduce_op == ReduceOp.AVG:
+            defined = defined and (dtype.is_floating_point or dtype.is_complex)
+        elif reduce_op != ReduceOp.SUM:
+            order = reduce_op == ReduceOp.PRODUCT or dtype != torch.uint64
+            defined = defined and not dtype.is_complex and order
+        if not defined:
+            raise self._error(op, f"op={reduce_op!r} is not defined for dtype {dtype}", TypeError)
+        return int(reduce_op)
+
+    def _validated(self, op: str, check: Callable[[], Signature]) -> Signature:
+        """`check()`: the arguments every rank must share; a TypeError or ValueError it raises
+        about this rank's arguments is raised on every rank (with checks on)."""
+        try:
+            return check()
+        except (TypeError, ValueError) as exc:
+            self.agreement.check(Signature(op), exc)
+            raise
+
+    def _move(self, signature: Signature, shm_run: ShmRun | None, run: Run) -> None:
+        """Over shared memory when there is some and `shm_run` is given (its first step
+        carries the agreement row), else `run()` on the group after agreeing."""
+        if self._shm is not None and shm_run is not None:
+            judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
+            shm_run(self._shm, signature.row(False), judge)
+            return
+        self.agreement.check(signature)
+        work = run()
+        # On CUDA inside group_start/group_end, group_end waits for the coalesced work.
+        if work is not None and not (self._depth and self.device.type == "cuda"):
+            work.wait()
+
+    def _on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        if self.device.type == "cuda" and stream is not None:
+            return torch.cuda.stream(stream)
+        return contextlib.nullcontext()
+
+    def _reduce(
+        self, signature: Signature, kind: str, out: torch.Tensor, inp: torch.Tensor, op: Any
+    ) -> None:
+        """All-reduce (`kind` "all_reduce") or reduce-scatter (else) of `inp` into `out`."""
+        group = self._group
+        wire, restore = for_reduction(inp, self._backend)
+        wire = wire.reshape(-1)
+        n = wire.numel() if kind == "all_reduce" else wire.numel() // self.world_size
+        same = out.dtype == wire.dtype  # else: the result is narrowed back into out below
+        target = out.view(-1) if same else torch.empty(n, dtype=wire.dtype, device=out.device)
+        total = ReduceOp.SUM if op == ReduceOp.AVG else op
+
+        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
+            if kind == "all_reduce":
+                shm.all_reduce(wire, target, row, judge)
+            else:
+                shm.reduce_scatter(target, wire, row, judge)
+
+        def run() -> Any:
+            if wire.numel() == 0:
+                return None
+            if kind == "all_reduce":
+                options = dist.AllreduceOptions()
+                options.reduceOp = ReduceOp(total)
+                if target.data_ptr() != wire.data_ptr():
+                    target.copy_(wire)
+                return group.allreduce([target], options)
+            scatter = dist.ReduceScatterOptions()
+            scatter.reduceOp = ReduceOp(total)
+            return group._reduce_scatter_base(target, wire, scatter)
+
+        self._move(signature, shm_run if total == ReduceOp.SUM else None, run)
+        if op == ReduceOp.AVG:
+            target.div_(self.world_size)
+        if not same:
+            out.copy_(restore(target).reshape(out.shape))
+
+    def _gather(self, signature: Signature, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every rank's `inp` into `out`, rank after rank, as bytes."""
+        out_bytes, in_bytes = _bytes(out), _bytes(inp)
+
+        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
+            shm.all_gather(out_bytes, in_bytes, row, judge)
+
+        def run() -> Any:
+            return self._group._allgather_base(out_bytes, in_bytes) if inp.numel() else None
+
+        self._move(signature, shm_run, run)
+
+    # -------------------------------------------------------------- collectives
+
+    def all_reduce(
+        self,
+        in_tensor: torch.Tensor,
+        out_tensor: torch.Tensor | None = None,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """Reduce `in_tensor` over the group (a sum, or `op`) into `out_tensor` (a new
+        tensor when None; it may be `in_tensor` itself) and return it. Sums of `bool`
+        tensors are a logical OR."""
+        if self.disabled:
+            return None
+        name = "all_reduce"
+
+        def check() -> Signature:
+            self._check(name, "in_tensor", in_tensor)
+            code = self._check_op(name, op, in_tensor.dtype)
+            if out_tensor is not None:
+                self._check(name, "out_tensor", out_tensor, in_tensor)
+                numel = in_tensor.numel()
+                self._check_numel(name, "out_tensor", out_tensor, numel, "not in_tensor's")
+            return Signature(name, in_tensor.dtype, (in_tensor.numel(),), (code,), ("op",))
+
+        signature = self._validated(name, check)
+        out = torch.empty_like(in_tensor) if out_tensor is None else out_tensor
+        with self._on(stream):
+            self._reduce(signature, name, out, in_tensor, op)
+        return out
+
+    def all_gather(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """Every rank's `input_tensor`, in rank order, into `output_tensor` (`world_size`
+        times as many elements, the same dtype); returns `output_tensor`."""
+        if self.disabled:
+            return None
+        name = "all_gather"
+
+        def check() -> Signature:
+            self._check(name, "input_tensor", input_tensor)
+            self._check(name, "output_tensor", output_tensor, input_tensor)
+            numel = self.world_size * input_tensor.numel()
+            how = f"not world_size ({self.world_size}) x input_tensor's"
+            self._check_numel(name, "output_tensor", output_tensor, numel, how)
+            return Signature(name, input_tensor.dtype, (input_tensor.numel(),))
+
+        signature = self._validated(name, check)
+        with self._on(stream):
+            self._gather(signature, output_tensor, input_tensor)
+        return output_tensor
+
+    def all_gatherv(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        sizes: list[int],
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """All-gather along dim 0 where rank `r` gives `sizes[r]` rows: `output_tensor` has
+        `sum(sizes)` rows, shaped like `input_tensor` otherwise; returns it."""
+        if self.disabled:
+            return None
+        name = "all_gatherv"
+
+        def check() -> Signature:
+            counts = self._check_rows(name, output_tensor, input_tensor, sizes, False)
+            numel = max(counts) * math.prod(input_tensor.shape[1:])
+            params = (hash_ints(counts),)
+            return Signature(name, input_tensor.dtype, (numel,), params, ("sizes#",))
+
+        signature = self._validated(name, check)
+        with self._on(stream):
+            padded = input_tensor.new_zeros((max(sizes), *input_tensor.shape[1:]))
+            padded[: sizes[self.rank]] = input_tensor
+            gathered = input_tensor.new_empty((self.world_size, *padded.shape))
+            self._gather(signature, gathered, padded)
+            output_tensor.copy_(torch.cat([gathered[r, :n] for r, n in enumerate(sizes)]))
+        return output_tensor
+
+    def reduce_scatter(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """Reduce `input_tensor` over the group (a sum, or `op`) and keep this rank's piece
+        (piece `rank` of `world_size` equal ones) in `output_tensor`; returns it."""
+        if self.disabled:
+            return None
+        name = "reduce_scatter"
+
+        def check() -> Signature:
+            self._check(name, "input_tensor", input_tensor)
+            code = self._check_op(name, op, input_tensor.dtype)
+            self._check(name, "output_tensor", output_tensor, input_tensor)
+            numel = output_tensor.numel() * self.world_size
+            how = f"not world_size ({self.world_size}) x output_tensor's"
+            self._check_numel(name, "input_tensor", input_tensor, numel, how)
+            return Signature(name, input_tensor.dtype, (numel,), (code,), ("op",))
+
+        signature = self._validated(name, check)
+        with self._on(stream):
+            self._reduce(signature, name, output_tensor, input_tensor, op)
+        return output_tensor
+
+    def reduce_scatterv(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        sizes: list[int],
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """Reduce-scatter along dim 0 where rank `r` keeps `sizes[r]` rows: `input_tensor`
+        has `sum(sizes)` rows; returns `output_tensor`."""
+        if self.disabled:
+            return None
+        name = "reduce_scatterv"
+
+        def check() -> Signature:
+            counts = self._check_rows(name, output_tensor, input_tensor, sizes, True)
+            code = self._check_op(name, op, input_tensor.dtype)
+            params = (code, hash_ints(counts))
+            numel = input_tensor.numel()
+            return Signature(name, input_tensor.dtype, (numel,), params, ("op", "sizes#"))
+
+        signature = self._validated(name, check)
+        with self._on(stream):
+            longest, rest = max(sizes), input_tensor.shape[1:]
+            padded = input_tensor.new_zeros((self.world_size, longest, *rest))
+            for r, piece in enumerate(input_tensor.split(sizes)):
+                padded[r, : len(piece)] = piece
+            mine = input_tensor.new_empty((longest, *rest))
+            self._reduce(signature, name, mine, padded, op)
+            output_tensor.copy_(mine[: sizes[self.rank]])
+        return output_tensor
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None
+    ) -> torch.Tensor | None:
+        """Rank `src`'s `tensor` into every rank's `tensor` (in place); returns `tensor`."""
+        if self.disabled:
+            return None
+        name = "broadcast"
+
+        def check() -> Signature:
+            self._check(name, "tensor", tensor)
+            source = self._check_rank(name, "src", src)
+            return Signature(name, tensor.dtype, (tensor.numel(),), (source,), ("src",))
+
+        signature = self._validated(name, check)
+        data = _bytes(tensor)
+
+        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
+            shm.broadcast(data, src, row, judge)
+
+        def run() -> Any:
+            return self._group.broadcast(data, src) if data.numel() else None
+
+        with self._on(stream):
+            self._move(signature, shm_run, run)
+        return tensor
+
+    # ----------------------------------------------------------- point to point
+
+    def _header(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a message announces (with checks on): its dtype and element count."""
+        numel = tensor.numel()
+        return Signature("send", tensor.dtype, (numel,), (numel * tensor.element_size(),)).encode(
+            False
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Send `tensor` to rank `dst`, which receives it with `recv`.
+
+        Inside `group_start`/`group_end` the send is posted at once and completes by
+        `group_end`; on CPU with checks on, a small header goes first and `recv` compares it
+        with what it expects.
+        """
+        if self.disabled:
+            return
+        self._check("send", "tensor", tensor)
+        peer = self._check_rank("send", "dst", dst, allow_self=False)
+        group, works = self._group, []
+        with self._on(stream):
+            if self.agreement.enabled:
+                works.append(group.send([self._header(tensor)], peer, 0))
+            if tensor.numel():
+                works.append(group.send([_bytes(tensor)], peer, 0))
+        if self._depth and self.device.type == "cpu":
+            self._sends.extend(works)
+        elif not self._depth:
+            for work in works:
+                work.wait()
+
+    def recv(
+        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None
+    ) -> torch.Tensor | None:
+        """Receive into `tensor` what rank `src` sends; returns `tensor`.
+
+        Inside `group_start`/`group_end` it is filled by `group_end`. With checks on (CPU),
+        a message of another dtype or size is received, dropped and reported (ValueError),
+        and the pair stays in step.
+        """
+        if self.disabled:
+            return None
+        self._check("recv", "tensor", tensor)
+        peer = self._check_rank("recv", "src", src, allow_self=False)
+        if self._depth and self.device.type == "cpu":
+            self._recvs.append((tensor, peer))
+            return tensor
+        with self._on(stream):
+            self._receive(tensor, peer)
+        return tensor
+
+    def _receive(self, tensor: torch.Tensor, peer: int) -> None:
+        group = self._group
+        if self.agreement.enabled:
+            expected = self._header(tensor)
+            got = torch.empty_like(expected)
+            group.recv([got], peer, 0).wait()
+            if not torch.equal(got, expected):
+                sent = got.tolist()
+                if param(sent, 0) > 0:  # drop the payload, so that the pair stays in step
+                    group.recv([torch.empty(param(sent, 0), dtype=torch.uint8)], peer, 0).wait()
+                raise self._error(
+                    "recv",
+                    f"tensor has {tensor.numel()} elements of {tensor.dtype}, but rank {peer} "
+                    f"sent shape {shape_text(sent)} {describe_dtype(sent[2])}; the message "
+                    "was received and dropped",
+                )
+        if tensor.numel():
+            work = group.recv([_bytes(tensor)], peer, 0)
+            if not self._depth:
+                work.wait()
+
+    def group_start(self) -> None:
+        """Start a group of operations (as `ncclGroupStart`): sends and receives inside it
+        complete together at `group_end`, so that two ranks may send to each other."""
+        if self.disabled:
+            return
+        if self._depth == 0 and self.device.type == "cuda":
+            self._group._start_coalescing(self.device)
+        self._depth += 1
+
+    def group_end(self) -> None:
+        """End the group that `group_start` began: its operations have then completed (on
+        CUDA: are queued, ordered on the current stream)."""
+        if self.disabled:
+            return
+        if self._depth == 0:
+            raise RuntimeError(f"group_end on rank {self.rank} of {self.label}: no group_start")
+        self._depth -= 1
+        if self._depth:
+            return
+        if self.device.type == "cuda":
+            work = self._group._end_coalescing(self.device)
+            if work is not None:
+                work.wait()
+            return
+        recvs, self._recvs = self._recvs, []
+        sends, self._sends = self._sends, []
+        for tensor, peer in recvs:
+            self._receive(tensor, peer)
+        for work in sends:
+            work.wait()
