@@ -10,7 +10,9 @@ runs, printing each step with its time (the slowest rank's) and checking its res
    ``get_world_group().all_reduce`` of a tensor, checked against the sum;
 4. a shared-memory ``MessageQueue`` made by ``create_mq_broadcaster`` on the world group,
    rank 0 broadcasting three objects to the others;
-5. rank 2 killed (SIGKILL) while ranks 0 and 1 wait in a ``barrier(timeout=30)``: both
+5. a weight sync as RL trainers do it: a ``PyNcclCommunicator`` on ``"cpu"`` over the
+   group, rank 0 broadcasting a small state dict tensor by tensor, then a barrier;
+6. rank 2 killed (SIGKILL) while ranks 0 and 1 wait in a ``barrier(timeout=30)``: both
    fail at once with ``BarrierFailure``, naming the rank that never arrived, long before
    the timeout.
 
@@ -18,8 +20,7 @@ Everything is bounded in time: ``--timeout`` seconds per step (default 30), and
 ``--start-timeout`` for the first, which imports torch in every process (default 120).
 A step that does not finish in time, a wrong result, or a rank that raises prints
 ``FAILED: ...`` and exits with status 1. Every child process is killed before the demo
-exits, whatever happened. The PyNcclCommunicator weight broadcast is not shown: bridge_py
-has no PyNcclCommunicator yet.
+exits, whatever happened.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ VICTIM = 2  # the rank killed in the barrier
 BARRIER_TIMEOUT = 30.0  # what the survivors would wait for a rank that never comes
 PAYLOAD = {"model": "demo", "layers": [1, 2, 3], "dtype": "bfloat16", "ok": True}
 MQ_MESSAGES: list[Any] = [{"step": 1}, [0.5, 1.5, 2.5], "done"]
+# The trainer's weights (exact in float32): what every rank holds after the sync.
+WEIGHTS: dict[str, list[Any]] = {"embed": [[0.5, -1.0], [2.0, 4.0]], "qkv": [1.5, -2.5, 8.0]}
 
 # A child's report: (kind, rank, step, seconds, value), kind being "ok" (value: what the
 # step returned), "failed" (value: (exception type, message), for the expected failure)
@@ -118,6 +121,18 @@ def _rank_main(rank: int, spg_port: int, dist_port: int, out: Any) -> None:
         ]
         mq.close()
         report(start, received)
+
+        step, start = "weights", time.monotonic()
+        from bridge_py.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+        comm = PyNcclCommunicator(pg, device="cpu")
+        state = {name: torch.tensor(values) for name, values in WEIGHTS.items()}
+        for tensor in state.values():
+            if rank != 0:
+                tensor.zero_()
+            comm.broadcast(tensor, src=0)
+        comm.group.barrier()
+        report(start, {name: tensor.tolist() for name, tensor in state.items()})
 
         step, start = "barrier", time.monotonic()
         if rank == VICTIM:
@@ -254,6 +269,11 @@ class _Demo:
             "MessageQueue (create_mq_broadcaster): rank 0 broadcasts 3 objects",
             lambda v: _same(v, MQ_MESSAGES, f"ranks 1 and 2 read {MQ_MESSAGES}"),
         )
+        self.step(
+            "weights",
+            "PyNcclCommunicator('cpu'): rank 0 broadcasts a state dict, then a barrier",
+            lambda v: _same(v, WEIGHTS, f"every rank holds {', '.join(WEIGHTS)}"),
+        )
         self.kill_in_barrier()
         _line(time.monotonic() - started, "the whole demo")
 
@@ -325,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         demo.close()
-    print("PyNcclCommunicator weight broadcast: skipped (not in bridge_py yet).")
     print("all checks passed")
     return 0
 

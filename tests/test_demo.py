@@ -20,10 +20,11 @@ STEPS = [
     "init_distributed_environment (gloo), get_world_group: a 3-rank GroupCoordinator",
     "GroupCoordinator.all_reduce of [r + 1, 10 * (r + 1)]: every rank got [6.0, 60.0]",
     "MessageQueue (create_mq_broadcaster): rank 0 broadcasts 3 objects: ranks 1 and 2 read",
+    "PyNcclCommunicator('cpu'): rank 0 broadcasts a state dict, then a barrier: every rank "
+    "holds embed, qkv",
     "kill -9 rank 2 mid-barrier: ranks [0, 1] failed with BarrierFailure",
-    "rank 0: BarrierFailure: barrier 0 failed on rank 0: ranks [2] exited",
-    "rank 1: BarrierFailure: barrier 0 failed on rank 1: ranks [2] exited",
-    "PyNcclCommunicator weight broadcast: skipped",
+    "rank 0: BarrierFailure: barrier 1 failed on rank 0: ranks [2] exited",
+    "rank 1: BarrierFailure: barrier 1 failed on rank 1: ranks [2] exited",
     "all checks passed",
 ]
 
@@ -49,7 +50,7 @@ def test_the_demo_runs_every_step_and_checks_it() -> None:
         at = found[0]
     # every step line but the rank details carries its time
     timed = [line for line in lines if " ms  " in line]
-    assert len(timed) == 9, done.stdout
+    assert len(timed) == 10, done.stdout
 
 
 def test_a_failed_check_exits_non_zero() -> None:

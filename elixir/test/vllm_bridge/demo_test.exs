@@ -16,14 +16,15 @@ defmodule VllmBridge.DemoTest do
     "init_distributed_environment (gloo) on every worker, get_world_group",
     "GroupCoordinator.all_reduce of [r + 1, 10 * (r + 1)] on rank r: every rank got [6.0, 60.0]",
     ~s(MessageQueue from create_mq_broadcaster: rank 0 broadcasts 3 terms: ranks 1..2 read [%{step: 1}, [0.5, 1.5, 2.5], "done"]),
+    ~s(a PyNcclCommunicator on "cpu" over each rank's group: 3 ranks),
+    "rank 0 broadcasts 3 weight tensors, then a barrier: ranks 1..2 hold embed, qkv, step",
     "kill -9 rank 2's Python process while the others wait in a barrier",
-    "rank 0: BarrierFailure: barrier 1 failed on rank 0: ranks [2] exited",
-    "rank 1: BarrierFailure: barrier 1 failed on rank 1: ranks [2] exited",
+    "rank 0: BarrierFailure: barrier 2 failed on rank 0: ranks [2] exited",
+    "rank 1: BarrierFailure: barrier 2 failed on rank 1: ranks [2] exited",
     "the pool restarts worker 2; a fresh Python answers",
     "refs into the killed worker are :stale_ref",
     "a new 3-rank group with the fresh worker: all_gather_obj of the ranks: [0, 1, 2]",
     "release the groups, each rank 0 (the store's server) last: 5 handles released",
-    "PyNcclCommunicator weight broadcast: skipped",
     "all checks passed"
   ]
 
@@ -45,7 +46,7 @@ defmodule VllmBridge.DemoTest do
     end)
 
     timed = Enum.filter(lines, &Regex.match?(~r/^\s+\d+\.\d ms  /, &1))
-    assert length(timed) == 13, output
+    assert length(timed) == 15, output
   end
 
   test "a demo that cannot run its checks says so and stops" do

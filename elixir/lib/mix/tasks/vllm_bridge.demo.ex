@@ -14,17 +14,19 @@ defmodule Mix.Tasks.VllmBridge.Demo do
     4. makes a shared-memory `MessageQueue` with
        `GroupCoordinator.create_mq_broadcaster/3` and broadcasts three terms from
        rank 0 through it,
-    5. kills the last rank's Python process (`kill -9`, its OS pid from
+    5. makes a `PyNcclCommunicator` on `"cpu"` over each rank's group and
+       broadcasts three weight tensors from rank 0 (the trainer's weight sync),
+       then a barrier,
+    6. kills the last rank's Python process (`kill -9`, its OS pid from
        `VllmBridge.Worker.os_pid/1`) while the others wait in a barrier with a
        30 s timeout: they must fail within seconds with a `BarrierFailure` that
        names the missing rank,
-    6. waits for the pool to restart that worker, shows that a fresh Python
+    7. waits for the pool to restart that worker, shows that a fresh Python
        process answers, that refs into the old one are stale, and forms a new
        3-rank group with it.
 
   Each step is printed with its time and checked; a failed check stops the demo
-  with an error (a non-zero exit). The PyNcclCommunicator weight broadcast is
-  not shown: bridge_py has no PyNcclCommunicator yet.
+  with an error (a non-zero exit).
 
   Options: `--size N` (ranks, at least 2, default 3).
   """
@@ -34,6 +36,7 @@ defmodule Mix.Tasks.VllmBridge.Demo do
   alias Vllm.Distributed, as: D
   alias Vllm.Distributed.GroupCoordinator, as: GC
   alias Vllm.Distributed.MessageQueue, as: MQ
+  alias Vllm.Distributed.PyNcclCommunicator, as: Comm
   alias Vllm.Distributed.StatelessProcessGroup, as: SPG
   alias VllmBridge.{Error, Pool, Runtime, Tensor, Worker}
 
@@ -70,14 +73,10 @@ defmodule Mix.Tasks.VllmBridge.Demo do
     groups = stateless_group(ranks)
     world = group_coordinator(ranks)
     message_queue(world)
+    weight_broadcast(groups)
     {victim, _} = killed = kill_in_barrier(groups)
     fresh = recover(groups, killed)
     release([fresh, List.delete(groups, victim)])
-
-    Mix.shell().info(
-      "            PyNcclCommunicator weight broadcast: skipped (not in bridge_py yet)"
-    )
-
     Mix.shell().info("all checks passed")
   end
 
@@ -191,6 +190,48 @@ defmodule Mix.Tasks.VllmBridge.Demo do
       "ranks 1..#{length(world) - 1} read #{inspect(messages)}"
     end)
   end
+
+  # What an RL trainer does after each step: rank 0 (the trainer) broadcasts its
+  # weights tensor by tensor through a PyNcclCommunicator on the group (on "cpu" here:
+  # shared memory between the workers; a CUDA device uses NCCL), then a barrier.
+  defp weight_broadcast(groups) do
+    size = length(groups)
+
+    comms =
+      step("a PyNcclCommunicator on \"cpu\" over each rank's group", fn ->
+        {:value, groups |> on_all(&Comm.new(&1, "cpu", [])) |> Enum.map(&ok!/1), "#{size} ranks"}
+      end)
+
+    weights = [
+      {"embed", [[0.5, -1.0], [2.0, 4.0]], {:f, 32}},
+      {"qkv", [1.5, -2.5, 8.0], {:bf, 16}},
+      {"step", [42], {:s, 64}}
+    ]
+
+    step("rank 0 broadcasts #{length(weights)} weight tensors, then a barrier", fn ->
+      for {_name, values, type} <- weights do
+        results =
+          comms
+          |> Enum.with_index()
+          |> on_all(fn {comm, r} ->
+            mine = if r == 0, do: values, else: zeros(values)
+
+            with {:ok, t} <- Comm.broadcast(comm, ok!(Tensor.from_list(mine, type)), 0, []) do
+              {:ok, Tensor.to_list(t)}
+            end
+          end)
+
+        check!(results, Enum.map(comms, fn _ -> values end))
+      end
+
+      check!(on_all(groups, &SPG.barrier(&1, [10.0])), Enum.map(groups, fn _ -> nil end))
+      Enum.each(comms, &ok!(Runtime.release(&1)))
+      "ranks 1..#{size - 1} hold #{Enum.map_join(weights, ", ", &elem(&1, 0))}"
+    end)
+  end
+
+  defp zeros(values) when is_list(values), do: Enum.map(values, &zeros/1)
+  defp zeros(value), do: value * 0
 
   defp kill_in_barrier(groups) do
     {survivors, [victim]} = Enum.split(groups, -1)
