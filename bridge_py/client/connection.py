@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 import weakref
@@ -143,8 +144,12 @@ class Client:
     def _request(self, op: pb.Operation, timeout: float | None = None) -> Any:
         if self._closed:
             raise BridgeError("transport", "the client is closed")
-        request = pb.Request(id=next(self._ids), session=self.session, op=op)
-        return self._send(_RPC[type(op)], request, timeout)
+        wait = timeout if timeout is not None else self.timeout
+        # The worker learns how long we wait, so a call we gave up on is not run late,
+        # and its blocking waits give up with us (docs/protocol.md, deadline_ms).
+        deadline_ms = math.ceil(wait * 1000) if wait is not None else 0
+        request = pb.Request(next(self._ids), self.session, op, deadline_ms)
+        return self._send(_RPC[type(op)], request, wait)
 
     def _send(self, rpc: str, request: pb.Request, timeout: float | None = None) -> Any:
         try:
@@ -268,8 +273,9 @@ def connect(
     worker wrote a generated token to; it must be readable by its owner only), else
     ``$VLLM_BRIDGE_TOKEN``; a worker on a Unix socket needs none. Options:
     ``session`` (default: a new one issued by the worker; pass another client's
-    ``.session`` to share it), ``timeout`` (seconds per call, default 300),
-    ``max_message_bytes``.
+    ``.session`` to share it), ``timeout`` (seconds per call, default 300; sent with
+    each request as its deadline, so the worker does not run a call after its caller
+    gave up, and blocking waits inside it give up too), ``max_message_bytes``.
     """
     if token is None and token_file is not None:
         token = read_token_file(Path(token_file))

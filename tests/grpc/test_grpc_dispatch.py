@@ -15,11 +15,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from bridge_py.client import Client, connect
+from bridge_py.client import BridgeError, Client, connect
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import PLAIN
 from bridge_py.worker.dispatcher import Dispatcher
 from bridge_py.worker.transports.grpc import SERVICE, Serving, serve_grpc
+from tests.grpc.conftest import GrpcWorker
 from tests.worker.sample_exports import table
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,3 +140,24 @@ def test_a_session_released_over_grpc_is_closed(serving: tuple[Serving, Dispatch
         finally:
             channel.close()
         del counter
+
+
+def test_a_call_the_client_gave_up_on_is_not_run_later() -> None:
+    # The client sends its timeout as the request's deadline: a call queued behind a
+    # blocking one on the same object, whose caller stopped waiting, is not run when its
+    # turn comes (without the deadline it would increment the counter 2 s later).
+    worker = GrpcWorker()
+    try:
+        with worker.connect(timeout=0.5) as client:
+            counter = client.create("Counter")
+            with pytest.raises(BridgeError) as blocked:
+                counter.wait_gate(2.0)  # runs on for 2 s in the worker, holding the turn
+            assert blocked.value.category == "transport"
+            with pytest.raises(BridgeError) as late:
+                counter.incr()
+            assert late.value.category == "transport"  # DEADLINE_EXCEEDED, client side
+            time.sleep(2.5)
+            assert counter.value == 0
+            assert counter.incr() == 1
+    finally:
+        worker.stop()
