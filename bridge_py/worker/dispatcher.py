@@ -240,7 +240,11 @@ class Dispatcher:
 
     def _learn(self, frame: bytes, req: pb.Request) -> None:
         """Make a plan for ``req``, which has just succeeded, if its frame is in the layout
-        every encoder writes (so that its key names the call alone: ``split_call``)."""
+        every encoder writes (so that its key names the call alone: ``split_call``).
+        A frame longer than :data:`MAX_PLANNED_BYTES` is never looked up, so it teaches
+        nothing: splitting and re-encoding it would copy its (large) arguments twice."""
+        if len(frame) > MAX_PLANNED_BYTES:
+            return
         split = pb.split_call(frame)
         op = req.op
         if split is None or op is None:

@@ -8,13 +8,11 @@ everything: process start-up dominates the cost.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
 from bridge_py.distributed.parallel_state import GroupCoordinator
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 DTYPES = [
     torch.float16,
@@ -31,13 +29,7 @@ DTYPES = [
 
 
 def _init(rank: int, port: int, world_size: int) -> GroupCoordinator:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port, world_size)
     return GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="tp")
 
 

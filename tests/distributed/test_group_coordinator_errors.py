@@ -7,7 +7,6 @@ rejects its own arguments leaves the others blocked; a hang here fails the run's
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -16,19 +15,13 @@ import torch.distributed as dist
 
 from bridge_py.distributed.device_communicators import CollectiveMismatchError
 from bridge_py.distributed.parallel_state import GroupCoordinator
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 GROUP = "group 'tp:0' (global ranks [0, 1])"
 
 
 def _init(rank: int, port: int) -> GroupCoordinator:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port)
     return GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="tp")
 
 

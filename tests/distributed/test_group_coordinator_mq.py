@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.parallel_state import GroupCoordinator
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 
 def _join(rank: int, port: int) -> None:
     """Join the 3-rank gloo world of one test."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=3,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port, 3)
 
 
 def _queues(rank: int, port: int) -> str:

@@ -6,8 +6,6 @@ The 4 ranks form vLLM's layout for TP 2 x PP 2: TP groups [0, 1] and [2, 3], PP 
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
@@ -16,7 +14,7 @@ from bridge_py.distributed.parallel_state import (
     GroupCoordinator,
     TensorMetadata,
 )
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 DTYPES = [
     torch.float16,
@@ -33,13 +31,7 @@ DTYPES = [
 
 
 def _init(rank: int, port: int) -> tuple[GroupCoordinator, GroupCoordinator, GroupCoordinator]:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=4,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port, 4)
     world = GroupCoordinator([[0, 1, 2, 3]], rank, "gloo", False, group_name="world")
     tp = GroupCoordinator([[0, 1], [2, 3]], rank, "gloo", True, group_name="tp")
     pp = GroupCoordinator([[0, 2], [1, 3]], rank, "gloo", True, group_name="pp")

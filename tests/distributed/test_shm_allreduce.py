@@ -13,7 +13,6 @@ and a timing table (printed, run with ``-s``; or
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import signal
@@ -36,7 +35,7 @@ from bridge_py.distributed.device_communicators.shm_allreduce import (
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 from bridge_py.distributed.errors import DistributedError, PeerGoneError
 from bridge_py.distributed.parallel_state import GroupCoordinator
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, join_gloo, run_ranks
 
 DTYPES = [
     torch.float16,
@@ -70,13 +69,7 @@ def no_segment_left() -> Iterator[None]:
 
 
 def _init(rank: int, port: int, world_size: int) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo(rank, port, world_size)
 
 
 def _communicator(env: dict[str, str]) -> CpuCommunicator:

@@ -20,7 +20,7 @@ import pytest
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
-from bridge_py.worker.codec import PLAIN
+from bridge_py.worker.codec import PLAIN, RefValue
 from bridge_py.worker.dispatcher import Dispatcher, Job
 from bridge_py.worker.transports.frames import FrameReader
 from bridge_py.worker.transports.port import PortTransport
@@ -144,23 +144,18 @@ def test_planned_calls_with_bad_arguments_answer_as_the_full_way() -> None:
 
 def test_a_planned_call_resolves_refs_in_its_arguments_each_time() -> None:
     d = Dispatcher(table())
-    handle = _counter(d)
     first, second = _counter(d), _counter(d)
-    ref = lambda h: PLAIN.encode([pb_ref(d, h)])  # noqa: E731
-    _full(d, _request(2, pb.CallFunction("open_gate", ref(first))))
-    assert _planned(d, _request(3, pb.CallFunction("open_gate", ref(second)))).error is None
+
+    def open_gate(handle: int) -> bytes:
+        return _request(
+            2, pb.CallFunction("open_gate", PLAIN.encode([RefValue(handle, "Counter")]))
+        )
+
+    _full(d, open_gate(first))
+    assert _planned(d, open_gate(second)).error is None  # the plan's ref is not reused
     assert d.registry.get(second, "default")._gate.is_set()
     d.dispatch(pb.Request(4, "", pb.ReleaseHandles([first])))
-    reply = _full(d, _request(5, pb.CallFunction("open_gate", ref(first))))  # plans dropped
-    assert reply.error.category == "not_found"
-    assert handle
-
-
-def pb_ref(d: Dispatcher, handle: int) -> object:
-    """A ref to ``handle`` as a value in arguments (what the codec decodes to the object)."""
-    from bridge_py.worker.codec import RefValue
-
-    return RefValue(handle, "Counter")
+    assert _full(d, open_gate(first)).error.category == "not_found"  # plans dropped
 
 
 def test_calls_that_fail_and_odd_layouts_get_no_plan() -> None:
@@ -251,16 +246,23 @@ def test_a_planned_call_waits_for_its_turn() -> None:
     assert PLAIN.decode(results["incr"].value) == 2
 
 
-def test_frames_with_long_arguments_take_the_full_way() -> None:
+def test_frames_with_long_arguments_take_the_full_way(monkeypatch: pytest.MonkeyPatch) -> None:
     # Slicing their arguments out would copy them: even with a plan for the function,
-    # they are decoded the full way (and answered as the planned ones are).
+    # they are decoded the full way (and answered as the planned ones are), and they are
+    # neither split nor encoded again to learn from (gRPC hands them over as bytes).
     d = Dispatcher(table())
     _full(d, _request(1, pb.CallFunction("echo", PLAIN.encode([1]))))
     big = PLAIN.encode([b"x" * MAX_PLANNED_BYTES])
-    for i in range(2, 4):
-        frame = _request(i, pb.CallFunction("echo", big))
+    frames = [_request(i, pb.CallFunction("echo", big)) for i in range(2, 4)]
+    looked_at: list[int] = []
+    for name in ("split_call", "encode_request"):
+        original = getattr(pb, name)
+        monkeypatch.setattr(pb, name, lambda x, f=original: looked_at.append(1) or f(x))
+    for frame in frames:
         assert len(frame) > MAX_PLANNED_BYTES
         assert len(PLAIN.decode(_full(d, frame).value)) == MAX_PLANNED_BYTES
+    assert looked_at == []
+    monkeypatch.undo()
     assert (
         PLAIN.decode(_planned(d, _request(4, pb.CallFunction("echo", PLAIN.encode([2])))).value)
         == 2

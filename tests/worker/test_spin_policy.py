@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -50,7 +52,10 @@ def test_the_callers_own_pauses_are_left_out() -> None:
     assert policy.spinning and policy.estimates == {}
 
 
-def test_the_reader_records_each_wait_and_a_fixed_spin_measures_nothing() -> None:
+def test_the_reader_records_each_wait_and_a_fixed_spin_measures_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(SpinPolicy, "IDLE", 10.0)  # a loaded machine's waits count too
     r, w = os.pipe()
     try:
         measured = PollingInput(r, 200e-6)
@@ -59,6 +64,26 @@ def test_the_reader_records_each_wait_and_a_fixed_spin_measures_nothing() -> Non
             os.write(w, bytes([i]))
             assert measured.read1(1) == bytes([i])  # already there: no wait to record
         assert measured.policy.estimates == {}
+        # Reads that wait, the byte written 2 ms after the reader is told to go: each is
+        # recorded, a window spinning and then one sleeping, each mean its estimate.
+        go = threading.Event()
+
+        def writer() -> None:
+            for i in range(4 * SpinPolicy.WINDOW):
+                go.wait(10)
+                go.clear()
+                time.sleep(0.002)
+                os.write(w, bytes([i]))
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        for i in range(4 * SpinPolicy.WINDOW):
+            go.set()
+            assert measured.read1(1) == bytes([i])
+        thread.join(10)
+        estimates = measured.policy.estimates
+        assert set(estimates) == {True, False}
+        assert all(1e-3 < wait < 10.0 for wait in estimates.values())
         fixed = PollingInput(r, 200e-6, measured=False)
         assert fixed.policy is None and fixed.spinning
         assert PollingInput(r, 0.0).policy is None  # never spins: nothing to choose
