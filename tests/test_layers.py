@@ -65,3 +65,59 @@ def test_imports_flow_down_the_layers() -> None:
 def test_at_most_twelve_modules_directly_in_the_package() -> None:
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(modules) <= 12, modules
+
+
+ROOT = PACKAGE.parent
+
+
+def _module_file(dotted: str) -> Path | None:
+    """The file of bridge_py module ``dotted`` (a package's ``__init__.py``), if any."""
+    base = ROOT.parent.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_files(path: Path) -> set[Path]:
+    """The bridge_py files ``path`` names in any import (also lazy or for type checking
+    only): ``from package import module`` names the module's file, not the package's."""
+    named: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        dotted: list[str] = []
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            dotted = [
+                f"{node.module}.{alias.name}"
+                if _module_file(f"{node.module}.{alias.name}")
+                else node.module
+                for alias in node.names
+            ]
+        for name in dotted:
+            target = _module_file(name) if name.startswith("bridge_py") else None
+            if target is not None and target != path:
+                named.add(target)
+    return named
+
+
+def test_no_import_circle_in_bridge_py() -> None:
+    graph = {path: _imported_files(path) for path in sorted(ROOT.rglob("*.py"))}
+    # Depth-first search; a back edge to a module on the current path closes a circle.
+    state: dict[Path, int] = {}  # 1: on the path, 2: done
+    circles: list[str] = []
+
+    def visit(node: Path, path: list[Path]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                loop = path[path.index(nxt) :] + [nxt]
+                circles.append(" -> ".join(str(p.relative_to(ROOT.parent)) for p in loop))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in graph:
+        if start not in state:
+            visit(start, [start])
+    assert not circles, "\n".join(circles)

@@ -2,10 +2,11 @@
 
 ``python -m bridge_py.codegen`` regenerates ``elixir/lib/vllm/**``; ``--check`` exits
 non-zero when the checked-in files differ from a fresh generation. Layers:
-``model`` (the export table and Python signatures -> plain descriptions of Elixir
-functions), ``typespecs`` (annotations -> typespecs), ``docstrings`` (the Python
-docstrings' reST-ish dialect -> ExDoc Markdown), ``references`` (Python names in
-docstrings -> the Elixir modules and functions generated for them), ``render``
+``model`` (plain descriptions of Elixir modules and functions), ``typespecs``
+(annotations -> typespecs), ``docstrings`` (the Python docstrings' reST-ish dialect ->
+ExDoc Markdown), ``references`` (Python names in docstrings -> the Elixir modules and
+functions generated for them), ``build`` (the export table and Python signatures ->
+the descriptions, with their docs), ``render``
 (descriptions -> Elixir source), ``__main__`` (files, formatting, the check).
 ``python -m bridge_py.codegen.audit`` (``audit``) reports the generated docs that
 still mention implementation details, by Python docstring line.

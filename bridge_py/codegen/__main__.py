@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bridge_py.codegen.model import build
+from bridge_py.codegen.build import build
 from bridge_py.codegen.render import HEADER, render_module
 from bridge_py.worker.exports import ExportTable
 

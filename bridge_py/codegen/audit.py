@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from bridge_py.codegen.build import build
 from bridge_py.codegen.docstrings import kept_lines
-from bridge_py.codegen.model import Function, Module, build
+from bridge_py.codegen.model import Function, Module
 from bridge_py.worker.exports import ExportTable
 
 ROOT = Path(__file__).resolve().parents[2]

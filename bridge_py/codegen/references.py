@@ -20,12 +20,9 @@ caller shows the Python name's last component as plain code.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from bridge_py.codegen.docstrings import Resolver
-
-if TYPE_CHECKING:  # model imports this module; the types are all it needs from there
-    from bridge_py.codegen.model import Function, Module
+from bridge_py.codegen.model import Function, Module
 
 
 class References:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from bridge_py.codegen.__main__ import generate, main
-from bridge_py.codegen.model import build, underscore
+from bridge_py.codegen.build import build
+from bridge_py.codegen.model import underscore
 from bridge_py.codegen.typespecs import typespec
 from tests.worker.sample_exports import table as sample_table
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bridge_py.codegen.__main__ import generate
+from bridge_py.codegen.build import build
 from bridge_py.codegen.docstrings import DocstringError
-from bridge_py.codegen.model import build
 from bridge_py.worker.exports import ExportedClass, ExportTable
 from tests.codegen.sample_docs import table as sample_table
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bridge_py.codegen.model import Module, build
+from bridge_py.codegen.build import build
+from bridge_py.codegen.model import Module
 from bridge_py.codegen.references import References
 from bridge_py.codegen.render import _elixir_params
 from bridge_py.worker.export_table import default_exports
