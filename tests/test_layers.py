@@ -111,7 +111,7 @@ def test_no_import_circle_in_bridge_py() -> None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                loop = path[path.index(nxt) :] + [nxt]
+                loop = [*path[path.index(nxt) :], nxt]
                 circles.append(" -> ".join(str(p.relative_to(ROOT.parent)) for p in loop))
             elif nxt not in state:
                 visit(nxt, [*path, nxt])

@@ -12,7 +12,9 @@ situations is, so code written for them keeps working; the subclasses say what h
     ├── BarrierFailure                        a barrier failed (every rank of it fails)
     │   └── BarrierStoreError (also StoreError)    because the store was lost
     ├── CollectiveMismatchError (also ValueError)  ranks called different collectives
-    └── SharedMemoryError                     a shared-memory file is missing, short or changed
+    ├── SharedMemoryError                     a shared-memory file is missing, short or changed
+    └── StateError                            not allowed now: not initialized, already
+                                              initialized, destroyed, or missing here
 
 Messages name this rank, the peer and the key or operation that was waited for, so that one
 line of a log says who was waiting for whom.
@@ -32,6 +34,7 @@ __all__ = [
     "GroupTimeout",
     "PeerGoneError",
     "SharedMemoryError",
+    "StateError",
     "StoreError",
     "is_store_timeout",
 ]
@@ -77,6 +80,12 @@ class CollectiveMismatchError(DistributedError, ValueError):
 
 class SharedMemoryError(DistributedError):
     """A shared-memory file another rank named is missing, too short, or changed while read."""
+
+
+class StateError(DistributedError):
+    """The call is not allowed in the present state of its object or of the process: a
+    group not initialized yet (or already, differently), an object already destroyed, a
+    method of the other end of a queue, or a backend this machine or torch build lacks."""
 
 
 def is_store_timeout(exc: BaseException) -> bool:

@@ -45,6 +45,7 @@ from bridge_py.distributed.coordinator.group import (
     GroupCoordinator,
     TensorMetadata,
 )
+from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.node import in_the_same_node_as
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 
@@ -82,7 +83,7 @@ _EP: GroupCoordinator | None = None
 
 def _initialized(group: GroupCoordinator | None, what: str) -> GroupCoordinator:
     if group is None:
-        raise RuntimeError(f"{what} group is not initialized")
+        raise StateError(f"{what} group is not initialized")
     return group
 
 
@@ -201,7 +202,7 @@ def init_distributed_environment(
     if _WORLD is None:
         _WORLD = init_world_group(list(range(dist.get_world_size())), local_rank, backend)
     elif _WORLD.world_size != dist.get_world_size():
-        raise RuntimeError("world group already initialized with a different world size")
+        raise StateError("world group already initialized with a different world size")
 
 
 def _check_context_parallel(prefill: int, decode: int | None) -> None:
@@ -244,9 +245,7 @@ def initialize_model_parallel(
     """
     _check_context_parallel(prefill_context_model_parallel_size, decode_context_model_parallel_size)
     if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized: call init_distributed_environment"
-        )
+        raise StateError("torch.distributed is not initialized: call init_distributed_environment")
     world_size = dist.get_world_size()
     sizes = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
@@ -275,7 +274,7 @@ def initialize_model_parallel(
     global _TP, _PP, _DP, _EP
     for name, group in (("tensor", _TP), ("pipeline", _PP), ("data", _DP), ("expert", _EP)):
         if group is not None:
-            raise RuntimeError(f"{name} parallel group is already initialized")
+            raise StateError(f"{name} parallel group is already initialized")
     _TP = init_model_parallel_group(
         rank_lists(all_ranks, tensor_model_parallel_size),
         local_rank,
@@ -331,13 +330,13 @@ def ensure_model_parallel_initialized(
         return
     tp = get_tensor_model_parallel_world_size()
     if tp != tensor_model_parallel_size:
-        raise RuntimeError(
+        raise StateError(
             "tensor parallel group already initialized, but of unexpected size: "
             f"got {tp}, wanted {tensor_model_parallel_size}"
         )
     pp = get_pp_group().world_size
     if pp != pipeline_model_parallel_size:
-        raise RuntimeError(
+        raise StateError(
             "pipeline parallel group already initialized, but of unexpected size: "
             f"got {pp}, wanted {pipeline_model_parallel_size}"
         )

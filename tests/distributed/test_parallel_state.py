@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from bridge_py.distributed import communication_op as ops
 from bridge_py.distributed import parallel_state as ps
+from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 from bridge_py.distributed.utils import (
     divide,
@@ -41,7 +42,7 @@ def _destroy() -> None:
     ps.destroy_distributed_environment()
     assert not dist.is_initialized()
     assert not ps.model_parallel_is_initialized()
-    with pytest.raises(RuntimeError, match="world group is not initialized"):
+    with pytest.raises(StateError, match="world group is not initialized"):
         ps.get_world_group()
 
 
@@ -49,7 +50,7 @@ def _tensor_parallel(rank: int) -> None:
     world = ps.get_world_group()
     assert (world.world_size, world.rank_in_group, world.local_rank) == (4, rank, rank)
     assert not ps.model_parallel_is_initialized()
-    with pytest.raises(RuntimeError, match="tensor model parallel group is not initialized"):
+    with pytest.raises(StateError, match="tensor model parallel group is not initialized"):
         ps.get_tp_group()
     ps.initialize_model_parallel(2, 1, 1, 1, "gloo")  # vLLM's order: backend comes fifth
     assert ps.model_parallel_is_initialized()
@@ -63,9 +64,9 @@ def _tensor_parallel(rank: int) -> None:
     assert ps.get_ep_group().ranks == tp.ranks
     ps.ensure_model_parallel_initialized(2, 1)
     ps.ensure_model_parallel_initialized(2, 1, 1, None, "gloo")
-    with pytest.raises(RuntimeError, match="unexpected size"):
+    with pytest.raises(StateError, match="unexpected size"):
         ps.ensure_model_parallel_initialized(4, 1)
-    with pytest.raises(RuntimeError, match="already initialized"):
+    with pytest.raises(StateError, match="already initialized"):
         ps.initialize_model_parallel(2)
 
     x = torch.arange(6.0).reshape(2, 3) + rank

@@ -19,6 +19,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     Dispatched,
 )
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
+from bridge_py.distributed.errors import StateError
 
 __all__ = ["AgRsAll2AllManager", "NaiveAll2AllManager"]
 
@@ -67,7 +68,7 @@ class NaiveAll2AllManager(All2AllManagerBase):
     ) -> torch.Tensor:
         """Sum ``hidden_states`` over the ranks and keep the rows of this rank's tokens."""
         if self._sizes is None:
-            raise RuntimeError("combine called before dispatch: the token counts are unknown")
+            raise StateError("combine called before dispatch: the token counts are unknown")
         return self.communicator.reduce_scatterv(hidden_states, dim=0, sizes=self._sizes)
 
     def destroy(self) -> None:

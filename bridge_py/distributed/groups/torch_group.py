@@ -23,6 +23,7 @@ from torch._C._distributed_c10d import _register_process_group, _resolve_process
 from torch.distributed import Backend, PrefixStore, ProcessGroup, Store, TCPStore
 from torch.distributed.distributed_c10d import _get_default_timeout, is_nccl_available
 
+from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.spg.group import validate_rank
 from bridge_py.distributed.store import format_address, join_group, open_store
 
@@ -55,7 +56,7 @@ def _make_backend(
         return gloo, ProcessGroup.BackendType.GLOO, torch.device("cpu")
     if backend == Backend.NCCL:
         if not (torch.cuda.is_available() and is_nccl_available()):
-            raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL")
+            raise StateError("backend 'nccl' needs CUDA and a torch build with NCCL")
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
