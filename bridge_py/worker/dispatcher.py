@@ -83,6 +83,9 @@ class Dispatcher:
         # A release drops every plan: they hold their objects alive.
         self.operations = Operations(exports, self.registry, on_release=self.plans.clear)
         self._plan_for = self.plans.get
+        # Methods that some class lets run out of turn (``ExportedClass.unordered``): only
+        # a call of one of these names needs its object looked up before it takes a turn.
+        self._unordered = {name for entry in exports.classes.values() for name in entry.unordered}
 
     # -- the transports' two calls --------------------------------------------------
 
@@ -145,14 +148,25 @@ class Dispatcher:
     # -- ordering ------------------------------------------------------------------
 
     def _reserve(self, req: pb.Request) -> Turn | None:
-        """The request's place in line when it is a method call on a live handle."""
+        """The request's place in line when it is a method call on a live handle that
+        waits for its turn."""
         op = req.op
         if type(op) is not pb.CallMethod:
             return None
+        session = req.session or DEFAULT_SESSION
         try:
-            return self.registry.turn(op.handle, req.session or DEFAULT_SESSION)
+            if not self._takes_turn(op, session):
+                return None
+            return self.registry.turn(op.handle, session)
         except HandleNotFound:
             return None  # the call reports it
+
+    def _takes_turn(self, op: pb.CallMethod, session: str) -> bool:
+        """Whether the method call ``op`` waits for its turn on its object; raises
+        HandleNotFound when the handle is not ``session``'s."""
+        if op.method not in self._unordered:
+            return True
+        return self.exports.takes_turn(self.registry.get(op.handle, session), op.method)
 
     def _answer(self, req: pb.Request, turn: Turn | None, deadline: float) -> pb.Reply:
         """Run ``req`` in ``turn`` (entered here, and always left), under ``deadline``;
@@ -255,7 +269,7 @@ class Dispatcher:
             run = self.operations.plan(req)
             sequencer = (
                 self.registry.sequencer(op.handle, session)
-                if isinstance(op, pb.CallMethod)
+                if isinstance(op, pb.CallMethod) and self._takes_turn(op, session)
                 else None
             )
         except EXPECTED:

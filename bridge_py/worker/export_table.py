@@ -177,6 +177,7 @@ def default_exports() -> ExportTable:
                 ),
                 static_methods=("create_from_handle", "create_from_process_group"),
                 attributes=("shutting_down",),
+                unordered=("shutdown",),  # it exists to end a wait on the queue
             ),
             ExportedClass(
                 name="NFSWorkspace",

@@ -30,6 +30,12 @@ class ExportedClass:
     generated module. ``static_methods`` are reached as functions named
     ``"<name>.<method>"``. ``attributes`` are fields and properties, read with
     get_attr (zero-argument getters in Elixir).
+
+    Calls on one object run one at a time, in the order they arrived (``sequencer``).
+    ``unordered`` names the ``methods`` that do not wait for their turn: methods made to
+    be called while another call on the object waits, such as a MessageQueue's
+    ``shutdown``, which ends its ``dequeue``. Only a method that is safe to run beside
+    any other method of its object belongs here.
     """
 
     name: str
@@ -39,6 +45,7 @@ class ExportedClass:
     static_methods: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
     constructible: bool = True
+    unordered: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,11 @@ class ExportTable:
             for member in (*entry.methods, *entry.static_methods):
                 if not callable(getattr(entry.cls, member, None)):
                     raise ValueError(f"{entry.name}.{member} is not a method of {entry.cls}")
+            for member in entry.unordered:
+                if member not in entry.methods:
+                    raise ValueError(
+                        f"{entry.name}.{member} is unordered but not an exported method"
+                    )
             table.classes[entry.name] = entry
         for fn in functions:
             if any(_is_dunder(part) for part in fn.name.split(".")):
@@ -127,6 +139,12 @@ class ExportTable:
         if entry is None or _is_dunder(name) or name not in entry.methods:
             raise NotExported(f"method {name!r} of {self.class_name(type(obj))} is not exported")
         return getattr(obj, name)
+
+    def takes_turn(self, obj: Any, name: str) -> bool:
+        """Whether a call of method ``name`` on ``obj`` waits for its turn (see
+        :class:`ExportedClass`'s ``unordered``); True for anything not exported."""
+        entry = self._entry_of(obj)
+        return entry is None or name not in entry.unordered
 
     def attribute(self, obj: Any, name: str) -> Any:
         """The value of ``obj.name``, if the class of ``obj`` exports it."""

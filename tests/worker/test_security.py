@@ -316,3 +316,13 @@ def test_export_table_refuses_dunder_function_and_class_names() -> None:
         ExportTable.build([], [ExportedFunction("__import__", __import__, "M")])
     with pytest.raises(ValueError, match="dunder"):
         ExportTable.build([ExportedClass("__Thing__", _Thing, "M")])
+
+
+def test_export_table_runs_out_of_turn_only_exported_methods_it_names() -> None:
+    # A method that skips its turn must be one the class exports: a typo or an attribute
+    # named there would otherwise fail quietly (or open a way around the ordering).
+    with pytest.raises(ValueError, match="unordered but not an exported method"):
+        ExportTable.build([ExportedClass("Thing", _Thing, "M", ("ok",), unordered=("stop",))])
+    table = ExportTable.build([ExportedClass("Thing", _Thing, "M", ("ok",), unordered=("ok",))])
+    assert table.takes_turn(_Thing(), "ok") is False
+    assert table.takes_turn(object(), "ok") is True  # not an exported class: in turn
