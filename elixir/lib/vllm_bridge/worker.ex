@@ -134,34 +134,21 @@ defmodule VllmBridge.Worker do
   environment variable, else `.venv/bin/python` of the project when it exists,
   else `python3` from `PATH`. The project root is prepended to `PYTHONPATH`,
   so `bridge_py` imports without being installed.
+
+  ## How it is built
+
+  This module is the worker's API: the functions below run in the caller's
+  process. The worker process is a `VllmBridge.Worker.Server`, which keeps a
+  `VllmBridge.Worker.State` and leaves the decisions to small modules that
+  take that state and return data (start-up, health checks, limits, the
+  table of pending calls, output); `VllmBridge.Worker.Call` is the caller's
+  side of a call.
   """
 
-  use GenServer
+  alias VllmBridge.Error
+  alias VllmBridge.Worker.{Call, Command, Options, Server}
 
-  require Logger
-
-  alias VllmBridge.{Error, Proto}
-
-  alias VllmBridge.Worker.{
-    Call,
-    Command,
-    Events,
-    Health,
-    Limits,
-    OSProcess,
-    Options,
-    Output,
-    Pending,
-    Startup
-  }
-
-  @health_interval 5_000
-  @health_timeout 5_000
-  # the back-off between failed starts of a Python process (ms)
-  @backoff_min 500
-  @backoff_max 30_000
-  # a retiring worker waits this long for callers that had already looked it up
-  @drain_grace 50
+  @defaults Options.defaults()
 
   @typedoc "A running worker: its pid or a registered name."
   @type server :: GenServer.server()
@@ -217,18 +204,18 @@ defmodule VllmBridge.Worker do
       registered under (through `:name`): the worker stores its
       `t:channel/0` there as the key's value once its port is open
     * `:health_interval` - ms of silence from Python after which the worker
-      pings it, or `false` for no health checks (default `#{@health_interval}`;
+      pings it, or `false` for no health checks (default `#{@defaults[:health_interval]}`;
       see "Health checks")
     * `:health_timeout` - ms to wait for anything from Python after that ping
-      before the Python process is killed (default `#{@health_timeout}`)
+      before the Python process is killed (default `#{@defaults[:health_timeout]}`)
     * `:max_calls` - replace the worker once it has answered this many calls
       (default `nil`, never; see "Lifecycle limits")
     * `:max_memory_mb` - replace the worker once its Python process's resident
       memory is over this many MB (default `nil`, never)
     * `:backoff_min`, `:backoff_max` - the delay in ms before starting Python
-      again after a failed start: `:backoff_min` (default `#{@backoff_min}`),
+      again after a failed start: `:backoff_min` (default `#{@defaults[:backoff_min]}`),
       doubled for each failure in a row, at most `:backoff_max` (default
-      `#{@backoff_max}`); see "Start-up"
+      `#{@defaults[:backoff_max]}`); see "Start-up"
 
   The worker starts at once; its Python process starts in the background
   (`await_started/2` waits for it). Invalid options are
@@ -239,8 +226,8 @@ defmodule VllmBridge.Worker do
     with :ok <- check_health_options(opts),
          :ok <- check_lifecycle_options(opts) do
       case Keyword.fetch(opts, :name) do
-        {:ok, name} -> GenServer.start_link(__MODULE__, opts, name: name)
-        :error -> GenServer.start_link(__MODULE__, opts)
+        {:ok, name} -> GenServer.start_link(Server, opts, name: name)
+        :error -> GenServer.start_link(Server, opts)
       end
     end
   end
@@ -412,442 +399,4 @@ defmodule VllmBridge.Worker do
   @doc "The project root, where `bridge_py` lives (fixed at compile time)."
   @spec project_root() :: Path.t()
   def project_root, do: Command.project_root()
-
-  ## Server ------------------------------------------------------------------
-
-  @impl true
-  def init(opts) do
-    Process.flag(:trap_exit, true)
-
-    # Calls in flight, request id -> reply address: the caller's alias for a
-    # call through the channel, its GenServer `from` for one through here.
-    # Entries are {id, reply address, caller pid}; a health ping's is
-    # {id, :health, nil}, the start handshake's {id, :handshake, nil}. The
-    # table outlives the Python processes of failed starts.
-    table = Pending.new()
-
-    state = %{
-      port: nil,
-      os_pid: nil,
-      python: find_python(opts),
-      spawn: Keyword.take(opts, [:args, :env, :cd]),
-      table: table,
-      pool: opts[:pool],
-      index: opts[:index],
-      registry: opts[:registry],
-      health_interval: Keyword.get(opts, :health_interval, @health_interval),
-      health_timeout: Keyword.get(opts, :health_timeout, @health_timeout),
-      max_calls: Keyword.get(opts, :max_calls),
-      max_memory_mb: Keyword.get(opts, :max_memory_mb),
-      backoff_min: Keyword.get(opts, :backoff_min, @backoff_min),
-      backoff_max: Keyword.get(opts, :backoff_max, @backoff_max),
-      # :starting (waiting for the start handshake), :ready, :backoff (a
-      # start failed; the next one is scheduled), :retiring (over a limit,
-      # draining), :gone (the Python process is gone and reported)
-      phase: :starting,
-      # consecutive failed starts, and the last one's error
-      attempt: 0,
-      last_error: nil,
-      # callers of await_started/2 while :starting
-      waiters: [],
-      spawned_at: nil,
-      diagnosis: nil,
-      # the last lines Python printed while :starting (output frames)
-      output_tail: [],
-      # calls answered, and when memory was last read (monotonic ms)
-      calls: 0,
-      memory_checked: nil,
-      replace_requested: false,
-      # the port's count of bytes read from Python at the last look
-      heard: 0,
-      # the health ping in flight, {id, its timeout's timer}, if any
-      health: nil
-    }
-
-    if Events.started_before?(opts[:registry]), do: Events.restarted(state, 0, 0)
-
-    {:ok, state |> spawn_python() |> Health.schedule_tick()}
-  end
-
-  # Spawns the Python process and writes the start handshake (a ping); calls
-  # may be written behind it at once, Python answers them once it runs.
-  defp spawn_python(state) do
-    python = state.python
-    # entries of callers that wrote to the port of a failed start
-    if state.last_error, do: fail_all(state, state.last_error)
-
-    executable = Command.executable(python)
-
-    try do
-      if executable == nil, do: raise(ErlangError, original: :enoent)
-      {port, os_pid} = OSProcess.open(executable, state.spawn)
-      id = new_id()
-      Pending.enter_own(state.table, id, :handshake)
-      OSProcess.write(port, Health.ping_frame(id))
-      publish(state.registry, {:channel, self(), port, state.table})
-
-      %{
-        state
-        | port: port,
-          os_pid: os_pid,
-          python: executable,
-          phase: :starting,
-          spawned_at: System.monotonic_time(),
-          output_tail: [],
-          heard: 0,
-          health: nil
-      }
-    rescue
-      error in [ErlangError, ArgumentError] ->
-        start_failed(state, nil, "cannot run #{python}: #{Exception.message(error)}")
-    end
-  end
-
-  defp publish(nil, _channel), do: :ok
-
-  defp publish({registry, key}, channel) do
-    {_new, _old} = Registry.update_value(registry, key, fn _ -> channel end)
-    :ok
-  end
-
-  @impl true
-  def handle_call({:request, id, frame}, {caller, _} = from, %{phase: phase} = state)
-      when phase in [:starting, :ready] do
-    case Pending.enter(state.table, id, from, caller) do
-      :ok ->
-        try do
-          OSProcess.write(state.port, frame)
-          {:noreply, state}
-        rescue
-          ArgumentError ->
-            # Port.command also fails on a port that closed because Python exited
-            # (the exit message is still behind this request in the mailbox).
-            Pending.delete(state.table, id)
-            {:reply, {:error, command_error(state)}, state}
-        end
-
-      {:error, _} = error ->
-        {:reply, error, state}
-    end
-  end
-
-  def handle_call({:request, _id, _frame}, _from, state) do
-    {:reply, {:error, unavailable(state)}, state}
-  end
-
-  def handle_call(:await_started, from, state) do
-    case state do
-      %{phase: phase} when phase in [:ready, :retiring] -> {:reply, :ok, state}
-      %{phase: :starting, attempt: 0} -> {:noreply, %{state | waiters: [from | state.waiters]}}
-      _failed -> {:reply, {:error, state.last_error}, state}
-    end
-  end
-
-  def handle_call(:info, _from, state) do
-    info = %{
-      os_pid: state.os_pid,
-      python: state.python,
-      pending: Pending.pending(state.table),
-      pool: state.pool,
-      index: state.index,
-      health_interval: state.health_interval,
-      health_timeout: state.health_timeout,
-      phase: state.phase,
-      calls: state.calls,
-      failed_starts: state.attempt,
-      max_calls: state.max_calls,
-      max_memory_mb: state.max_memory_mb
-    }
-
-    {:reply, info, state}
-  end
-
-  @impl true
-  def handle_cast({:cancel, id}, state) do
-    Pending.delete(state.table, id)
-    {:noreply, state}
-  end
-
-  @impl true
-  def handle_info({port, {:data, reply}}, %{port: port} = state) do
-    case Proto.reply_id(reply) do
-      {:ok, 0} ->
-        {:noreply, printed(state, Output.unsolicited(state, reply))}
-
-      {:ok, id} ->
-        case Pending.take(state.table, id) do
-          :health ->
-            {:noreply, Health.answered(state)}
-
-          :handshake ->
-            {:noreply, started(state)}
-
-          # No entry: the caller timed out and went away; drop the late reply.
-          nil ->
-            {:noreply, state}
-
-          to ->
-            Pending.answer(to, {:ok, reply})
-            after_call(state)
-        end
-
-      {:error, error} ->
-        Logger.warning("#{describe(state)}: unreadable reply: #{error.message}")
-        {:noreply, state}
-    end
-  end
-
-  def handle_info({port, {:exit_status, status}}, %{port: port, phase: :starting} = state) do
-    {:noreply, start_failed(%{state | port: nil}, status, nil)}
-  end
-
-  def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
-    message = "the Python worker (os pid #{state.os_pid}) exited with status #{status}"
-    Logger.error("#{describe(state)}: #{message}")
-    exited(state, :exit, status)
-    fail_pending(state, message, %{exit_status: status})
-    {:stop, {:shutdown, {:exit_status, status}}, %{state | port: nil, phase: :gone}}
-  end
-
-  def handle_info({:EXIT, port, reason}, %{port: port} = state) do
-    message = "the port to the Python worker closed (#{inspect(reason)})"
-    exited(state, :exit, nil)
-    fail_pending(state, message, %{reason: reason})
-    {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil, phase: :gone}}
-  end
-
-  # The back-off after a failed start is over: start Python again.
-  def handle_info({:retry, delay}, %{phase: :backoff} = state) do
-    Events.restarted(state, delay, state.attempt)
-
-    {:noreply, spawn_python(state)}
-  end
-
-  def handle_info(:drain_check, %{phase: :retiring} = state), do: drain(state)
-
-  # Every tick: sweep; then, unless checks are off or a ping is in flight,
-  # ping Python if nothing came from it since the last tick.
-  def handle_info(:health_tick, state) do
-    Pending.sweep(state.table)
-    if state.phase == :backoff, do: fail_all(state, state.last_error)
-
-    state = state |> Health.tick() |> Health.schedule_tick()
-
-    # a worker that is idle is checked for memory here, between calls
-    case state do
-      %{phase: :ready, max_memory_mb: mb} when is_integer(mb) -> check_memory(state, true)
-      _ -> {:noreply, state}
-    end
-  end
-
-  def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
-    case Health.timed_out(state) do
-      {:alive, state} -> {:noreply, state}
-      :unresponsive -> unresponsive(state)
-    end
-  end
-
-  def handle_info(_other, state), do: {:noreply, state}
-
-  ## Start-up and back-off -----------------------------------------------------
-
-  # The start handshake came back: Python runs and reads requests.
-  defp started(state) do
-    for from <- state.waiters, do: GenServer.reply(from, :ok)
-
-    Events.started(state)
-
-    if state.attempt > 0 do
-      Logger.info("#{describe(state)}: the Python worker started after #{state.attempt} failures")
-    end
-
-    %{
-      state
-      | phase: :ready,
-        attempt: 0,
-        last_error: nil,
-        diagnosis: nil,
-        output_tail: [],
-        waiters: [],
-        heard: OSProcess.input_bytes(state.port)
-    }
-  end
-
-  # Python could not start (no executable: status nil and a reason) or exited
-  # before answering its start handshake: every waiting caller gets the
-  # error, and the next start is scheduled after a back-off.
-  defp start_failed(state, status, reason) do
-    %{attempt: attempt, delay: delay, diagnosis: diagnosis, error: error} =
-      Startup.failure(state, status, reason, describe(state))
-
-    Logger.error(error.message)
-    if status, do: exited(state, :start_failed, status)
-
-    for from <- state.waiters, do: GenServer.reply(from, {:error, error})
-    fail_all(state, error)
-    publish(state.registry, nil)
-    Health.cancel(state)
-    Process.send_after(self(), {:retry, delay}, delay)
-
-    %{
-      state
-      | port: nil,
-        phase: :backoff,
-        attempt: attempt,
-        last_error: error,
-        diagnosis: diagnosis,
-        waiters: [],
-        health: nil
-    }
-  end
-
-  # What a call through this process gets while no Python process serves it.
-  defp unavailable(%{phase: :retiring} = state) do
-    Error.new(
-      :worker,
-      "#{describe(state)} is being replaced (over its :max_calls or :max_memory_mb) and " <>
-        "takes no new calls",
-      details: %{pool: state.pool, index: state.index}
-    )
-  end
-
-  defp unavailable(state), do: state.last_error
-
-  ## Lifecycle limits ------------------------------------------------------------
-
-  # After a caller's reply: count it, then look at the limits (between calls).
-  defp after_call(%{phase: :retiring} = state), do: drain(%{state | calls: state.calls + 1})
-
-  defp after_call(state) do
-    state = %{state | calls: state.calls + 1}
-
-    case Limits.calls(state) do
-      {:over, why} -> {:noreply, retire(state, why)}
-      :ok when is_integer(state.max_memory_mb) -> check_memory(state, false)
-      :ok -> {:noreply, state}
-    end
-  end
-
-  # Reads the Python process's resident memory (at most once a second unless
-  # `now`) and retires the worker when it is over :max_memory_mb.
-  defp check_memory(state, now) do
-    case Limits.memory(state, now) do
-      {:ok, state} -> {:noreply, state}
-      {:over, why, state} -> {:noreply, retire(state, why)}
-    end
-  end
-
-  # Over a limit: leave the registry (no new call is routed here; refs into
-  # this worker are stale from now on), let the calls in flight finish, then
-  # have the pool replace this worker.
-  defp retire(state, why) do
-    Logger.info("#{describe(state)}: replacing the worker once its calls finish: #{why}")
-
-    case state.registry do
-      {registry, key} -> Registry.unregister(registry, key)
-      nil -> :ok
-    end
-
-    # a caller that looked the worker up just before may still write its call
-    Process.send_after(self(), :drain_check, @drain_grace)
-    %{state | phase: :retiring}
-  end
-
-  defp drain(%{replace_requested: true} = state), do: {:noreply, state}
-
-  defp drain(state) do
-    cond do
-      Pending.callers(state.table) > 0 ->
-        {:noreply, state}
-
-      replacer = replacer(state.registry) ->
-        GenServer.cast(replacer, {:replace, state.index, self()})
-        {:noreply, %{state | replace_requested: true}}
-
-      true ->
-        {:stop, {:shutdown, :replaced}, state}
-    end
-  end
-
-  defp replacer({registry, _key}) do
-    case Registry.meta(registry, :replacer) do
-      {:ok, pid} -> pid
-      :error -> nil
-    end
-  rescue
-    ArgumentError -> nil
-  end
-
-  defp replacer(nil), do: nil
-
-  defp exited(state, reason, status), do: Events.exited(state, reason, status)
-
-  ## Health checks -------------------------------------------------------------
-
-  defp unresponsive(state) do
-    waited = Health.ping_wait(state)
-
-    message =
-      "the Python worker (os pid #{state.os_pid}) stopped answering: nothing came from it " <>
-        "for #{waited} ms after a health ping, so it was killed"
-
-    Logger.error("#{describe(state)} (os pid #{state.os_pid}): #{message}")
-    OSProcess.kill(state.os_pid)
-    exited(state, :unresponsive, nil)
-    fail_pending(state, message, %{reason: :unresponsive})
-    {:stop, {:shutdown, :unresponsive}, %{state | phase: :gone}}
-  end
-
-  @impl true
-  def terminate(_reason, %{port: port} = state) do
-    if port != nil and state.phase != :gone,
-      do: exited(state, if(state.phase == :retiring, do: :replaced, else: :shutdown), nil)
-
-    for from <- state.waiters do
-      GenServer.reply(from, {:error, Error.new(:worker, "the worker is shutting down")})
-    end
-
-    fail_pending(state, "the worker is shutting down", %{})
-
-    if port != nil do
-      try do
-        Port.close(port)
-      rescue
-        ArgumentError -> :ok
-      end
-    end
-
-    :ok
-  end
-
-  defp fail_pending(state, message, details) do
-    error =
-      Error.new(:worker, message,
-        details: Map.merge(details, %{pool: state.pool, index: state.index, os_pid: state.os_pid})
-      )
-
-    fail_all(state, error)
-  end
-
-  # (taken one by one: terminate/2 sweeps again, and each caller hears once)
-  defp fail_all(state, error), do: Pending.fail_all(state.table, error)
-
-  defp command_error(state) do
-    if Port.info(state.port) == nil do
-      Error.new(:worker, "the Python worker (os pid #{state.os_pid}) has exited",
-        details: %{pool: state.pool, index: state.index, os_pid: state.os_pid}
-      )
-    else
-      Error.new(:bad_args, "request frame is not iodata")
-    end
-  end
-
-  defp describe(state), do: Output.describe(state)
-
-  # While starting, the last lines Python printed are kept for the diagnosis
-  # of a failed start.
-  defp printed(%{phase: :starting} = state, lines),
-    do: %{state | output_tail: Startup.keep_tail(state.output_tail, lines)}
-
-  defp printed(state, _lines), do: state
 end

@@ -2,8 +2,9 @@ defmodule VllmBridge.Worker.Options do
   @moduledoc """
   Checks of the options of `VllmBridge.Worker.start_link/1` that must be
   valid before a worker starts: the health-check timings and the lifecycle
-  limits. Each check looks only at the options it names, and only when they
-  are given (a missing one takes its valid default).
+  limits, and the defaults of those that have one. Each check looks only at
+  the options it names, and only when they are given (a missing one takes
+  its valid default, `defaults/0`).
 
   The results are `:ok` or `{:error, %VllmBridge.Error{category: :bad_args}}`
   whose message names the option, the kind of value it takes and the value
@@ -11,6 +12,26 @@ defmodule VllmBridge.Worker.Options do
   """
 
   alias VllmBridge.Error
+
+  @defaults [
+    health_interval: 5_000,
+    health_timeout: 5_000,
+    # the back-off between failed starts of a Python process (ms)
+    backoff_min: 500,
+    backoff_max: 30_000
+  ]
+
+  @doc """
+  The defaults of the options checked here that have one (`:max_calls` and
+  `:max_memory_mb` default to `nil`, no limit).
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Options.defaults()
+      [health_interval: 5000, health_timeout: 5000, backoff_min: 500, backoff_max: 30000]
+  """
+  @spec defaults() :: keyword(pos_integer())
+  def defaults, do: @defaults
 
   @doc """
   Checks `:health_interval` and `:health_timeout`.

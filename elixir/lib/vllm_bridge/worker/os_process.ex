@@ -5,7 +5,8 @@ defmodule VllmBridge.Worker.OSProcess do
   killing it, and running a failed one again to capture what it prints.
 
   The commands themselves are built by `VllmBridge.Worker.Command`; the
-  `VllmBridge.Worker` process calls these functions and owns the port.
+  worker process (`VllmBridge.Worker.Server`) calls these functions and owns
+  the port.
   """
 
   alias VllmBridge.Worker.Command

@@ -2,8 +2,9 @@ defmodule VllmBridge.Worker.Pending do
   @moduledoc """
   A worker's table of calls in flight: request id -> reply address.
 
-  The table is a public ETS set owned by the `VllmBridge.Worker` process and
-  outlives the Python processes of failed starts. Callers that write to the
+  The table is a public ETS set owned by the worker process
+  (`VllmBridge.Worker.Server`) and outlives the Python processes of failed
+  starts. Callers that write to the
   port themselves (through the worker's channel) enter their own calls here;
   the worker enters the calls that come through it, and its own pings.
 

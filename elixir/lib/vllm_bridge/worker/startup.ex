@@ -1,8 +1,10 @@
 defmodule VllmBridge.Worker.Startup do
   @moduledoc """
-  What a `VllmBridge.Worker` makes of a failed start of its Python process:
-  why it failed, the error its callers get, and how long to wait before the
-  next try (see "Start-up" in `VllmBridge.Worker`).
+  The start-up of a `VllmBridge.Worker`'s Python process: the worker's
+  state as it spawns one, when its start handshake is answered and when it
+  fails, and what a failed start means: why it failed, the error its callers
+  get, and how long to wait before the next try (see "Start-up" in
+  `VllmBridge.Worker`).
 
   Why comes from Python's own words: the last lines it printed before it
   exited (sent as output frames, kept by the worker while it starts). A
@@ -12,7 +14,7 @@ defmodule VllmBridge.Worker.Startup do
   once per run of failures.
 
   Apart from that re-run, everything here is pure: it takes the worker's
-  state and returns data.
+  state (`t:VllmBridge.Worker.State.t/0`) and returns data or a new state.
   """
 
   alias VllmBridge.Error
@@ -48,6 +50,76 @@ defmodule VllmBridge.Worker.Startup do
   def backoff(min, max, attempt) do
     min(max, min * Integer.pow(2, min(attempt - 1, 20)))
   end
+
+  @doc """
+  The state of a worker that has just spawned its Python process `os_pid`
+  behind `port`, running `executable`: `:starting`, with nothing heard from
+  Python yet, no lines printed and no health ping in flight.
+  """
+  @spec spawned(map(), port(), pos_integer(), Path.t()) :: map()
+  def spawned(state, port, os_pid, executable) do
+    %{
+      state
+      | port: port,
+        os_pid: os_pid,
+        python: executable,
+        phase: :starting,
+        spawned_at: System.monotonic_time(),
+        output_tail: [],
+        heard: 0,
+        health: nil
+    }
+  end
+
+  @doc """
+  The state of a worker whose start handshake was answered: `:ready`, its
+  run of failures over, its waiters answered (by the worker), and `heard`
+  the port's count of bytes read so far.
+  """
+  @spec ready(map(), non_neg_integer() | :closed) :: map()
+  def ready(state, heard) do
+    %{
+      state
+      | phase: :ready,
+        attempt: 0,
+        last_error: nil,
+        diagnosis: nil,
+        output_tail: [],
+        waiters: [],
+        heard: heard
+    }
+  end
+
+  @doc """
+  The state of a worker after the failed start `failure` (from `failure/4`):
+  `:backoff`, with no port, no health ping, its waiters answered (by the
+  worker), and the failure's count, error and diagnosis kept for the next
+  try.
+  """
+  @spec failed(map(), failure()) :: map()
+  def failed(state, %{attempt: attempt, error: error, diagnosis: diagnosis}) do
+    %{
+      state
+      | port: nil,
+        phase: :backoff,
+        attempt: attempt,
+        last_error: error,
+        diagnosis: diagnosis,
+        waiters: [],
+        health: nil
+    }
+  end
+
+  @doc """
+  Keeps the `lines` Python printed while the worker is `:starting`, for the
+  diagnosis of a failed start (`keep_tail/2`); in any other phase the state
+  is returned as it is.
+  """
+  @spec printed(map(), [String.t()]) :: map()
+  def printed(%{phase: :starting} = state, lines),
+    do: %{state | output_tail: keep_tail(state.output_tail, lines)}
+
+  def printed(state, _lines), do: state
 
   @doc """
   Adds the `lines` Python printed to the `tail` kept for a diagnosis: the

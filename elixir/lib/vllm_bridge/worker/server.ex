@@ -1,0 +1,392 @@
+defmodule VllmBridge.Worker.Server do
+  @moduledoc """
+  The process behind `VllmBridge.Worker`: the `GenServer` that owns one
+  Python process's port and the table of calls pending on it, and keeps a
+  `VllmBridge.Worker.State`.
+
+  `VllmBridge.Worker.start_link/1` starts it and the other functions of
+  `VllmBridge.Worker` talk to it; nothing else calls this module. What a
+  worker does is described there ("Start-up", "Health checks", "Crashes",
+  "Lifecycle limits"). The decisions are made by the parts it is built from,
+  which take its state and return data or a new state:
+
+    * `VllmBridge.Worker.State` - the state itself, and the snapshot
+      `VllmBridge.Worker.info/1` returns;
+    * `VllmBridge.Worker.Startup` - the start-up phases, and what a failed
+      start means (its error and back-off);
+    * `VllmBridge.Worker.Health` - health ticks and pings;
+    * `VllmBridge.Worker.Limits` - `:max_calls` and `:max_memory_mb`;
+    * `VllmBridge.Worker.Pending` - the table of pending calls;
+    * `VllmBridge.Worker.Output` - what Python printed, and how log
+      messages name the worker;
+    * `VllmBridge.Worker.Events` - telemetry;
+    * `VllmBridge.Worker.Command` and `VllmBridge.Worker.OSProcess` - the
+      command line, and the port and OS process it runs.
+
+  This module does what only the process can: it handles the messages
+  (calls, the port's data and exit, its own timers), answers callers, logs,
+  publishes its channel in the pool's `Registry` and leaves it, and stops.
+  """
+
+  use GenServer
+
+  require Logger
+
+  alias VllmBridge.{Error, Proto, Worker}
+
+  alias VllmBridge.Worker.{
+    Command,
+    Events,
+    Health,
+    Limits,
+    OSProcess,
+    Output,
+    Pending,
+    Startup,
+    State
+  }
+
+  # a retiring worker waits this long for callers that had already looked it up
+  @drain_grace 50
+
+  @impl true
+  def init(opts) do
+    Process.flag(:trap_exit, true)
+    state = State.new(opts, Pending.new())
+
+    if Events.started_before?(opts[:registry]), do: Events.restarted(state, 0, 0)
+
+    {:ok, state |> spawn_python() |> Health.schedule_tick()}
+  end
+
+  # Spawns the Python process and writes the start handshake (a ping); calls
+  # may be written behind it at once, Python answers them once it runs.
+  defp spawn_python(state) do
+    python = state.python
+    # entries of callers that wrote to the port of a failed start
+    if state.last_error, do: fail_all(state, state.last_error)
+
+    executable = Command.executable(python)
+
+    try do
+      if executable == nil, do: raise(ErlangError, original: :enoent)
+      {port, os_pid} = OSProcess.open(executable, state.spawn)
+      id = Worker.new_id()
+      Pending.enter_own(state.table, id, :handshake)
+      OSProcess.write(port, Health.ping_frame(id))
+      publish(state.registry, {:channel, self(), port, state.table})
+      Startup.spawned(state, port, os_pid, executable)
+    rescue
+      error in [ErlangError, ArgumentError] ->
+        start_failed(state, nil, "cannot run #{python}: #{Exception.message(error)}")
+    end
+  end
+
+  defp publish(nil, _channel), do: :ok
+
+  defp publish({registry, key}, channel) do
+    {_new, _old} = Registry.update_value(registry, key, fn _ -> channel end)
+    :ok
+  end
+
+  @impl true
+  def handle_call({:request, id, frame}, {caller, _} = from, %{phase: phase} = state)
+      when phase in [:starting, :ready] do
+    case Pending.enter(state.table, id, from, caller) do
+      :ok ->
+        try do
+          OSProcess.write(state.port, frame)
+          {:noreply, state}
+        rescue
+          ArgumentError ->
+            # Port.command also fails on a port that closed because Python exited
+            # (the exit message is still behind this request in the mailbox).
+            Pending.delete(state.table, id)
+            {:reply, {:error, command_error(state)}, state}
+        end
+
+      {:error, _} = error ->
+        {:reply, error, state}
+    end
+  end
+
+  def handle_call({:request, _id, _frame}, _from, state) do
+    {:reply, {:error, unavailable(state)}, state}
+  end
+
+  def handle_call(:await_started, from, state) do
+    case state do
+      %{phase: phase} when phase in [:ready, :retiring] -> {:reply, :ok, state}
+      %{phase: :starting, attempt: 0} -> {:noreply, %{state | waiters: [from | state.waiters]}}
+      _failed -> {:reply, {:error, state.last_error}, state}
+    end
+  end
+
+  def handle_call(:info, _from, state) do
+    {:reply, State.info(state, Pending.pending(state.table)), state}
+  end
+
+  @impl true
+  def handle_cast({:cancel, id}, state) do
+    Pending.delete(state.table, id)
+    {:noreply, state}
+  end
+
+  @impl true
+  def handle_info({port, {:data, reply}}, %{port: port} = state) do
+    case Proto.reply_id(reply) do
+      {:ok, 0} ->
+        {:noreply, Startup.printed(state, Output.unsolicited(state, reply))}
+
+      {:ok, id} ->
+        case Pending.take(state.table, id) do
+          :health ->
+            {:noreply, Health.answered(state)}
+
+          :handshake ->
+            {:noreply, started(state)}
+
+          # No entry: the caller timed out and went away; drop the late reply.
+          nil ->
+            {:noreply, state}
+
+          to ->
+            Pending.answer(to, {:ok, reply})
+            after_call(state)
+        end
+
+      {:error, error} ->
+        Logger.warning("#{describe(state)}: unreadable reply: #{error.message}")
+        {:noreply, state}
+    end
+  end
+
+  def handle_info({port, {:exit_status, status}}, %{port: port, phase: :starting} = state) do
+    {:noreply, start_failed(%{state | port: nil}, status, nil)}
+  end
+
+  def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
+    message = "the Python worker (os pid #{state.os_pid}) exited with status #{status}"
+    Logger.error("#{describe(state)}: #{message}")
+    exited(state, :exit, status)
+    fail_pending(state, message, %{exit_status: status})
+    {:stop, {:shutdown, {:exit_status, status}}, %{state | port: nil, phase: :gone}}
+  end
+
+  def handle_info({:EXIT, port, reason}, %{port: port} = state) do
+    message = "the port to the Python worker closed (#{inspect(reason)})"
+    exited(state, :exit, nil)
+    fail_pending(state, message, %{reason: reason})
+    {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil, phase: :gone}}
+  end
+
+  # The back-off after a failed start is over: start Python again.
+  def handle_info({:retry, delay}, %{phase: :backoff} = state) do
+    Events.restarted(state, delay, state.attempt)
+
+    {:noreply, spawn_python(state)}
+  end
+
+  def handle_info(:drain_check, %{phase: :retiring} = state), do: drain(state)
+
+  # Every tick: sweep; then, unless checks are off or a ping is in flight,
+  # ping Python if nothing came from it since the last tick.
+  def handle_info(:health_tick, state) do
+    Pending.sweep(state.table)
+    if state.phase == :backoff, do: fail_all(state, state.last_error)
+
+    state = state |> Health.tick() |> Health.schedule_tick()
+
+    # a worker that is idle is checked for memory here, between calls
+    case state do
+      %{phase: :ready, max_memory_mb: mb} when is_integer(mb) -> check_memory(state, true)
+      _ -> {:noreply, state}
+    end
+  end
+
+  def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
+    case Health.timed_out(state) do
+      {:alive, state} -> {:noreply, state}
+      :unresponsive -> unresponsive(state)
+    end
+  end
+
+  def handle_info(_other, state), do: {:noreply, state}
+
+  ## Start-up and back-off -----------------------------------------------------
+
+  # The start handshake came back: Python runs and reads requests.
+  defp started(state) do
+    for from <- state.waiters, do: GenServer.reply(from, :ok)
+
+    Events.started(state)
+
+    if state.attempt > 0 do
+      Logger.info("#{describe(state)}: the Python worker started after #{state.attempt} failures")
+    end
+
+    Startup.ready(state, OSProcess.input_bytes(state.port))
+  end
+
+  # Python could not start (no executable: status nil and a reason) or exited
+  # before answering its start handshake: every waiting caller gets the
+  # error, and the next start is scheduled after a back-off.
+  defp start_failed(state, status, reason) do
+    %{delay: delay, error: error} =
+      failure = Startup.failure(state, status, reason, describe(state))
+
+    Logger.error(error.message)
+    if status, do: exited(state, :start_failed, status)
+
+    for from <- state.waiters, do: GenServer.reply(from, {:error, error})
+    fail_all(state, error)
+    publish(state.registry, nil)
+    Health.cancel(state)
+    Process.send_after(self(), {:retry, delay}, delay)
+
+    Startup.failed(state, failure)
+  end
+
+  # What a call through this process gets while no Python process serves it.
+  defp unavailable(%{phase: :retiring} = state) do
+    Error.new(
+      :worker,
+      "#{describe(state)} is being replaced (over its :max_calls or :max_memory_mb) and " <>
+        "takes no new calls",
+      details: %{pool: state.pool, index: state.index}
+    )
+  end
+
+  defp unavailable(state), do: state.last_error
+
+  ## Lifecycle limits ------------------------------------------------------------
+
+  # After a caller's reply: count it, then look at the limits (between calls).
+  defp after_call(%{phase: :retiring} = state), do: drain(%{state | calls: state.calls + 1})
+
+  defp after_call(state) do
+    state = %{state | calls: state.calls + 1}
+
+    case Limits.calls(state) do
+      {:over, why} -> {:noreply, retire(state, why)}
+      :ok when is_integer(state.max_memory_mb) -> check_memory(state, false)
+      :ok -> {:noreply, state}
+    end
+  end
+
+  # Reads the Python process's resident memory (at most once a second unless
+  # `now`) and retires the worker when it is over :max_memory_mb.
+  defp check_memory(state, now) do
+    case Limits.memory(state, now) do
+      {:ok, state} -> {:noreply, state}
+      {:over, why, state} -> {:noreply, retire(state, why)}
+    end
+  end
+
+  # Over a limit: leave the registry (no new call is routed here; refs into
+  # this worker are stale from now on), let the calls in flight finish, then
+  # have the pool replace this worker.
+  defp retire(state, why) do
+    Logger.info("#{describe(state)}: replacing the worker once its calls finish: #{why}")
+
+    case state.registry do
+      {registry, key} -> Registry.unregister(registry, key)
+      nil -> :ok
+    end
+
+    # a caller that looked the worker up just before may still write its call
+    Process.send_after(self(), :drain_check, @drain_grace)
+    %{state | phase: :retiring}
+  end
+
+  defp drain(%{replace_requested: true} = state), do: {:noreply, state}
+
+  defp drain(state) do
+    cond do
+      Pending.callers(state.table) > 0 ->
+        {:noreply, state}
+
+      replacer = replacer(state.registry) ->
+        GenServer.cast(replacer, {:replace, state.index, self()})
+        {:noreply, %{state | replace_requested: true}}
+
+      true ->
+        {:stop, {:shutdown, :replaced}, state}
+    end
+  end
+
+  defp replacer({registry, _key}) do
+    case Registry.meta(registry, :replacer) do
+      {:ok, pid} -> pid
+      :error -> nil
+    end
+  rescue
+    ArgumentError -> nil
+  end
+
+  defp replacer(nil), do: nil
+
+  defp exited(state, reason, status), do: Events.exited(state, reason, status)
+
+  ## Health checks -------------------------------------------------------------
+
+  defp unresponsive(state) do
+    waited = Health.ping_wait(state)
+
+    message =
+      "the Python worker (os pid #{state.os_pid}) stopped answering: nothing came from it " <>
+        "for #{waited} ms after a health ping, so it was killed"
+
+    Logger.error("#{describe(state)} (os pid #{state.os_pid}): #{message}")
+    OSProcess.kill(state.os_pid)
+    exited(state, :unresponsive, nil)
+    fail_pending(state, message, %{reason: :unresponsive})
+    {:stop, {:shutdown, :unresponsive}, %{state | phase: :gone}}
+  end
+
+  @impl true
+  def terminate(_reason, %{port: port} = state) do
+    if port != nil and state.phase != :gone,
+      do: exited(state, if(state.phase == :retiring, do: :replaced, else: :shutdown), nil)
+
+    for from <- state.waiters do
+      GenServer.reply(from, {:error, Error.new(:worker, "the worker is shutting down")})
+    end
+
+    fail_pending(state, "the worker is shutting down", %{})
+
+    if port != nil do
+      try do
+        Port.close(port)
+      rescue
+        ArgumentError -> :ok
+      end
+    end
+
+    :ok
+  end
+
+  defp fail_pending(state, message, details) do
+    error =
+      Error.new(:worker, message,
+        details: Map.merge(details, %{pool: state.pool, index: state.index, os_pid: state.os_pid})
+      )
+
+    fail_all(state, error)
+  end
+
+  # (taken one by one: terminate/2 sweeps again, and each caller hears once)
+  defp fail_all(state, error), do: Pending.fail_all(state.table, error)
+
+  defp command_error(state) do
+    if Port.info(state.port) == nil do
+      Error.new(:worker, "the Python worker (os pid #{state.os_pid}) has exited",
+        details: %{pool: state.pool, index: state.index, os_pid: state.os_pid}
+      )
+    else
+      Error.new(:bad_args, "request frame is not iodata")
+    end
+  end
+
+  defp describe(state), do: Output.describe(state)
+end
