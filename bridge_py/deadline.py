@@ -6,10 +6,12 @@ for the length of the call, as a ``time.monotonic()`` value, on the thread that 
 call (a thread-local: an attribute write and a read, cheaper than a ContextVar's set and
 reset on every call; a call's own threads start without one). The blocking waits of the
 distributed code (``StatelessProcessGroup.recv_obj``, ``broadcast_obj``,
-``all_gather_obj``, ``barrier``, ``MessageQueue.enqueue``/``dequeue``) clamp their own
-timeouts to it with :func:`clamp`, so a call its caller gave up on gives up too, as a
-timeout of the wait would (a receive that gives up takes nothing: the message stays for
-the next one), instead of holding its group until the store's timeout.
+``all_gather_obj``, ``barrier``, ``MessageQueue.enqueue``/``dequeue``/``wait_until_ready``,
+the collectives of the device communicators) clamp their own timeouts to it with
+:func:`clamp`, so a call its caller gave up on gives up too, as a timeout of the wait would
+(a receive that gives up takes nothing: the message stays for the next one; a collective
+that gives up leaves its group unusable), instead of holding its group until the store's
+or the group's timeout.
 
 Without a deadline set (every Python user of the package, and requests without one)
 :func:`clamp` returns its argument: nothing changes. This module imports nothing of the

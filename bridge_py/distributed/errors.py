@@ -5,7 +5,8 @@ situations is, so code written for them keeps working; the subclasses say what h
 
     DistributedError (RuntimeError)
     ├── GroupTimeout (also TimeoutError)      a wait ran out: a peer did not send, arrive or read
-    │   └── BarrierTimeout (also BarrierFailure)
+    │   ├── BarrierTimeout (also BarrierFailure)
+    │   └── CollectiveTimeout                 a collective ran out: its group is unusable now
     ├── PeerGoneError                         a peer exited, or closed its end
     ├── StoreError                            the store could not be served, reached or joined
     ├── AuthenticationError                   a value whose tag is missing or wrong
@@ -30,6 +31,7 @@ __all__ = [
     "BarrierStoreError",
     "BarrierTimeout",
     "CollectiveMismatchError",
+    "CollectiveTimeout",
     "DistributedError",
     "GroupTimeout",
     "PeerGoneError",
@@ -46,6 +48,13 @@ class DistributedError(RuntimeError):
 
 class GroupTimeout(DistributedError, TimeoutError):
     """A wait for another rank ran out (a RuntimeError, as vLLM's, and a TimeoutError)."""
+
+
+class CollectiveTimeout(GroupTimeout):
+    """A collective (torch.distributed's, or the shared-memory one) ran out of time, at the
+    caller's deadline or the group's timeout. The ranks of its group are out of step (the
+    others may still run it, or the next one), so the group cannot be used again: destroy
+    it and make it anew on every rank."""
 
 
 class PeerGoneError(DistributedError):

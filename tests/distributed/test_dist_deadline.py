@@ -3,13 +3,17 @@
 A worker runs each request under its caller's deadline; a wait of StatelessProcessGroup
 that would outlast it gives up at it, as at its own timeout: a receive that gives up
 takes nothing, so the next receive gets the next message. Without a deadline nothing
-changes (the store's timeout, or the call's own).
+changes (the store's timeout, or the call's own). A GroupCoordinator's collective gives
+up at it too (CollectiveTimeout), over gloo or shared memory, instead of blocking until
+the group's timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import time
+from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
@@ -18,8 +22,9 @@ from bridge_py import deadline
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
 from bridge_py.distributed.errors import BarrierTimeout, GroupTimeout
+from tests.distributed.harness import free_port, run_ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
 
 
 def _pair() -> tuple[StatelessProcessGroup, StatelessProcessGroup]:
@@ -84,3 +89,75 @@ def test_message_queue_waits_give_up_at_the_deadline() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def test_wait_until_ready_gives_up_at_the_deadline() -> None:
+    writer = MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2)
+    try:  # its one local reader never attaches
+        _gives_up_in_time(lambda: writer.wait_until_ready(timeout=20.0))
+    finally:
+        writer.close()
+
+
+# -- a GroupCoordinator collective, through a worker request with a deadline ----------------
+
+# How long the rank that never joins stays (alive: a rank that exits is reported at once).
+_ABSENT_FOR = 25.0
+
+
+def _all_reduce_alone(rank: int, port: int, shm: bool, done: str) -> dict:
+    """Rank 0 calls the TP group's all_reduce in a worker request with a 1 s deadline; rank 1
+    never calls it, and stays until rank 0 is done."""
+    import torch
+
+    from bridge_py.distributed import init_distributed_environment, initialize_model_parallel
+    from bridge_py.worker import envelope as pb
+    from bridge_py.worker.codec import PLAIN
+    from bridge_py.worker.dispatcher import Dispatcher
+    from bridge_py.worker.export_table import default_exports
+
+    os.environ["VLLM_BRIDGE_CPU_SHM"] = "1" if shm else "0"
+    init_distributed_environment(
+        world_size=2,
+        rank=rank,
+        local_rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=60),
+    )
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    if rank == 1:
+        until = time.monotonic() + _ABSENT_FOR
+        while not Path(done).exists() and time.monotonic() < until:
+            time.sleep(0.05)
+        return {}
+    d = Dispatcher(default_exports())
+    tp = d.dispatch(pb.Request(1, "", pb.CallFunction("get_tp_group")))
+    call = pb.CallMethod(PLAIN.decode(tp.value).handle, "all_reduce", PLAIN.encode([torch.ones(4)]))
+    start = time.monotonic()
+    reply = d.dispatch(pb.Request(2, "", call, 1000))
+    took = time.monotonic() - start
+    Path(done).touch()
+    error = reply.error
+    assert error is not None, reply
+    return {
+        "took": took,
+        "category": error.category,
+        "type": error.python_type,
+        "message": error.message,
+    }
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_a_collective_whose_peer_never_joins_gives_up_at_the_deadline(
+    shm: bool, tmp_path: Path
+) -> None:
+    got = run_ranks(
+        _all_reduce_alone, 2, free_port(), shm, str(tmp_path / "done"), timeout=_ABSENT_FOR + 30
+    )[0]
+    # Not the group's 60 s, nor the moment rank 1 leaves.
+    assert 0.9 < got["took"] < 4.0, got
+    assert got["category"] == "timeout" and got["type"] == "CollectiveTimeout", got
+    message = got["message"]
+    assert "all_reduce" in message and "rank 0" in message and "'tp" in message, message
+    assert "unusable" in message, message

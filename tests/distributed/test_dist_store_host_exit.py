@@ -1,6 +1,8 @@
 """Waits end within their timeout, with our errors and nothing from torch on stderr, when the
 store's host is gone: rank 0 (which serves the TCPStore) killed while rank 1 waits, and a
-store that nobody serves at all (issue 19).
+store that nobody serves at all (issue 19). So do the store requests outside the waits:
+``expire_data``'s deletes, a broadcast that overflows the boards into the store, and
+``create``'s join.
 
 Rank 0 is a real process started here (``doomed``) that SIGKILLs itself once rank 1 says
 (a store key) that it is about to wait; rank 1 runs under ``run_ranks`` with its stderr (the
@@ -14,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from bridge_py.distributed.errors import (
     PeerGoneError,
     StoreError,
 )
+from bridge_py.distributed.spg.board import BROADCAST_RING
 from bridge_py.distributed.store.quiet import QUIET, enabled
 from tests.distributed.harness import TRANSPORTS, free_port, run_ranks, use_transport
 from tests.distributed.test_dist_peer_death import doomed
@@ -93,10 +97,15 @@ def _outcome(fn: Any) -> dict:
     return {"elapsed": time.monotonic() - start, "type": None}
 
 
-def _waiter(rank: int, port: int, transport: str, op: str, stderr_path: str, again: bool) -> dict:
-    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+def _stderr_to(path: str) -> None:
+    """Send this process's stderr (the descriptor torch's C++ logger writes to) to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def _waiter(rank: int, port: int, transport: str, op: str, stderr_path: str, again: bool) -> dict:
+    _stderr_to(stderr_path)
     use_transport(transport)
     store_timeout = TIMEOUT if op == "all_gather_obj" else 300
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=store_timeout)
@@ -158,6 +167,67 @@ def test_a_wait_that_must_reconnect_after_rank_0_died(tmp_path: Path) -> None:
     result = out["result"]
     _check(result, "broadcast_obj", "'bcast/0/0'", stderr_path.read_text())
     assert result["type"].endswith("StoreError") and result["elapsed"] < 1.0, result
+
+
+# A store request that is not a wait, made once rank 0 is gone: (transport, the key named).
+REQUESTS = {
+    # Deletes the message to rank 0 that was never received.
+    "expire_data": ("store", "'p2p/1/0/0'"),
+    # Rank 0 reads no broadcast: once the broadcast ring is full, values go in the store
+    # (a set has no reply: the broken connection is seen by the next one).
+    "broadcast_overflow": ("shm", "'bcast/1/"),
+}
+
+
+def _requester(rank: int, port: int, request: str, stderr_path: str) -> dict:
+    _stderr_to(stderr_path)
+    use_transport(REQUESTS[request][0])
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=300)
+    if request == "expire_data":
+        group.send_obj("never received", dst=0)
+        group.data_expiration_seconds = 0
+        action = group.expire_data
+    else:
+        for i in range(BROADCAST_RING):
+            group.broadcast_obj(i, src=1)
+
+        def action() -> None:
+            for _ in range(50):
+                group.broadcast_obj("overflow", src=1)
+                time.sleep(0.02)
+
+    group.store.set(READY, "1")
+    _wait_until_refused(port)
+    return _outcome(action)
+
+
+@pytest.mark.parametrize("request_", REQUESTS)
+def test_a_store_request_after_rank_0_died(request_: str, tmp_path: Path) -> None:
+    port = free_port()
+    stderr_path = tmp_path / "stderr"
+    with doomed(_store_host, 0, port, REQUESTS[request_][0], 0.0):
+        (out,) = run_ranks(_requester, 2, port, request_, str(stderr_path), ranks=[1], timeout=60)
+    _check(out, request_, REQUESTS[request_][1], stderr_path.read_text())
+    assert out["type"].endswith("StoreError"), out
+
+
+def _dies_while_joining(rank: int, port: int) -> None:
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=60)
+
+
+def _joiner(rank: int, port: int, stderr_path: str) -> dict:
+    _stderr_to(stderr_path)
+    return _outcome(lambda: StatelessProcessGroup.create("127.0.0.1", port, rank, 3, 3600, 60))
+
+
+def test_rank_0_killed_while_rank_1_joins(tmp_path: Path) -> None:
+    port = free_port()
+    stderr_path = tmp_path / "stderr"
+    with doomed(_dies_while_joining, 0, port):
+        (out,) = run_ranks(_joiner, 3, port, str(stderr_path), ranks=[1], timeout=60)
+    _check(out, "create", "'join/done'", stderr_path.read_text())
+    assert out["type"].endswith("StoreError") and f"127.0.0.1:{port}" in out["message"], out
 
 
 _UNREACHABLE = """

@@ -127,7 +127,6 @@ class GroupCoordinator:
         # Objects between ranks travel on the CPU group, sealed when there is a key.
         self._objects = ObjectChannel(self.cpu_group, self._auth_key, ranks=self.ranks)
         self.device = device_for(str(torch_distributed_backend), local_rank)
-        self._tensors = TensorWire(self.cpu_group, self.device_group, self.ranks, self.device)
 
         # Every collective goes through a communicator. vLLM exposes one only when asked
         # for (and the group has several ranks); the others get a plain torch.distributed
@@ -140,6 +139,10 @@ class GroupCoordinator:
             device_group=self.device_group,
             unique_name=self.unique_name,
             use_all2all=use_all2all and exposed,
+        )
+        where = self._comm.agreement.where
+        self._tensors = TensorWire(
+            self.cpu_group, self.device_group, self.ranks, self.device, where
         )
         self.device_communicator: DeviceCommunicatorBase | None = self._comm if exposed else None
 
@@ -590,7 +593,7 @@ class GroupCoordinator:
         # As vLLM: "don't use `device_group` here! `barrier` in NCCL is terrible because it
         # is internally a broadcast operation with secretly created GPU tensors. It is easy
         # to mess up the current device. Use the CPU group instead."
-        dist.barrier(group=self.cpu_group)
+        self._comm._finish(dist.barrier(group=self.cpu_group, async_op=True), "barrier", True)
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Sends a tensor to the destination rank in a blocking way

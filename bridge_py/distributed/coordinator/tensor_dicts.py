@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
+from bridge_py.distributed.groups.work import finish
 
 __all__ = ["TensorMetadata", "TensorWire", "own_slice", "split_tensor_dict", "use_all_gather"]
 
@@ -73,7 +74,10 @@ class TensorWire:
         device_group: ProcessGroup,
         ranks: Sequence[int],
         device: torch.device,
+        where: str = "",
     ) -> None:
+        """``where`` names this rank and its group in a timeout (``groups.work.finish``)."""
+        self._where = where or f"rank {cpu_group.rank()} of its group"
         self._cpu_group = cpu_group
         self._device_group = device_group
         self._ranks = list(ranks)
@@ -98,21 +102,24 @@ class TensorWire:
             wire, _ = for_transport(tensor, str(dist.get_backend(group)))
             if wire.data_ptr() != tensor.data_ptr() and not tensor.is_contiguous():
                 raise ValueError("broadcast_tensor_dict needs contiguous tensors")
-            pending.append(dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True))
-        for handle in pending:
-            handle.wait()
+            work = dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True)
+            pending.append((work, tensor.is_cpu))
+        for work, cpu in pending:
+            finish(work, "broadcast_tensor_dict", self._where, bounded=cpu)
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         """Send ``tensor`` to group rank ``peer``."""
         group = self._group(tensor)
         wire, _ = for_transport(tensor, str(dist.get_backend(group)))
-        dist.send(wire, dst=self._ranks[peer], group=group)
+        work = dist.isend(wire, dst=self._ranks[peer], group=group)
+        finish(work, "send_tensor_dict", self._where, bounded=tensor.is_cpu)
 
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
         """Receive into ``tensor`` from group rank ``peer``."""
         group = self._group(tensor)
         wire, restore = for_transport(tensor, str(dist.get_backend(group)))
-        dist.recv(wire, src=self._ranks[peer], group=group)
+        work = dist.irecv(wire, src=self._ranks[peer], group=group)
+        finish(work, "recv_tensor_dict", self._where, bounded=tensor.is_cpu)
         if wire.data_ptr() != tensor.data_ptr():
             tensor.copy_(restore(wire).reshape(tensor.shape))
 

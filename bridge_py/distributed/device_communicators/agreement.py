@@ -39,6 +39,7 @@ from torch.distributed import ProcessGroup
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 from bridge_py.distributed.errors import CollectiveMismatchError, DistributedError
 from bridge_py.distributed.groups.objects import all_gather_bytes
+from bridge_py.distributed.groups.work import finish
 
 __all__ = [
     "CHECK_ENV",
@@ -206,6 +207,9 @@ class Agreement:
         self.label = label
         self.enabled = enabled
         self.carrier: Callable[[bytes, Judge], None] = self._over_gloo
+        # The operation being checked, and where: what a timed-out exchange names.
+        self.checking = ""
+        self.where = f"{self.who(rank_in_group)} of {label}"
 
     def who(self, rank_in_group: int) -> str:
         """``rank R (global G)`` for a rank of this group."""
@@ -223,13 +227,15 @@ class Agreement:
                 raise error
             return
         row = signature.row(error is not None)
+        self.checking = signature.op
         self.carrier(row, lambda rows: self.judge(signature, rows, error))
 
     def _over_gloo(self, row: bytes, judge: Judge) -> None:
         """The gloo carrier: one all-gather of every rank's row."""
         mine = torch.frombuffer(bytearray(row), dtype=torch.int64)
         table = torch.empty(self.world_size * _WIDTH, dtype=torch.int64)
-        all_gather_into(table, mine, self.cpu_group)
+        work = all_gather_into(table, mine, self.cpu_group, async_op=True)
+        finish(work, f"{self.checking} (its argument check)", self.where)
         data = table.numpy().tobytes()
         judge([data[r * ROW_BYTES : (r + 1) * ROW_BYTES] for r in range(self.world_size)])
 
@@ -258,7 +264,9 @@ class Agreement:
         decoded as UTF-8, never unpickled, since these messages are only text and anyone who
         can inject into the group's connection would choose the bytes."""
         try:
-            parts = all_gather_bytes(self.cpu_group, text.encode()[:_MAX_TEXT], _MAX_TEXT)
+            parts = all_gather_bytes(
+                self.cpu_group, text.encode()[:_MAX_TEXT], _MAX_TEXT, where=self.where
+            )
         except DistributedError:  # a forged size: say so rather than allocate what it asks
             return ["(a complaint that is not one: its size is out of range)"] * self.world_size
         return [part.decode(errors="replace") for part in parts]

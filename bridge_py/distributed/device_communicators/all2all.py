@@ -37,7 +37,8 @@ class NaiveAll2AllManager(All2AllManagerBase):
     def _token_counts(self, num_tokens: int) -> list[int]:
         local = torch.tensor([num_tokens], dtype=torch.int64)
         counts = torch.empty(self.world_size, dtype=torch.int64)
-        all_gather_into(counts, local, self.cpu_group)
+        work = all_gather_into(counts, local, self.cpu_group, async_op=True)
+        self.communicator._finish(work, "dispatch (token counts)", True)
         return [int(n) for n in counts.tolist()]
 
     def dispatch(

@@ -16,7 +16,10 @@ differences, all in the caller's favour:
 Collectives go through ``self.dist_module`` (``torch.distributed``, as vLLM's attribute);
 the all-gather and reduce-scatter steps go through two methods (``_all_gather_wire``,
 ``_reduce_scatter_wire``), the hooks where a device-specific transport such as the CPU
-communicator's shared memory plugs in.
+communicator's shared memory plugs in. Each collective that blocks the CPU (gloo's) runs
+with ``async_op=True`` and waits in :meth:`DeviceCommunicatorBase._finish`, within the
+caller's deadline when there is one (``groups.work``): it then raises CollectiveTimeout
+instead of blocking until the group's timeout.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from bridge_py.distributed.device_communicators.wire_dtypes import (
     for_transport,
     reducible,
 )
+from bridge_py.distributed.groups.work import finish
 
 __all__ = ["All2AllManagerBase", "DeviceCommunicatorBase", "Dispatched"]
 
@@ -153,6 +157,9 @@ class DeviceCommunicatorBase:
             f"{name} (global ranks {self.ranks})",
             checks_enabled(self.device),
         )
+        # Only a gloo device group blocks the CPU while it waits (NCCL's wait orders a
+        # stream), so only its waits keep to the caller's deadline.
+        self._device_blocks = self.backend == "gloo"
 
     # ------------------------------------------------------------- validation, agreement
 
@@ -255,13 +262,19 @@ class DeviceCommunicatorBase:
 
     # ------------------------------------------------------- transport (the device hooks)
 
+    def _finish(self, work: Any, op: str, cpu_group: bool = False) -> None:
+        """Wait for the ``work`` of ``op`` (on the CPU group with ``cpu_group``), within
+        the caller's deadline where the wait blocks the CPU (``groups.work.finish``)."""
+        finish(work, op, self.agreement.where, bounded=cpu_group or self._device_blocks)
+
     def _all_gather_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
         """Every rank's flat ``wire`` into ``out``, rank-major (same dtype)."""
-        all_gather_into(out, wire, self.device_group)
+        self._finish(all_gather_into(out, wire, self.device_group, async_op=True), "all_gather")
 
     def _reduce_scatter_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
         """Sum ``wire`` (rows) over the group and keep this rank's rank-major piece."""
-        reduce_scatter_into(out, wire, self.device_group)
+        work = reduce_scatter_into(out, wire, self.device_group, async_op=True)
+        self._finish(work, "reduce_scatter")
 
     # --------------------------------------------------------------------- collectives
 
@@ -276,7 +289,9 @@ class DeviceCommunicatorBase:
         wire, restore = for_reduction(input_, self.backend)
         if wire.data_ptr() == input_.data_ptr():
             wire = wire.clone()
-        self.dist_module.all_reduce(wire, group=self.device_group)
+        self._finish(
+            self.dist_module.all_reduce(wire, group=self.device_group, async_op=True), "all_reduce"
+        )
         return restore(wire).reshape(input_.shape)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -461,7 +476,10 @@ class DeviceCommunicatorBase:
             return torch.cat([input_] * self.world_size, dim=dim_n)
         wire, restore = for_transport(input_, self.backend)
         gather_list = [torch.empty_like(wire) for _ in range(self.world_size)] if is_dst else None
-        self.dist_module.gather(wire, gather_list, dst=self.ranks[dst], group=self.device_group)
+        work = self.dist_module.gather(
+            wire, gather_list, dst=self.ranks[dst], group=self.device_group, async_op=True
+        )
+        self._finish(work, op)
         if gather_list is None:
             return None
         parts = [restore(part).reshape(input_.shape) for part in gather_list]
@@ -482,7 +500,10 @@ class DeviceCommunicatorBase:
         if input_.numel() == 0:
             return input_
         wire, restore = for_transport(input_, self.backend)
-        self.dist_module.broadcast(wire, src=self.ranks[src], group=self.device_group)
+        work = self.dist_module.broadcast(
+            wire, src=self.ranks[src], group=self.device_group, async_op=True
+        )
+        self._finish(work, "broadcast")
         if self.rank_in_group != src and not input_.is_contiguous():
             input_.copy_(restore(wire).reshape(input_.shape))
         return input_
@@ -503,11 +524,10 @@ class DeviceCommunicatorBase:
         peer = self.ranks[self._check_peer("send", "dst", dst, False)]
         wire, _ = for_transport(tensor, self.backend)
         if self.agreement.enabled:
-            self.dist_module.send(
-                self._header(tensor, wire).encode(False), peer, group=self.cpu_group
-            )
+            header = self._header(tensor, wire).encode(False)
+            self._finish(self.dist_module.isend(header, peer, group=self.cpu_group), "send", True)
         if wire.numel() > 0:
-            self.dist_module.send(wire, peer, group=self.device_group)
+            self._finish(self.dist_module.isend(wire, peer, group=self.device_group), "send")
 
     def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         """Receives a tensor from the source rank.
@@ -527,7 +547,7 @@ class DeviceCommunicatorBase:
         if self.agreement.enabled:
             expected = self._header(tensor, wire).encode(False)
             got = torch.empty_like(expected)
-            self.dist_module.recv(got, peer, group=self.cpu_group)
+            self._finish(self.dist_module.irecv(got, peer, group=self.cpu_group), op, True)
             if not torch.equal(got, expected):
                 sent = got.tolist()
                 self._drain(sent, peer)
@@ -538,7 +558,7 @@ class DeviceCommunicatorBase:
                     f"{describe_dtype(sent[2])}; the message was received and dropped",
                 )
         if wire.numel() > 0:  # the wire views ``tensor`` (torch.empty is contiguous)
-            self.dist_module.recv(wire, peer, group=self.device_group)
+            self._finish(self.dist_module.irecv(wire, peer, group=self.device_group), op)
         return tensor
 
     @staticmethod
@@ -558,7 +578,7 @@ class DeviceCommunicatorBase:
             return
         dtype = None if is_bytes else dtype_of(header[2])
         scratch = torch.empty(numel, dtype=dtype or torch.uint8, device=self.device)
-        self.dist_module.recv(scratch, peer, group=self.device_group)
+        self._finish(self.dist_module.irecv(scratch, peer, group=self.device_group), "recv")
 
     # ----------------------------------------------------------------- model & all2all
 

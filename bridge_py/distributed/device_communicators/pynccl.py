@@ -68,6 +68,7 @@ from bridge_py.distributed.groups.torch_group import (
     _assemble,
     stateless_destroy_torch_distributed_process_group,
 )
+from bridge_py.distributed.groups.work import finish
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = ["PyNcclCommunicator"]
@@ -117,7 +118,7 @@ def _agreed_token(group: ProcessGroup | StatelessProcessGroup, rank: int) -> str
     if backend == Backend.NCCL:
         raise ValueError("PyNcclCommunicator should be attached to a non-NCCL group.")
     tensor = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-    group.broadcast(tensor, 0).wait()
+    finish(group.broadcast(tensor, 0), "PyNcclCommunicator's set-up", f"rank {rank} of its group")
     return bytes(tensor.tolist()).hex()
 
 
@@ -230,12 +231,17 @@ class PyNcclCommunicator:
         """The agreement's carrier without shared memory: one all-gather of every row."""
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
         table = torch.empty(self.world_size * len(row), dtype=torch.uint8)
-        self._group._allgather_base(table, mine).wait()
+        work = self._group._allgather_base(table, mine)
+        self._finish(work, f"{self.agreement.checking} (its argument check)")
         data = table.numpy().tobytes()
         judge([data[r * len(row) : (r + 1) * len(row)] for r in range(self.world_size)])
 
     def _error(self, op: str, message: str, kind: type[Exception] = ValueError) -> Exception:
         return kind(f"{op} on rank {self.rank} of {self.label}: {message}")
+
+    def _finish(self, work: Any, op: str) -> None:
+        """Wait for the ``work`` of ``op``; on CPU (gloo) within the caller's deadline."""
+        finish(work, op, self.agreement.where, bounded=self.device.type == "cpu")
 
     def _check(self, op: str, name: str, tensor: Any, like: torch.Tensor | None = None) -> None:
         """`tensor` is a contiguous tensor of this device (and of `like`'s dtype)."""
@@ -324,7 +330,7 @@ class PyNcclCommunicator:
         work = run()
         # On CUDA inside group_start/group_end, group_end waits for the coalesced work.
         if work is not None and not (self._depth and self.device.type == "cuda"):
-            work.wait()
+            self._finish(work, signature.op)
 
     def _on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         if self.device.type == "cuda" and stream is not None:
@@ -579,7 +585,7 @@ class PyNcclCommunicator:
             self._sends.extend(works)
         elif not self._depth:
             for work in works:
-                work.wait()
+                self._finish(work, "send")
 
     def recv(
         self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None
@@ -606,11 +612,12 @@ class PyNcclCommunicator:
         if self.agreement.enabled:
             expected = self._header(tensor)
             got = torch.empty_like(expected)
-            group.recv([got], peer, 0).wait()
+            self._finish(group.recv([got], peer, 0), "recv")
             if not torch.equal(got, expected):
                 sent = got.tolist()
                 if param(sent, 0) > 0:  # drop the payload, so that the pair stays in step
-                    group.recv([torch.empty(param(sent, 0), dtype=torch.uint8)], peer, 0).wait()
+                    scratch = torch.empty(param(sent, 0), dtype=torch.uint8)
+                    self._finish(group.recv([scratch], peer, 0), "recv")
                 raise self._error(
                     "recv",
                     f"tensor has {tensor.numel()} elements of {tensor.dtype}, but rank {peer} "
@@ -620,7 +627,7 @@ class PyNcclCommunicator:
         if tensor.numel():
             work = group.recv([_bytes(tensor)], peer, 0)
             if not self._depth:
-                work.wait()
+                self._finish(work, "recv")
 
     def group_start(self) -> None:
         """Start a group of operations (as `ncclGroupStart`): sends and receives inside it
@@ -651,4 +658,4 @@ class PyNcclCommunicator:
         for tensor, peer in recvs:
             self._receive(tensor, peer)
         for work in sends:
-            work.wait()
+            self._finish(work, "send")

@@ -57,8 +57,9 @@ carrier of the communicator's pre-collective argument check (one phase instead o
 all-gather); the CPU communicator's all-reduce fuses that check into its data step.
 
 Waiting spins on ``sched_yield`` for 2 ms, then naps (``shm.wait.wait_until``), checks every
-0.2 s that the ranks it waits for are alive, and gives up at the group's timeout. A dead or
-stuck peer raises ``PeerGoneError`` or ``GroupTimeout`` naming the rank and the group, and the
+0.2 s that the ranks it waits for are alive, and gives up at the group's timeout, or at the
+caller's deadline (``bridge_py.deadline``) when that comes first. A dead or stuck peer raises
+``PeerGoneError`` or ``CollectiveTimeout`` naming the rank and the group, and the
 transport is then unusable (the ranks are out of step); set-up falls back to gloo when any
 rank cannot open the segment (another node, no ``/dev/shm``, no space).
 
@@ -85,13 +86,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from bridge_py.deadline import clamp_until
 from bridge_py.distributed.device_communicators.agreement import ROW_BYTES, Judge
 from bridge_py.distributed.errors import (
+    CollectiveTimeout,
     DistributedError,
-    GroupTimeout,
     PeerGoneError,
     SharedMemoryError,
 )
+from bridge_py.distributed.groups.work import finish
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import (
@@ -323,7 +326,8 @@ class ShmCollectives:
                 name[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
             except (OSError, ValueError) as exc:
                 why = f"cannot create a shared-memory segment: {exc}"
-        cpu_group.broadcast(name, 0).wait()
+        where = f"rank {rank} of {label}"
+        finish(cpu_group.broadcast(name, 0), "shared-memory set-up", where)
         if rank != 0 and offer:
             shm, slot_bytes, why = cls._attach(bytes(name.tolist()).rstrip(b"\0"), world_size)
         mapping: mmap.mmap | None = None
@@ -339,12 +343,13 @@ class ShmCollectives:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         minimum = dist.AllreduceOptions()
         minimum.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
-        cpu_group.allreduce([flag], minimum).wait()
+        finish(cpu_group.allreduce([flag], minimum), "shared-memory set-up", where)
         if rank == 0 and shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()  # every rank has it mapped (or gave up): remove the name now
         if int(flag.item()) == 1:
-            cpu_group.barrier().wait()  # ... so that no rank returns before it is gone
+            # ... so that no rank returns before it is gone
+            finish(cpu_group.barrier(), "shared-memory set-up", where)
         # (``shm`` is set whenever ``mapping`` is: tested for the type checker's sake.)
         if int(flag.item()) == 0 or mapping is None or shm is None:
             if mapping is not None:
@@ -431,12 +436,12 @@ class ShmCollectives:
                 wait_until(
                     ready,
                     f"{what} (phase {phase})",
-                    deadline_after(self.timeout),
+                    clamp_until(deadline_after(self.timeout)),  # the caller's, if sooner
                     check=lambda: self._check_peers(phase),
                 )
             except TimeoutError as exc:
                 self._broken = self._failure(phase, what, exc)
-                raise GroupTimeout(self._broken) from exc
+                raise CollectiveTimeout(self._broken) from exc
             except PeerGoneError as exc:
                 self._broken = self._failure(phase, what, exc)
                 raise PeerGoneError(self._broken) from exc

@@ -332,7 +332,7 @@ class MessageQueue:
         """
         if self._ready:
             return
-        deadline = deadline_after(timeout)
+        deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         buffer, subscriber = self.buffer, self._subscriber
         if self._is_writer:
             if buffer is not None:

@@ -28,10 +28,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Work
 
 from bridge_py.distributed.auth import open_object, seal_object
 from bridge_py.distributed.errors import DistributedError
+from bridge_py.distributed.groups.work import finish
 
 __all__ = ["ObjectChannel", "ObjectGroup", "all_gather_bytes", "object_group"]
 
@@ -75,6 +76,7 @@ class ObjectChannel:
         members = range(self.world_size) if ranks is None else ranks
         name = getattr(group, "group_name", "")
         self._prefix = f"gc/{name}/{','.join(map(str, members))}/{purpose}"
+        self._where = f"rank {self.rank} of group {self._prefix!r}"  # named in timeouts
         self._collectives = 0
         self._sent = [0] * self.world_size
         self._received = [0] * self.world_size
@@ -86,7 +88,7 @@ class ObjectChannel:
         seq = self._next()
         context = f"{self._prefix}/bcast/{src}/{seq}"
         data = seal_object(self._key, context, obj) if self.rank == src else None
-        move = lambda tensor: self._group.broadcast(tensor, src).wait()  # noqa: E731
+        move = lambda tensor: self._wait(self._group.broadcast(tensor, src), "broadcast")  # noqa: E731
         got = self._sized(move, data, f"broadcast from rank {src}")
         if data is not None:
             return obj
@@ -96,7 +98,8 @@ class ObjectChannel:
         """Every rank's object, in group rank order."""
         context = f"{self._prefix}/all_gather/{self._next()}"
         data = seal_object(self._key, f"{context}/{self.rank}", obj)
-        parts = all_gather_bytes(self._group, data, what=f"all_gather on {self._prefix}")
+        what = f"all_gather on {self._prefix}"
+        parts = all_gather_bytes(self._group, data, what=what, where=self._where)
         return [
             obj
             if r == self.rank
@@ -112,7 +115,8 @@ class ObjectChannel:
         """
         context = f"{self._prefix}/gather/{dst}/{self._next()}"
         data = seal_object(self._key, f"{context}/{self.rank}", obj)
-        parts = all_gather_bytes(self._group, data, what=f"gather on {self._prefix}")
+        what = f"gather on {self._prefix}"
+        parts = all_gather_bytes(self._group, data, what=what, where=self._where)
         if self.rank != dst:
             return None
         return [
@@ -129,13 +133,13 @@ class ObjectChannel:
         seq = self._sent[dst]
         self._sent[dst] = seq + 1
         data = seal_object(self._key, f"{self._prefix}/p2p/{self.rank}/{dst}/{seq}", obj)
-        self._sized(lambda tensor: self._group.send([tensor], dst, 0).wait(), data, "")
+        self._sized(lambda tensor: self._wait(self._group.send([tensor], dst, 0), "send"), data, "")
 
     def recv(self, src: int) -> Any:
         """The next object from group rank ``src``, checked and unpickled."""
         seq = self._received[src]
         self._received[src] = seq + 1  # consumed, whether or not it passes the check
-        move = lambda tensor: self._group.recv([tensor], src, 0).wait()  # noqa: E731
+        move = lambda tensor: self._wait(self._group.recv([tensor], src, 0), "recv")  # noqa: E731
         got = self._sized(move, None, f"object from rank {src}")
         context = f"{self._prefix}/p2p/{src}/{self.rank}/{seq}"
         return self._open(got, context, f"object {seq} from rank {src}")
@@ -151,6 +155,9 @@ class ObjectChannel:
         return self.all_gather(obj)
 
     # --- plumbing ---
+
+    def _wait(self, work: Work, op: str) -> None:
+        finish(work, f"{op} of an object", self._where)
 
     def _next(self) -> int:
         seq = self._collectives
@@ -182,23 +189,30 @@ class ObjectChannel:
 
 
 def all_gather_bytes(
-    group: ProcessGroup, data: bytes, limit: int | None = None, *, what: str = "all_gather"
+    group: ProcessGroup,
+    data: bytes,
+    limit: int | None = None,
+    *,
+    what: str = "all_gather",
+    where: str = "",
 ) -> list[bytes]:
     """Every rank's ``data``, in group rank order, over the torch group ``group``.
 
     Its size, then its bytes padded to the longest (as torch's ``all_gather_object`` sends
     them): two tensor all-gathers, nothing unpickled. A size that is negative or over
     ``limit`` (not what a rank of this code sends) raises DistributedError on every rank
-    rather than allocate what it asks for; ``what`` names the exchange in that message.
+    rather than allocate what it asks for; ``what`` names the exchange in that message, and
+    with ``where`` (this rank and the group) in a timeout's (``work.finish``).
     """
     world = group.size()
+    where = where or f"rank {group.rank()} of its group"
     sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-    group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+    finish(group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]), what, where)
     lengths = [
         _checked_size(int(s.item()), limit, f"{what} from rank {r}") for r, s in enumerate(sizes)
     ]
     parts = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
-    group.allgather([parts], [_padded(data, max(lengths))]).wait()
+    finish(group.allgather([parts], [_padded(data, max(lengths))]), what, where)
     return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from bridge_py.distributed.errors import GroupTimeout, PeerGoneError, StoreError
 from bridge_py.distributed.store.client import first_line
 
-__all__ = ["BarrierHooks", "arrival_timeout", "exited", "lost", "timed_out", "unwritten"]
+__all__ = ["BarrierHooks", "arrival_timeout", "exited", "lost", "timed_out"]
 
 
 def _whom(src: int | list[int]) -> str:
@@ -54,14 +54,6 @@ def lost(op: str, rank: int, what: str, src: int, start: float, exc: Exception) 
         f"{op} on rank {rank} lost the store after {time.monotonic() - start:.1f} s while "
         f"waiting for {what}{source} (did rank 0, which serves the store, exit?): "
         f"{first_line(exc)}"
-    )
-
-
-def unwritten(op: str, rank: int, key: str, exc: Exception) -> StoreError:
-    """``op`` on ``rank`` could not write ``key`` (or a message named so): the store is lost."""
-    return StoreError(
-        f"{op} on rank {rank} lost the store while writing {key!r} (did rank 0, which serves "
-        f"the store, exit?): {first_line(exc)}"
     )
 
 

@@ -50,7 +50,7 @@ from bridge_py.distributed.spg.board import Board, BoardError
 from bridge_py.distributed.spg.shm_transport import ShmTransport, queue_flusher
 from bridge_py.distributed.spg.store_transport import StoreTransport
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
-from bridge_py.distributed.store.torch_api import set_bytes
+from bridge_py.distributed.store.requests import StoreRequest
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -172,18 +172,20 @@ class StatelessProcessGroup:
 
     def _exchange_cards(self, card: bytes) -> list[bytes]:
         """Every rank's node card (sealed in the store, as values are)."""
-        name = f"node/{self.rank}"
-        set_bytes(self.store, name, self._values.seal(name, card))
+        name, op = f"node/{self.rank}", "StatelessProcessGroup.create"
+        self._store_transport.put(op, name, self._values.seal(name, card))
         others = [r for r in range(self.world_size) if r != self.rank]
         wanted = [f"node/{r}" for r in others]
-        got = self._store_transport.gather(wanted, others, "StatelessProcessGroup.create")
+        got = self._store_transport.gather(wanted, others, op)
         cards = [
             self._values.unseal(key, data, f"the node card {key!r} of rank {src}")
             for key, data, src in zip(wanted, got, others, strict=True)
         ]
         cards.insert(self.rank, card)
         # The last rank to have read every card deletes them: the store keeps nothing of it.
-        if self.store.add("node/read", 1) == self.world_size:
+        with StoreRequest(op, self.rank, "node/read", "counting in"):
+            read = self.store.add("node/read", 1)
+        if read == self.world_size:
             self._store_transport.discard([f"node/{r}" for r in range(self.world_size)])
             self._store_transport.discard(["node/read"])
             self._store_transport.flush()

@@ -42,7 +42,8 @@ from bridge_py.distributed.spg.board import (
 )
 from bridge_py.distributed.spg.common import arrival_timeout, exited, lost, timed_out
 from bridge_py.distributed.spg.store_transport import StoreTransport
-from bridge_py.distributed.store.torch_api import set_bytes
+from bridge_py.distributed.store.quiet import QUIET
+from bridge_py.distributed.store.requests import StoreRequest
 
 __all__ = ["ShmTransport", "queue_flusher"]
 
@@ -150,7 +151,8 @@ class ShmTransport:
                 # A message waits in the store queue (or is on its way there: the push has
                 # no reply). Pop with a short wait, then look at the ring again.
                 try:
-                    data = inbox.receive(src, seq, _QUEUE_POLL)
+                    with QUIET:
+                        data = inbox.receive(src, seq, _QUEUE_POLL)
                 except RuntimeError as exc:
                     raise lost("recv_obj", self.rank, repr(name), src, start, exc) from exc
                 if data is None:
@@ -168,15 +170,16 @@ class ShmTransport:
 
     # --- broadcast and all_gather ---------------------------------------------------------
 
-    def _publish(self, seq: int, obj: Any) -> None:
-        """Broadcast ``seq`` of this rank: into its ring slot, else under its store key."""
+    def _publish(self, seq: int, obj: Any, op: str) -> None:
+        """Broadcast ``seq`` of this rank (for ``op``): into its ring slot, else under its
+        store key."""
         key = keys.broadcast_value(self.rank, seq)
         value, segment = self.values.pack(key, obj, self._others)
         if self._sent:
             self._release(False)
         stored = not self.board.broadcast(seq, value)
         if stored:  # a slot some rank has not read yet, too large, no room on /dev/shm
-            set_bytes(self.overflow.store, key, value)
+            self.overflow.put(op, key, value)
             self.overflow.entries.append((key, time.time()))
         if stored or segment is not None:
             self._sent.append((seq, key if stored else "", segment))
@@ -215,7 +218,7 @@ class ShmTransport:
 
     def broadcast_send(self, seq: int, obj: Any) -> None:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""
-        self._publish(seq, obj)
+        self._publish(seq, obj, "broadcast_obj")
 
     def broadcast_recv(
         self, src: int, seq: int, timeout: float | None, like: Tensor | None = None
@@ -248,7 +251,7 @@ class ShmTransport:
         board = self.board
         if not board.connected:
             self._connect_all(f"all_gather_obj on rank {self.rank}")
-        self._publish(seq, obj)
+        self._publish(seq, obj, "all_gather_obj")
         limit = deadline.clamp(self.overflow.default_timeout())
         wanted = {src: seqs[src] for src in self._others}
         got: dict[int, bytes] = {}
@@ -371,6 +374,8 @@ def queue_flusher(store: Store, rank: int) -> Any:
     receiver that has not opened the board finds them there)."""
 
     def flush(dst: int, number: int, value: bytes) -> None:
-        store.queue_push(keys.p2p_queue(rank, dst), p2p.frame(number, value))
+        name = keys.p2p_value(rank, dst, number)
+        with StoreRequest("closing the group", rank, name):
+            store.queue_push(keys.p2p_queue(rank, dst), p2p.frame(number, value))
 
     return flush

@@ -17,8 +17,9 @@ Reads of values that are no longer needed are deleted by the reaper, on its own 
 (``store.reaper``), so that no operation waits for them. Waits are bounded by the call's
 timeout, or the store's, and fail with GroupTimeout naming this rank, the peer and the key;
 a store that goes away is a StoreError naming them too (``common``), whatever request found
-it gone. Store requests run ``with QUIET`` (``store.quiet``): torch logs nothing of the
-failures that these errors report.
+it gone. Store requests run ``with QUIET`` (``store.quiet``), those that are not waits
+``with StoreRequest`` (``store.requests``, which also makes their failure a StoreError):
+torch logs nothing of the failures that these errors report.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ from bridge_py.distributed.spg.common import (
     arrival_timeout,
     lost,
     timed_out,
-    unwritten,
 )
 from bridge_py.distributed.spg.values import SharedValue, Values
 from bridge_py.distributed.store.client import first_line
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.reaper import KeyReaper
+from bridge_py.distributed.store.requests import StoreRequest
 from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
 from bridge_py.distributed.store.waiting import BoundedWaiter, pop_before
 
@@ -163,11 +164,8 @@ class StoreTransport:
 
     def push(self, dst: int, seq: int, value: bytes, name: str) -> None:
         """Push the packed message ``seq`` (named ``name``) on the queue to ``dst``."""
-        try:
-            with QUIET:
-                self.store.queue_push(self._outbox[dst], p2p.frame(seq, value))
-        except RuntimeError as exc:
-            raise unwritten("send_obj", self.rank, name, exc) from exc
+        with StoreRequest("send_obj", self.rank, name):
+            self.store.queue_push(self._outbox[dst], p2p.frame(seq, value))
         self.entries.append((name, time.time()))
         self.flush()
 
@@ -201,16 +199,17 @@ class StoreTransport:
         """This rank's broadcast ``seq``: set under ``bcast/<rank>/<seq>``."""
         key = keys.broadcast_value(self.rank, seq)
         value = self.values.pack(key, obj, self._others if self._all_local else None)[0]
-        try:
-            with QUIET:
-                set_bytes(self.store, key, value)
-        except RuntimeError as exc:
-            raise unwritten("broadcast_obj", self.rank, key, exc) from exc
+        self.put("broadcast_obj", key, value)
         now = time.time()
         # The ack counter is the receivers' key, but if they never all read the value it is
         # this rank's expire_data that must remove it.
         self.entries.extend(((key, now), (keys.broadcast_acks(self.rank, seq), now)))
         self.flush()
+
+    def put(self, op: str, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value`` for ``op`` (a StoreError if the store is lost)."""
+        with StoreRequest(op, self.rank, key):
+            set_bytes(self.store, key, value)
 
     def broadcast_recv(
         self, src: int, seq: int, timeout: float | None, like: Tensor | None = None
@@ -229,11 +228,8 @@ class StoreTransport:
             try:
                 payload = self.values.open(key, data, src)  # a segment is open before the ack
             finally:
-                try:
-                    with QUIET:
-                        count = self.store.add(acks, 1)
-                except RuntimeError as exc:
-                    raise unwritten("broadcast_obj", self.rank, acks, exc) from exc
+                with StoreRequest("broadcast_obj", self.rank, acks, "counting in"):
+                    count = self.store.add(acks, 1)
                 if count >= self.world_size - 1:
                     self._trash += (key, acks)
                     if isinstance(payload, SharedValue):
@@ -295,11 +291,7 @@ class StoreTransport:
         from ``bcast/<r>/<seqs[r]>`` (``like``: tensors like it are expected)."""
         key = keys.broadcast_value(self.rank, seq)
         value, segment = self.values.pack(key, obj, self._others if self._all_local else None)
-        try:
-            with QUIET:
-                set_bytes(self.store, key, value)
-        except RuntimeError as exc:
-            raise unwritten("all_gather_obj", self.rank, key, exc) from exc
+        self.put("all_gather_obj", key, value)
         self.entries.append((key, time.time()))
         self.flush()
         wanted = [keys.broadcast_value(src, seqs[src]) for src in self._others]
@@ -526,12 +518,13 @@ class StoreTransport:
             key, written = entries[0]
             if now - written <= max_age:
                 break
-            if key.startswith("p2p/"):
-                src, dst, seq = (int(part) for part in key.split("/")[1:])
-                count = seq + 1 if sent is None else sent[dst]
-                p2p.drop(self.store, keys.p2p_queue(src, dst), seq, count)
-            else:
-                self.store.delete_key(key)
+            with StoreRequest("expire_data", self.rank, key, "deleting"):
+                if key.startswith("p2p/"):
+                    src, dst, seq = (int(part) for part in key.split("/")[1:])
+                    count = seq + 1 if sent is None else sent[dst]
+                    p2p.drop(self.store, keys.p2p_queue(src, dst), seq, count)
+                else:
+                    self.store.delete_key(key)
             entries.popleft()
 
 

@@ -20,6 +20,7 @@ from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.errors import StoreError
 from bridge_py.distributed.store.client import connect_client, first_line, format_address
+from bridge_py.distributed.store.requests import StoreRequest
 from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter
 
@@ -194,21 +195,19 @@ def join_group(
     :class:`BoundedWaiter`). These two keys stay in the store for the group's life: a rank
     that joins late must still find them.
     """
-    try:
+    at = f" at {address}"
+    with StoreRequest("the join", rank, _JOIN_COUNT, "counting in", at=at):
         joined = store.add(_JOIN_COUNT, 1)
-        if joined == world_size:
+    if joined == world_size:
+        with StoreRequest("the join", rank, _JOIN_DONE, at=at):
             set_bytes(store, _JOIN_DONE, b"1")
-            return
-        if joined < world_size:
-            wait_for = timeout if deadline is None else remaining(deadline)
+        return
+    if joined < world_size:
+        wait_for = timeout if deadline is None else remaining(deadline)
+        with StoreRequest("the join", rank, _JOIN_DONE, "waiting for", at=at):
             if BoundedWaiter(store).wait([_JOIN_DONE], wait_for):
                 return
             seen = store.add(_JOIN_COUNT, 0)
-    except RuntimeError as exc:
-        raise StoreError(
-            f"rank {rank} lost the store at {address} while waiting for all {world_size} "
-            f"ranks to join (did rank 0 give up?): {first_line(exc)}"
-        ) from exc
     if joined > world_size:
         raise StoreError(
             f"rank {rank} is rank number {joined} to join {address}, but world_size is "

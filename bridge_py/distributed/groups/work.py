@@ -1,0 +1,69 @@
+"""Waiting for a torch.distributed collective, within the caller's deadline.
+
+A blocking collective of torch (``dist.all_reduce(t, group=g)``, ``pg.broadcast(t).wait()``)
+waits for its ``Work`` until the group's timeout (gloo's default: 30 minutes), whatever the
+caller of the running request will wait. Every blocking collective of the package runs as
+``async_op=True`` (or on the group object, which returns the Work) and waits here instead:
+:func:`finish` waits for what is left of the running call's deadline (``bridge_py.deadline``,
+set by the worker from the request's ``deadline_ms``) when there is one, and as before,
+``work.wait()``, when there is not (every Python user, and requests without one: no cost
+but a thread-local read).
+
+A collective that runs out of time, at that deadline or at the group's timeout, raises
+:class:`~bridge_py.distributed.errors.CollectiveTimeout` naming the operation, the rank and
+the group. It abandons the collective, it cannot cancel it (as torch's own timeouts): the
+other ranks may still run it, the Work may still fill the tensors it was given, and the next
+collective of this rank would be matched with the wrong one. The group is unusable from then
+on, as it is in torch.distributed after a timeout; the error says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+from torch.distributed import Work
+
+from bridge_py import deadline
+from bridge_py.distributed.errors import CollectiveTimeout
+
+__all__ = ["finish"]
+
+
+def finish(work: Work | None, op: str, where: str, *, bounded: bool = True) -> None:
+    """Wait for ``work`` (None: a group this rank is not in, nothing to wait for).
+
+    ``op`` names the operation and ``where`` this rank and its group (``"rank 0 (global 2)
+    of group 'tp'"``) in the error. ``bounded=False`` waits as torch does whatever the
+    deadline: for a collective that does not block the CPU (NCCL's ``wait`` only orders
+    the current stream; a wait with a timeout would block the CPU instead).
+    """
+    if work is None:
+        return
+    left = deadline.remaining() if bounded else None
+    try:
+        if left is None:
+            work.wait()
+            return
+        # Whole milliseconds, rounded up (torch truncates): a wait that gives up does so at
+        # the deadline, not just before it, where it would not count as the caller's.
+        done = work.wait(
+            timeout=datetime.timedelta(milliseconds=math.ceil(max(left, 0) * 1000) or 1)
+        )
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower():  # gloo's words; anything else is not ours
+            raise
+        raise _timed_out(op, where, left) from exc
+    if done is False:  # a backend that says so rather than raise
+        raise _timed_out(op, where, left)
+
+
+def _timed_out(op: str, where: str, left: float | None) -> CollectiveTimeout:
+    # Under a deadline the group's own timeout may still come first.
+    passed = left is not None and (deadline.remaining() or 0.0) < 0.05
+    limit = f"at the caller's deadline, after {left:.1f} s" if passed else "at the group's timeout"
+    return CollectiveTimeout(
+        f"{op} on {where} timed out ({limit}) waiting for the other ranks (did they exit, or "
+        "call something else?); the collective was abandoned, not cancelled, so the group is "
+        "unusable now: destroy it and create it again on every rank"
+    )

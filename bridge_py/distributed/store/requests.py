@@ -1,0 +1,56 @@
+"""One store request of a group, quiet, and a failure of it in the package's words.
+
+Every request a group makes of its TCPStore that is not a bounded wait (those report
+GroupTimeout or, with the time waited, a lost store: ``spg.common``) runs inside
+``with StoreRequest(op, rank, key):``, which
+
+* keeps torch's C++ logger quiet for it (:data:`~bridge_py.distributed.store.quiet.QUIET`:
+  a failed request would otherwise print torch's stack trace on stderr), and
+* turns its failure (torch's RuntimeError: the store's host exited, the connection broke)
+  into a StoreError naming the operation, this rank and the key, chained to torch's error.
+
+Errors of the package raised inside pass unchanged, but for a bare StoreError (of the
+connection a wait opens: ``store.client``), which says what failed but not for whom: it
+gets the operation, rank and key too.
+"""
+
+from __future__ import annotations
+
+from bridge_py.distributed.errors import DistributedError, StoreError
+from bridge_py.distributed.store.client import first_line
+from bridge_py.distributed.store.quiet import QUIET
+
+__all__ = ["StoreRequest"]
+
+
+class StoreRequest:
+    """``with StoreRequest(op, rank, key, doing):`` (see the module docstring).
+
+    The error reads "``op`` on rank ``rank`` lost the store``at`` while ``doing`` ``key``";
+    ``at`` (" at host:port") names the store where the caller knows it.
+    """
+
+    __slots__ = ("_at", "_doing", "_key", "_op", "_rank")
+
+    def __init__(
+        self, op: str, rank: int, key: str, doing: str = "writing", *, at: str = ""
+    ) -> None:
+        self._op = op
+        self._rank = rank
+        self._key = key
+        self._doing = doing
+        self._at = at
+
+    def __enter__(self) -> None:
+        QUIET.__enter__()
+
+    def __exit__(self, *info: object) -> None:  # (type, exception, traceback)
+        QUIET.__exit__(None, None, None)
+        exc = info[1]
+        if isinstance(exc, RuntimeError) and (
+            type(exc) is StoreError or not isinstance(exc, DistributedError)
+        ):
+            raise StoreError(
+                f"{self._op} on rank {self._rank} lost the store{self._at} while {self._doing} "
+                f"{self._key!r} (did rank 0, which serves the store, exit?): {first_line(exc)}"
+            ) from exc
