@@ -73,6 +73,7 @@ __all__ = [
     "data_offset",
     "locate_value",
     "mark_offset",
+    "open_value",
     "read_generation",
     "read_once",
     "remove",
@@ -130,6 +131,42 @@ def locate_value(
             f"needs {offset + held_size}"
         )
     return offset, held_size
+
+
+def open_value(
+    name: str,
+    generation: int,
+    rank: int,
+    size: int | None = None,
+    *,
+    whose: str = "",
+    flags: int = os.O_RDWR,
+    take: bool = False,
+) -> tuple[int, int, int]:
+    """``(fd, offset, size)``: segment ``name`` open (``flags``), and where its value is
+    (see :func:`locate_value` for ``generation``, ``rank``, ``size`` and ``whose``).
+    ``take``: unlink the name once it is open, before anything is read (its one reader).
+
+    Raises SharedMemoryError naming the segment when it cannot be opened (gone: did its
+    writer exit?), is not a file of this user's that only it may write (``shm.files``:
+    refused before anything is read, and never unlinked), or :func:`locate_value` refuses it.
+    """
+    label = f"shared-memory segment {name!r}{whose}"
+    try:
+        fd = open_peer_file(os.path.join(SHM_DIR, name), flags)
+    except FileNotFoundError:
+        raise SharedMemoryError(f"{label} is missing: did its writer exit?") from None
+    except UntrustedFileError as exc:
+        raise SharedMemoryError(f"{label} is refused: {exc.strerror}") from None
+    except OSError as exc:
+        raise SharedMemoryError(f"{label} cannot be opened ({exc.strerror})") from exc
+    try:
+        if take:
+            unlink(name)
+        return (fd, *locate_value(fd, name, generation, rank, size, whose))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_generation(fd: int) -> int:
@@ -364,16 +401,8 @@ def read_once(name: str, whose: str = "") -> Iterator[memoryview]:
     it is missing, not a file of this user's that only it may write (refused unread, and
     left where it is), or not a one-shot segment holding a whole value.
     """
-    label = f"shared-memory segment {name!r}{whose}"
+    fd, offset, size = open_value(name, 0, 0, whose=whose, flags=os.O_RDONLY, take=True)
     try:
-        fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDONLY)
-    except FileNotFoundError:
-        raise SharedMemoryError(f"{label} is missing") from None
-    except UntrustedFileError as exc:
-        raise SharedMemoryError(f"{label} is refused: {exc.strerror}") from None
-    try:
-        unlink(name)
-        offset, size = locate_value(fd, name, 0, 0, whose=whose)
         mapped = mmap.mmap(fd, offset + size, access=mmap.ACCESS_READ)
         try:
             with memoryview(mapped) as whole, whole[offset:] as view:

@@ -43,7 +43,6 @@ import torch
 from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
-from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
 from bridge_py.distributed.shm.wait import pid_namespace
 from bridge_py.distributed.spg import tensors
@@ -311,21 +310,9 @@ def open_descriptor(
     if not segments.NAME_PATTERN.match(name):
         raise SharedMemoryError(f"{what} names an invalid shared-memory segment {name!r}")
     try:
-        fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
-    except UntrustedFileError as exc:
-        raise SharedMemoryError(f"{what} is in a shared-memory segment: {exc.strerror}") from None
-    except OSError as exc:
-        raise SharedMemoryError(
-            f"{what} is in shared-memory segment {name!r}, which cannot be opened "
-            f"({exc.strerror}): did its sender exit?"
-        ) from exc
-    try:
-        offset, _ = segments.locate_value(fd, name, generation, rank, size)
-    except BaseException as exc:
-        os.close(fd)
-        if isinstance(exc, SharedMemoryError):
-            raise SharedMemoryError(f"{what}: {exc}") from None
-        raise
+        fd, offset, _ = segments.open_value(name, generation, rank, size)
+    except SharedMemoryError as exc:
+        raise SharedMemoryError(f"{what}: {exc}") from None
     return SharedValue(
         name,
         fd,
