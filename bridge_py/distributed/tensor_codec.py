@@ -89,7 +89,7 @@ def parts(tensor: torch.Tensor) -> tuple[bytes, Any]:
 def encode(tensor: torch.Tensor) -> bytes:
     """The payload of ``tensor`` as one bytes object (see :func:`parts`)."""
     head, elements = parts(tensor)
-    return b"".join((head, elements)) if elements else head
+    return head + elements
 
 
 def is_tensor(payload: bytes | bytearray | memoryview) -> bool:

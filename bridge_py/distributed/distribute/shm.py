@@ -17,9 +17,12 @@ of them (it would unlink segments another process still needs when a process exi
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
@@ -61,5 +64,6 @@ class ShmChannel:
             return decode(view, f"the value of rank {rank} in shared-memory segment {name!r}")
 
     def remove(self, rank: int) -> None:
-        """Unlink ``rank``'s segment if it still exists (idempotent)."""
-        segments.remove(self.name(rank))
+        """Unlink ``rank``'s segment if it still exists and is this user's (idempotent)."""
+        with contextlib.suppress(SharedMemoryError):  # gone, or not ours to remove
+            os.close(segments.open_value(self.name(rank), 0, 0, take=True)[0])

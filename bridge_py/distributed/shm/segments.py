@@ -36,8 +36,9 @@ remove (another user's, a directory, a link) rather than fail the group that loo
 Segments are named ``vbspg_<pid namespace>_<creator pid>_<token>_<n>`` and readable and
 writable by their user only (the ranks of one group run as one user). A one-shot segment of
 :func:`write_once` has the name its caller gives (one its reader can work out), no reader
-marks, and is unlinked by :func:`read_once` or, after a failure, :func:`remove`; a reader
-checks every segment it opens (``shm.files``) before anything is read from it.
+marks, and is unlinked by its reader once open (``take``), even when it turns out
+unreadable; a reader checks every segment it opens (:func:`open_value`, ``shm.files``)
+before anything is read from it.
 """
 
 from __future__ import annotations
@@ -71,12 +72,10 @@ __all__ = [
     "SegmentOwner",
     "create",
     "data_offset",
-    "locate_value",
     "mark_offset",
     "open_value",
     "read_generation",
     "read_once",
-    "remove",
     "remove_orphans",
     "unlink",
     "write_at",
@@ -107,53 +106,27 @@ def mark_offset(rank: int) -> int:
     return _MARKS_AT + _MARK.size * rank
 
 
-def locate_value(
-    fd: int, name: str, generation: int, rank: int, size: int | None = None, whose: str = ""
-) -> tuple[int, int]:
-    """``(offset, size)`` of the value in segment ``name`` (open as ``fd``), which must hold
-    ``generation`` for reader ``rank``, of ``size`` bytes (None: what its header says).
-
-    Raises SharedMemoryError naming the segment (and ``whose`` it is, as " of rank 1") when
-    its header is not a segment's (too short, another magic or layout version), says it
-    holds another value, or the file is shorter than the value.
-    """
-    held, slots, held_size = _HEADER.read(fd, name)
-    if held != generation or (generation and rank >= slots) or size not in (None, held_size):
-        raise SharedMemoryError(
-            f"shared-memory segment {name!r}{whose} does not hold that value (generation "
-            f"{held} of {slots} readers, {held_size} bytes; expected generation {generation} "
-            f"for rank {rank}, {size} bytes)"
-        )
-    offset = data_offset(slots)
-    if (length := os.fstat(fd).st_size) < offset + held_size:
-        raise SharedMemoryError(
-            f"shared-memory segment {name!r}{whose} is truncated: {length} bytes, its header "
-            f"needs {offset + held_size}"
-        )
-    return offset, held_size
-
-
 def open_value(
     name: str,
     generation: int,
     rank: int,
     size: int | None = None,
-    *,
     whose: str = "",
-    flags: int = os.O_RDWR,
     take: bool = False,
 ) -> tuple[int, int, int]:
-    """``(fd, offset, size)``: segment ``name`` open (``flags``), and where its value is
-    (see :func:`locate_value` for ``generation``, ``rank``, ``size`` and ``whose``).
+    """``(fd, offset, size)``: segment ``name`` open, and where its value is, which must be
+    ``generation`` for reader ``rank``, of ``size`` bytes (None: what the header says).
     ``take``: unlink the name once it is open, before anything is read (its one reader).
 
-    Raises SharedMemoryError naming the segment when it cannot be opened (gone: did its
-    writer exit?), is not a file of this user's that only it may write (``shm.files``:
-    refused before anything is read, and never unlinked), or :func:`locate_value` refuses it.
+    Raises SharedMemoryError naming the segment (and ``whose`` it is, as " of rank 1") when
+    it cannot be opened (gone: did its writer exit?), is not a file of this user's that only
+    it may write (``shm.files``: refused before anything is read, and never unlinked), its
+    header is not a segment's (too short, another magic or layout version) or says it holds
+    another value, or the file is shorter than the value.
     """
     label = f"shared-memory segment {name!r}{whose}"
     try:
-        fd = open_peer_file(os.path.join(SHM_DIR, name), flags)
+        fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
     except FileNotFoundError:
         raise SharedMemoryError(f"{label} is missing: did its writer exit?") from None
     except UntrustedFileError as exc:
@@ -163,10 +136,22 @@ def open_value(
     try:
         if take:
             unlink(name)
-        return (fd, *locate_value(fd, name, generation, rank, size, whose))
+        held, slots, held_size = _HEADER.read(fd, name)
+        if held != generation or (generation and rank >= slots) or size not in (None, held_size):
+            raise SharedMemoryError(
+                f"{label} does not hold that value (generation {held} of {slots} readers, "
+                f"{held_size} bytes; expected generation {generation} for rank {rank}, "
+                f"{size} bytes)"
+            )
+        offset = data_offset(slots)
+        if (length := os.fstat(fd).st_size) < offset + held_size:
+            raise SharedMemoryError(
+                f"{label} is truncated: {length} bytes, its header needs {offset + held_size}"
+            )
     except BaseException:
         os.close(fd)
         raise
+    return fd, offset, held_size
 
 
 def read_generation(fd: int) -> int:
@@ -401,7 +386,7 @@ def read_once(name: str, whose: str = "") -> Iterator[memoryview]:
     it is missing, not a file of this user's that only it may write (refused unread, and
     left where it is), or not a one-shot segment holding a whole value.
     """
-    fd, offset, size = open_value(name, 0, 0, whose=whose, flags=os.O_RDONLY, take=True)
+    fd, offset, size = open_value(name, 0, 0, None, whose, take=True)
     try:
         mapped = mmap.mmap(fd, offset + size, access=mmap.ACCESS_READ)
         try:
@@ -414,15 +399,6 @@ def read_once(name: str, whose: str = "") -> Iterator[memoryview]:
                 mapped.close()
     finally:
         os.close(fd)
-
-
-def remove(name: str) -> None:
-    """Unlink the one-shot segment ``name`` if it is still there and this user's to remove
-    (a file :func:`read_once` would refuse is left alone); never raises OSError."""
-    path = os.path.join(SHM_DIR, name)
-    with contextlib.suppress(OSError):
-        os.close(open_peer_file(path, os.O_RDONLY))
-        os.unlink(path)
 
 
 def remove_orphans() -> list[str]:
