@@ -26,10 +26,10 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 
 from bridge_py import deadline
-from bridge_py.distributed import StatelessProcessGroup, auth
+from bridge_py.distributed import StatelessProcessGroup, auth, tensor_codec
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.errors import CollectiveMismatchError, GroupTimeout, PeerGoneError
-from bridge_py.distributed.spg import keys, tensors, values
+from bridge_py.distributed.spg import keys, values
 from bridge_py.distributed.spg import p2p as spg_p2p
 from tests.distributed.harness import (
     TRANSPORTS,
@@ -310,7 +310,7 @@ def test_a_tensor_travels_as_dtype_shape_and_bytes_not_as_a_pickle(pair) -> None
     rank1.send(sent, dst=0)
     stored = _take(rank0.store, 1, 0)
     layout = b"\x08bfloat16\x02" + (2).to_bytes(8, "big") + (3).to_bytes(8, "big")
-    assert stored == tensors.MAGIC + layout + sent.view(torch.int16).numpy().tobytes()
+    assert stored == tensor_codec.MAGIC + layout + sent.view(torch.int16).numpy().tobytes()
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads(stored)
     _put(rank0.store, 1, 0, 0, stored)
@@ -334,11 +334,11 @@ def test_payloads_round_trip_and_those_that_do_not_add_up_are_refused() -> None:
         torch.tensor([True, False]),
         torch.arange(12, dtype=torch.float16).reshape(3, 4)[:, ::2],  # a strided view
     ):
-        got = tensors.decode(tensors.encode(tensor), tensor, "v")
+        got = tensor_codec.decode(tensor_codec.encode(tensor), tensor, "v")
         assert got.dtype == tensor.dtype and torch.equal(got, tensor.resolve_conj())
-    good = tensors.encode(torch.zeros(2, 3))
-    name_at = len(tensors.MAGIC) + 1
-    absurd = tensors.encode(torch.zeros(2)).replace(
+    good = tensor_codec.encode(torch.zeros(2, 3))
+    name_at = len(tensor_codec.MAGIC) + 1
+    absurd = tensor_codec.encode(torch.zeros(2)).replace(
         (2).to_bytes(8, "big"), (1 << 63).to_bytes(8, "big")
     )
     for payload in (
@@ -349,7 +349,7 @@ def test_payloads_round_trip_and_those_that_do_not_add_up_are_refused() -> None:
         absurd,  # a shape beyond torch's sizes
     ):
         with pytest.raises(CollectiveMismatchError, match=r"^v is"):
-            tensors.decode(payload, None, "v")
+            tensor_codec.decode(payload, None, "v")
 
 
 def test_a_pickle_where_a_tensor_is_expected_is_never_unpickled(pair, tmp_path: Path) -> None:
@@ -376,7 +376,7 @@ def test_tensors_forged_without_the_key_are_refused(pair) -> None:
     rank0.auth_key = rank1.auth_key = KEY
     rank1.send(torch.ones(2), dst=0)
     assert _take(rank0.store, 1, 0).startswith(auth.MAGIC)
-    forged = tensors.encode(torch.full((2,), 7.0))
+    forged = tensor_codec.encode(torch.full((2,), 7.0))
     attempts = {
         "no tag": forged,
         "wrong key": auth.sign(OTHER_KEY, "spg/" + keys.p2p_value(1, 0, 1), forged),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
+import pickle
+import re
 import signal
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ from bridge_py.distributed.distribute.codec import TENSORS
 from bridge_py.distributed.distribute.group import as_group_sync
 from bridge_py.distributed.distribute.shm import NAME_PREFIX, ShmChannel, segment_name
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
+from bridge_py.distributed.shm import segments
 from tests.distributed.harness import free_port, run_ranks
 
 SHM = Path("/dev/shm")
@@ -221,7 +225,7 @@ def _dying_rank(rank: int, port: int, world_size: int, ranks: list[int], token_f
     sync = as_group_sync(group, timeout=3)
     token = sync.agree_token(ranks[0])
     if rank != ranks[0]:  # a writer dies right after writing its segment
-        ShmChannel(token).publish(rank, *TENSORS.encode(torch.ones(1024)))
+        ShmChannel(token).publish(rank, TENSORS.encode(torch.ones(1024)))
     else:  # the reader dies once every writer has written
         sync.barrier()
     Path(token_file).write_text(str(token))
@@ -338,9 +342,67 @@ def test_group_coordinator_and_default_group() -> None:
 
 def test_a_truncated_segment_is_a_shared_memory_error() -> None:
     channel = ShmChannel(0x5EED)
-    channel.publish(1, *TENSORS.encode(torch.ones(1024)))
+    channel.publish(1, TENSORS.encode(torch.ones(1024)))
     path = SHM / segment_name(0x5EED, 1)
     os.truncate(path, 100)  # the header is there, the 4 KiB body is not
     with pytest.raises(SharedMemoryError, match=r"segment 'bpd[0-9a-f]+r1' of rank 1 is trunc"):
-        channel.take(1, lambda header, view: bytes(view))
+        channel.take(1, lambda view, what: bytes(view))
     assert not path.exists()  # taken: unlinked even though unreadable
+
+
+class Evil:
+    """Unpickling this creates ``path``: proof that code from a segment ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def _hostile_writer(rank: int, port: int, kind: str, marker: str) -> str:
+    """Rank 0 gathers through the public API; rank 1 puts in its segment what no gather
+    writes (``kind``), then joins the gather's two barriers as a failing writer would."""
+    group = _group("spg", rank, 2, port)
+    if rank == 0:
+        gather: Any = gather_configs if kind == "config" else gather_tensors
+        try:
+            got = gather({"rank": 0} if kind == "config" else torch.ones(2), [0, 1], group)
+        except DistributedError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return f"got {got}"
+    sync = as_group_sync(group, timeout=TIMEOUT)
+    path = SHM / segment_name(sync.agree_token(0), 1)
+    saved = io.BytesIO()
+    torch.save({"x": Evil(marker)}, saved)  # a config whose pickle calls open()
+    value = {
+        "pickle": [pickle.dumps(Evil(marker))],  # a pickle where a tensor is expected
+        "config": [saved.getvalue()],
+        "shared": TENSORS.encode(torch.ones(2)),  # a good tensor, but anyone may write it
+    }[kind]
+    segments.write_once(path.name, value)
+    if kind == "shared":
+        os.chmod(path, 0o666)
+    sync.barrier()
+    sync.barrier()
+    left = path.exists()
+    path.unlink(missing_ok=True)
+    return f"left: {left}"
+
+
+@pytest.mark.parametrize("kind", ["pickle", "config", "shared"])
+def test_a_hostile_segment_is_refused_unread(kind: str, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    reader, writer = run_ranks(_hostile_writer, 2, free_port(), kind, str(marker))
+    assert not marker.exists()  # nothing in the segment was unpickled
+    expected = {
+        "pickle": r"CollectiveMismatchError: refused the value of rank 1 in shared-memory "
+        r"segment 'bpd[0-9a-f]+r1': a tensor was expected, .* not unpickled",
+        "config": r"CollectiveMismatchError: the value of rank 1 in shared-memory segment "
+        r"'bpd[0-9a-f]+r1' is not a gathered config: .*Weights only load failed",
+        "shared": r"SharedMemoryError: shared-memory segment 'bpd[0-9a-f]+r1' of rank 1 is "
+        r"refused: .*group or others may write it",
+    }[kind]
+    assert re.match(expected, reader, re.DOTALL), reader
+    # The reader unlinks what it read, and leaves alone a file it must not trust.
+    assert writer == f"left: {kind == 'shared'}"

@@ -106,7 +106,7 @@ def _gather(
         # rank waits in vain; the reader then reports the value as missing.
         if me in writers:
             try:
-                carrier.publish(me, *codec.encode(value))
+                carrier.publish(me, codec.encode(value))
             except Exception as exc:
                 failure = exc
         _step(sync, "the barrier after writing", name, sync.barrier)

@@ -1,23 +1,31 @@
 """How configs and tensors travel in a gather: plain data, never arbitrary pickles.
 
-A gather moves a value as a :class:`Codec` says: a JSON header and a body of bytes, the same
-for every carrier (a shared-memory segment or a workspace file).
+A gather moves a value as a :class:`Codec` says: as bytes, the same for every carrier (a
+shared-memory segment or a workspace file).
 
 * A config is ``None`` or a dict with str keys whose values are ``None``, bools, ints,
   floats, strs, lists, tuples, dicts of the same, and tensors. Its body is the file that
   ``torch.save`` writes for it, read back with ``torch.load(weights_only=True)``, which
   rebuilds exactly those types and executes no pickled code. It is checked before it is
   saved, so that the rank whose config is not plain data is the one that fails.
-* A tensor's body is its raw bytes, behind a header with its dtype and shape.
+* A tensor is the payload of the one tensor codec (``bridge_py.distributed.tensor_codec``, as
+  between the ranks of a StatelessProcessGroup): its dtype, shape and raw bytes.
+
+Bytes that are not what they should be (say, a segment that another process wrote) are a
+:class:`~bridge_py.distributed.errors.CollectiveMismatchError` naming the value; nothing in
+them is unpickled but by ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+from bridge_py.distributed import tensor_codec
+from bridge_py.distributed.errors import CollectiveMismatchError
 
 __all__ = ["CONFIGS", "TENSORS", "Codec"]
 
@@ -25,12 +33,14 @@ __all__ = ["CONFIGS", "TENSORS", "Codec"]
 class Codec(NamedTuple):
     """How one kind of value travels through a carrier.
 
-    ``encode(value)`` gives a JSON-compatible header and a bytes-like body;
-    ``decode(header, view)`` gives a new value that copies what it keeps of ``view``.
+    ``encode(value)`` gives the value's bytes as bytes-like parts, to be written one after
+    the other; ``decode(view, what)`` gives a new value that copies what it keeps of
+    ``view`` (those bytes), or raises CollectiveMismatchError naming ``what`` (the value and
+    where it was) when they hold none.
     """
 
-    encode: Callable[[Any], tuple[dict[str, Any], Any]]
-    decode: Callable[[Mapping[str, Any], memoryview], Any]
+    encode: Callable[[Any], Sequence[Any]]
+    decode: Callable[[memoryview, str], Any]
 
 
 def _standalone(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,36 +77,22 @@ def _plain(value: Any, path: str) -> Any:
     )
 
 
-def _config_to_bytes(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], bytes]:
+def _config_to_bytes(config: Mapping[str, Any] | None) -> tuple[bytes]:
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"a config must be a dict or None, got {type(config).__name__}")
     buffer = io.BytesIO()
     torch.save(_plain(config, ""), buffer)
-    return {}, buffer.getvalue()
+    return (buffer.getvalue(),)
 
 
-def _config_from_bytes(header: Mapping[str, Any], view: memoryview) -> Any:
-    return torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+def _config_from_bytes(view: memoryview, what: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load's errors: a refused global, a broken archive, ...
+        raise CollectiveMismatchError(f"{what} is not a gathered config: {exc}") from exc
 
 
-def _tensor_to_bytes(tensor: torch.Tensor) -> tuple[dict[str, Any], Any]:
-    # The body is a buffer over the tensor's bytes, not a copy.
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    header = {"dtype": str(flat.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
-    return header, flat.view(torch.uint8).numpy()
-
-
-def _tensor_from_bytes(header: Mapping[str, Any], view: memoryview) -> torch.Tensor:
-    dtype = getattr(torch, str(header["dtype"]), None)
-    if not isinstance(dtype, torch.dtype):
-        raise RuntimeError(f"unknown dtype {header['dtype']!r} in a gathered tensor")
-    raw = torch.empty(view.nbytes, dtype=torch.uint8)
-    raw.numpy().data[:] = view
-    return raw.view(dtype).reshape(header["shape"])
-
-
-#: A config (``None`` or plain data): no header; the body is its torch.save file.
+#: A config (``None`` or plain data): its torch.save file.
 CONFIGS = Codec(_config_to_bytes, _config_from_bytes)
-#: A tensor: its dtype and shape in the header, its raw bytes as the body (read into a new
-#: CPU tensor).
-TENSORS = Codec(_tensor_to_bytes, _tensor_from_bytes)
+#: A tensor: the tensor codec's payload (read into a new CPU tensor).
+TENSORS = Codec(tensor_codec.parts, lambda view, what: tensor_codec.decode(view, None, what))

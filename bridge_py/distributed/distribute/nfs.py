@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -169,8 +169,8 @@ class NfsChannel:
     """The files of one gather call, one per writing rank, in a folder of the workspace ``root``.
 
     The same carrier as :class:`~bridge_py.distributed.distribute.shm.ShmChannel` (publish,
-    take, remove), for configs only: a file is the body that :data:`~.codec.CONFIGS` encodes
-    (its header, always empty, is not kept). The folder is named after the call's token, so
+    take, remove), for configs only: a file holds the bytes that :data:`~.codec.CONFIGS`
+    encodes (the config's ``torch.save`` file). The folder is named after the call's token, so
     two calls sharing a workspace never touch each other's files. Files are replaced
     atomically, so the reader sees a whole file or none (a write that failed, or a workspace
     that is not shared).
@@ -179,13 +179,13 @@ class NfsChannel:
     def __init__(self, root: Path | str, token: int) -> None:
         self.folder = Path(root) / f"{NAME_PREFIX}{token:016x}"
 
-    def publish(self, rank: int, header: dict[str, Any], body: Any) -> None:
-        """Write ``rank``'s state file (creating the call's folder)."""
+    def publish(self, rank: int, parts: Sequence[Any]) -> None:
+        """Write ``rank``'s state file, the bytes of ``parts`` (creating the call's folder)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(_state_path(self.folder, rank), lambda file: file.write(body))
+        _write_atomically(_state_path(self.folder, rank), lambda file: file.writelines(parts))
 
-    def take(self, rank: int, read_body: Callable[[Mapping[str, Any], memoryview], Any]) -> Any:
-        """Read ``rank``'s state file, delete it, and return ``read_body({}, its bytes)``."""
+    def take(self, rank: int, decode: Callable[[memoryview, str], Any]) -> Any:
+        """Read ``rank``'s state file, delete it, and return ``decode(its bytes, what)``."""
         path = _state_path(self.folder, rank)
         try:
             data = path.read_bytes()
@@ -195,7 +195,7 @@ class NfsChannel:
                 "the workspace is not shared by all ranks of the group"
             ) from None
         path.unlink(missing_ok=True)
-        return read_body({}, memoryview(data))
+        return decode(memoryview(data), f"the value of rank {rank} in {str(path)!r}")
 
     def remove(self, rank: int) -> None:
         """Delete ``rank``'s files, then the folder if it is empty (idempotent)."""

@@ -1,46 +1,38 @@
 """Named shared-memory segments for one gather: one per writing rank, unique per call.
 
-A segment holds one message: the shared-memory header (``shm.header``: magic ``VBGA``,
-layout version, the JSON header's length and the body's), the JSON header (what the body is:
-a tensor's dtype and shape), padding up to a 64-byte boundary, then the body bytes. Segment
-names are ``bpd<token>r<rank>``: the token is drawn afresh for every call and agreed through
-the group, so concurrent calls and concurrent jobs on one node never share a name.
+A segment holds one value as a one-shot segment of ``shm.segments`` (the format of a
+StatelessProcessGroup's large values: the shared-memory header, with the value's size, then
+the bytes its codec gives from the next page boundary on). Segment names are
+``bpd<token>r<rank>``: the token is drawn afresh for every call and agreed through the group,
+so concurrent calls and concurrent jobs on one node never share a name.
 
-Who removes what: a writer creates its segment, fills it and closes its mapping (the segment
-lives on under its name). The reader (the first rank of the gather) copies each message out
-and unlinks the name at once. Removal is idempotent, so on any failure a writer removes its
-own segment and the reader removes every writer's, whoever is left standing: a rank that dies
-leaves nothing behind once the others have finished.
-
-Python's resource tracker is kept out of it (``shm.posix``, untracked): it would otherwise
-unlink segments that another process still needs when a process exits, and warn about
-"leaked" segments that the protocol removes itself.
+Who removes what: a writer creates its segment, fills it and closes it (the segment lives on
+under its name). The reader (the first rank of the gather) checks each segment
+(``shm.files``: this user's own file, writable by it alone), unlinks its name at once and
+copies the value out. Removal is idempotent, so on any failure a writer removes its own
+segment and the reader removes every writer's, whoever is left standing: a rank that dies
+leaves nothing behind once the others have finished. Python's resource tracker never hears
+of them (it would unlink segments another process still needs when a process exits).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bridge_py.distributed.errors import SharedMemoryError
-from bridge_py.distributed.shm import posix
-from bridge_py.distributed.shm.header import Header
+from bridge_py.distributed.shm import segments
 
 __all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
 
 NAME_PREFIX = "bpd"
-_ALIGN = 64
-_HEADER = Header(b"VBGA", 1, "2xIQ")  # JSON header length, body length
 
 
 def segment_name(token: int, rank: int) -> str:
     """The name (without the leading slash) of ``rank``'s segment in the call ``token``."""
     return f"{NAME_PREFIX}{token:016x}r{rank}"
-
-
-def _data_offset(header_len: int) -> int:
-    return (_HEADER.size + header_len + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class ShmChannel:
@@ -53,76 +45,25 @@ class ShmChannel:
         """The segment name of ``rank`` in this call."""
         return segment_name(self.token, rank)
 
-    def publish(self, rank: int, header: dict[str, Any], body: Any) -> None:
-        """Create ``rank``'s segment holding ``header`` and ``body`` (a bytes-like object).
+    def publish(self, rank: int, parts: Sequence[Any]) -> None:
+        """Create ``rank``'s segment holding the bytes of ``parts`` (bytes-like objects),
+        closed on return: it lives on under its name until the reader (or a cleanup)
+        unlinks it."""
+        segments.write_once(self.name(rank), parts)
 
-        The mapping is closed before returning: the segment lives on under its name until the
-        reader (or a cleanup) unlinks it.
+    def take(self, rank: int, decode: Callable[[memoryview, str], Any]) -> Any:
+        """Read ``rank``'s value, unlink its segment, and return ``decode(view, what)``.
+
+        ``view`` holds the value's bytes, valid only during the call: ``decode`` must copy
+        what it keeps. Raises SharedMemoryError (naming the segment and the rank) when the
+        segment is missing, not a file of this user's that only this user may write (left
+        unread where it is), truncated or not a gather's (its header says so).
         """
-        body_view = memoryview(body).cast("B")
-        head = json.dumps(header).encode()
-        offset = _data_offset(len(head))
-        shm = posix.create(self.name(rank), offset + body_view.nbytes, tracked=False)
-        try:
-            buf = posix.view(shm)
-            _HEADER.pack_into(buf, len(head), body_view.nbytes)
-            buf[_HEADER.size : _HEADER.size + len(head)] = head
-            buf[offset : offset + body_view.nbytes] = body_view
-            del buf
-        except BaseException:
-            with contextlib.suppress(OSError):
-                posix.unlink(shm, tracked=False)
-            raise
-        finally:
-            shm.close()
-
-    def take(self, rank: int, read_body: Any) -> Any:
-        """Read ``rank``'s message, unlink its segment, and return ``read_body(header, view)``.
-
-        ``view`` is a memoryview of the body, valid only during the call: ``read_body`` must
-        copy what it keeps. Raises SharedMemoryError when the segment is missing,
-        truncated or not a gather's (its header says so), and ``UntrustedFileError``
-        (naming it) when it is not a file of this user's that only this user may write.
-        """
-        try:
-            # Made by rank ``rank``: read only if it is this user's, writable by it alone.
-            shm = posix.attach(self.name(rank))
-        except FileNotFoundError:
-            raise SharedMemoryError(
-                f"shared-memory segment {self.name(rank)!r} of rank {rank} is missing"
-            ) from None
-        try:
-            posix.unlink(shm, tracked=False)
-            return self._read(shm, rank, read_body)
-        finally:
-            shm.close()
-
-    def _read(self, shm: posix.Segment, rank: int, read_body: Any) -> Any:
-        buf = posix.view(shm)
-        head_len, nbytes = _HEADER.unpack_from(buf, self.name(rank))
-        offset = _data_offset(head_len)
-        if offset + nbytes > shm.size:
-            raise self._truncated(shm, rank, offset + nbytes)
-        with buf[_HEADER.size : _HEADER.size + head_len] as raw_head:
-            header = json.loads(bytes(raw_head))
-        with buf[offset : offset + nbytes] as view:
-            return read_body(header, view)
-
-    def _truncated(self, shm: posix.Segment, rank: int, needed: int) -> SharedMemoryError:
-        return SharedMemoryError(
-            f"shared-memory segment {self.name(rank)!r} of rank {rank} is truncated: "
-            f"{shm.size} bytes, its header needs {needed}"
-        )
+        name = self.name(rank)
+        with segments.read_once(name, f" of rank {rank}") as view:
+            return decode(view, f"the value of rank {rank} in shared-memory segment {name!r}")
 
     def remove(self, rank: int) -> None:
-        """Unlink ``rank``'s segment if it still exists (idempotent)."""
-        try:
-            shm = posix.attach(self.name(rank))
-        except (FileNotFoundError, PermissionError):
-            return  # gone, or not one of ours to remove
-        try:
-            posix.unlink(shm, tracked=False)
-        except FileNotFoundError:
-            pass
-        finally:
-            shm.close()
+        """Unlink ``rank``'s segment if it still exists and is this user's (idempotent)."""
+        with contextlib.suppress(SharedMemoryError):  # gone, or not ours to remove
+            os.close(segments.open_value(self.name(rank), 0, 0, take=True)[0])

@@ -1,9 +1,10 @@
 """POSIX shared-memory segments under ``/dev/shm``: made, opened and removed in one place.
 
-Every segment the package makes or opens (the MessageQueue's ring, the CPU all-reduce, the
-same-node probe, ModelOpt's gathers) is a :class:`Segment` from these functions: a file
-under ``/dev/shm``, mapped, with the names of ``multiprocessing``'s ``SharedMemory``
-(``name``, ``size``, ``buf``, ``close``, ``unlink``). It is not a SharedMemory, because that
+Every mapped segment the package makes or opens (the MessageQueue's ring, the CPU
+all-reduce, the same-node probe; large values go through ``shm.segments``) is a
+:class:`Segment` from these functions: a file under ``/dev/shm``, mapped, with the names of
+``multiprocessing``'s ``SharedMemory`` (``name``, ``size``, ``buf``, ``close``,
+``unlink``). It is not a SharedMemory, because that
 class has a trap: it registers a segment with the process's *resource tracker*, which
 unlinks it when the process exits, and before Python 3.13 it does so for a segment the
 process only *opened* too (python/cpython#82300), so a reader that exits would remove the

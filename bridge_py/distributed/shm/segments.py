@@ -1,19 +1,22 @@
-"""The shared-memory segments of one StatelessProcessGroup rank: created, reused, removed.
+"""Shared-memory segments of large values (a StatelessProcessGroup rank's, a gather's).
 
 A *segment* is a file under ``/dev/shm`` that carries one large value to the ranks of the same
-node (``spg.values`` pickles values into them and reads them back). Writing a value into a fresh
-file costs far more than the copy itself: every page is allocated and zeroed by the kernel on
-first touch (about 7 ms against 0.5 ms for a 4 MiB value on a small VM). So a rank keeps a few
-segments and writes its next value over one whose readers are all done.
+node (``spg.values`` pickles values into them and reads them back; ModelOpt's gathers carry
+their configs and tensors in one-shot segments of the same format, see :func:`write_once`
+and :func:`read_once`). Writing a value into a fresh file costs far more than the copy
+itself: every page is allocated and zeroed by the kernel on first touch (about 7 ms against
+0.5 ms for a 4 MiB value on a small VM). So a rank keeps a few segments and writes its next
+value over one whose readers are all done.
 
 Every segment starts with the shared-memory header (``shm.header``), then the marks the
 readers report to::
 
     offset 0   b"VBSG", u16 layout version
     offset 8   u64 generation       (which value the segment holds now; 0: a one-shot segment)
-    offset 16  u32 slots            (the group's world size)
-    offset 24  slots x u64 marks    (mark r: the last generation rank r finished reading)
-    data_offset(slots)              the pickle (from the next page boundary on)
+    offset 16  u32 slots            (the group's world size; 0: no reader marks)
+    offset 24  u64 size             (the bytes of the value it holds now)
+    offset 32  slots x u64 marks    (mark r: the last generation rank r finished reading)
+    data_offset(slots)              the value (from the next page boundary on)
 
 All integers are little-endian. When a value is written, the marks of the ranks that will not
 read it are set to its generation; each reader sets its own mark after loading, and the
@@ -31,12 +34,17 @@ same PID namespace (:func:`remove_orphans`), which leaves alone names it should 
 remove (another user's, a directory, a link) rather than fail the group that looked.
 
 Segments are named ``vbspg_<pid namespace>_<creator pid>_<token>_<n>`` and readable and
-writable by their user only (the ranks of one group run as one user).
+writable by their user only (the ranks of one group run as one user). A one-shot segment of
+:func:`write_once` has the name its caller gives (one its reader can work out), no reader
+marks, and is unlinked by its reader once open (``take``), even when it turns out
+unreadable; a reader checks every segment it opens (:func:`open_value`, ``shm.files``)
+before anything is read from it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import secrets
@@ -45,11 +53,12 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bridge_py.distributed.errors import SharedMemoryError
-from bridge_py.distributed.shm.files import SHM_DIR
+from bridge_py.distributed.shm.files import SHM_DIR, UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import pid_namespace, process_alive
 
@@ -61,24 +70,29 @@ __all__ = [
     "SHM_DIR",
     "Segment",
     "SegmentOwner",
+    "create",
     "data_offset",
     "mark_offset",
+    "open_value",
     "read_generation",
+    "read_once",
     "remove_orphans",
     "unlink",
-    "value_offset",
+    "write_at",
     "write_mark",
+    "write_once",
 ]
 
 NAME_PREFIX = "vbspg_"
 NAME_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_[0-9]+\Z")
 POOL_SIZE = 4
 POOL_MAX_BYTES = 32 << 20
-_HEADER = Header(b"VBSG", 1, "2xQI")  # generation, slots
+_HEADER = Header(b"VBSG", 2, "2xQI4xQ")  # generation, slots, size
 _GENERATION_AT = 8
 _MARK = struct.Struct("<Q")
-_MARKS_AT = 24
+_MARKS_AT = 32
 _PAGE = 4096
+_CHUNK = 1 << 20
 
 
 def data_offset(slots: int) -> int:
@@ -92,24 +106,52 @@ def mark_offset(rank: int) -> int:
     return _MARKS_AT + _MARK.size * rank
 
 
-def value_offset(fd: int, name: str, generation: int, rank: int, size: int) -> int:
-    """Where the value of ``size`` bytes starts in segment ``name`` (open as ``fd``), which
-    must hold ``generation`` for reader ``rank``.
+def open_value(
+    name: str,
+    generation: int,
+    rank: int,
+    size: int | None = None,
+    whose: str = "",
+    take: bool = False,
+) -> tuple[int, int, int]:
+    """``(fd, offset, size)``: segment ``name`` open, and where its value is, which must be
+    ``generation`` for reader ``rank``, of ``size`` bytes (None: what the header says).
+    ``take``: unlink the name once it is open, before anything is read (its one reader).
 
-    Raises SharedMemoryError naming the segment when its header is not a segment's (too
-    short, another magic or layout version), says it holds another value, or the file is
-    shorter than the value.
+    Raises SharedMemoryError naming the segment (and ``whose`` it is, as " of rank 1") when
+    it cannot be opened (gone: did its writer exit?), is not a file of this user's that only
+    it may write (``shm.files``: refused before anything is read, and never unlinked), its
+    header is not a segment's (too short, another magic or layout version) or says it holds
+    another value, or the file is shorter than the value.
     """
-    held, slots = _HEADER.read(fd, name)
-    if held != generation or (generation and rank >= slots):
-        raise SharedMemoryError(
-            f"shared-memory segment {name!r} does not hold that value (generation {held} "
-            f"of {slots} readers, expected generation {generation} for rank {rank})"
-        )
-    offset = data_offset(slots)
-    if os.fstat(fd).st_size < offset + size:
-        raise SharedMemoryError(f"shared-memory segment {name!r} is shorter than its value")
-    return offset
+    label = f"shared-memory segment {name!r}{whose}"
+    try:
+        fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except FileNotFoundError:
+        raise SharedMemoryError(f"{label} is missing: did its writer exit?") from None
+    except UntrustedFileError as exc:
+        raise SharedMemoryError(f"{label} is refused: {exc.strerror}") from None
+    except OSError as exc:
+        raise SharedMemoryError(f"{label} cannot be opened ({exc.strerror})") from exc
+    try:
+        if take:
+            unlink(name)
+        held, slots, held_size = _HEADER.read(fd, name)
+        if held != generation or (generation and rank >= slots) or size not in (None, held_size):
+            raise SharedMemoryError(
+                f"{label} does not hold that value (generation {held} of {slots} readers, "
+                f"{held_size} bytes; expected generation {generation} for rank {rank}, "
+                f"{size} bytes)"
+            )
+        offset = data_offset(slots)
+        if (length := os.fstat(fd).st_size) < offset + held_size:
+            raise SharedMemoryError(
+                f"{label} is truncated: {length} bytes, its header needs {offset + held_size}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, offset, held_size
 
 
 def read_generation(fd: int) -> int:
@@ -127,6 +169,29 @@ def unlink(name: str) -> None:
     """Remove segment ``name`` if it is still there."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, name))
+
+
+def create(name: str, *, pooled: bool = False) -> Segment:
+    """A new, empty segment ``name`` of this user's alone (FileExistsError if the name is
+    taken: nothing is ever written over another file)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return Segment(name, os.open(os.path.join(SHM_DIR, name), flags, 0o600), pooled)
+
+
+def write_at(fd: int, view: memoryview, at: int) -> int:
+    """Write all of ``view`` at offset ``at`` of ``fd``; returns the offset after it."""
+    while view:
+        written = os.pwrite(fd, view[:_CHUNK] if len(view) > _CHUNK else view, at)
+        view = view[written:]
+        at += written
+    return at
+
+
+def _header(generation: int, slots: int, size: int, marks: Sequence[int] = ()) -> bytes:
+    """The header of a segment holding ``generation`` (``size`` bytes), then the ``marks``."""
+    head = bytearray(_MARKS_AT)
+    _HEADER.pack_into(head, generation, slots, size)
+    return bytes(head) + struct.pack(f"<{len(marks)}Q", *marks)
 
 
 @dataclass(slots=True, eq=False)
@@ -188,8 +253,7 @@ class SegmentOwner:
             pooled = len(self._busy) < POOL_SIZE
             self._count += 1
             name = f"{NAME_PREFIX}{pid_namespace()}_{os.getpid()}_{self._token}_{self._count}"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        segment = Segment(name, os.open(os.path.join(SHM_DIR, name), flags, 0o600), pooled)
+        segment = create(name, pooled=pooled)
         if not pooled:
             with self._lock:
                 self._one_shot.append((name, time.time()))
@@ -208,25 +272,19 @@ class SegmentOwner:
             with self._lock:
                 self._one_shot.append((segment.name, time.time()))
         if not segment.pooled:
-            os.pwrite(segment.fd, self._header(0), 0)
+            os.pwrite(segment.fd, _header(0, self.slots, size), 0)
             segment.close()
             return 0
         with self._lock:
             self._generation += 1
             generation = self._generation
         marks = [0 if rank in readers else generation for rank in range(self.slots)]
-        os.pwrite(segment.fd, self._header(generation, marks), 0)
+        os.pwrite(segment.fd, _header(generation, self.slots, size, marks), 0)
         segment.generation = generation
         segment.since = time.time()
         with self._lock:
             self._busy.append(segment)
         return generation
-
-    def _header(self, generation: int, marks: Sequence[int] = ()) -> bytes:
-        """The header of a segment holding ``generation``, then the readers' ``marks``."""
-        head = bytearray(_MARKS_AT)
-        _HEADER.pack_into(head, generation, self.slots)
-        return bytes(head) + struct.pack(f"<{len(marks)}Q", *marks)
 
     def drop(self, segment: Segment) -> None:
         """Forget ``segment`` and unlink it (writing it failed)."""
@@ -297,6 +355,50 @@ class SegmentOwner:
             self._busy.clear()
             self._free.clear()
         remove_orphans()
+
+
+def write_once(name: str, parts: Sequence[Any]) -> None:
+    """Create the one-shot segment ``name`` holding the bytes of ``parts`` (bytes-like
+    objects) one after the other, for one reader that knows the name (:func:`read_once`).
+
+    Closed on return: it lives on under its name until its reader (or :func:`remove`)
+    unlinks it. FileExistsError if the name is taken; on any other failure it is unlinked.
+    """
+    segment = create(name)
+    try:
+        start = at = data_offset(0)
+        for part in parts:
+            at = write_at(segment.fd, memoryview(part).cast("B"), at)
+        os.pwrite(segment.fd, _header(0, 0, at - start), 0)  # last: a reader sees it whole
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        segment.close()
+
+
+@contextlib.contextmanager
+def read_once(name: str, whose: str = "") -> Iterator[memoryview]:
+    """The value in the one-shot segment ``name`` (from :func:`write_once`), unlinked as soon
+    as it is open: a read-only view, valid inside the ``with`` only (copy what you keep).
+
+    Raises SharedMemoryError naming the segment (and ``whose`` it is, as " of rank 1") when
+    it is missing, not a file of this user's that only it may write (refused unread, and
+    left where it is), or not a one-shot segment holding a whole value.
+    """
+    fd, offset, size = open_value(name, 0, 0, None, whose, take=True)
+    try:
+        mapped = mmap.mmap(fd, offset + size, access=mmap.ACCESS_READ)
+        try:
+            with memoryview(mapped) as whole, whole[offset:] as view:
+                yield view
+        finally:
+            # A view of it may live on in the traceback of a failed read: the mapping then
+            # goes with the traceback.
+            with contextlib.suppress(BufferError):
+                mapped.close()
+    finally:
+        os.close(fd)
 
 
 def remove_orphans() -> list[str]:

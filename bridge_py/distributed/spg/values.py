@@ -1,6 +1,6 @@
 """Large values of a StatelessProcessGroup through shared memory, when all ranks share a node.
 
-A value whose pickle (or a tensor's payload, see ``tensors``: never pickled) exceeds
+A value whose pickle (or a tensor's payload, see ``tensor_codec``: never pickled) exceeds
 :data:`THRESHOLD` bytes (256 KiB; ``$VLLM_BRIDGE_SPG_SHM_THRESHOLD`` overrides it) is written
 straight into a file under ``/dev/shm`` (a *segment*, see ``shm.segments``: reused once its
 readers are done), and only a small *descriptor* goes into the store::
@@ -43,10 +43,11 @@ import torch
 from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
-from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
 from bridge_py.distributed.shm.wait import pid_namespace
 from bridge_py.distributed.spg import tensors
+from bridge_py.distributed.tensor_codec import MAGIC, is_tensor
+from bridge_py.distributed.tensor_codec import decode as decode_tensor
 
 __all__ = [
     "DESCRIPTOR_MAGIC",
@@ -72,7 +73,6 @@ DESCRIPTOR_MAGIC = b"\x00VBS2"
 NOT_LOCAL = b"-"  # the node identity of a rank that does not take shared memory
 _DESCRIPTOR = struct.Struct(">QQ32s")  # size, generation, digest
 _NO_DIGEST = bytes(32)
-_CHUNK = 1 << 20
 
 
 def enabled() -> bool:
@@ -161,19 +161,10 @@ class _Spill:
         assert self.segment is not None
         if self.hash is not None:
             self.hash.update(view)
-        self._at = _write_at(self.segment.fd, view, self._at)
+        self._at = segments.write_at(self.segment.fd, view, self._at)
 
     def in_memory(self) -> bytes:
         return b"".join(self._chunks)
-
-
-def _write_at(fd: int, view: memoryview, at: int) -> int:
-    """Write all of ``view`` at offset ``at`` of ``fd``; returns the offset after it."""
-    while view:
-        written = os.pwrite(fd, view[:_CHUNK] if len(view) > _CHUNK else view, at)
-        view = view[written:]
-        at += written
-    return at
 
 
 def dump(
@@ -254,7 +245,7 @@ class SharedValue:
     def load(self, like: torch.Tensor | None = None) -> Any:
         """The object in the segment (its digest checked first, when there is one); closes it.
 
-        ``like``: a tensor is expected, of its dtype and shape (see ``tensors.decode``).
+        ``like``: a tensor is expected, of its dtype and shape (see ``tensor_codec.decode``).
         A pooled segment is marked as read by this rank, even when loading fails (it is
         done with it either way).
         """
@@ -289,7 +280,7 @@ class SharedValue:
             return decode(data, like, self._what)
 
     def _holds_tensor(self) -> bool:
-        return tensors.is_tensor(os.pread(self._fd, len(tensors.MAGIC), self._offset))
+        return is_tensor(os.pread(self._fd, len(MAGIC), self._offset))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -319,21 +310,9 @@ def open_descriptor(
     if not segments.NAME_PATTERN.match(name):
         raise SharedMemoryError(f"{what} names an invalid shared-memory segment {name!r}")
     try:
-        fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
-    except UntrustedFileError as exc:
-        raise SharedMemoryError(f"{what} is in a shared-memory segment: {exc.strerror}") from None
-    except OSError as exc:
-        raise SharedMemoryError(
-            f"{what} is in shared-memory segment {name!r}, which cannot be opened "
-            f"({exc.strerror}): did its sender exit?"
-        ) from exc
-    try:
-        offset = segments.value_offset(fd, name, generation, rank, size)
-    except BaseException as exc:
-        os.close(fd)
-        if isinstance(exc, SharedMemoryError):
-            raise SharedMemoryError(f"{what}: {exc}") from None
-        raise
+        fd, offset, _ = segments.open_value(name, generation, rank, size)
+    except SharedMemoryError as exc:
+        raise SharedMemoryError(f"{what}: {exc}") from None
     return SharedValue(
         name,
         fd,
@@ -447,9 +426,9 @@ class Values:
 def decode(payload: bytes | bytearray | memoryview, like: torch.Tensor | None, what: str) -> Any:
     """The object in a checked payload: a tensor (which must fit ``like``, if given), or,
     where no tensor is expected (``like`` None), a pickle."""
-    if like is None and not tensors.is_tensor(payload):
+    if like is None and not is_tensor(payload):
         return pickle.loads(payload)
-    return tensors.decode(payload, like, what)
+    return decode_tensor(payload, like, what)
 
 
 def _context(name: str) -> str:
