@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from bridge_py.distributed.groups.work import finish
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = ["GroupSync", "as_group_sync"]
@@ -61,12 +62,15 @@ def _torch_sync(pg: ProcessGroup) -> GroupSync:
     if device_types is not None and not any(d.type == "cpu" for d in device_types):
         device = torch.device("cuda", torch.cuda.current_device())
 
+    where = f"rank {pg.rank()} of a gather's group"
+    bounded = device.type == "cpu"  # a GPU's wait only orders its stream (groups.work)
+
     def barrier() -> None:
-        pg.allreduce([torch.zeros(1, device=device)]).wait()
+        finish(pg.allreduce([torch.zeros(1, device=device)]), "barrier", where, bounded=bounded)
 
     def broadcast(value: int, src: int) -> int:
         token = torch.tensor([value], dtype=torch.int64, device=device)
-        pg.broadcast(token, src).wait()
+        finish(pg.broadcast(token, src), "broadcast", where, bounded=bounded)
         return int(token.item())
 
     return GroupSync(pg.rank(), pg.size(), barrier, broadcast)
