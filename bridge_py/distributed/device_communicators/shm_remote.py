@@ -25,8 +25,8 @@ import socket
 import struct
 
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
-from bridge_py.distributed.errors import PeerGoneError
-from bridge_py.distributed.shm.wait import Cancel, remaining, wait_until
+from bridge_py.distributed.errors import DistributedError, PeerGoneError
+from bridge_py.distributed.shm.wait import Cancel, wait_until
 
 __all__ = [
     "READY",
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("!4s16sI")  # magic, queue token, reader rank
 _HELLO_MAGIC = b"VBMR"
-_HELLO_TIMEOUT_SECONDS = 10.0
 READY = CHUNK.pack(0, 0, 0)  # an empty chunk: no message is empty
 _RECV_BYTES = 1 << 20
 
@@ -70,6 +69,40 @@ def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
 
 
+class _Stream:
+    """A connected, non-blocking socket and what it received that was not taken yet: the
+    one receive path of both sides (a reader's hello, the writer's chunks)."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        _tune(sock)
+        self.sock = sock
+        self.peer = peer
+        self.rx = bytearray()
+
+    def has(self, size: int) -> bool:
+        """Whether ``size`` bytes are buffered, after receiving what has arrived (never
+        blocks); PeerGoneError once the peer is gone and they are not."""
+        if len(self.rx) >= size:
+            return True
+        try:
+            data = self.sock.recv(max(size - len(self.rx), _RECV_BYTES))
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise PeerGoneError(f"{self.peer} is gone: {exc}") from exc
+        if not data:
+            raise PeerGoneError(f"{self.peer} closed the queue")
+        self.rx += data
+        return len(self.rx) >= size
+
+    def chunk_end(self) -> int:
+        """Where the first chunk in the buffer ends, or 0 while it is not all there."""
+        if not self.has(CHUNK_HEADER_BYTES):
+            return 0
+        end = CHUNK_HEADER_BYTES + CHUNK.unpack_from(self.rx)[2]
+        return end if self.has(end) else 0
+
+
 class RemotePublisher:
     """Writer side: accepts the remote readers, then sends every chunk to all of them."""
 
@@ -87,61 +120,68 @@ class RemotePublisher:
         self._token = token
         self._n_reader = n_reader
         self._ranks = ranks
+        self._greeting: list[_Stream] = []  # connected, their hello not all in yet
         self._peers: dict[int, socket.socket] = {}
         self._pending: dict[int, collections.deque[memoryview]] = {}
 
-    def accept(self, deadline: float | None, cancel: Cancel = None) -> None:
-        """Accept connections until every expected remote reader has said hello, then stop
-        listening."""
+    def join(self, deadline: float | None, cancel: Cancel = None) -> None:
+        """Accept connections until every expected remote reader has said hello, stop
+        listening, and send them all the READY signal."""
         expected = "" if self._ranks is None else f" of ranks {self._ranks}"
         wait_until(
-            lambda: self._accept_one(deadline),
+            self._admit,
             lambda: (
                 f"remote readers to connect to {self.address}: {len(self._peers)} of "
                 f"{self._n_reader}{expected} connected ({sorted(self._peers)})"
             ),
             deadline,
             cancel=cancel,
-            sleep=lambda seconds: select.select([self._listener], [], [], seconds),
+            sleep=lambda seconds: select.select(
+                [self._listener, *[stream.sock for stream in self._greeting]], [], [], seconds
+            ),
         )
-        with contextlib.suppress(OSError):
-            self._listener.close()  # everyone is here: free the port
+        for sock in [self._listener, *[stream.sock for stream in self._greeting]]:
+            with contextlib.suppress(OSError):
+                sock.close()  # everyone is here: free the port, drop strangers
+        self._greeting.clear()
+        self.put(0, 0, memoryview(b""), deadline, cancel)  # READY: an empty chunk
+        self.flush(deadline, cancel)
 
-    def _accept_one(self, deadline: float | None) -> bool:
-        """Take one waiting connection, if any; whether every reader is connected now."""
-        try:
-            conn, peer = self._listener.accept()
-        except BlockingIOError:
-            return len(self._peers) == self._n_reader
-        try:
-            left = remaining(deadline)
-            conn.settimeout(_HELLO_TIMEOUT_SECONDS if left is None else max(min(left, 10), 1e-3))
-            hello = b""
-            while len(hello) < _HELLO.size:
-                piece = conn.recv(_HELLO.size - len(hello))
-                if not piece:
-                    raise ConnectionError("connection closed during the hello")
-                hello += piece
-            magic, token, rank = _HELLO.unpack(hello)
-            if magic != _HELLO_MAGIC or token != self._token:
-                raise ValueError("not a reader of this queue")
-            if self._ranks is not None and rank not in self._ranks:
-                raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
-            if rank in self._peers:
-                raise ValueError(f"rank {rank} is already connected")
-        except (OSError, ValueError) as exc:
-            logger.warning("refused a connection from %s to %s: %s", peer, self.address, exc)
-            conn.close()
-            return False
-        _tune(conn)
-        self._peers[rank] = conn
-        self._pending[rank] = collections.deque()
+    def _admit(self) -> bool:
+        """Take the connections and hellos that have arrived (never blocks); whether every
+        reader is connected now."""
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                conn, peer = self._listener.accept()
+                self._greeting.append(_Stream(conn, f"the reader connecting from {peer}"))
+        for stream in list(self._greeting):
+            try:
+                if not stream.has(_HELLO.size):
+                    continue
+                magic, token, rank = _HELLO.unpack_from(stream.rx)
+                if magic != _HELLO_MAGIC or token != self._token:
+                    raise ValueError("not a reader of this queue")
+                if self._ranks is not None and rank not in self._ranks:
+                    raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
+                if rank in self._peers:
+                    raise ValueError(f"rank {rank} is already connected")
+            except (PeerGoneError, ValueError) as exc:
+                logger.warning("refused a connection to %s: %s", self.address, exc)
+                stream.sock.close()
+                self._greeting.remove(stream)
+                continue
+            self._greeting.remove(stream)
+            self._peers[rank] = stream.sock
+            self._pending[rank] = collections.deque()
         return len(self._peers) == self._n_reader
 
-    def publish(self, header: bytes, payload: memoryview) -> None:
-        """Queue one chunk for every remote reader; :meth:`flush` sends it."""
+    def put(
+        self, total: int, part: int, payload: memoryview, deadline: float | None, cancel: Cancel
+    ) -> None:
+        """Queue one chunk for every remote reader (never waits); :meth:`flush` sends it."""
+        header = memoryview(CHUNK.pack(total, part, len(payload)))
         for queue in self._pending.values():
-            queue.append(memoryview(header))
+            queue.append(header)
             if len(payload):
                 queue.append(payload)
 
@@ -182,11 +222,12 @@ class RemotePublisher:
 
     def close(self) -> None:
         """Close every connection (readers see the end of the stream) and stop listening."""
-        for sock in [*self._peers.values(), self._listener]:
+        for sock in [*self._peers.values(), self._listener, *[s.sock for s in self._greeting]]:
             with contextlib.suppress(OSError):
                 sock.close()
         self._peers.clear()
         self._pending.clear()
+        self._greeting.clear()
 
 
 class RemoteSubscriber:
@@ -197,61 +238,57 @@ class RemoteSubscriber:
         self.rank = rank
         host, port = parse_tcp_address(address)
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-            self._sock.sendall(_HELLO.pack(_HELLO_MAGIC, token, rank))
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.sendall(_HELLO.pack(_HELLO_MAGIC, token, rank))
         except OSError as exc:
             raise PeerGoneError(
                 f"cannot connect to the queue's writer at {address}: {exc}"
             ) from exc
-        _tune(self._sock)
-        self._rx = bytearray()  # received, not yet taken: chunks, the last maybe partial
+        self._stream = _Stream(sock, f"the writer at {address}")
 
-    def _complete(self) -> int:
-        """The bytes of the first chunk in the buffer, or 0 while it is not all there."""
-        if len(self._rx) < CHUNK_HEADER_BYTES:
-            return 0
-        end = CHUNK_HEADER_BYTES + CHUNK.unpack_from(self._rx)[2]
-        return end if len(self._rx) >= end else 0
+    def join(self, deadline: float | None, cancel: Cancel) -> None:
+        """Wait for the writer's READY signal."""
+        total, _, view = self._next(deadline, cancel, True, "the READY signal")
+        view.release()
+        if total != 0:
+            raise DistributedError(
+                f"remote reader rank {self.rank} expected the READY signal from the "
+                f"writer at {self.address}, got a part of a message"
+            )
+        self.release()
 
-    def _receive(self) -> bool:
-        """Receive what has arrived (never blocks); whether a whole chunk is buffered.
-
-        PeerGoneError once the writer is gone and no whole chunk is left to take.
-        """
-        if self._complete():
-            return True
-        try:
-            data = self._sock.recv(_RECV_BYTES)
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise PeerGoneError(f"the writer at {self.address} is gone: {exc}") from exc
-        if not data:
-            raise PeerGoneError(f"the writer at {self.address} closed the queue")
-        self._rx += data
-        return self._complete() > 0
-
-    def next_chunk(
-        self, deadline: float | None, cancel: Cancel, log: bool, what: str
+    def take(
+        self, deadline: float | None, cancel: Cancel, log: bool
     ) -> tuple[int, int, memoryview]:
         """``(total, part, a view of the part)`` of the next chunk, waiting for it; the view
         must be released before :meth:`release`."""
+        return self._next(deadline, cancel, log, "a message")
+
+    def _next(
+        self, deadline: float | None, cancel: Cancel, log: bool, what: str
+    ) -> tuple[int, int, memoryview]:
+        stream = self._stream
         wait_until(
-            self._receive,
+            lambda: stream.chunk_end() > 0,
             f"{what} from the writer at {self.address}",
             deadline,
             cancel=cancel,
             log=log,
-            sleep=lambda seconds: select.select([self._sock], [], [], seconds),
+            sleep=lambda seconds: select.select([stream.sock], [], [], seconds),
         )
-        total, part, size = CHUNK.unpack_from(self._rx)
-        return total, part, memoryview(self._rx)[CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + size]
+        total, part, size = CHUNK.unpack_from(stream.rx)
+        return total, part, memoryview(stream.rx)[CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + size]
 
     def release(self) -> None:
-        """Drop the chunk :meth:`next_chunk` returned."""
-        del self._rx[: self._complete()]
+        """Drop the chunk :meth:`take` returned."""
+        del self._stream.rx[: self._stream.chunk_end()]
+
+    def broken(self, what: str) -> DistributedError:
+        """The error for the chunk :meth:`take` returned, that ``what`` (it breaks the stream)."""
+        where = f"remote reader rank {self.rank}: a chunk from the writer at {self.address}"
+        return DistributedError(f"{where} {what}")
 
     def close(self) -> None:
         """Close the connection."""
         with contextlib.suppress(OSError):
-            self._sock.close()
+            self._stream.sock.close()
