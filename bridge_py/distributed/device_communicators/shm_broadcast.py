@@ -83,14 +83,6 @@ class Handle:
 
 
 @dataclasses.dataclass
-class _Outgoing:
-    """A message being written; kept when a timeout interrupts it, finished by the next call."""
-
-    payload: memoryview
-    part: int = 0
-
-
-@dataclasses.dataclass
 class _Incoming:
     """A multi-chunk message being read; kept when a timeout interrupts it."""
 
@@ -104,13 +96,15 @@ def _handle_context(writer_rank: int) -> str:
     return f"mq/handle/{writer_rank}"
 
 
-def _check_ranks(ranks: list[int], what: str) -> list[int]:
+def _check_ranks(ranks: list[int], what: str, count: int, expected: str) -> list[int]:
     ranks = list(ranks)
     for rank in ranks:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"{what} must be non-negative ints, got {ranks}")
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{what} must be distinct, got {ranks}")
+    if len(ranks) != count:
+        raise ValueError(f"{what} has {len(ranks)} ranks, {expected} is {count}")
     return ranks
 
 
@@ -180,21 +174,18 @@ class MessageQueue:
             local_reader_ranks = list(range(n_local_reader))
             if remote_reader_ranks is None:
                 remote_reader_ranks = list(range(n_local_reader, n_reader))
-        local_reader_ranks = _check_ranks(local_reader_ranks, "local_reader_ranks")
-        if len(local_reader_ranks) != n_local_reader:
-            raise ValueError(
-                f"local_reader_ranks has {len(local_reader_ranks)} ranks, "
-                f"n_local_reader is {n_local_reader}"
-            )
+        local_reader_ranks = _check_ranks(
+            local_reader_ranks, "local_reader_ranks", n_local_reader, "n_local_reader"
+        )
         if remote_reader_ranks is None and n_remote_reader == 0:
             remote_reader_ranks = []
         if remote_reader_ranks is not None:
-            remote_reader_ranks = _check_ranks(remote_reader_ranks, "remote_reader_ranks")
-            if len(remote_reader_ranks) != n_remote_reader:
-                raise ValueError(
-                    f"remote_reader_ranks has {len(remote_reader_ranks)} ranks, "
-                    f"expected n_reader - n_local_reader = {n_remote_reader}"
-                )
+            remote_reader_ranks = _check_ranks(
+                remote_reader_ranks,
+                "remote_reader_ranks",
+                n_remote_reader,
+                "n_reader - n_local_reader",
+            )
             if set(remote_reader_ranks) & set(local_reader_ranks):
                 raise ValueError("a rank cannot be both a local and a remote reader")
         key = resolve_key(auth_key)
@@ -247,7 +238,9 @@ class MessageQueue:
         self._sinks = []
         self._ready = False
         self._closed = False
-        self._outgoing: _Outgoing | None = None
+        # A message being written (its bytes, the next part): kept when a timeout interrupts
+        # it, finished by the next call.
+        self._outgoing: tuple[memoryview, int] | None = None
         self._incoming: _Incoming | None = None
         self._lock = threading.Lock()
         self._shutdown = threading.Event()  # ends every wait of this end (shutdown())
@@ -361,25 +354,22 @@ class MessageQueue:
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
             self._sent += 1
-            self._outgoing = _Outgoing(memoryview(payload))
+            self._outgoing = (memoryview(payload), 0)
             self._flush(deadline)
 
     def _flush(self, deadline: float | None) -> None:
         """Write the parts of the outgoing message, each as one chunk into every sink (the
-        ring first: only it waits, and a part it times out on is not queued elsewhere),
-        then send the streams."""
-        outgoing = self._outgoing
-        if outgoing is None:
-            return
-        payload, step = outgoing.payload, self._part_bytes
-        while outgoing.part * step < len(payload):
-            piece = payload[outgoing.part * step : (outgoing.part + 1) * step]
+        ring first: only it waits, and a part it times out on is queued nowhere else), then
+        send what the streams hold."""
+        step = self._part_bytes
+        while self._outgoing is not None:
+            payload, part = self._outgoing
+            piece = payload[part * step : (part + 1) * step]
             for sink in self._sinks:
-                sink.put(len(payload), outgoing.part, piece, deadline, self._shutdown)
-            outgoing.part += 1
+                sink.put(len(payload), part, piece, deadline, self._shutdown)
+            self._outgoing = (payload, part + 1) if (part + 1) * step < len(payload) else None
         for sink in self._sinks:
             sink.flush(deadline, self._shutdown)
-        self._outgoing = None
 
     # --- reading ---
 

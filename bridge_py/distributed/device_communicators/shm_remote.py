@@ -69,40 +69,6 @@ def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
 
 
-class _Stream:
-    """A connected, non-blocking socket and what it received that was not taken yet: the
-    one receive path of both sides (a reader's hello, the writer's chunks)."""
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        _tune(sock)
-        self.sock = sock
-        self.peer = peer
-        self.rx = bytearray()
-
-    def has(self, size: int) -> bool:
-        """Whether ``size`` bytes are buffered, after receiving what has arrived (never
-        blocks); PeerGoneError once the peer is gone and they are not."""
-        if len(self.rx) >= size:
-            return True
-        try:
-            data = self.sock.recv(max(size - len(self.rx), _RECV_BYTES))
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise PeerGoneError(f"{self.peer} is gone: {exc}") from exc
-        if not data:
-            raise PeerGoneError(f"{self.peer} closed the queue")
-        self.rx += data
-        return len(self.rx) >= size
-
-    def chunk_end(self) -> int:
-        """Where the first chunk in the buffer ends, or 0 while it is not all there."""
-        if not self.has(CHUNK_HEADER_BYTES):
-            return 0
-        end = CHUNK_HEADER_BYTES + CHUNK.unpack_from(self.rx)[2]
-        return end if self.has(end) else 0
-
-
 class RemotePublisher:
     """Writer side: accepts the remote readers, then sends every chunk to all of them."""
 
@@ -120,7 +86,7 @@ class RemotePublisher:
         self._token = token
         self._n_reader = n_reader
         self._ranks = ranks
-        self._greeting: list[_Stream] = []  # connected, their hello not all in yet
+        self._greeting: list[socket.socket] = []  # connected, their hello not all in yet
         self._peers: dict[int, socket.socket] = {}
         self._pending: dict[int, collections.deque[memoryview]] = {}
 
@@ -136,11 +102,9 @@ class RemotePublisher:
             ),
             deadline,
             cancel=cancel,
-            sleep=lambda seconds: select.select(
-                [self._listener, *[stream.sock for stream in self._greeting]], [], [], seconds
-            ),
+            sleep=lambda seconds: select.select([self._listener, *self._greeting], [], [], seconds),
         )
-        for sock in [self._listener, *[stream.sock for stream in self._greeting]]:
+        for sock in [self._listener, *self._greeting]:
             with contextlib.suppress(OSError):
                 sock.close()  # everyone is here: free the port, drop strangers
         self._greeting.clear()
@@ -152,26 +116,32 @@ class RemotePublisher:
         reader is connected now."""
         with contextlib.suppress(BlockingIOError):
             while True:
-                conn, peer = self._listener.accept()
-                self._greeting.append(_Stream(conn, f"the reader connecting from {peer}"))
-        for stream in list(self._greeting):
-            try:
-                if not stream.has(_HELLO.size):
-                    continue
-                magic, token, rank = _HELLO.unpack_from(stream.rx)
+                conn, _ = self._listener.accept()
+                _tune(conn)
+                self._greeting.append(conn)
+        for conn in list(self._greeting):
+            try:  # a hello stays in the socket until all of it is there: nothing else comes
+                hello = conn.recv(_HELLO.size, socket.MSG_PEEK)
+                if len(hello) < _HELLO.size:
+                    if hello:
+                        continue
+                    raise ConnectionError("connection closed during the hello")
+                magic, token, rank = _HELLO.unpack(hello)
                 if magic != _HELLO_MAGIC or token != self._token:
                     raise ValueError("not a reader of this queue")
                 if self._ranks is not None and rank not in self._ranks:
                     raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
                 if rank in self._peers:
                     raise ValueError(f"rank {rank} is already connected")
-            except (PeerGoneError, ValueError) as exc:
-                logger.warning("refused a connection to %s: %s", self.address, exc)
-                stream.sock.close()
-                self._greeting.remove(stream)
+            except BlockingIOError:
                 continue
-            self._greeting.remove(stream)
-            self._peers[rank] = stream.sock
+            except (OSError, ValueError) as exc:
+                logger.warning("refused a connection to %s: %s", self.address, exc)
+                conn.close()
+                self._greeting.remove(conn)
+                continue
+            self._greeting.remove(conn)
+            self._peers[rank] = conn
             self._pending[rank] = collections.deque()
         return len(self._peers) == self._n_reader
 
@@ -222,7 +192,7 @@ class RemotePublisher:
 
     def close(self) -> None:
         """Close every connection (readers see the end of the stream) and stop listening."""
-        for sock in [*self._peers.values(), self._listener, *[s.sock for s in self._greeting]]:
+        for sock in [*self._peers.values(), self._listener, *self._greeting]:
             with contextlib.suppress(OSError):
                 sock.close()
         self._peers.clear()
@@ -244,11 +214,38 @@ class RemoteSubscriber:
             raise PeerGoneError(
                 f"cannot connect to the queue's writer at {address}: {exc}"
             ) from exc
-        self._stream = _Stream(sock, f"the writer at {address}")
+        _tune(sock)
+        self._sock = sock
+        self._rx = bytearray()  # received, not yet taken: chunks, the last maybe partial
+
+    def _complete(self) -> int:
+        """The bytes of the first chunk in the buffer, or 0 while it is not all there."""
+        if len(self._rx) < CHUNK_HEADER_BYTES:
+            return 0
+        end = CHUNK_HEADER_BYTES + CHUNK.unpack_from(self._rx)[2]
+        return end if len(self._rx) >= end else 0
+
+    def _receive(self) -> bool:
+        """Receive what has arrived (never blocks); whether a whole chunk is buffered.
+
+        PeerGoneError once the writer is gone and no whole chunk is left to take.
+        """
+        if self._complete():
+            return True
+        try:
+            data = self._sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise PeerGoneError(f"the writer at {self.address} is gone: {exc}") from exc
+        if not data:
+            raise PeerGoneError(f"the writer at {self.address} closed the queue")
+        self._rx += data
+        return self._complete() > 0
 
     def join(self, deadline: float | None, cancel: Cancel) -> None:
         """Wait for the writer's READY signal."""
-        total, _, view = self._next(deadline, cancel, True, "the READY signal")
+        total, _, view = self.take(deadline, cancel, True, "the READY signal")
         view.release()
         if total != 0:
             raise DistributedError(
@@ -258,30 +255,24 @@ class RemoteSubscriber:
         self.release()
 
     def take(
-        self, deadline: float | None, cancel: Cancel, log: bool
+        self, deadline: float | None, cancel: Cancel, log: bool, what: str = "a message"
     ) -> tuple[int, int, memoryview]:
-        """``(total, part, a view of the part)`` of the next chunk, waiting for it; the view
-        must be released before :meth:`release`."""
-        return self._next(deadline, cancel, log, "a message")
-
-    def _next(
-        self, deadline: float | None, cancel: Cancel, log: bool, what: str
-    ) -> tuple[int, int, memoryview]:
-        stream = self._stream
+        """``(total, part, a view of the part)`` of the next chunk, waiting for it (for
+        ``what``); the view must be released before :meth:`release`."""
         wait_until(
-            lambda: stream.chunk_end() > 0,
+            self._receive,
             f"{what} from the writer at {self.address}",
             deadline,
             cancel=cancel,
             log=log,
-            sleep=lambda seconds: select.select([stream.sock], [], [], seconds),
+            sleep=lambda seconds: select.select([self._sock], [], [], seconds),
         )
-        total, part, size = CHUNK.unpack_from(stream.rx)
-        return total, part, memoryview(stream.rx)[CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + size]
+        total, part, size = CHUNK.unpack_from(self._rx)
+        return total, part, memoryview(self._rx)[CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + size]
 
     def release(self) -> None:
         """Drop the chunk :meth:`take` returned."""
-        del self._stream.rx[: self._stream.chunk_end()]
+        del self._rx[: self._complete()]
 
     def broken(self, what: str) -> DistributedError:
         """The error for the chunk :meth:`take` returned, that ``what`` (it breaks the stream)."""
@@ -291,4 +282,4 @@ class RemoteSubscriber:
     def close(self) -> None:
         """Close the connection."""
         with contextlib.suppress(OSError):
-            self._stream.sock.close()
+            self._sock.close()
