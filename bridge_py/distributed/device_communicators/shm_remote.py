@@ -6,7 +6,7 @@ with a fixed 24-byte hello (magic, the queue's random token, its rank); the writ
 exactly the expected readers in ``wait_until_ready`` and ignores strangers. Then the writer
 sends the very chunks it writes to the shared-memory ring (``shm_ring.CHUNK``: total
 message length, part index, bytes in this part, then the bytes), preceded by one empty
-chunk, the READY signal. The writer never reads anything but the hello.
+chunk, the READY signal. The writer reads nothing but the hello (peeked until whole).
 
 Both sides wait with ``shm.wait.wait_until``, sleeping on the socket: sockets are
 non-blocking and what was sent or received stays buffered across timeouts, so a stream
