@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 # How long a reader tries to connect to the writer, and wait_until_ready's default bound.
 CONNECT_TIMEOUT_SECONDS = 60.0
 READY_TIMEOUT_SECONDS = 300.0
+_CLOSED = "this end of the message queue is closed"
 # The largest message a reader allocates room for (a corrupt length fails instead).
 MAX_MESSAGE_BYTES = 1 << 40
 
@@ -238,8 +239,8 @@ class MessageQueue:
         self._sinks = []
         self._ready = False
         self._closed = False
-        # A message being written (its bytes, the next part): kept when a timeout interrupts
-        # it, finished by the next call.
+        # A message being written (its bytes, the next part to write): kept when a timeout
+        # interrupts it (its parts or the streams' flush), finished by the next call.
         self._outgoing: tuple[memoryview, int] | None = None
         self._incoming: _Incoming | None = None
         self._lock = threading.Lock()
@@ -320,7 +321,8 @@ class MessageQueue:
         if self._ready:
             return
         deadline = deadline_after(timeout)
-        self._check_open()
+        if self._closed:
+            raise StateError(_CLOSED)
         # The writer waits for every reader (local ones attach, remote ones connect and are
         # sent READY), then lets the local ones go; a reader waits for its go.
         for end in self._ends():
@@ -346,11 +348,12 @@ class MessageQueue:
         """
         if not self._is_writer:
             raise StateError("Only writers can enqueue")
-        if len(self._sinks) > (self.buffer is not None) and not self._ready:
+        if not self._ready and len(self._sinks) > (self.buffer is not None):
             raise StateError("call wait_until_ready() before enqueue: remote readers join there")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise StateError(_CLOSED)
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
             self._sent += 1
@@ -361,15 +364,19 @@ class MessageQueue:
         """Write the parts of the outgoing message, each as one chunk into every sink (the
         ring first: only it waits, and a part it times out on is queued nowhere else), then
         send what the streams hold."""
+        if self._outgoing is None:
+            return
+        payload, part = self._outgoing
         step = self._part_bytes
-        while self._outgoing is not None:
-            payload, part = self._outgoing
+        while part * step < len(payload):
             piece = payload[part * step : (part + 1) * step]
             for sink in self._sinks:
                 sink.put(len(payload), part, piece, deadline, self._shutdown)
-            self._outgoing = (payload, part + 1) if (part + 1) * step < len(payload) else None
+            part += 1
+            self._outgoing = (payload, part)
         for sink in self._sinks:
             sink.flush(deadline, self._shutdown)
+        self._outgoing = None
 
     # --- reading ---
 
@@ -395,7 +402,8 @@ class MessageQueue:
             raise StateError("Only readers can dequeue")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise StateError(_CLOSED)
             while True:  # one chunk at a time, from the ring or the writer's stream alike
                 total, part, view = source.take(deadline, (cancel, self._shutdown), not indefinite)
                 with view:
@@ -494,10 +502,6 @@ class MessageQueue:
     def _ends(self) -> list[ShmRingBuffer | RemotePublisher | RemoteSubscriber]:
         """Every end of the queue that this end holds: its sinks, or its source."""
         return [*self._sinks, *([self._source] if self._source is not None else [])]
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StateError("this end of the message queue is closed")
 
     @staticmethod
     def create_from_process_group(

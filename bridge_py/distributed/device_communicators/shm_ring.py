@@ -321,7 +321,11 @@ class ShmRingBuffer:
         """Writer: nothing to do, a chunk is visible once :meth:`put` returns."""
 
     def take(
-        self, deadline: float | None, cancel: Cancel, log: bool, what: str = "a message"
+        self,
+        deadline: float | None,
+        cancel: Cancel,
+        log: bool,
+        what: str = "a message from the writer",
     ) -> tuple[int, int, memoryview]:
         """Reader: ``(total message length, part index, a view of the part)`` of the next
         chunk, once written; the view must be released before :meth:`release`.
@@ -329,7 +333,7 @@ class ShmRingBuffer:
         idx = self.current_idx
         wait_until(
             lambda: self.chunk_readable(idx, self.reader),
-            f"{what} from the writer",
+            what,
             deadline,
             check=lambda: self._check_writer(idx),
             cancel=cancel,
