@@ -43,29 +43,12 @@ from typing import Any
 
 from bridge_py.deadline import clamp_until
 from bridge_py.distributed.auth import AuthKey, open_object, resolve_key, seal_object
-from bridge_py.distributed.device_communicators.shm_remote import (
-    READY,
-    RemotePublisher,
-    RemoteSubscriber,
-)
-from bridge_py.distributed.device_communicators.shm_ring import (
-    CHUNK,
-    CHUNK_HEADER_BYTES,
-    SLOT_DETACHED,
-    SLOT_EMPTY,
-    ShmRingBuffer,
-)
-from bridge_py.distributed.errors import DistributedError, SharedMemoryError
+from bridge_py.distributed.device_communicators.shm_remote import RemotePublisher, RemoteSubscriber
+from bridge_py.distributed.device_communicators.shm_ring import CHUNK_HEADER_BYTES, ShmRingBuffer
+from bridge_py.distributed.errors import PeerGoneError, SharedMemoryError, StateError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
-from bridge_py.distributed.shm.wait import (
-    Cancel,
-    PeerGoneError,
-    deadline_after,
-    pid_namespace,
-    process_alive,
-    wait_until,
-)
+from bridge_py.distributed.shm.wait import deadline_after
 
 __all__ = ["Handle", "MessageQueue", "PeerGoneError", "ShmRingBuffer"]
 
@@ -74,6 +57,7 @@ logger = logging.getLogger(__name__)
 # How long a reader tries to connect to the writer, and wait_until_ready's default bound.
 CONNECT_TIMEOUT_SECONDS = 60.0
 READY_TIMEOUT_SECONDS = 300.0
+_CLOSED = "this end of the message queue is closed"
 # The largest message a reader allocates room for (a corrupt length fails instead).
 MAX_MESSAGE_BYTES = 1 << 40
 
@@ -100,15 +84,6 @@ class Handle:
 
 
 @dataclasses.dataclass
-class _Outgoing:
-    """A message being written; kept when a timeout interrupts it, finished by the next call."""
-
-    payload: bytes
-    parts: int
-    part: int = 0
-
-
-@dataclasses.dataclass
 class _Incoming:
     """A multi-chunk message being read; kept when a timeout interrupts it."""
 
@@ -122,13 +97,15 @@ def _handle_context(writer_rank: int) -> str:
     return f"mq/handle/{writer_rank}"
 
 
-def _check_ranks(ranks: list[int], what: str) -> list[int]:
+def _check_ranks(ranks: list[int], what: str, count: int, expected: str) -> list[int]:
     ranks = list(ranks)
     for rank in ranks:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"{what} must be non-negative ints, got {ranks}")
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{what} must be distinct, got {ranks}")
+    if len(ranks) != count:
+        raise ValueError(f"{what} has {len(ranks)} ranks, {expected} is {count}")
     return ranks
 
 
@@ -141,8 +118,10 @@ class MessageQueue:
     """
 
     buffer: ShmRingBuffer | None = None
-    _publisher: RemotePublisher | None = None
-    _subscriber: RemoteSubscriber | None = None
+    # Where chunks go (the writer's ring, then its remote readers) or come from (a reader's
+    # ring or connection): ends of one interface, see shm_ring's ShmRingBuffer.join.
+    _sinks: list[ShmRingBuffer | RemotePublisher]
+    _source: ShmRingBuffer | RemoteSubscriber | None = None
 
     def __init__(
         self,
@@ -196,38 +175,40 @@ class MessageQueue:
             local_reader_ranks = list(range(n_local_reader))
             if remote_reader_ranks is None:
                 remote_reader_ranks = list(range(n_local_reader, n_reader))
-        local_reader_ranks = _check_ranks(local_reader_ranks, "local_reader_ranks")
-        if len(local_reader_ranks) != n_local_reader:
-            raise ValueError(
-                f"local_reader_ranks has {len(local_reader_ranks)} ranks, "
-                f"n_local_reader is {n_local_reader}"
-            )
+        local_reader_ranks = _check_ranks(
+            local_reader_ranks, "local_reader_ranks", n_local_reader, "n_local_reader"
+        )
         if remote_reader_ranks is None and n_remote_reader == 0:
             remote_reader_ranks = []
         if remote_reader_ranks is not None:
-            remote_reader_ranks = _check_ranks(remote_reader_ranks, "remote_reader_ranks")
-            if len(remote_reader_ranks) != n_remote_reader:
-                raise ValueError(
-                    f"remote_reader_ranks has {len(remote_reader_ranks)} ranks, "
-                    f"expected n_reader - n_local_reader = {n_remote_reader}"
-                )
+            remote_reader_ranks = _check_ranks(
+                remote_reader_ranks,
+                "remote_reader_ranks",
+                n_remote_reader,
+                "n_reader - n_local_reader",
+            )
             if set(remote_reader_ranks) & set(local_reader_ranks):
                 raise ValueError("a rank cannot be both a local and a remote reader")
         key = resolve_key(auth_key)
         token = secrets.token_bytes(16)
         self._part_bytes = max_chunk_bytes - CHUNK_HEADER_BYTES
+        sinks: list[ShmRingBuffer | RemotePublisher] = []
         if n_local_reader > 0:
-            self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
+            self.buffer = ShmRingBuffer(
+                n_local_reader, max_chunk_bytes, max_chunks, ranks=local_reader_ranks
+            )
+            sinks.append(self.buffer)
         remote_address = None
         if n_remote_reader > 0:
             host = connect_ip or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
             try:
-                self._publisher = RemotePublisher(host, token, n_remote_reader, remote_reader_ranks)
+                publisher = RemotePublisher(host, token, n_remote_reader, remote_reader_ranks)
             except BaseException:
                 if self.buffer is not None:
                     self.buffer.close()
                 raise
-            remote_address = self._publisher.address
+            sinks.append(publisher)
+            remote_address = publisher.address
         handle = Handle(
             local_reader_ranks=local_reader_ranks,
             buffer_handle=self.buffer.handle() if self.buffer is not None else None,
@@ -238,7 +219,7 @@ class MessageQueue:
             writer_host=socket.gethostname(),
         )
         self._setup(handle, key, writer=True)
-        self.current_idx = 0 if self.buffer is not None else -1
+        self._sinks = sinks
         logger.debug("message queue handle: %s", self.handle)
 
     def _setup(self, handle: Handle, key: bytes | None, *, writer: bool) -> None:
@@ -251,15 +232,17 @@ class MessageQueue:
         remote = handle.remote_reader_ranks
         self.n_remote_reader = -1 if remote is None else len(remote)
         self.n_reader = -1 if remote is None else self.n_local_reader + self.n_remote_reader
-        self.current_idx = -1
         self.local_reader_rank = -1
         self._is_writer = writer
         self._is_local_reader = False
         self._is_remote_reader = False
+        self._sinks = []
         self._ready = False
-        self._outgoing: _Outgoing | None = None
+        self._closed = False
+        # A message being written (its bytes, the next part to write): kept when a timeout
+        # interrupts it (its parts or the streams' flush), finished by the next call.
+        self._outgoing: tuple[memoryview, int] | None = None
         self._incoming: _Incoming | None = None
-        self._namespace = pid_namespace()
         self._lock = threading.Lock()
         self._shutdown = threading.Event()  # ends every wait of this end (shutdown())
 
@@ -304,8 +287,8 @@ class MessageQueue:
                     "writer closed the queue"
                 ) from None
             self.local_reader_rank = handle.local_reader_ranks.index(rank)
-            self.current_idx = 0
             self.buffer.attach_reader(self.local_reader_rank)
+            self._source = self.buffer
             return self
         allowed = handle.remote_reader_ranks
         if handle.remote_subscribe_addr is None or (allowed is not None and rank not in allowed):
@@ -315,10 +298,15 @@ class MessageQueue:
                 f"{'any other rank' if allowed is None else allowed}"
             )
         self._is_remote_reader = True
-        self._subscriber = RemoteSubscriber(
+        self._source = RemoteSubscriber(
             handle.remote_subscribe_addr, handle.token, rank, CONNECT_TIMEOUT_SECONDS
         )
         return self
+
+    @property
+    def current_idx(self) -> int:
+        """The chunk of the ring this end writes or reads next (-1: it has no ring)."""
+        return -1 if self.buffer is None else self.buffer.current_idx
 
     def wait_until_ready(self, timeout: float | None = READY_TIMEOUT_SECONDS) -> None:
         """This is a collective operation. All processes (including the
@@ -333,47 +321,14 @@ class MessageQueue:
         if self._ready:
             return
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
-        buffer, subscriber = self.buffer, self._subscriber
-        if self._is_writer:
-            if buffer is not None:
-                ranks = self.handle.local_reader_ranks
-
-                def missing() -> list[int]:
-                    return [
-                        r for i, r in enumerate(ranks) if buffer.reader_state(i)[0] == SLOT_EMPTY
-                    ]
-
-                wait_until(
-                    lambda: not missing(),
-                    lambda: f"local readers to attach: local reader ranks {missing()} did not",
-                    deadline,
-                    cancel=self._shutdown,
-                )
-            if self._publisher is not None:
-                self._publisher.accept(deadline, self._shutdown)
-                self._publisher.publish(READY, memoryview(b""))
-                self._publisher.flush(deadline, self._shutdown)
-            if buffer is not None:
-                buffer.set_ready()
-        elif subscriber is not None:
-            total, _, view = subscriber.next_chunk(
-                deadline, self._shutdown, True, "the READY signal"
-            )
-            view.release()
-            if total != 0:
-                raise DistributedError(
-                    f"remote reader rank {subscriber.rank} expected the READY signal from the "
-                    f"writer at {subscriber.address}, got a part of a message"
-                )
-            subscriber.release()
-        else:
-            wait_until(
-                self._ring().is_ready,
-                "the writer to see every reader join (wait_until_ready)",
-                deadline,
-                check=lambda: self._check_writer(None),
-                cancel=self._shutdown,
-            )
+        if self._closed:
+            raise StateError(_CLOSED)
+        # The writer waits for every reader (local ones attach, remote ones connect and are
+        # sent READY), then lets the local ones go; a reader waits for its go.
+        for end in self._ends():
+            end.join(deadline, self._shutdown)
+        if self._is_writer and self.buffer is not None:
+            self.buffer.set_ready()
         self._ready = True
 
     # --- writing ---
@@ -392,66 +347,36 @@ class MessageQueue:
         :meth:`wait_until_ready` when there are remote readers.
         """
         if not self._is_writer:
-            raise RuntimeError("Only writers can enqueue")
-        if self._publisher is not None and not self._ready:
-            raise RuntimeError("call wait_until_ready() before enqueue: remote readers join there")
+            raise StateError("Only writers can enqueue")
+        if not self._ready and len(self._sinks) > (self.buffer is not None):
+            raise StateError("call wait_until_ready() before enqueue: remote readers join there")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
+            if self._closed:
+                raise StateError(_CLOSED)
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
             self._sent += 1
-            self._outgoing = _Outgoing(payload, max(1, -(-len(payload) // self._part_bytes)))
+            self._outgoing = (memoryview(payload), 0)
             self._flush(deadline)
 
     def _flush(self, deadline: float | None) -> None:
-        """Write the parts of the outgoing message, each as one chunk of the ring and of
-        every remote reader's stream, then send the streams."""
-        outgoing = self._outgoing
-        if outgoing is None:
+        """Write the parts of the outgoing message, each as one chunk into every sink (the
+        ring first: only it waits, and a part it times out on is queued nowhere else), then
+        send what the streams hold."""
+        if self._outgoing is None:
             return
-        buffer, publisher = self.buffer, self._publisher
-        payload = memoryview(outgoing.payload)
-        while outgoing.part < outgoing.parts:
-            begin = outgoing.part * self._part_bytes
-            piece = payload[begin : begin + self._part_bytes]
-            if buffer is not None:
-                idx = self.current_idx
-                self._wait_free(buffer, idx, deadline)
-                buffer.write_chunk(idx, len(payload), outgoing.part, piece)
-                self.current_idx = (idx + 1) % buffer.max_chunks
-            if publisher is not None:
-                publisher.publish(CHUNK.pack(len(payload), outgoing.part, len(piece)), piece)
-            outgoing.part += 1
-        if publisher is not None:
-            publisher.flush(deadline, self._shutdown)
+        payload, part = self._outgoing
+        step = self._part_bytes
+        while part * step < len(payload):
+            piece = payload[part * step : (part + 1) * step]
+            for sink in self._sinks:
+                sink.put(len(payload), part, piece, deadline, self._shutdown)
+            part += 1
+            self._outgoing = (payload, part)
+        for sink in self._sinks:
+            sink.flush(deadline, self._shutdown)
         self._outgoing = None
-
-    def _wait_free(self, buffer: ShmRingBuffer, idx: int, deadline: float | None) -> None:
-        wait_until(
-            lambda: buffer.chunk_writable(idx),
-            lambda: (
-                f"local readers to free chunk {idx}: local reader ranks "
-                f"{[self.handle.local_reader_ranks[i] for i in buffer.unread_by(idx)]} "
-                "have not read it"
-            ),
-            deadline,
-            check=lambda: self._check_readers(idx),
-            cancel=self._shutdown,
-        )
-
-    def _check_readers(self, idx: int) -> None:
-        """Raise PeerGoneError if a reader that has not read chunk ``idx`` is gone."""
-        buffer = self._ring()
-        for reader in buffer.unread_by(idx):
-            state, pid, namespace = buffer.reader_state(reader)
-            rank = self.handle.local_reader_ranks[reader]
-            if state == SLOT_DETACHED:
-                raise PeerGoneError(f"local reader rank {rank} closed its end of the queue")
-            if state != SLOT_EMPTY and self._same_namespace(namespace) and not process_alive(pid):
-                raise PeerGoneError(f"local reader rank {rank} (pid {pid}) has exited")
-
-    def _same_namespace(self, namespace: int) -> bool:
-        return namespace != 0 and namespace == self._namespace
 
     # --- reading ---
 
@@ -472,61 +397,40 @@ class MessageQueue:
         as long as the writer lives; ``indefinite`` only silences the periodic "still
         waiting" log, as in vLLM.
         """
-        if self._is_writer:
-            raise RuntimeError("Only readers can dequeue")
+        source = self._source
+        if source is None:
+            raise StateError("Only readers can dequeue")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
+            if self._closed:
+                raise StateError(_CLOSED)
             while True:  # one chunk at a time, from the ring or the writer's stream alike
-                total, part, view = self._next_chunk(
-                    deadline, (cancel, self._shutdown), not indefinite
-                )
+                total, part, view = source.take(deadline, (cancel, self._shutdown), not indefinite)
                 with view:
-                    message = self._assemble(total, part, view)
-                self._release_chunk()
+                    message = self._assemble(source, total, part, view)
+                source.release()
                 if message is not None:
                     return self._loads(message)
 
-    def _next_chunk(
-        self, deadline: float | None, cancel: Cancel, log: bool
-    ) -> tuple[int, int, memoryview]:
-        if self._subscriber is not None:
-            return self._subscriber.next_chunk(deadline, cancel, log, "a message")
-        buffer, idx, reader = self._ring(), self.current_idx, self.local_reader_rank
-        wait_until(
-            lambda: buffer.chunk_readable(idx, reader),
-            "a message from the writer",
-            deadline,
-            check=lambda: self._check_writer(idx),
-            cancel=cancel,
-            log=log,
-        )
-        return buffer.chunk(idx)
-
-    def _release_chunk(self) -> None:
-        if self._subscriber is not None:
-            self._subscriber.release()
-            return
-        buffer = self._ring()
-        buffer.mark_read(self.current_idx, self.local_reader_rank)
-        self.current_idx = (self.current_idx + 1) % buffer.max_chunks
-
-    def _assemble(self, total: int, part: int, view: memoryview) -> bytes | bytearray | None:
+    def _assemble(
+        self, source: ShmRingBuffer | RemoteSubscriber, total: int, part: int, view: memoryview
+    ) -> bytes | bytearray | None:
         """Take one chunk: the whole message once its last part is in, else None."""
         incoming = self._incoming
         size = len(view)
         if incoming is None and part == 0 and 0 < size == total:
             return bytes(view)  # a message in one chunk: the common case
         if total == 0:
-            raise self._broken("expected a message, got the READY signal", DistributedError)
+            raise source.broken("expected a message, got the READY signal")
         expected = 0 if incoming is None else incoming.part
         if part != expected:
-            raise self._broken(f"holds part {part} of a message, expected {expected}")
+            raise source.broken(f"holds part {part} of a message, expected {expected}")
         if size > total or total > MAX_MESSAGE_BYTES:
-            raise self._broken(f"is corrupt: it holds {size} bytes of a {total}-byte message")
+            raise source.broken(f"is corrupt: it holds {size} bytes of a {total}-byte message")
         if incoming is None:
             incoming = self._incoming = _Incoming(bytearray(total))
         if incoming.filled + size > len(incoming.data):
-            raise self._broken(
+            raise source.broken(
                 f"overflows its message: {size} more bytes after "
                 f"{incoming.filled} of {len(incoming.data)}"
             )
@@ -538,14 +442,6 @@ class MessageQueue:
         self._incoming = None
         return incoming.data
 
-    def _broken(self, what: str, error: type[DistributedError] | None = None) -> DistributedError:
-        """The error for a chunk that ``what`` (a corrupt stream or ring), naming both ends."""
-        if self._subscriber is not None:
-            where = f"remote reader rank {self._subscriber.rank}: a chunk from the writer at "
-            return (error or DistributedError)(f"{where}{self._subscriber.address} {what}")
-        where = f"local reader {self.local_reader_rank}: chunk {self.current_idx} of segment"
-        return (error or SharedMemoryError)(f"{where} {self._ring().name!r} {what}")
-
     def _context(self, seq: int) -> str:
         """What message ``seq``'s tag is bound to: this queue (its random token) and ``seq``."""
         return f"mq/{self.handle.token.hex()}/{seq}"
@@ -556,19 +452,6 @@ class MessageQueue:
         self._received += 1  # consumed, whether or not it passes the check
         what = f"message {seq} of the queue written on {self.handle.writer_host!r}"
         return open_object(self._auth_key, self._context(seq), data, what)
-
-    def _check_writer(self, idx: int | None) -> None:
-        """Raise PeerGoneError if the writer is gone and chunk ``idx`` holds nothing to read."""
-        buffer = self._ring()
-        closed, pid, namespace = buffer.writer_state()
-        gone = closed or (self._same_namespace(namespace) and not process_alive(pid))
-        if not gone:
-            return
-        if idx is not None and buffer.chunk_readable(idx, self.local_reader_rank):
-            return  # written before the writer left: read it first
-        raise PeerGoneError(
-            "the writer closed the queue" if closed else f"the writer (pid {pid}) has exited"
-        )
 
     def broadcast_object(self, obj: Any = None, *, timeout: float | None = None) -> Any:
         """The writer enqueues ``obj`` and returns it; readers return what they dequeue."""
@@ -604,9 +487,9 @@ class MessageQueue:
 
         Idempotent. Garbage collection and interpreter exit release the shared memory too.
         """
-        for end in (self.buffer, self._publisher, self._subscriber):
-            if end is not None:
-                end.close()
+        self._closed = True
+        for end in self._ends():
+            end.close()
         self._outgoing = None
         self._incoming = None
 
@@ -616,10 +499,9 @@ class MessageQueue:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _ring(self) -> ShmRingBuffer:
-        if self.buffer is None or self.buffer.closed:
-            raise RuntimeError("this end of the message queue has no open shared memory")
-        return self.buffer
+    def _ends(self) -> list[ShmRingBuffer | RemotePublisher | RemoteSubscriber]:
+        """Every end of the queue that this end holds: its sinks, or its source."""
+        return [*self._sinks, *([self._source] if self._source is not None else [])]
 
     @staticmethod
     def create_from_process_group(

@@ -6,7 +6,7 @@ with a fixed 24-byte hello (magic, the queue's random token, its rank); the writ
 exactly the expected readers in ``wait_until_ready`` and ignores strangers. Then the writer
 sends the very chunks it writes to the shared-memory ring (``shm_ring.CHUNK``: total
 message length, part index, bytes in this part, then the bytes), preceded by one empty
-chunk, the READY signal. The writer never reads anything but the hello.
+chunk, the READY signal. The writer reads nothing but the hello (peeked until whole).
 
 Both sides wait with ``shm.wait.wait_until``, sleeping on the socket: sockets are
 non-blocking and what was sent or received stays buffered across timeouts, so a stream
@@ -25,8 +25,8 @@ import socket
 import struct
 
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
-from bridge_py.distributed.errors import PeerGoneError
-from bridge_py.distributed.shm.wait import Cancel, remaining, wait_until
+from bridge_py.distributed.errors import DistributedError, PeerGoneError
+from bridge_py.distributed.shm.wait import Cancel, wait_until
 
 __all__ = [
     "READY",
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("!4s16sI")  # magic, queue token, reader rank
 _HELLO_MAGIC = b"VBMR"
-_HELLO_TIMEOUT_SECONDS = 10.0
 READY = CHUNK.pack(0, 0, 0)  # an empty chunk: no message is empty
 _RECV_BYTES = 1 << 20
 
@@ -87,61 +86,72 @@ class RemotePublisher:
         self._token = token
         self._n_reader = n_reader
         self._ranks = ranks
+        self._greeting: list[socket.socket] = []  # connected, their hello not all in yet
         self._peers: dict[int, socket.socket] = {}
         self._pending: dict[int, collections.deque[memoryview]] = {}
 
-    def accept(self, deadline: float | None, cancel: Cancel = None) -> None:
-        """Accept connections until every expected remote reader has said hello, then stop
-        listening."""
+    def join(self, deadline: float | None, cancel: Cancel = None) -> None:
+        """Accept connections until every expected remote reader has said hello, stop
+        listening, and send them all the READY signal."""
         expected = "" if self._ranks is None else f" of ranks {self._ranks}"
         wait_until(
-            lambda: self._accept_one(deadline),
+            self._admit,
             lambda: (
                 f"remote readers to connect to {self.address}: {len(self._peers)} of "
                 f"{self._n_reader}{expected} connected ({sorted(self._peers)})"
             ),
             deadline,
             cancel=cancel,
-            sleep=lambda seconds: select.select([self._listener], [], [], seconds),
+            sleep=lambda seconds: select.select([self._listener, *self._greeting], [], [], seconds),
         )
-        with contextlib.suppress(OSError):
-            self._listener.close()  # everyone is here: free the port
+        for sock in [self._listener, *self._greeting]:
+            with contextlib.suppress(OSError):
+                sock.close()  # everyone is here: free the port, drop strangers
+        self._greeting.clear()
+        self.put(0, 0, memoryview(b""), deadline, cancel)  # READY: an empty chunk
+        self.flush(deadline, cancel)
 
-    def _accept_one(self, deadline: float | None) -> bool:
-        """Take one waiting connection, if any; whether every reader is connected now."""
-        try:
-            conn, peer = self._listener.accept()
-        except BlockingIOError:
-            return len(self._peers) == self._n_reader
-        try:
-            left = remaining(deadline)
-            conn.settimeout(_HELLO_TIMEOUT_SECONDS if left is None else max(min(left, 10), 1e-3))
-            hello = b""
-            while len(hello) < _HELLO.size:
-                piece = conn.recv(_HELLO.size - len(hello))
-                if not piece:
+    def _admit(self) -> bool:
+        """Take the connections and hellos that have arrived (never blocks); whether every
+        reader is connected now."""
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                conn, _ = self._listener.accept()
+                _tune(conn)
+                self._greeting.append(conn)
+        for conn in list(self._greeting):
+            try:  # a hello stays in the socket until all of it is there: nothing else comes
+                hello = conn.recv(_HELLO.size, socket.MSG_PEEK)
+                if len(hello) < _HELLO.size:
+                    if hello:
+                        continue
                     raise ConnectionError("connection closed during the hello")
-                hello += piece
-            magic, token, rank = _HELLO.unpack(hello)
-            if magic != _HELLO_MAGIC or token != self._token:
-                raise ValueError("not a reader of this queue")
-            if self._ranks is not None and rank not in self._ranks:
-                raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
-            if rank in self._peers:
-                raise ValueError(f"rank {rank} is already connected")
-        except (OSError, ValueError) as exc:
-            logger.warning("refused a connection from %s to %s: %s", peer, self.address, exc)
-            conn.close()
-            return False
-        _tune(conn)
-        self._peers[rank] = conn
-        self._pending[rank] = collections.deque()
+                magic, token, rank = _HELLO.unpack(hello)
+                if magic != _HELLO_MAGIC or token != self._token:
+                    raise ValueError("not a reader of this queue")
+                if self._ranks is not None and rank not in self._ranks:
+                    raise ValueError(f"rank {rank} is not a remote reader ({self._ranks})")
+                if rank in self._peers:
+                    raise ValueError(f"rank {rank} is already connected")
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError) as exc:
+                logger.warning("refused a connection to %s: %s", self.address, exc)
+                conn.close()
+                self._greeting.remove(conn)
+                continue
+            self._greeting.remove(conn)
+            self._peers[rank] = conn
+            self._pending[rank] = collections.deque()
         return len(self._peers) == self._n_reader
 
-    def publish(self, header: bytes, payload: memoryview) -> None:
-        """Queue one chunk for every remote reader; :meth:`flush` sends it."""
+    def put(
+        self, total: int, part: int, payload: memoryview, deadline: float | None, cancel: Cancel
+    ) -> None:
+        """Queue one chunk for every remote reader (never waits); :meth:`flush` sends it."""
+        header = memoryview(CHUNK.pack(total, part, len(payload)))
         for queue in self._pending.values():
-            queue.append(memoryview(header))
+            queue.append(header)
             if len(payload):
                 queue.append(payload)
 
@@ -182,11 +192,12 @@ class RemotePublisher:
 
     def close(self) -> None:
         """Close every connection (readers see the end of the stream) and stop listening."""
-        for sock in [*self._peers.values(), self._listener]:
+        for sock in [*self._peers.values(), self._listener, *self._greeting]:
             with contextlib.suppress(OSError):
                 sock.close()
         self._peers.clear()
         self._pending.clear()
+        self._greeting.clear()
 
 
 class RemoteSubscriber:
@@ -197,13 +208,14 @@ class RemoteSubscriber:
         self.rank = rank
         host, port = parse_tcp_address(address)
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-            self._sock.sendall(_HELLO.pack(_HELLO_MAGIC, token, rank))
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.sendall(_HELLO.pack(_HELLO_MAGIC, token, rank))
         except OSError as exc:
             raise PeerGoneError(
                 f"cannot connect to the queue's writer at {address}: {exc}"
             ) from exc
-        _tune(self._sock)
+        _tune(sock)
+        self._sock = sock
         self._rx = bytearray()  # received, not yet taken: chunks, the last maybe partial
 
     def _complete(self) -> int:
@@ -231,11 +243,22 @@ class RemoteSubscriber:
         self._rx += data
         return self._complete() > 0
 
-    def next_chunk(
-        self, deadline: float | None, cancel: Cancel, log: bool, what: str
+    def join(self, deadline: float | None, cancel: Cancel) -> None:
+        """Wait for the writer's READY signal."""
+        total, _, view = self.take(deadline, cancel, True, "the READY signal")
+        view.release()
+        if total != 0:
+            raise DistributedError(
+                f"remote reader rank {self.rank} expected the READY signal from the "
+                f"writer at {self.address}, got a part of a message"
+            )
+        self.release()
+
+    def take(
+        self, deadline: float | None, cancel: Cancel, log: bool, what: str = "a message"
     ) -> tuple[int, int, memoryview]:
-        """``(total, part, a view of the part)`` of the next chunk, waiting for it; the view
-        must be released before :meth:`release`."""
+        """``(total, part, a view of the part)`` of the next chunk, waiting for it (for
+        ``what``); the view must be released before :meth:`release`."""
         wait_until(
             self._receive,
             f"{what} from the writer at {self.address}",
@@ -248,8 +271,13 @@ class RemoteSubscriber:
         return total, part, memoryview(self._rx)[CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + size]
 
     def release(self) -> None:
-        """Drop the chunk :meth:`next_chunk` returned."""
+        """Drop the chunk :meth:`take` returned."""
         del self._rx[: self._complete()]
+
+    def broken(self, what: str) -> DistributedError:
+        """The error for the chunk :meth:`take` returned, that ``what`` (it breaks the stream)."""
+        where = f"remote reader rank {self.rank}: a chunk from the writer at {self.address}"
+        return DistributedError(f"{where} {what}")
 
     def close(self) -> None:
         """Close the connection."""

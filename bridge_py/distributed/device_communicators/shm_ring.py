@@ -41,11 +41,16 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from bridge_py.distributed.errors import SharedMemoryError
+from bridge_py.distributed.errors import (
+    DistributedError,
+    PeerGoneError,
+    SharedMemoryError,
+    StateError,
+)
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.segments import NAME_PREFIX
-from bridge_py.distributed.shm.wait import fence, pid_namespace, process_alive
+from bridge_py.distributed.shm.wait import Cancel, fence, pid_namespace, process_alive, wait_until
 
 __all__ = ["CHUNK", "CHUNK_HEADER_BYTES", "NAME_SUFFIX", "ShmRingBuffer"]
 
@@ -97,8 +102,16 @@ class ShmRingBuffer:
     """
 
     def __init__(
-        self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None
+        self,
+        n_reader: int,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        name: str | None = None,
+        *,
+        ranks: list[int] | None = None,
     ) -> None:
+        """``ranks``: the readers' ranks, named in the writer's errors (default: their
+        indices)."""
         if n_reader < 1:
             raise ValueError(f"a ring buffer needs at least one reader, got n_reader={n_reader}")
         if max_chunks < 1:
@@ -113,16 +126,20 @@ class ShmRingBuffer:
         self._all_read = b"\x01" * n_reader
         self._no_reads = bytes(n_reader)
         self._slot: list[int] = []  # [offset of this reader's slot] once attached
+        self.ranks = list(range(n_reader)) if ranks is None else ranks
+        self.reader = -1  # this process's reader index, once attached
+        self.current_idx = 0
+        self._namespace = pid_namespace()
         self.is_creator = name is None
         self.shared_memory: posix.Segment
         if name is None:
             self.token = secrets.token_bytes(16)
-            name = f"{NAME_PREFIX}{pid_namespace()}_{os.getpid()}_{self.token[:6].hex()}"
+            name = f"{NAME_PREFIX}{self._namespace}_{os.getpid()}_{self.token[:6].hex()}"
             self.shared_memory = posix.create(name + NAME_SUFFIX, self.total_bytes_of_buffer)
             # A new segment is zero-filled: no chunk written, no reader attached, not ready.
             _HEADER.pack_into(
                 posix.view(self.shared_memory), n_reader, max_chunks, max_chunk_bytes,
-                self.token, os.getpid(), pid_namespace(),
+                self.token, os.getpid(), self._namespace,
             )  # fmt: skip
         else:
             self.shared_memory = posix.attach(name)
@@ -217,25 +234,6 @@ class ShmRingBuffer:
         fence()
         return ready
 
-    def chunk(self, idx: int) -> tuple[int, int, memoryview]:
-        """``(total message length, part index, a view of the part)`` of readable chunk
-        ``idx``; SharedMemoryError when its header claims more than a chunk holds."""
-        start = self.data_offset + idx * self.max_chunk_bytes
-        total, part, size = CHUNK.unpack_from(self._buf, start)
-        if size > self.max_chunk_bytes - CHUNK_HEADER_BYTES:
-            raise SharedMemoryError(
-                f"chunk {idx} of segment {self.name!r} is corrupt: it holds {size} bytes (at "
-                f"most {self.max_chunk_bytes - CHUNK_HEADER_BYTES} fit in a chunk)"
-            )
-        start += CHUNK_HEADER_BYTES
-        return total, part, self._buf[start : start + size]
-
-    def mark_read(self, idx: int, reader: int) -> None:
-        """Record that ``reader`` is done with chunk ``idx``, so the writer may reuse it."""
-        fence()  # our reads of the chunk complete before the writer may overwrite it
-        self._buf[self._flags(idx) + 1 + reader] = 1
-        fence()
-
     # --- who is there ---
 
     def _slot_at(self, reader: int) -> int:
@@ -248,21 +246,16 @@ class ShmRingBuffer:
         at = self._slot_at(reader)
         state, pid, _ = _SLOT.unpack_from(self._buf, at)
         if state == SLOT_ATTACHED and pid != os.getpid() and process_alive(pid):
-            raise RuntimeError(f"reader {reader} of {self.name!r} is already held by pid {pid}")
-        _SLOT.pack_into(self._buf, at, SLOT_ATTACHED, os.getpid(), pid_namespace())
+            raise StateError(f"reader {reader} of {self.name!r} is already held by pid {pid}")
+        _SLOT.pack_into(self._buf, at, SLOT_ATTACHED, os.getpid(), self._namespace)
         fence()
         self._slot[:] = [at]
+        self.reader = reader
 
     def reader_state(self, reader: int) -> tuple[int, int, int]:
         """``(state, pid, pid namespace)`` of ``reader``'s slot."""
         fence()
         return _SLOT.unpack_from(self._buf, self._slot_at(reader))
-
-    def writer_state(self) -> tuple[bool, int, int]:
-        """``(closed, pid, pid namespace)`` of the writer."""
-        fence()
-        *_, pid, namespace = _HEADER.unpack_from(self._buf, self.name)
-        return self._buf[_CLOSED_AT] == 1, pid, namespace
 
     def set_ready(self) -> None:
         """Writer: every reader has joined."""
@@ -274,6 +267,123 @@ class ShmRingBuffer:
         fence()
         return self._buf[_READY_AT] == 1
 
+    def _exited(self, pid: int, namespace: int) -> bool:
+        """Whether process ``pid`` of PID namespace ``namespace`` has exited (as far as this
+        process can tell: a PID of another namespace is never judged)."""
+        return namespace != 0 and namespace == self._namespace and not process_alive(pid)
+
+    # --- a MessageQueue's end of the ring: its writer's, or one reader's ---
+    # The same calls as the TCP ends of shm_remote (join, put, flush, take, release, broken),
+    # so that the queue drives either alike; current_idx is the chunk this end uses next.
+
+    def join(self, deadline: float | None, cancel: Cancel) -> None:
+        """Writer: wait until every reader has attached (the queue then calls
+        :meth:`set_ready`). Reader: wait until the writer has called it."""
+        if not self.is_creator:
+            wait_until(
+                self.is_ready,
+                "the writer to see every reader join (wait_until_ready)",
+                deadline,
+                check=lambda: self._check_writer(None),
+                cancel=cancel,
+            )
+            return
+
+        def missing() -> list[int]:
+            return [r for i, r in enumerate(self.ranks) if self.reader_state(i)[0] == SLOT_EMPTY]
+
+        wait_until(
+            lambda: not missing(),
+            lambda: f"local readers to attach: local reader ranks {missing()} did not",
+            deadline,
+            cancel=cancel,
+        )
+
+    def put(
+        self, total: int, part: int, payload: memoryview, deadline: float | None, cancel: Cancel
+    ) -> None:
+        """Writer: wait for the next chunk to be free, then fill it with one part."""
+        idx = self.current_idx
+        wait_until(
+            lambda: self.chunk_writable(idx),
+            lambda: (
+                f"local readers to free chunk {idx}: local reader ranks "
+                f"{[self.ranks[i] for i in self.unread_by(idx)]} have not read it"
+            ),
+            deadline,
+            check=self._check_readers,
+            cancel=cancel,
+        )
+        self.write_chunk(idx, total, part, payload)
+        self.current_idx = (idx + 1) % self.max_chunks
+
+    def flush(self, deadline: float | None, cancel: Cancel) -> None:
+        """Writer: nothing to do, a chunk is visible once :meth:`put` returns."""
+
+    def take(
+        self,
+        deadline: float | None,
+        cancel: Cancel,
+        log: bool,
+        what: str = "a message from the writer",
+    ) -> tuple[int, int, memoryview]:
+        """Reader: ``(total message length, part index, a view of the part)`` of the next
+        chunk, once written; the view must be released before :meth:`release`.
+        SharedMemoryError when its header claims more than a chunk holds."""
+        idx = self.current_idx
+        wait_until(
+            lambda: self.chunk_readable(idx, self.reader),
+            what,
+            deadline,
+            check=lambda: self._check_writer(idx),
+            cancel=cancel,
+            log=log,
+        )
+        start = self.data_offset + idx * self.max_chunk_bytes + CHUNK_HEADER_BYTES
+        total, part, size = CHUNK.unpack_from(self._buf, start - CHUNK_HEADER_BYTES)
+        if size > self.max_chunk_bytes - CHUNK_HEADER_BYTES:
+            raise self.broken(
+                f"is corrupt: it holds {size} bytes (at most "
+                f"{self.max_chunk_bytes - CHUNK_HEADER_BYTES} fit in a chunk)"
+            )
+        return total, part, self._buf[start : start + size]
+
+    def release(self) -> None:
+        """Reader: record that this reader is done with the chunk :meth:`take` returned, so
+        the writer may reuse it, and go on to the next."""
+        fence()  # our reads of the chunk complete before the writer may overwrite it
+        self._buf[self._flags(self.current_idx) + 1 + self.reader] = 1
+        fence()
+        self.current_idx = (self.current_idx + 1) % self.max_chunks
+
+    def broken(self, what: str) -> DistributedError:
+        """The error for the chunk :meth:`take` returned, that ``what`` (it is corrupt)."""
+        where = f"local reader {self.reader}: chunk {self.current_idx} of segment {self.name!r}"
+        return SharedMemoryError(f"{where} {what}")
+
+    def _check_readers(self) -> None:
+        """Raise PeerGoneError if a reader that has not read the next chunk is gone."""
+        for reader in self.unread_by(self.current_idx):
+            state, pid, namespace = self.reader_state(reader)
+            rank = self.ranks[reader]
+            if state == SLOT_DETACHED:
+                raise PeerGoneError(f"local reader rank {rank} closed its end of the queue")
+            if state != SLOT_EMPTY and self._exited(pid, namespace):
+                raise PeerGoneError(f"local reader rank {rank} (pid {pid}) has exited")
+
+    def _check_writer(self, idx: int | None) -> None:
+        """Raise PeerGoneError if the writer is gone and chunk ``idx`` holds nothing to read."""
+        fence()
+        *_, pid, namespace = _HEADER.unpack_from(self._buf, self.name)
+        closed = self._buf[_CLOSED_AT] == 1
+        if not closed and not self._exited(pid, namespace):
+            return
+        if idx is not None and self.chunk_readable(idx, self.reader):
+            return  # written before the writer left: read it first
+        raise PeerGoneError(
+            "the writer closed the queue" if closed else f"the writer (pid {pid}) has exited"
+        )
+
     def close(self) -> None:
         """Writer: mark closed and unlink the segment. Reader: mark detached. Both: unmap.
 
@@ -282,8 +392,3 @@ class ShmRingBuffer:
         # Dropped so that the mapping can go; any later use fails at once (a TypeError).
         self._buf = None  # type: ignore[assignment]  # a closed ring has no memory
         self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has run."""
-        return not self._finalizer.alive
