@@ -25,7 +25,7 @@ TITLES = {
 }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -67,7 +67,7 @@ def main() -> None:
         f"* command: `{args.command}`",
         f"* date: {now}; commit {_git('rev-parse', '--short', 'HEAD')}"
         + (" (with uncommitted changes)" if _git("status", "--porcelain") else ""),
-        f"* machine: {os.cpu_count()} CPUs (nproc), {_cpu_model()}, {platform.system()} "
+        f"* machine: {os.cpu_count()} CPUs (nproc), {cpu_model()}, {platform.system()} "
         f"{platform.release()}; load average at the end {load} (shared with other work)",
         f"* {platform.python_implementation()} {platform.python_version()}, "
         f"torch {_torch_version()}, {_elixir_version()}",

@@ -19,6 +19,7 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -53,12 +54,35 @@ def join_gloo(rank: int, port: int, world_size: int = 2) -> None:
     )
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections and to bind(port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, then release it)."""
+    """A TCP port that is free on ``host`` now and that no outgoing connection will take.
+
+    A port from bind(port 0) comes from the kernel's ephemeral range, the one outgoing
+    connections (gloo's, a store client's) draw from as well: one of them could take it
+    between this call and the moment a test binds it (seen: a store's port taken while
+    the test's first group ran). So the port is drawn at random below that range, and
+    checked to be free.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError(f"no free TCP port on {host} below {low}")
 
 
 def _child(target: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:

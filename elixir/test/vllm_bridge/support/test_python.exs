@@ -115,10 +115,36 @@ defmodule VllmBridge.PoolHelpers do
     end
   end
 
-  def free_tcp_port do
-    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
-    {:ok, port} = :inet.port(socket)
-    :gen_tcp.close(socket)
-    port
+  # A port free now that no outgoing connection will take: ports from listen(0)
+  # come from the kernel's ephemeral range, which outgoing connections (gloo's, a
+  # store client's) draw from too, so one could take it before the test binds it.
+  # So the port is drawn at random below that range and checked to be free.
+  def free_tcp_port(tries \\ 200)
+
+  def free_tcp_port(0), do: raise("no free TCP port below the ephemeral range")
+
+  def free_tcp_port(tries) do
+    low = ephemeral_low()
+    port = if low > 11_000, do: 10_000 + :rand.uniform(low - 10_001), else: 0
+
+    case :gen_tcp.listen(port, ip: {127, 0, 0, 1}) do
+      {:ok, socket} ->
+        {:ok, port} = :inet.port(socket)
+        :gen_tcp.close(socket)
+        port
+
+      {:error, _} ->
+        free_tcp_port(tries - 1)
+    end
+  end
+
+  defp ephemeral_low do
+    with {:ok, text} <- File.read("/proc/sys/net/ipv4/ip_local_port_range"),
+         [low | _] <- String.split(text),
+         {low, ""} <- Integer.parse(low) do
+      low
+    else
+      _ -> 32_768
+    end
   end
 end
