@@ -14,6 +14,7 @@ situations is, so code written for them keeps working; the subclasses say what h
     │   └── BarrierStoreError (also StoreError)    because the store was lost
     ├── CollectiveMismatchError (also ValueError)  ranks called different collectives
     ├── SharedMemoryError                     a shared-memory file is missing, short or changed
+    ├── WaitCancelled                         a wait ended by its cancel event or a shutdown()
     └── StateError                            not allowed now: not initialized, already
                                               initialized, destroyed, or missing here
 
@@ -38,6 +39,7 @@ __all__ = [
     "SharedMemoryError",
     "StateError",
     "StoreError",
+    "WaitCancelled",
     "is_store_timeout",
 ]
 
@@ -95,6 +97,11 @@ class StateError(DistributedError):
     """The call is not allowed in the present state of its object or of the process: a
     group not initialized yet (or already, differently), an object already destroyed, a
     method of the other end of a queue, or a backend this machine or torch build lacks."""
+
+
+class WaitCancelled(DistributedError):
+    """A wait ended early by its ``cancel`` event or by its queue's ``shutdown()``; the
+    message is ``"cancelled"``, as vLLM's RuntimeError says."""
 
 
 def is_store_timeout(exc: BaseException) -> bool:

@@ -106,7 +106,7 @@ def test_timeouts_are_prompt_and_resumable() -> None:
         assert message.startswith("GroupTimeout") and "waiting for a message" in message
         assert 0.3 <= seconds < 2.0
         message, seconds = reader["cancelled"]
-        assert message == "RuntimeError: cancelled" and seconds < 2.0
+        assert message == "WaitCancelled: cancelled" and seconds < 2.0
         assert reader["received"] is True
 
 
@@ -166,16 +166,16 @@ def _shutdown(rank: int, port: int) -> dict:
 def test_shutdown_wakes_every_wait_and_later_waits_fail_at_once() -> None:
     writer, local, remote = run_ranks(_shutdown, 3, free_port(), timeout=60)
     for end in (writer, local, remote):
-        assert end["error"] == "RuntimeError: cancelled", end
+        assert end["error"] == "WaitCancelled: cancelled", end
         assert 0 <= end["woke"] < 0.5, end  # 10 ms but for a busy machine
         message, seconds = end["later"]
-        assert message == "RuntimeError: cancelled" and seconds < 0.5, end
+        assert message == "WaitCancelled: cancelled" and seconds < 0.5, end
         assert end["flag"] is True
     for reader in (local, remote):
         # What is there is still read after shutdown (vLLM's readers too); nothing is waited for.
         assert reader["written"] == ["m1", "m2", "m3", "m4"]
         message, seconds = reader["drained"]
-        assert message == "RuntimeError: cancelled" and seconds < 0.5
+        assert message == "WaitCancelled: cancelled" and seconds < 0.5
 
 
 @pytest.mark.timeout(60)

@@ -39,6 +39,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     Dispatched,
 )
 from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
+from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.objects import ObjectChannel
 
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "TensorMetadata"]
@@ -93,7 +94,7 @@ class GroupCoordinator:
         in the same order everywhere; this rank keeps the pair it belongs to.
         """
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise StateError(
                 "GroupCoordinator needs torch.distributed to be initialized "
                 "(call init_distributed_environment first)"
             )

@@ -64,6 +64,7 @@ from bridge_py.distributed.device_communicators.agreement import (
 )
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
+from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.torch_group import (
     _assemble,
     stateless_destroy_torch_distributed_process_group,
@@ -194,7 +195,7 @@ class PyNcclCommunicator:
         if not cpu and self.device.type != "cuda":
             raise ValueError(f"PyNcclCommunicator serves 'cpu' or CUDA, not {self.device}")
         if not cpu and not (torch.cuda.is_available() and dist.is_nccl_available()):
-            raise RuntimeError(
+            raise StateError(
                 f"PyNcclCommunicator on {self.device} needs CUDA and a torch built with "
                 "NCCL; use device='cpu' on a machine without them"
             )
@@ -224,7 +225,7 @@ class PyNcclCommunicator:
     @property
     def _group(self) -> ProcessGroup:
         if self._pg is None:
-            raise RuntimeError(f"{self.label} was destroyed")
+            raise StateError(f"{self.label} was destroyed")
         return self._pg
 
     def _rows_over_group(self, row: bytes, judge: Judge) -> None:
@@ -644,7 +645,7 @@ class PyNcclCommunicator:
         if self.disabled:
             return
         if self._depth == 0:
-            raise RuntimeError(f"group_end on rank {self.rank} of {self.label}: no group_start")
+            raise StateError(f"group_end on rank {self.rank} of {self.label}: no group_start")
         self._depth -= 1
         if self._depth:
             return

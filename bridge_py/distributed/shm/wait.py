@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from bridge_py.distributed.errors import GroupTimeout, PeerGoneError
+from bridge_py.distributed.errors import GroupTimeout, PeerGoneError, WaitCancelled
 
 __all__ = [
     "Cancel",
@@ -90,7 +90,7 @@ def wait_until(
     """Return once ``ready()`` is true; spin, then sleep (``sleep(seconds)``), between tries.
 
     Raises GroupTimeout (a TimeoutError, naming ``what``, or what ``what()`` says then: who
-    is late) at ``deadline``, RuntimeError("cancelled") within a nap (at most 10 ms) of
+    is late) at ``deadline``, WaitCancelled ("cancelled") within a nap (at most 10 ms) of
     ``cancel`` (an event, or any of a tuple of them) being set, and whatever ``check()``
     raises (it runs every ``CHECK_INTERVAL_SECONDS`` once sleeping, to notice a dead peer).
     With ``log``, a wait longer than ``LOG_INTERVAL_SECONDS`` is logged at that interval.
@@ -106,7 +106,7 @@ def wait_until(
     while not ready():
         now = time.monotonic()
         if any(stop.is_set() for stop in stops):
-            raise RuntimeError("cancelled")
+            raise WaitCancelled("cancelled")
         if deadline is not None and now >= deadline:
             awaited = what() if callable(what) else what
             raise GroupTimeout(f"timed out after {now - start:.3g} s waiting for {awaited}")

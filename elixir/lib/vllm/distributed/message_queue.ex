@@ -142,12 +142,12 @@ defmodule Vllm.Distributed.MessageQueue do
   Read from message queue with optional timeout (in seconds).
 
   Raises GroupTimeout (a TimeoutError) after `timeout` seconds (a message partly
-  received by then is kept and completed by the next call), RuntimeError("cancelled")
-  within 10 ms of `shutdown/2` or of `cancel` being set (then at once whenever
-  there is nothing to read), and PeerGoneError once the writer has closed the queue
-  or exited and every message it wrote has been read. With `timeout=None` it waits
-  as long as the writer lives; `indefinite` only silences the periodic "still
-  waiting" log, as in vLLM.
+  received by then is kept and completed by the next call), WaitCancelled
+  ("cancelled") within 10 ms of `shutdown/2` or of `cancel` being set (then at
+  once whenever there is nothing to read), and PeerGoneError once the writer has
+  closed the queue or exited and every message it wrote has been read. With
+  `timeout=None` it waits as long as the writer lives; `indefinite` only silences
+  the periodic "still waiting" log, as in vLLM.
 
   ## Parameters
 
@@ -175,8 +175,8 @@ defmodule Vllm.Distributed.MessageQueue do
   lag), a message already partly written is finished by the next `enqueue` (it is
   never torn) and `obj` was not sent if the interrupted message was an earlier one.
   Raises PeerGoneError when a reader it waits for has exited or closed its end,
-  RuntimeError("cancelled") when it has to wait after `shutdown/2` (within 10 ms
-  for a wait under way), and RuntimeError on a reader's end, or before
+  WaitCancelled ("cancelled") when it has to wait after `shutdown/2` (within
+  10 ms for a wait under way), and StateError on a reader's end, or before
   `wait_until_ready/3` when there are remote readers.
 
   ## Parameters
@@ -270,13 +270,13 @@ defmodule Vllm.Distributed.MessageQueue do
   Wake whatever waits on this end, so that its process can clean up and stop.
 
   Safe from any thread, and idempotent. A `dequeue/3` waiting on this end (a
-  local or a remote reader) raises RuntimeError("cancelled") within 10 ms, as
-  vLLM's local readers do; so do this end's `enqueue/4` and
+  local or a remote reader) raises WaitCancelled ("cancelled", a RuntimeError as
+  vLLM's) within 10 ms, as vLLM's local readers do; so do this end's `enqueue/4` and
   `wait_until_ready/3` (vLLM's writer keeps waiting). Later calls still return
   what is already there (a message to read, a free chunk to write) and raise
-  RuntimeError("cancelled") instead of waiting. The queue stays open: `close/2`
-  releases it. (A bridge worker runs the calls on one object one at a time, so a
-  shutdown sent to it while a dequeue runs there takes effect after that dequeue.)
+  WaitCancelled instead of waiting. The queue stays open: `close/2` releases it.
+  A bridge worker runs this method at once, even while another call on the queue
+  waits (it runs the other calls on one object one at a time).
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 

@@ -38,7 +38,7 @@ defmodule Vllm.Distributed.MessageQueueTest do
     assert took < 2_000
 
     {dequeued, waited} = Task.await(waiting, 10_000)
-    assert {:error, %Error{python_type: "RuntimeError", message: message}} = dequeued
+    assert {:error, %Error{python_type: "WaitCancelled", message: message}} = dequeued
     assert message =~ "cancelled"
     assert waited < 300 + took + 2_000
 
