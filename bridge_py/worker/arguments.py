@@ -7,8 +7,9 @@ the caller learns which argument of which function was wrong; ``torch.dtype``
 parameters also accept the wire forms of a dtype (``{:f, 32}``, ``"float32"``).
 
 Everything that can be worked out from a signature is worked out once per function
-(:class:`_Plan`); a call with positional arguments only is then checked without
-``inspect.Signature.bind``.
+(:class:`_Plan`); a call is then checked without ``inspect.Signature.bind`` (which costs
+more than the rest of a small call), unless it does not fit: ``bind`` then words the
+error.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class _Plan:
     var_positional: bool
     keyword_only_required: bool
     any_checks: bool
+    # For keyword arguments: the position of each parameter a keyword may name (positional
+    # or keyword; keyword-only ones at len(positional)), the names that must be given
+    # (without a default, keyword-only ones included) in order of position, and whether
+    # unknown names are taken (``**kwargs``).
+    by_keyword: dict[str, int]
+    must_name: tuple[tuple[str, int], ...]
+    var_keyword: bool
 
 
 @functools.lru_cache(maxsize=2048)
@@ -73,18 +81,31 @@ def _plan(fn: Callable[..., Any], drop_first: bool) -> _Plan | None:
     required = 0
     var_positional = False
     keyword_only_required = False
+    by_keyword: dict[str, int] = {}
+    must_name: list[tuple[str, int]] = []
+    var_keyword = False
     for p in sig.parameters.values():
         hint = hints.get(p.name)
         param = _Param(p.name, _allowed(hint), _takes_dtype(hint))
         params[p.name] = param
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            at = len(positional)
             positional.append(param)
             if p.default is p.empty and required == len(positional) - 1:
                 required += 1
+            if p.kind is p.POSITIONAL_OR_KEYWORD:
+                by_keyword[p.name] = at
         elif p.kind is p.VAR_POSITIONAL:
             var_positional = True
-        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
-            keyword_only_required = True
+        elif p.kind is p.KEYWORD_ONLY:
+            at = len(sig.parameters)  # after every positional one: never filled by position
+            by_keyword[p.name] = at
+            keyword_only_required = keyword_only_required or p.default is p.empty
+        else:
+            var_keyword = True
+            continue
+        if p.default is p.empty and p.kind is not p.VAR_POSITIONAL:
+            must_name.append((p.name, at))
     return _Plan(
         sig=sig,
         params=params,
@@ -93,6 +114,9 @@ def _plan(fn: Callable[..., Any], drop_first: bool) -> _Plan | None:
         var_positional=var_positional,
         keyword_only_required=keyword_only_required,
         any_checks=any(p.allowed is not None or p.dtype for p in params.values()),
+        by_keyword=by_keyword,
+        must_name=tuple(must_name),
+        var_keyword=var_keyword,
     )
 
 
@@ -171,17 +195,44 @@ def prepare_call(
                 args[len(plan.positional) :]
             )
         return args, kwargs
-    try:
-        bound = plan.sig.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise BadArguments(f"{name}{plan.sig}: {exc}") from None
+    if not _fits_keywords(plan, args, kwargs):
+        try:
+            plan.sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise BadArguments(f"{name}{plan.sig}: {exc}") from None
     if not plan.any_checks:
         return args, kwargs
-    for key, value in bound.arguments.items():
-        param = plan.params[key]
-        if param.allowed is not None or param.dtype:
-            bound.arguments[key] = _checked(param, value, name)
-    return list(bound.args), dict(bound.kwargs)
+    # The call fits: each argument is checked against the parameter it fills (a keyword
+    # that ``**kwargs`` takes is not checked).
+    params = plan.params
+    if len(args) > len(plan.positional):
+        args = [_checked(p, v, name) for p, v in zip(plan.positional, args, strict=False)] + (
+            args[len(plan.positional) :]
+        )
+    else:
+        args = [_checked(p, v, name) for p, v in zip(plan.positional, args, strict=False)]
+    checked = {}
+    for key, value in kwargs.items():
+        param = params.get(key) if key in plan.by_keyword else None
+        checked[key] = value if param is None else _checked(param, value, name)
+    return args, checked
+
+
+def _fits_keywords(plan: _Plan, args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether ``fn(*args, **kwargs)`` fits the signature ``plan`` describes, worked out
+    without binding; False when it does not, or when that cannot be told this way."""
+    given = len(args)
+    if given > len(plan.positional) and not plan.var_positional:
+        return False
+    by_keyword = plan.by_keyword
+    for key in kwargs:
+        at = by_keyword.get(key)
+        if at is None:
+            if not plan.var_keyword or key in plan.params:  # unknown, or positional-only
+                return False
+        elif at < given:
+            return False  # given twice: by position and by name
+    return all(at < given or key in kwargs for key, at in plan.must_name)
 
 
 def accepts_no_arguments(fn: Callable[..., Any]) -> bool:

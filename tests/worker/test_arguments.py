@@ -1,0 +1,89 @@
+"""prepare_call against Python's own binding: the same calls fit, the same calls fail.
+
+prepare_call works out whether a call fits a signature without ``inspect.Signature.bind``
+(it costs more than a small call). Here every combination of a few positional and
+keyword arguments is tried on functions with every kind of parameter: prepare_call
+raises BadArguments exactly when ``bind`` raises, and otherwise the call it hands back
+binds to the same arguments as the one it was given.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from bridge_py.worker.arguments import BadArguments, prepare_call
+
+
+def plain(a, b=2, *, c, d=4):  # type: ignore[no-untyped-def]
+    return (a, b, c, d)
+
+
+def positional_only(a, b=2, /, c=3):  # type: ignore[no-untyped-def]
+    return (a, b, c)
+
+
+def var_both(a, *args, b=2, **kwargs):  # type: ignore[no-untyped-def]
+    return (a, args, b, kwargs)
+
+
+def only_kwargs(a, /, **kwargs):  # type: ignore[no-untyped-def]
+    return (a, kwargs)
+
+
+def annotated(
+    n: int, x: float = 1.0, *, name: str | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[Any, ...]:
+    return (n, x, name, dtype)
+
+
+FUNCTIONS = [plain, positional_only, var_both, only_kwargs, annotated]
+VALUES = [1, 2.5]
+NAMES = ["a", "b", "c", "d", "n", "x", "name", "args", "kwargs", "other"]
+
+
+def _cases() -> list[tuple[list[Any], dict[str, Any]]]:
+    cases = []
+    for count in range(4):
+        args = [7 + i for i in range(count)]
+        for size in range(3):
+            for keys in itertools.combinations(NAMES, size):
+                cases.append((args, {key: VALUES[i % 2] for i, key in enumerate(keys)}))
+    return cases
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+def test_prepare_call_fits_what_python_binds(fn: Callable[..., Any]) -> None:
+    sig = inspect.signature(fn)
+    for args, kwargs in _cases():
+        try:
+            expected = sig.bind(*args, **kwargs)
+        except TypeError:
+            expected = None
+        try:
+            got_args, got_kwargs = prepare_call(fn, fn.__name__, list(args), dict(kwargs))
+        except BadArguments as exc:
+            if expected is not None:
+                # A type check may refuse what binds (annotated: an int where a str goes).
+                assert fn is annotated and "must be" in str(exc), (args, kwargs, exc)
+            continue
+        assert expected is not None, f"{fn.__name__}{sig} took {args} {kwargs}"
+        assert sig.bind(*got_args, **got_kwargs).arguments.keys() == expected.arguments.keys()
+
+
+def test_keyword_arguments_are_checked_and_converted() -> None:
+    args, kwargs = prepare_call(annotated, "annotated", [1], {"x": 2, "dtype": "bfloat16"})
+    assert args == [1] and kwargs == {"x": 2, "dtype": torch.bfloat16}
+    with pytest.raises(BadArguments, match="argument 'name' must be str or None, got int"):
+        prepare_call(annotated, "annotated", [1], {"name": 5})
+    with pytest.raises(BadArguments, match="multiple values for argument 'n'"):
+        prepare_call(annotated, "annotated", [1], {"n": 2})
+    with pytest.raises(BadArguments, match="unexpected keyword argument 'other'"):
+        prepare_call(annotated, "annotated", [1], {"other": 2})
+    with pytest.raises(BadArguments, match="missing a required argument: 'c'"):
+        prepare_call(plain, "plain", [1], {"d": 2})
