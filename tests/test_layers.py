@@ -121,3 +121,12 @@ def test_no_import_circle_in_bridge_py() -> None:
         if start not in state:
             visit(start, [start])
     assert not circles, "\n".join(circles)
+
+
+def test_no_module_over_700_lines() -> None:
+    long = [
+        f"{path.relative_to(ROOT.parent)}: {lines} lines"
+        for path in sorted(ROOT.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > 700
+    ]
+    assert not long, "\n".join(long)
