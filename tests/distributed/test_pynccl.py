@@ -117,6 +117,16 @@ def _every_method(rank: int, port: int, world: int, source: str) -> dict[str, in
             out, sum(torch.arange(6.0) + r for r in range(world))
         )
         assert comm.all_reduce(x, x) is x and torch.equal(x, out)  # in place
+        # Large enough for the shared memory's reduce-scatter step (a rank sums its own
+        # slice from its input, unless the result goes over that input); whole numbers, so
+        # that the sum is exact in any order (gloo's ring adds in another).
+        big = [torch.arange(300_000, dtype=torch.float32) * (r + 1) ** 2 for r in range(world)]
+        total = big[0].clone()
+        for addend in big[1:]:
+            total += addend
+        assert torch.equal(comm.all_reduce(big[rank].clone()), total), what
+        inplace = big[rank].clone()
+        assert comm.all_reduce(inplace, inplace) is inplace and torch.equal(inplace, total)
 
         # all_gather, all_gatherv
         xs = _inputs(world, (2, 3), torch.float32, 7)
@@ -178,7 +188,7 @@ def test_every_method_matches_torch(world: int, source: str) -> None:
         # The shared-memory communicator ran its sums, gathers and broadcasts there (4
         # dtypes x SUM and AVG but for the 2 integer AVGs, then 3 more all-reduces), and
         # agreed over shared memory on what gloo ran (PRODUCT, MIN, MAX: 13 operations).
-        assert calls["all_reduce"] == 9 and calls["broadcast"] == 1, calls
+        assert calls["all_reduce"] == 11 and calls["broadcast"] == 1, calls
         assert calls["all_gather"] == 2 and calls["reduce_scatter"] == 2, calls
         assert calls["agreement"] == 13, calls
 

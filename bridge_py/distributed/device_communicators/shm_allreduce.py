@@ -31,10 +31,11 @@ consecutive collectives race, without a trailing barrier.
 
 * all-reduce, chunks up to ``DIRECT_BYTES``: each rank copies its chunk into its slot; one
   wait; each rank sums all slots in rank order into its result (one phase per chunk).
-* larger chunks: reduce-scatter in shared memory (rank ``r`` sums slice ``r`` of every slot,
-  in rank order, and writes the sum back into slice ``r`` of its own slot), a second wait,
-  then an all-gather of the summed slices (two phases per chunk, and each rank adds only
-  ``1/world_size`` of the chunk).
+* larger chunks: reduce-scatter in shared memory (rank ``r`` copies into its slot all but
+  slice ``r``, sums slice ``r`` of every slot, in rank order, taking its own addend from its
+  input, into its result, and writes the sum into slice ``r`` of its own slot), a second
+  wait, then an all-gather of the summed slices (two phases per chunk, and each rank adds
+  only ``1/world_size`` of the chunk).
 * all-gather: copy in, one wait, copy every slot out. reduce-scatter: copy in, one wait,
   sum this rank's piece of every slot.
 * broadcast: the source copies its chunk into the whole half (every rank's slot: nobody
@@ -566,9 +567,20 @@ class ShmCollectives:
         """
         rank, world = self.rank, self.world_size
         direct = DIRECT_BYTES // input_.element_size()
+        # In a reduce-scatter step this rank sums its own slice with its own input read
+        # where it is, so that slice is not copied into the segment (nobody else reads it):
+        # a fifth less memory traffic at 2 ranks. Not when ``out`` is ``input_``: the sum
+        # would overwrite its own addend.
+        own_input = out.data_ptr() != input_.data_ptr()
 
         def fill(half: torch.Tensor, start: int, k: int) -> None:
-            _copy(half[rank, :k], input_[start : start + k])
+            mine, source = half[rank, :k], input_[start : start + k]
+            if k <= direct or not own_input:
+                _copy(mine, source)
+                return
+            lo, hi = self._bounds(k, rank)
+            _copy(mine[:lo], source[:lo])
+            _copy(mine[hi:], source[hi:])
 
         def drain(half: torch.Tensor, start: int, k: int) -> None:
             part, target = half[:, :k], out[start : start + k]
@@ -576,7 +588,10 @@ class ShmCollectives:
                 _ordered_sum(list(part.unbind(0)), target)
                 return
             lo, hi = self._bounds(k, rank)
-            _ordered_sum(list(part[:, lo:hi].unbind(0)), target[lo:hi])
+            parts = list(part[:, lo:hi].unbind(0))
+            if own_input:
+                parts[rank] = input_[start + lo : start + hi]
+            _ordered_sum(parts, target[lo:hi])
             _copy(part[rank, lo:hi], target[lo:hi])
             self._arrive_and_wait("all_reduce (all-gather)")
             for r in range(world):
