@@ -14,7 +14,7 @@ counters, method signatures, pickled objects between ranks), and better in these
   bound to its name, checked before unpickling: whoever can reach the store but lacks the
   key cannot make a rank unpickle anything;
 * ``send``, ``recv``, ``broadcast`` and ``all_reduce`` move a tensor as its dtype, shape and
-  bytes (``tensors.py``), never as a pickle, and check it against the receiver's tensor;
+  bytes (``tensor_codec``), never as a pickle, and check it against the receiver's tensor;
   ``all_reduce`` reduces in rank order, so every rank gets the same bits.
 
 Implementation: the group is a thin facade over one transport, chosen once when ``create``
@@ -42,6 +42,7 @@ import torch
 from torch.distributed import ReduceOp, Store
 
 from bridge_py import deadline
+from bridge_py.distributed import tensor_codec
 from bridge_py.distributed.auth import AuthenticationError, AuthKey, resolve_key
 from bridge_py.distributed.errors import CollectiveMismatchError
 from bridge_py.distributed.shm import segments
@@ -351,7 +352,7 @@ class StatelessProcessGroup:
         if self.rank == src:
             self.broadcast_obj(tensors.Encoded(tensor), src)
             return tensor
-        like = tensors.checked(tensor)  # before anything is received
+        like = tensor_codec.checked(tensor)  # before anything is received
         return tensors.fill(tensor, self._broadcast_recv(src, timeout, like))
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -373,7 +374,7 @@ class StatelessProcessGroup:
         consumed either way, so the next call receives the next one. Waits and raises
         as ``recv_obj`` does (its errors name that operation).
         """
-        like = tensors.checked(tensor)  # before anything is received
+        like = tensor_codec.checked(tensor)  # before anything is received
         return tensors.fill(tensor, self._recv(src, timeout, like))
 
     def all_reduce(
@@ -394,7 +395,7 @@ class StatelessProcessGroup:
         that operation).
         """
         fold = tensors.reducer(op)
-        mine = tensors.on_cpu(tensor)
+        mine = tensor_codec.on_cpu(tensor)
         gathered = self._all_gather(tensors.Encoded(mine), tensors.spec(mine))
         gathered[self.rank] = mine
         return tensors.reduce(gathered, fold).to(tensor.device)

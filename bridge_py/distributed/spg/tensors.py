@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from bridge_py.distributed.tensor_codec import checked, encode, on_cpu
+from bridge_py.distributed.tensor_codec import encode
 
-__all__ = ["Encoded", "checked", "fill", "on_cpu", "reduce", "reducer", "spec"]
+__all__ = ["Encoded", "fill", "reduce", "reducer", "spec"]
 
 Fold = Callable[[torch.Tensor, torch.Tensor], Any]
 # all_reduce's ops: how each folds the next rank's tensor into the running result.
