@@ -183,39 +183,34 @@ def prepare_call(
     plan = _plan(target, target is not fn)
     if plan is None:
         return args, kwargs
-    if (
+    # Positional arguments only (the common call) fit when their count does; otherwise
+    # the keywords are matched to the parameters, and ``bind`` words what does not fit.
+    positional_fit = (
         not kwargs
         and not plan.keyword_only_required
         and plan.required <= len(args)
         and (len(args) <= len(plan.positional) or plan.var_positional)
-    ):
-        # Positional arguments only: no need to bind.
-        if plan.any_checks:
-            args = [_checked(p, v, name) for p, v in zip(plan.positional, args, strict=False)] + (
-                args[len(plan.positional) :]
-            )
-        return args, kwargs
-    if not _fits_keywords(plan, args, kwargs):
+    )
+    if not positional_fit and not _fits_keywords(plan, args, kwargs):
         try:
             plan.sig.bind(*args, **kwargs)
         except TypeError as exc:
             raise BadArguments(f"{name}{plan.sig}: {exc}") from None
     if not plan.any_checks:
         return args, kwargs
-    # The call fits: each argument is checked against the parameter it fills (a keyword
-    # that ``**kwargs`` takes is not checked).
-    params = plan.params
-    if len(args) > len(plan.positional):
-        args = [_checked(p, v, name) for p, v in zip(plan.positional, args, strict=False)] + (
-            args[len(plan.positional) :]
-        )
-    else:
-        args = [_checked(p, v, name) for p, v in zip(plan.positional, args, strict=False)]
-    checked = {}
-    for key, value in kwargs.items():
-        param = params.get(key) if key in plan.by_keyword else None
-        checked[key] = value if param is None else _checked(param, value, name)
-    return args, checked
+    # Each argument is checked against the parameter it fills (what ``*args`` or
+    # ``**kwargs`` takes is not checked).
+    positional = plan.positional
+    args = [_checked(p, v, name) for p, v in zip(positional, args, strict=False)] + (
+        args[len(positional) :]
+    )
+    if kwargs:
+        params, by_keyword = plan.params, plan.by_keyword
+        kwargs = {
+            key: _checked(params[key], value, name) if key in by_keyword else value
+            for key, value in kwargs.items()
+        }
+    return args, kwargs
 
 
 def _fits_keywords(plan: _Plan, args: list[Any], kwargs: dict[str, Any]) -> bool:

@@ -73,7 +73,7 @@ def test_prepare_call_fits_what_python_binds(fn: Callable[..., Any]) -> None:
                 assert fn is annotated and "must be" in str(exc), (args, kwargs, exc)
             continue
         assert expected is not None, f"{fn.__name__}{sig} took {args} {kwargs}"
-        assert sig.bind(*got_args, **got_kwargs).arguments.keys() == expected.arguments.keys()
+        assert sig.bind(*got_args, **got_kwargs).arguments == expected.arguments, (args, kwargs)
 
 
 def test_keyword_arguments_are_checked_and_converted() -> None:
