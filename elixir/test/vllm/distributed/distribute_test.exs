@@ -33,8 +33,7 @@ defmodule Vllm.Distributed.DistributeTest do
 
   defp rt(rank), do: [pool: @pool, worker: rank]
 
-  defp both(fun),
-    do: [0, 1] |> Enum.map(&Task.async(fn -> fun.(&1) end)) |> Task.await_many(60_000)
+  defp both(fun), do: VllmBridge.PoolHelpers.on_ranks([0, 1], fun, 60_000)
 
   defp t(list, type \\ {:f, 32}) do
     {:ok, tensor} = Tensor.from_list(list, type)

@@ -38,8 +38,7 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
 
   defp rt(rank), do: [pool: @pool, worker: rank]
 
-  defp both(fun),
-    do: [0, 1] |> Enum.map(&Task.async(fn -> fun.(&1) end)) |> Task.await_many(90_000)
+  defp both(fun), do: VllmBridge.PoolHelpers.on_ranks([0, 1], fun, 90_000)
 
   defp ok!({:ok, value}), do: value
 

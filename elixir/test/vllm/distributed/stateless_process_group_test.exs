@@ -44,9 +44,7 @@ defmodule Vllm.Distributed.StatelessProcessGroupTest do
     |> Enum.map(fn {:ok, %Ref{class: "StatelessProcessGroup"} = group} -> group end)
   end
 
-  defp on_all(groups, fun) do
-    groups |> Enum.map(&Task.async(fn -> fun.(&1) end)) |> Task.await_many(60_000)
-  end
+  defp on_all(groups, fun), do: VllmBridge.PoolHelpers.on_ranks(groups, fun, 60_000)
 
   test "each rank lives in its own worker and reports its rank and world size", %{groups: groups} do
     assert groups |> Enum.map(& &1.worker) |> Enum.uniq() |> length() == @size

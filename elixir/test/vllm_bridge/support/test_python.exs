@@ -115,6 +115,12 @@ defmodule VllmBridge.PoolHelpers do
     end
   end
 
+  # Runs `fun.(rank)` for every rank at once (each in a task: collectives need every
+  # rank inside them together) and returns the results in rank order.
+  def on_ranks(ranks, fun, timeout \\ 90_000) do
+    ranks |> Enum.map(&Task.async(fn -> fun.(&1) end)) |> Task.await_many(timeout)
+  end
+
   # A port free now that no outgoing connection will take: ports from listen(0)
   # come from the kernel's ephemeral range, which outgoing connections (gloo's, a
   # store client's) draw from too, so one could take it before the test binds it.
