@@ -48,6 +48,7 @@ from bridge_py.distributed.coordinator.group import (
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.node import in_the_same_node_as
 from bridge_py.distributed.spg.group import StatelessProcessGroup
+from bridge_py.distributed.store.client import format_address
 
 __all__ = [
     "GraphCaptureContext",
@@ -124,8 +125,7 @@ def get_tensor_model_parallel_rank() -> int:
 
 def get_distributed_init_method(ip: str, port: int) -> str:
     """``tcp://ip:port`` (IPv6 addresses in brackets), for ``distributed_init_method``."""
-    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
-    return f"tcp://{host}:{port}"
+    return f"tcp://{format_address(ip.strip('[]'), port)}"
 
 
 def init_world_group(ranks: list[int], local_rank: int, backend: str) -> GroupCoordinator:

@@ -214,6 +214,7 @@ def test_context_parallelism_is_refused_clearly(call: Callable[[], None]) -> Non
 def test_get_distributed_init_method() -> None:
     assert ps.get_distributed_init_method("127.0.0.1", 1234) == "tcp://127.0.0.1:1234"
     assert ps.get_distributed_init_method("::1", 1234) == "tcp://[::1]:1234"
+    assert ps.get_distributed_init_method("[::1]", 1234) == "tcp://[::1]:1234"
 
 
 def test_divide_and_split() -> None:

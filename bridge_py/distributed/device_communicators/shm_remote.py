@@ -27,6 +27,7 @@ import struct
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
 from bridge_py.distributed.errors import DistributedError, PeerGoneError
 from bridge_py.distributed.shm.wait import Cancel, wait_until
+from bridge_py.distributed.store.client import format_address
 
 __all__ = [
     "READY",
@@ -46,7 +47,7 @@ _RECV_BYTES = 1 << 20
 
 def format_tcp_address(host: str, port: int) -> str:
     """``tcp://host:port``, with brackets around an IPv6 host."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return f"tcp://{format_address(host, port)}"
 
 
 def parse_tcp_address(address: str) -> tuple[str, int]:
