@@ -384,9 +384,7 @@ defmodule VllmBridge.Worker do
   def info(worker) do
     {:ok, GenServer.call(worker, :info)}
   catch
-    :exit, {reason, _} ->
-      {:error,
-       Error.new(:worker, "worker #{inspect(worker)} is not running (#{inspect(reason)})")}
+    :exit, {reason, _} -> {:error, Call.not_running(worker, reason)}
   end
 
   @doc """
