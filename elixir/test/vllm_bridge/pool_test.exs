@@ -192,22 +192,27 @@ defmodule VllmBridge.PoolTest do
       assert_received {:trace, ^worker, :receive, {_port, {:data, ^reply}}}
       :erlang.trace(worker, false, [:receive])
 
-      # an id in flight is refused on either way in, whichever way it took
-      {:ok, args} = VllmBridge.Msgpack.encode([0.3])
+      # an id in flight is refused on either way in, whichever way it took (the first
+      # call waits on a gate, so it stays in flight until the test opens it; a gate opens
+      # for good: one counter per round)
+      rt = [__runtime__: [pool: pool, worker: 0]]
+      {:ok, args} = VllmBridge.Msgpack.encode([30.0])
 
       for {first_way, second_way} <- [{channel, worker}, {worker, channel}, {channel, channel}] do
+        {:ok, gated} = Runtime.call_class("Counter", [], rt)
         id = Worker.new_id()
-        op = {:call_function, %{function: "sleep", args: args, kwargs: ""}}
+        op = {:call, %{handle: gated.id, method: "wait_gate", args: args, kwargs: ""}}
         {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: op})
-        first = Task.async(fn -> Worker.request(first_way, id, frame, 5_000) end)
+        first = Task.async(fn -> Worker.request(first_way, id, frame, 60_000) end)
         eventually(fn -> match?({:ok, %{pending: 1}}, Worker.info(worker)) end)
 
         assert {:error, %Error{category: :bad_args}} =
                  Worker.request(second_way, id, frame, 5_000)
 
-        assert {:ok, reply} = Task.await(first)
+        assert {:ok, nil} = Runtime.call_function("open_gate", [gated], rt)
+        assert {:ok, reply} = Task.await(first, 60_000)
         assert {:ok, %{id: ^id, result: {:value, value}}} = Proto.decode_reply(reply)
-        assert VllmBridge.Msgpack.decode(value) == {:ok, 0.3}
+        assert VllmBridge.Msgpack.decode(value) == {:ok, true}
       end
 
       assert {:ok, %{pending: 0}} = Worker.info(worker)
