@@ -57,7 +57,12 @@ defmodule Vllm.Distributed.DeadlineTest do
     {:ok, sent_before} = SPG.send_dst_counter(g0)
     # g0's object is busy in a recv_obj; a send_obj on it waits for its turn.
     busy = Task.async(fn -> SPG.recv_obj(g0, 1, __runtime__: [timeout: 10_000]) end)
-    Process.sleep(100)
+    # its request is on the port before the send_obj's (frames are taken in order)
+    {:ok, worker} = Pool.worker(@pool, 0)
+
+    VllmBridge.PoolHelpers.eventually(fn ->
+      match?({:ok, %{pending: 1}}, VllmBridge.Worker.info(worker))
+    end)
 
     assert {:error, %Error{category: :timeout}} =
              SPG.send_obj(g0, :too_late, 1, __runtime__: [timeout: 300])
