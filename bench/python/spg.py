@@ -1,10 +1,13 @@
 """StatelessProcessGroup object collectives against torch.distributed gloo, real processes.
 
 For 2 and 4 ranks, every rank joins three things at once: a StatelessProcessGroup (ours),
-a gloo group from ``init_process_group`` (peer) and a bare TCPStore (the floor: one
-set+get round trip per rank). Each round times a block of ``reps`` calls of every op, ours
-and the peer in alternating order, after a gloo barrier; a block's time is that of the
-slowest rank, and each row is the median over rounds.
+a gloo group from ``init_process_group`` (peer) and a bare TCPStore (one set+get round trip
+per rank: the issue's yardstick for small objects). The hardware floor of a message between
+two processes of one machine is measured too: a one-byte round trip between partner ranks
+over a Unix datagram socket (a kernel copy and a wake-up each way, nothing else). Each
+round times a block of ``reps`` calls of every op, ours and the peer in alternating order,
+after a gloo barrier; a block's time is that of the slowest rank, and each row is the
+median over rounds.
 
     python bench/python/spg.py [--quick]
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,11 +32,27 @@ def _big(rank: int) -> bytes:
     return bytes([rank + 1]) * BIG_BYTES
 
 
-def _ops(rank: int, ws: int, pg: Any, store: Any) -> dict[str, tuple[Callable, Callable, Any]]:
+def _address(port: int, rank: int) -> str:
+    """The abstract Unix socket name of ``rank``'s end of the floor's ping-pong."""
+    return f"\0vllm-bridge-bench-{port}-{rank}"
+
+
+def _ops(
+    rank: int, ws: int, pg: Any, store: Any, sock: socket.socket, port: int
+) -> dict[str, tuple[Callable, Callable, Any]]:
     """name -> (ours, peer, expected result); each callable runs one operation."""
     import torch.distributed as dist
 
     partner = rank ^ 1  # pairs (0, 1), (2, 3)
+    there = _address(port, partner)
+
+    def floor_rt() -> bytes:
+        if rank % 2 == 0:
+            sock.sendto(b"x", there)
+            return sock.recv(1)
+        got = sock.recv(1)
+        sock.sendto(got, there)
+        return got
 
     def gloo_bcast(obj: Any) -> Any:
         box = [obj if rank == 0 else None]
@@ -87,6 +107,7 @@ def _ops(rank: int, ws: int, pg: Any, store: Any) -> dict[str, tuple[Callable, C
         )
     ops["barrier"] = (lambda: pg.barrier(30.0), lambda: dist.barrier(), None)
     ops["tcpstore set+get"] = (store_rt, store_rt, b"x")
+    ops["floor"] = (floor_rt, floor_rt, b"x")
     return ops
 
 
@@ -101,11 +122,13 @@ def _rank(rank: int, ws: int, ports: tuple[int, int, int], rounds: int, reps: di
     # The stores first: gloo's connections take ephemeral ports, which could be theirs.
     pg = StatelessProcessGroup.create("127.0.0.1", spg_port, rank, ws, store_timeout=120)
     store = TCPStore("127.0.0.1", store_port, ws, rank == 0, timeout=timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(_address(store_port, rank))  # bound before the rendezvous below
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=ws,
         timeout=timeout,
     )  # fmt: skip
-    ops = _ops(rank, ws, pg, store)
+    ops = _ops(rank, ws, pg, store, sock, store_port)
 
     # Wrong results fail the benchmark: check every op of both sides once, untimed.
     for name, (ours, peer, expected) in ops.items():
@@ -127,6 +150,7 @@ def _rank(rank: int, ws: int, ports: tuple[int, int, int], rounds: int, reps: di
                 times[name][side].append((time.perf_counter() - t0) / n)
     dist.barrier()
     dist.destroy_process_group()
+    sock.close()
     return times
 
 
@@ -145,8 +169,9 @@ def main() -> None:
         ports = (free_port(), free_port(), free_port())
         results = run_ranks(_rank, ws, ws, ports, rounds, reps, timeout=90 if args.quick else 400)
         store_rt = _slowest(results, "tcpstore set+get", "ours")
+        floor = _slowest(results, "floor", "ours")
         for name in results[0]:
-            if name == "tcpstore set+get":
+            if name in ("tcpstore set+get", "floor"):
                 continue
             ours, gloo = _slowest(results, name, "ours"), _slowest(results, name, "peer")
             what = f"{name}, {ws} ranks"
@@ -156,9 +181,15 @@ def main() -> None:
                 rows.append(time_row(BENCH, what, ours, gloo, "gloo", faster_by=2.0))
             else:
                 rows.append(time_row(BENCH, what, ours, gloo, "gloo"))
-            if "small" in name:
-                rows.append(time_row(BENCH, what, ours, store_rt, "TCPStore set+get", at_most=2.0))
+            if "small" in name or name == "barrier":
+                rows.append(time_row(BENCH, what, ours, store_rt, "TCPStore set+get", at_most=0.5))
+                rows.append(time_row(BENCH, what, ours, floor, "Unix socket round trip"))
         rows.append(time_row(BENCH, f"TCPStore set+get, {ws} ranks", store_rt, store_rt, "itself"))
+        rows.append(
+            time_row(
+                BENCH, f"Unix socket round trip (the floor), {ws} ranks", floor, floor, "itself"
+            )
+        )
     emit("StatelessProcessGroup vs gloo (slowest rank, median per op)", rows)
 
 
