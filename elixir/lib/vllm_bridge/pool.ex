@@ -16,10 +16,14 @@ defmodule VllmBridge.Pool do
       │   └── VllmBridge.Worker ...
       └── VllmBridge.Pool.Replacer (replaces workers over their limits)
 
-  Each worker registers under its index (`0..size-1`), so `worker/2` is one
-  ETS lookup. The pool's settings and a round-robin counter (an `:atomics`
-  array) live in the Registry's metadata, so `next_worker/1` is lock-free
-  and needs no process either.
+  Each worker registers under its index (`0..size-1`), with its channel
+  (see `VllmBridge.Worker`) as the value, so `worker/2` is one ETS lookup.
+  What every call needs of the pool (its registry, size, default timeout and
+  a round-robin counter, an `:atomics` array) is one `:persistent_term`
+  read, so placing a call (`route/3`, `route_at/2`, `next_route/1`) is that
+  read and one registry lookup, lock-free and without a process. The
+  Registry's metadata holds the size and timeout too, for `size/1` and
+  `timeout/1`, which also tell whether the pool is running.
 
   Workers are independent Python processes: objects (and the handles of
   `VllmBridge.Ref`s) live in exactly one of them. A worker that dies is
@@ -212,7 +216,6 @@ defmodule VllmBridge.Pool do
     name = Keyword.fetch!(opts, :name)
     size = Keyword.fetch!(opts, :size)
     registry = registry(name)
-    counter = :atomics.new(1, signed: false)
 
     worker_opts =
       Keyword.take(opts, [
@@ -259,11 +262,9 @@ defmodule VllmBridge.Pool do
 
     # starts per index, for the worker restarted event (VllmBridge.Telemetry)
     starts = :atomics.new(size, signed: false)
-    meta = [size: size, timeout: Keyword.fetch!(opts, :timeout), counter: counter, starts: starts]
-    # Every call looks the registry up by the pool's name: remember the name's
-    # registry once (the same atom each time the pool starts, so a restart
-    # stores nothing new).
-    :persistent_term.put({__MODULE__, name}, registry)
+    timeout = Keyword.fetch!(opts, :timeout)
+    :ok = remember(name, registry, size, timeout)
+    meta = [size: size, timeout: timeout, starts: starts]
 
     Supervisor.init(
       [
@@ -318,25 +319,67 @@ defmodule VllmBridge.Pool do
   """
   @spec next_worker_at(name()) :: {:ok, {non_neg_integer(), pid()}} | {:error, Error.t()}
   def next_worker_at(pool) do
-    with {:ok, size} <- size(pool),
-         {:ok, counter} <- meta(pool, :counter) do
-      start = :atomics.add_get(counter, 1, 1)
-      first_running(pool, start, size, size)
+    with {:ok, index, pid, _via, _timeout} <- next_route(pool), do: {:ok, {index, pid}}
+  end
+
+  @doc """
+  Where the next call in round-robin order goes, in one read of the pool's
+  settings and one registry lookup: `{:ok, index, pid, via, timeout}`, where
+  `via` is as for `route/3` and `timeout` is the pool's default per-call
+  timeout. A worker that is restarting is skipped; errors as for
+  `next_worker_at/1`.
+  """
+  @spec next_route(name()) ::
+          {:ok, non_neg_integer(), pid(), Worker.channel() | pid(), timeout()}
+          | {:error, Error.t()}
+  def next_route(pool) do
+    case settings(pool) do
+      {registry, size, timeout, counter} ->
+        start = :atomics.add_get(counter, 1, 1)
+        first_running(pool, registry, timeout, start, size, size)
+
+      nil ->
+        {:error, no_pool(pool)}
     end
   end
 
-  defp first_running(pool, _n, _size, 0) do
+  defp first_running(pool, _registry, _timeout, _n, _size, 0) do
     {:error,
      Error.new(:worker, "no worker of pool #{inspect(pool)} is running", details: %{pool: pool})}
   end
 
-  defp first_running(pool, n, size, tries) do
+  defp first_running(pool, registry, timeout, n, size, tries) do
     index = rem(n, size)
 
-    case lookup(pool, index) do
-      {:ok, pid} -> {:ok, {index, pid}}
-      {:error, _} -> first_running(pool, n + 1, size, tries - 1)
+    case Registry.lookup(registry, index) do
+      [{pid, via}] -> {:ok, index, pid, via || pid, timeout}
+      [] -> first_running(pool, registry, timeout, n + 1, size, tries - 1)
     end
+  rescue
+    ArgumentError -> {:error, no_pool(pool)}
+  end
+
+  @doc """
+  Where a call to the worker at `index` goes: `{:ok, pid, via, timeout}` as
+  for `next_route/1`, in one read of the pool's settings and one registry
+  lookup. Errors as for `worker/2`.
+  """
+  @spec route_at(name(), non_neg_integer()) ::
+          {:ok, pid(), Worker.channel() | pid(), timeout()} | {:error, Error.t()}
+  def route_at(pool, index) when is_integer(index) do
+    case settings(pool) do
+      {registry, size, timeout, _counter} when index >= 0 and index < size ->
+        case Registry.lookup(registry, index) do
+          [{pid, via}] -> {:ok, pid, via || pid, timeout}
+          [] -> lookup(pool, index)
+        end
+
+      _ ->
+        # outside the pool, or no such pool: worker/2 says which
+        __MODULE__.worker(pool, index)
+    end
+  rescue
+    ArgumentError -> {:error, no_pool(pool)}
   end
 
   @doc """
@@ -350,23 +393,31 @@ defmodule VllmBridge.Pool do
   end
 
   @doc """
-  Where a caller sends requests for the worker `pid` at `index`: the worker's
-  `t:VllmBridge.Worker.channel/0` once it has published one, else `pid` (both
-  are taken by `VllmBridge.Worker.request/4`). `:error` when `pid` is not
-  registered at `index`, so one registry read both checks a ref and finds its
-  way in.
+  Where a caller sends requests for the worker `pid` at `index`, and the
+  pool's default per-call timeout: `{:ok, via, timeout}`, where `via` is the
+  worker's `t:VllmBridge.Worker.channel/0` once it has published one, else
+  `pid` (both are taken by `VllmBridge.Worker.request/4`). `:error` when
+  `pid` is not registered at `index`, so one read of the pool's settings and
+  one registry read both check a ref and find its way in.
 
   Unlike `worker_at?/3` it does not ask whether `pid` is alive (a signal
   round trip to the worker): a worker that has just died is still registered
   for a moment, and a request to it then fails with a `:worker` error whose
   `details.reason` is `:noproc`.
   """
-  @spec route(name(), non_neg_integer(), pid()) :: {:ok, Worker.channel() | pid()} | :error
+  @spec route(name(), non_neg_integer(), pid()) ::
+          {:ok, Worker.channel() | pid(), timeout()} | :error
   def route(pool, index, pid) when is_integer(index) and is_pid(pid) do
-    case Registry.values(registry(pool), index, pid) do
-      [nil] -> {:ok, pid}
-      [channel] -> {:ok, channel}
-      [] -> :error
+    case settings(pool) do
+      {registry, _size, timeout, _counter} ->
+        case Registry.values(registry, index, pid) do
+          [nil] -> {:ok, pid, timeout}
+          [channel] -> {:ok, channel, timeout}
+          [] -> :error
+        end
+
+      nil ->
+        :error
     end
   rescue
     ArgumentError -> :error
@@ -441,10 +492,32 @@ defmodule VllmBridge.Pool do
     Error.new(:worker, "no pool named #{inspect(pool)} is running", details: %{pool: pool})
   end
 
+  # What every call needs to know of a pool, in one :persistent_term read:
+  # {registry, size, default timeout, round-robin counter}. Written when the
+  # pool starts; a restart with the same settings keeps the same term (and
+  # counter, reset), so it stores nothing new.
+  defp remember(name, registry, size, timeout) do
+    counter =
+      case settings(name) do
+        {^registry, ^size, _timeout, counter} ->
+          :atomics.put(counter, 1, 0)
+          counter
+
+        _ ->
+          :atomics.new(1, signed: false)
+      end
+
+    settings = {registry, size, timeout, counter}
+    if settings(name) != settings, do: :persistent_term.put({__MODULE__, name}, settings)
+    :ok
+  end
+
+  defp settings(pool), do: :persistent_term.get({__MODULE__, pool}, nil)
+
   defp registry(pool) do
-    case :persistent_term.get({__MODULE__, pool}, nil) do
+    case settings(pool) do
+      {registry, _size, _timeout, _counter} -> registry
       nil -> Module.concat(pool, Registry)
-      registry -> registry
     end
   end
 end

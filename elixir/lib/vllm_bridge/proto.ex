@@ -97,6 +97,12 @@ defmodule VllmBridge.Proto do
           result: {:value, iodata()} | {:error, reply_error()} | {:output, reply_output()}
         }
 
+  # A field's tag (key) as bytes, at compile time.
+  tag_bytes = fn number, type ->
+    key = number <<< 3 ||| type
+    if key < 0x80, do: <<key>>, else: <<(key &&& 0x7F) ||| 0x80, key >>> 7>>
+  end
+
   # wire types
   @varint 0
   @i64 1
@@ -143,14 +149,14 @@ defmodule VllmBridge.Proto do
   """
   @spec encode_request(request()) :: {:ok, iodata()} | {:error, Error.t()}
   def encode_request(%{id: id, op: {op, fields}} = request) when is_map(fields) do
-    session = Map.get(request, :session, "")
-    deadline = Map.get(request, :deadline_ms, 0)
+    session = with %{session: session} <- request, do: session, else: (_ -> "")
+    deadline = with %{deadline_ms: deadline} <- request, do: deadline, else: (_ -> 0)
 
     {:ok,
      [
-       uint64_field(1, id),
-       string_field(2, session),
-       uint64_field(3, deadline) | encode_op(op, fields)
+       uint64_field(unquote(tag_bytes.(1, @varint)), 1, id),
+       string_field(unquote(tag_bytes.(2, @len)), 2, session),
+       uint64_field(unquote(tag_bytes.(3, @varint)), 3, deadline) | encode_op(op, fields)
      ]}
   catch
     {__MODULE__, error} -> {:error, error}
@@ -208,13 +214,13 @@ defmodule VllmBridge.Proto do
   def encode_reply(%{id: id, result: result}) do
     body =
       case result do
-        {:value, value} -> bytes_field(2, value, true)
+        {:value, value} -> bytes_field(tag(2, @len), 2, value, true)
         {:error, %{} = error} -> len_field(3, encode_fields(@error_fields, error))
         {:output, %{} = output} -> len_field(4, encode_fields(@output_fields, output))
         other -> bad!("not a reply result: #{inspect(other, limit: 8)}")
       end
 
-    {:ok, [uint64_field(1, id) | body]}
+    {:ok, [uint64_field(tag(1, @varint), 1, id) | body]}
   catch
     {__MODULE__, error} -> {:error, error}
   end
@@ -294,31 +300,43 @@ defmodule VllmBridge.Proto do
   ## Field encoding -----------------------------------------------------------
 
   # One clause per op, unrolled at compile time: the op's fields in number
-  # order (a field left out of the map holds its default, which is not
-  # written), then the op's own tag, a constant.
+  # order, each read from the map by a pattern (a field left out of the map
+  # holds its default, which is not written) and written after its tag, a
+  # constant; then the op's own tag and the body's length.
   for {op, {number, layout}} <- @op_fields do
     fields = Macro.var(:fields, __MODULE__)
-    key = number <<< 3 ||| @len
-    op_tag = if key < 0x80, do: <<key>>, else: <<(key &&& 0x7F) ||| 0x80, key >>> 7>>
 
     parts =
       for {n, name, kind} <- layout do
         default =
           Macro.escape(Map.fetch!(%{uint64: 0, string: "", bytes: "", packed_uint64: []}, kind))
 
-        quote do
-          encode_field(
-            unquote(kind),
-            unquote(n),
-            Map.get(unquote(fields), unquote(name), unquote(default)),
-            unquote(name)
+        value =
+          quote(
+            do:
+              with(%{unquote(name) => v} <- unquote(fields), do: v, else: (_ -> unquote(default)))
           )
+
+        case kind do
+          :uint64 ->
+            quote(do: uint64_field(unquote(tag_bytes.(n, @varint)), unquote(n), unquote(value)))
+
+          :string ->
+            quote(do: string_field(unquote(tag_bytes.(n, @len)), unquote(n), unquote(value)))
+
+          :bytes ->
+            quote(
+              do: bytes_field(unquote(tag_bytes.(n, @len)), unquote(n), unquote(value), false)
+            )
+
+          :packed_uint64 ->
+            quote(do: encode_field(:packed_uint64, unquote(n), unquote(value), unquote(name)))
         end
       end
 
     defp encode_op(unquote(op), unquote(fields)) do
       body = unquote(parts)
-      [unquote(op_tag), encode_varint(IO.iodata_length(body)) | body]
+      [unquote(tag_bytes.(number, @len)), encode_varint(:erlang.iolist_size(body)) | body]
     end
   end
 
@@ -333,9 +351,14 @@ defmodule VllmBridge.Proto do
     end
   end
 
-  defp encode_field(:uint64, number, value, _key), do: uint64_field(number, value)
-  defp encode_field(:string, number, value, _key), do: string_field(number, value)
-  defp encode_field(:bytes, number, value, _key), do: bytes_field(number, value, false)
+  defp encode_field(:uint64, number, value, _key),
+    do: uint64_field(tag(number, @varint), number, value)
+
+  defp encode_field(:string, number, value, _key),
+    do: string_field(tag(number, @len), number, value)
+
+  defp encode_field(:bytes, number, value, _key),
+    do: bytes_field(tag(number, @len), number, value, false)
 
   defp encode_field(:packed_uint64, number, values, key) when is_list(values) do
     case values do
@@ -348,22 +371,33 @@ defmodule VllmBridge.Proto do
     bad!("field #{key}: expected a list, got #{inspect(value, limit: 8)}")
   end
 
-  defp uint64_field(_number, 0), do: []
-  defp uint64_field(number, value), do: [tag(number, @varint) | uint64!(value, number)]
+  # A field's writers take its tag (a constant) and its number (for errors).
+  defp uint64_field(_tag, _number, 0), do: []
 
-  defp string_field(_number, ""), do: []
+  defp uint64_field(tag, _number, value)
+       when is_integer(value) and value > 0 and value <= 0xFFFFFFFFFFFFFFFF,
+       do: [tag | encode_varint(value)]
 
-  defp string_field(number, value) when is_binary(value) do
-    [tag(number, @len), encode_varint(byte_size(value)) | value]
+  defp uint64_field(_tag, number, value), do: uint64!(value, number)
+
+  defp string_field(_tag, _number, ""), do: []
+
+  defp string_field(tag, _number, value) when is_binary(value) do
+    [tag, encode_varint(byte_size(value)) | value]
   end
 
-  defp string_field(number, value),
+  defp string_field(_tag, number, value),
     do: bad!("field #{number}: expected a string, got #{inspect(value, limit: 8)}")
 
-  defp bytes_field(number, value, always?) do
+  defp bytes_field(_tag, _number, "", false), do: []
+
+  defp bytes_field(tag, _number, value, _always?) when is_binary(value),
+    do: [tag, encode_varint(byte_size(value)) | value]
+
+  defp bytes_field(tag, number, value, always?) do
     size =
       try do
-        IO.iodata_length(value)
+        :erlang.iolist_size(value)
       rescue
         ArgumentError ->
           bad!("field #{number}: expected iodata, got #{inspect(value, limit: 8)}")
@@ -371,19 +405,17 @@ defmodule VllmBridge.Proto do
 
     if size == 0 and not always?,
       do: [],
-      else: [tag(number, @len), encode_varint(size) | value]
+      else: [tag, encode_varint(size) | value]
   end
 
   defp len_field(number, iodata) do
-    [tag(number, @len), encode_varint(IO.iodata_length(iodata)) | iodata]
+    [tag(number, @len), encode_varint(:erlang.iolist_size(iodata)) | iodata]
   end
 
   # Field tags are constants: one clause per (field number, wire type) in use,
   # written out at compile time instead of varint-encoded for every field.
   for number <- 1..17, type <- [@varint, @len] do
-    key = number <<< 3 ||| type
-    bytes = if key < 0x80, do: <<key>>, else: <<(key &&& 0x7F) ||| 0x80, key >>> 7>>
-    defp tag(unquote(number), unquote(type)), do: unquote(bytes)
+    defp tag(unquote(number), unquote(type)), do: unquote(tag_bytes.(number, type))
   end
 
   defp uint64!(value, _where)
@@ -394,7 +426,16 @@ defmodule VllmBridge.Proto do
     do: bad!("field #{where}: expected a uint64, got #{inspect(value, limit: 8)}")
 
   # Seven bits a byte, low first; every byte but the last has its top bit set.
+  # Values below 2^28 (ids, lengths, handles) in one call.
   defp encode_varint(value) when value < 0x80, do: <<value>>
+  defp encode_varint(value) when value < 0x4000, do: <<1::1, value::7, value >>> 7>>
+
+  defp encode_varint(value) when value < 0x200000,
+    do: <<1::1, value::7, 1::1, value >>> 7::7, value >>> 14>>
+
+  defp encode_varint(value) when value < 0x10000000,
+    do: <<1::1, value::7, 1::1, value >>> 7::7, 1::1, value >>> 14::7, value >>> 21>>
+
   defp encode_varint(value), do: <<1::1, value::7, encode_varint(value >>> 7)::binary>>
 
   ## Field decoding -----------------------------------------------------------
@@ -499,6 +540,11 @@ defmodule VllmBridge.Proto do
 
   # 64-bit varints: at most 10 bytes; bits beyond 64 are dropped as protobuf does.
   defp varint(<<0::1, b0::7, rest::binary>>), do: {b0, rest}
+  # (two and three bytes, the usual ids and lengths, without the loop)
+  defp varint(<<1::1, b0::7, 0::1, b1::7, rest::binary>>), do: {b0 ||| b1 <<< 7, rest}
+
+  defp varint(<<1::1, b0::7, 1::1, b1::7, 0::1, b2::7, rest::binary>>),
+    do: {b0 ||| b1 <<< 7 ||| b2 <<< 14, rest}
 
   defp varint(binary), do: varint(binary, 0, 0)
 

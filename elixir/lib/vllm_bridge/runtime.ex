@@ -102,8 +102,7 @@ defmodule VllmBridge.Runtime do
   """
 
   alias VllmBridge.{Error, Msgpack, Pool, Proto, Ref, Telemetry, Tensor, Worker}
-
-  @runtime_keys [:pool, :node, :worker, :timeout, :session]
+  alias VllmBridge.Runtime.Options
 
   # Slack added to a caller's timeout for a call forwarded to another node, so
   # that the remote node's own :timeout error normally arrives first.
@@ -130,7 +129,7 @@ defmodule VllmBridge.Runtime do
   @spec call_class(String.t(), args(), opts()) :: {:ok, Ref.t()} | {:error, Error.t()}
   def call_class(class_name, args, opts \\ []) do
     with :ok <- check_name(class_name, "class name"),
-         {:ok, ctx} <- context(args, opts),
+         {:ok, ctx} <- Options.parse(args, opts),
          {:ok, target} <- place(ctx),
          {:ok, ctx} <- encode(ctx, target) do
       run(target, ctx, {:create, %{class_name: class_name, args: ctx.args, kwargs: ctx.kwargs}})
@@ -147,7 +146,7 @@ defmodule VllmBridge.Runtime do
   @spec call_method(Ref.t(), String.t(), args(), opts()) :: result()
   def call_method(ref, method, args \\ [], opts \\ []) do
     with :ok <- check_name(method, "method name"),
-         {:ok, ctx} <- context(args, opts),
+         {:ok, ctx} <- Options.parse(args, opts),
          {:ok, target} <- ref_target(ref, ctx),
          {:ok, ctx} <- encode(ctx, target) do
       run(
@@ -169,7 +168,7 @@ defmodule VllmBridge.Runtime do
   @spec call_function(String.t(), args(), opts()) :: result()
   def call_function(name, args, opts \\ []) do
     with :ok <- check_name(name, "function name"),
-         {:ok, ctx} <- context(args, opts),
+         {:ok, ctx} <- Options.parse(args, opts),
          {:ok, target} <- place(ctx),
          {:ok, ctx} <- encode(ctx, target) do
       run(target, ctx, {:call_function, %{function: name, args: ctx.args, kwargs: ctx.kwargs}})
@@ -214,7 +213,7 @@ defmodule VllmBridge.Runtime do
   @spec get_attr(Ref.t(), String.t(), opts()) :: result()
   def get_attr(ref, name, opts \\ []) do
     with :ok <- check_name(name, "attribute name"),
-         {:ok, ctx} <- context([], opts),
+         {:ok, ctx} <- Options.parse([], opts),
          :ok <- no_kwargs(ctx, "get_attr/3"),
          {:ok, target} <- ref_target(ref, ctx) do
       run(target, ctx, {:get_attr, %{handle: ref.id, name: name}})
@@ -240,7 +239,7 @@ defmodule VllmBridge.Runtime do
 
   def release(refs, opts) when is_list(refs) do
     with :ok <- all_refs(refs),
-         {:ok, ctx} <- context([], opts),
+         {:ok, ctx} <- Options.parse([], opts),
          :ok <- no_kwargs(ctx, "release/2") do
       {local, remote} =
         Enum.split_with(refs, &(not is_pid(&1.worker) or node(&1.worker) == node()))
@@ -280,15 +279,17 @@ defmodule VllmBridge.Runtime do
   def release_session(session, opts \\ [])
 
   def release_session(session, opts) when is_binary(session) do
-    with {:ok, ctx} <- context([], opts),
+    with {:ok, ctx} <- Options.parse([], opts),
          :ok <- no_kwargs(ctx, "release_session/2"),
          :ok <- local_node(ctx),
-         {:ok, workers} <- Pool.workers(ctx.pool) do
+         {:ok, workers} <- Pool.workers(ctx.pool),
+         {:ok, timeout} <- Pool.timeout(ctx.pool) do
       ctx = %{ctx | session: session}
 
       workers
       |> Enum.map(fn {_index, pid} ->
-        {%{pool: ctx.pool, worker: pid}, ctx, {:release_session, %{}}}
+        target = %{pool: ctx.pool, worker: pid, index: nil, session: nil, timeout: timeout}
+        {target, ctx, {:release_session, %{}}}
       end)
       |> run_many()
     else
@@ -305,7 +306,7 @@ defmodule VllmBridge.Runtime do
   """
   @spec describe(opts()) :: {:ok, map()} | {:error, Error.t()}
   def describe(opts \\ []) do
-    with {:ok, ctx} <- context([], opts),
+    with {:ok, ctx} <- Options.parse([], opts),
          :ok <- no_kwargs(ctx, "describe/1"),
          {:ok, target} <- place(ctx) do
       run(target, ctx, {:describe, %{}})
@@ -321,7 +322,7 @@ defmodule VllmBridge.Runtime do
   """
   @spec ping(term(), opts()) :: result()
   def ping(term, opts \\ []) do
-    with {:ok, ctx} <- context([], opts),
+    with {:ok, ctx} <- Options.parse([], opts),
          :ok <- no_kwargs(ctx, "ping/2"),
          {:ok, payload} <- Msgpack.encode(term),
          {:ok, target} <- place(ctx) do
@@ -334,112 +335,14 @@ defmodule VllmBridge.Runtime do
 
   ## Options -------------------------------------------------------------------
 
-  # No options (the common case): the defaults, without walking keyword lists.
-  defp context(args, []) when is_list(args) do
-    {:ok,
-     %{
-       args: args,
-       kwargs: [],
-       kwargs?: false,
-       refs: for(value <- args, is_struct(value, Ref), do: value),
-       pool: Pool.default_name(),
-       node: nil,
-       worker: nil,
-       timeout: nil,
-       session: nil
-     }}
-  end
-
-  defp context(args, opts) when is_list(args) and is_list(opts) do
-    with true <- Keyword.keyword?(opts) || bad("options must be a keyword list", opts),
-         {runtime, opts} = Keyword.pop(opts, :__runtime__, []),
-         {extra, kwargs} = Keyword.pop(opts, :__args__, []),
-         true <- is_list(extra) || bad(":__args__ must be a list", extra),
-         {:ok, runtime} <- runtime_opts(runtime) do
-      args = args ++ extra
-
-      {:ok,
-       %{
-         args: args,
-         kwargs: kwargs,
-         kwargs?: kwargs != [],
-         refs: for(value <- args ++ Keyword.values(kwargs), is_struct(value, Ref), do: value),
-         pool: Keyword.get(runtime, :pool) || Pool.default_name(),
-         node: Keyword.get(runtime, :node),
-         worker: Keyword.get(runtime, :worker),
-         timeout: Keyword.get(runtime, :timeout),
-         session: Keyword.get(runtime, :session)
-       }}
-    end
-  end
-
-  defp context(args, opts) when is_list(args), do: bad("options must be a keyword list", opts)
-  defp context(args, _opts), do: bad("positional arguments must be a list", args)
-
   # Encodes the positional and keyword arguments, once the call is known to
   # run on this node, in `target`'s worker.
   defp encode(ctx, target) do
     with :ok <- check_refs(ctx.args, target),
-         :ok <- check_refs(Keyword.values(ctx.kwargs), target),
+         :ok <- check_kwarg_refs(ctx.kwargs, target),
          {:ok, args} <- encode_args(ctx.args),
          {:ok, kwargs} <- encode_kwargs(ctx.kwargs) do
       {:ok, %{ctx | args: args, kwargs: kwargs}}
-    end
-  end
-
-  defp runtime_opts(runtime) do
-    cond do
-      not Keyword.keyword?(runtime) ->
-        bad(":__runtime__ must be a keyword list", runtime)
-
-      (unknown = Keyword.keys(runtime) -- @runtime_keys) != [] ->
-        bad(
-          "unknown :__runtime__ options #{inspect(unknown)} (known: #{inspect(@runtime_keys)})",
-          runtime
-        )
-
-      (node = runtime[:node]) != nil and not (is_atom(node) and node != true and node != false) ->
-        bad(":__runtime__ node must be a node name (an atom)", node)
-
-      match?({_, _}, runtime[:pool]) ->
-        pool_on_node(runtime)
-
-      (pool = runtime[:pool]) != nil and not is_atom(pool) ->
-        bad(":__runtime__ pool must be an atom or {pool, node}", pool)
-
-      (timeout = runtime[:timeout]) != nil and
-          not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
-        bad(":__runtime__ timeout must be a non-negative integer (ms) or :infinity", timeout)
-
-      (session = runtime[:session]) != nil and not is_binary(session) ->
-        bad(":__runtime__ session must be a string", session)
-
-      (worker = runtime[:worker]) != nil and
-          not ((is_integer(worker) and worker >= 0) or is_struct(worker, Ref) or is_pid(worker)) ->
-        bad(":__runtime__ worker must be an index, a ref or a pid", worker)
-
-      true ->
-        {:ok, runtime}
-    end
-  end
-
-  # pool: {name, node} is pool: name, node: node.
-  defp pool_on_node(runtime) do
-    {pool, node} = runtime[:pool]
-
-    cond do
-      not (is_atom(pool) and pool != nil and is_atom(node) and node != nil) ->
-        bad(":__runtime__ pool must be an atom or {pool, node}", runtime[:pool])
-
-      runtime[:node] not in [nil, node] ->
-        bad(
-          ":__runtime__ names two nodes: pool: #{inspect({pool, node})} and " <>
-            "node: #{inspect(runtime[:node])}",
-          runtime
-        )
-
-      true ->
-        runtime_opts(Keyword.merge(runtime, pool: pool, node: node))
     end
   end
 
@@ -480,41 +383,47 @@ defmodule VllmBridge.Runtime do
     do: {:remote, node(pid), ctx.timeout}
 
   defp place(%{worker: pid, pool: pool}) when is_pid(pid) do
-    case Pool.index_of(pool, pid) do
-      {:ok, index} -> {:ok, worker_target(pool, index, pid)}
+    with {:ok, index} <- Pool.index_of(pool, pid),
+         {:ok, via, timeout} <- Pool.route(pool, index, pid) do
+      {:ok, worker_target(pool, index, pid, via, timeout)}
+    else
       :error -> bad("#{inspect(pid)} is not a running worker of pool #{inspect(pool)}", pid)
     end
   end
 
-  defp place(%{worker: nil, refs: [%Ref{worker: pid} = ref | _]} = ctx) when is_pid(pid),
-    do: ref_target(ref, ctx)
+  defp place(%{worker: nil} = ctx) do
+    case first_ref(ctx.args, ctx.kwargs) do
+      %Ref{worker: pid} = ref when is_pid(pid) -> ref_target(ref, ctx)
+      _ -> place_in_pool(ctx)
+    end
+  end
 
-  defp place(%{node: on} = ctx) when on != nil and on != node(),
+  defp place(ctx), do: place_in_pool(ctx)
+
+  defp place_in_pool(%{node: on} = ctx) when on != nil and on != node(),
     do: {:remote, on, ctx.timeout}
 
-  defp place(%{worker: index, pool: pool}) when is_integer(index), do: target(pool, index)
-
-  defp place(%{pool: pool}) do
-    with {:ok, {index, pid}} <- Pool.next_worker_at(pool),
-         do: {:ok, worker_target(pool, index, pid)}
+  defp place_in_pool(%{worker: index, pool: pool}) when is_integer(index) do
+    with {:ok, pid, via, timeout} <- Pool.route_at(pool, index),
+         do: {:ok, worker_target(pool, index, pid, via, timeout)}
   end
 
-  defp target(pool, index) do
-    with {:ok, pid} <- Pool.worker(pool, index),
-         do: {:ok, worker_target(pool, index, pid)}
+  defp place_in_pool(%{pool: pool}) do
+    with {:ok, index, pid, via, timeout} <- Pool.next_route(pool),
+         do: {:ok, worker_target(pool, index, pid, via, timeout)}
   end
 
-  # The worker's channel is the way in when it has one (see VllmBridge.Worker);
-  # a worker that died meanwhile is reached by pid, which reports it.
-  defp worker_target(pool, index, pid) do
-    via =
-      case Pool.route(pool, index, pid) do
-        {:ok, via} -> via
-        :error -> pid
-      end
+  # via: the worker's channel when it has one (see VllmBridge.Worker), else its
+  # pid; timeout: the pool's default.
+  defp worker_target(pool, index, pid, via, timeout),
+    do: %{pool: pool, worker: pid, index: index, session: nil, via: via, timeout: timeout}
 
-    %{pool: pool, worker: pid, index: index, via: via}
-  end
+  # The first ref among the top-level arguments, then the keyword arguments.
+  defp first_ref([%Ref{} = ref | _], _kwargs), do: ref
+  defp first_ref([_ | rest], kwargs), do: first_ref(rest, kwargs)
+  defp first_ref([], [{_key, %Ref{} = ref} | _]), do: ref
+  defp first_ref([], [_ | rest]), do: first_ref([], rest)
+  defp first_ref([], []), do: nil
 
   defp ref_target(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
     do: {:remote, node(pid), ctx.timeout}
@@ -528,14 +437,25 @@ defmodule VllmBridge.Runtime do
     # and gives the way in to it (its channel, see VllmBridge.Worker).
     found =
       if is_integer(index) and ref_pool != nil do
-        with {:ok, via} <- Pool.route(pool, index, pid), do: {:ok, index, via}
+        with {:ok, via, timeout} <- Pool.route(pool, index, pid), do: {:ok, index, via, timeout}
       else
-        with {:ok, index} <- Pool.index_of(pool, pid), do: {:ok, index, pid}
+        with {:ok, index} <- Pool.index_of(pool, pid),
+             {:ok, via, timeout} <- Pool.route(pool, index, pid),
+             do: {:ok, index, via, timeout}
       end
 
     case found do
-      {:ok, index, via} ->
-        {:ok, %{pool: pool, worker: pid, index: index, session: ref.session, via: via, ref: ref}}
+      {:ok, index, via, timeout} ->
+        {:ok,
+         %{
+           pool: pool,
+           worker: pid,
+           index: index,
+           session: ref.session,
+           via: via,
+           timeout: timeout,
+           ref: ref
+         }}
 
       :error ->
         {:error, stale(ref, pool)}
@@ -564,16 +484,24 @@ defmodule VllmBridge.Runtime do
   # the worker that made it: every ref among the arguments (nested in lists,
   # maps and tuples too) must live in the worker the call runs on, or the call
   # would reach another object there.
-  defp check_refs([], _target), do: :ok
-
-  defp check_refs(values, target) when is_list(values) do
-    Enum.reduce_while(values, :ok, fn value, :ok ->
-      case check_ref(value, target) do
-        :ok -> {:cont, :ok}
-        error -> {:halt, error}
-      end
-    end)
+  # (Lists may be improper here: the encoder refuses them later with a clear error.)
+  defp check_refs([head | tail], target) do
+    case check_ref(head, target) do
+      :ok -> check_refs(tail, target)
+      error -> error
+    end
   end
+
+  defp check_refs(_tail, _target), do: :ok
+
+  defp check_kwarg_refs([{_key, value} | rest], target) do
+    case check_ref(value, target) do
+      :ok -> check_kwarg_refs(rest, target)
+      error -> error
+    end
+  end
+
+  defp check_kwarg_refs([], _target), do: :ok
 
   defp check_ref(%Ref{worker: pid}, %{worker: pid}), do: :ok
 
@@ -593,20 +521,10 @@ defmodule VllmBridge.Runtime do
 
   defp check_ref(%Tensor{}, _target), do: :ok
   defp check_ref(%_{}, _target), do: :ok
-  defp check_ref([_ | _] = list, target), do: check_refs_improper(list, target)
+  defp check_ref([_ | _] = list, target), do: check_refs(list, target)
   defp check_ref(map, target) when is_map(map), do: check_refs(Map.to_list(map), target)
   defp check_ref(tuple, target) when is_tuple(tuple), do: check_refs(Tuple.to_list(tuple), target)
   defp check_ref(_other, _target), do: :ok
-
-  # Lists may be improper here (the encoder refuses them later with a clear error).
-  defp check_refs_improper([head | tail], target) do
-    case check_ref(head, target) do
-      :ok -> check_refs_improper(tail, target)
-      error -> error
-    end
-  end
-
-  defp check_refs_improper(_tail, _target), do: :ok
 
   # release_session/2 runs where node: says.
   defp local_node(%{node: on} = ctx) when on != nil and on != node(),
@@ -727,8 +645,7 @@ defmodule VllmBridge.Runtime do
 
   defp send_op(target, ctx, op) do
     with {:ok, session, id, frame, timeout} <- prepare(target, ctx, op) do
-      target
-      |> Map.get(:via, target.worker)
+      target.via
       |> Worker.request(id, frame, timeout)
       |> finish(target, session, id)
       |> gone(target)
@@ -772,12 +689,13 @@ defmodule VllmBridge.Runtime do
   end
 
   defp prepare(target, ctx, op) do
-    session = ctx.session || Map.get(target, :session) || ""
+    session = ctx.session || target.session || ""
     id = Worker.new_id()
 
-    with {:ok, timeout} <- call_timeout(ctx, target.pool),
-         request = %{id: id, session: session, deadline_ms: deadline_ms(timeout), op: op},
-         {:ok, frame} <- Proto.encode_request(request) do
+    timeout = ctx.timeout || target.timeout
+    request = %{id: id, session: session, deadline_ms: deadline_ms(timeout), op: op}
+
+    with {:ok, frame} <- Proto.encode_request(request) do
       {:ok, session, id, frame, timeout}
     end
   end
@@ -788,11 +706,11 @@ defmodule VllmBridge.Runtime do
 
     %{
       pool: target.pool,
-      index: Map.get(target, :index),
+      index: target.index,
       worker: target.worker,
       operation: operation,
       name: name,
-      session: ctx.session || Map.get(target, :session) || ""
+      session: ctx.session || target.session || ""
     }
   end
 
@@ -808,11 +726,12 @@ defmodule VllmBridge.Runtime do
   defp operation({kind, _}, _target), do: {kind, nil}
 
   # The request's deadline_ms for a caller's timeout (0: none).
+  # (max(ms - min(div(ms, 20), @deadline_margin), 1), by cases.)
   defp deadline_ms(:infinity), do: 0
-  defp deadline_ms(ms), do: max(ms - min(div(ms, 20), @deadline_margin), 1)
-
-  defp call_timeout(%{timeout: nil}, pool), do: Pool.timeout(pool)
-  defp call_timeout(%{timeout: timeout}, _pool), do: {:ok, timeout}
+  defp deadline_ms(ms) when ms >= 20 * @deadline_margin, do: ms - @deadline_margin
+  defp deadline_ms(ms) when ms >= 20, do: ms - div(ms, 20)
+  defp deadline_ms(ms) when ms > 0, do: ms
+  defp deadline_ms(_ms), do: 1
 
   defp finish({:ok, reply}, target, session, id) do
     case Proto.decode_reply(reply) do
@@ -822,7 +741,7 @@ defmodule VllmBridge.Runtime do
             pool: target.pool,
             worker: target.worker,
             session: session,
-            index: Map.get(target, :index)
+            index: target.index
           ]
         )
 

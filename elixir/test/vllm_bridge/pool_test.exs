@@ -177,7 +177,7 @@ defmodule VllmBridge.PoolTest do
       pool = start_pool!(:"#{test}", 1)
       {:ok, worker} = Pool.worker(pool, 0)
       # the worker published its channel in the pool's registry
-      assert {:ok, channel} = Pool.route(pool, 0, worker)
+      assert {:ok, channel, _timeout} = Pool.route(pool, 0, worker)
       refute channel == worker
       assert Pool.route(pool, 1, worker) == :error
       assert Pool.route(pool, 0, self()) == :error

@@ -1,0 +1,181 @@
+defmodule VllmBridge.Runtime.Options do
+  @moduledoc """
+  The arguments and options of a `VllmBridge.Runtime` call, read and checked
+  in one pass (see "Arguments and options" there).
+
+  `parse/2` walks the options once, splitting `:__runtime__` and `:__args__`
+  from the Python keyword arguments, and walks `:__runtime__` once; as with
+  `Keyword.get/2`, the first of a key given twice wins. Invalid options are
+  `{:error, %VllmBridge.Error{category: :bad_args}}` naming the option, with
+  the offending term in `details.term`. When several options are invalid the
+  error names the first in this order: the options list, `:__args__`, the
+  `:__runtime__` list, unknown `:__runtime__` keys, then `node`, `pool`,
+  `timeout`, `session` and `worker`.
+  """
+
+  alias VllmBridge.{Error, Pool, Ref}
+
+  @runtime_keys [:pool, :node, :worker, :timeout, :session]
+  @default_pool Pool.default_name()
+
+  @typedoc """
+  A parsed call: the positional arguments (with `:__args__` appended), the
+  Python keyword arguments in the order given (and whether there are any),
+  and the `:__runtime__` settings, `nil` where not given (`pool` is then the
+  default pool; `pool: {name, node}` is `pool: name, node: node`).
+  """
+  @type t :: %{
+          args: [term()],
+          kwargs: keyword(),
+          kwargs?: boolean(),
+          pool: Pool.name(),
+          node: node() | nil,
+          worker: non_neg_integer() | pid() | Ref.t() | nil,
+          timeout: timeout() | nil,
+          session: String.t() | nil
+        }
+
+  @doc """
+  Reads a call's positional arguments and options.
+
+  ## Examples
+
+      iex> {:ok, call} = VllmBridge.Runtime.Options.parse([1], store_timeout: 30, __args__: [2])
+      iex> {call.args, call.kwargs, call.pool}
+      {[1, 2], [store_timeout: 30], VllmBridge.DefaultPool}
+
+      iex> {:error, error} = VllmBridge.Runtime.Options.parse([], __runtime__: [timeout: -1])
+      iex> error.message
+      ":__runtime__ timeout must be a non-negative integer (ms) or :infinity"
+  """
+  @spec parse(list(), keyword()) :: {:ok, t()} | {:error, Error.t()}
+  def parse(args, opts) when is_list(args) do
+    case split(opts) do
+      {runtime, extra, kwargs} when is_list(extra) ->
+        with {:ok, pool, node, worker, timeout, session} <- runtime(runtime) do
+          {:ok,
+           %{
+             args: if(extra == [], do: args, else: args ++ extra),
+             kwargs: kwargs,
+             kwargs?: kwargs != [],
+             pool: pool,
+             node: node,
+             worker: worker,
+             timeout: timeout,
+             session: session
+           }}
+        end
+
+      {_runtime, extra, _kwargs} ->
+        bad(":__args__ must be a list", extra)
+
+      :error ->
+        bad("options must be a keyword list", opts)
+    end
+  end
+
+  def parse(args, _opts), do: bad("positional arguments must be a list", args)
+
+  # {runtime, extra, kwargs}: the first :__runtime__ and :__args__ (the others
+  # are dropped, as Keyword.pop/3 does), and the rest in order; :error when
+  # opts is not a keyword list. Body-recursive: option lists are short.
+  defp split([]), do: {[], [], []}
+
+  defp split([{:__runtime__, runtime} | rest]) do
+    with {_, extra, kwargs} <- split(rest), do: {runtime, extra, kwargs}
+  end
+
+  defp split([{:__args__, extra} | rest]) do
+    with {runtime, _, kwargs} <- split(rest), do: {runtime, extra, kwargs}
+  end
+
+  defp split([{key, _} = kwarg | rest]) when is_atom(key) do
+    with {runtime, extra, kwargs} <- split(rest), do: {runtime, extra, [kwarg | kwargs]}
+  end
+
+  defp split(_other), do: :error
+
+  defp runtime([]), do: {:ok, @default_pool, nil, nil, nil, nil}
+
+  defp runtime(runtime) do
+    case walk(runtime) do
+      :error ->
+        bad(":__runtime__ must be a keyword list", runtime)
+
+      {_pool, _node, _worker, _timeout, _session, [_ | _] = unknown} ->
+        bad(
+          "unknown :__runtime__ options #{inspect(unknown)} (known: #{inspect(@runtime_keys)})",
+          runtime
+        )
+
+      {pool, node, worker, timeout, session, []} ->
+        check(pool, node, worker, timeout, session, runtime)
+    end
+  end
+
+  # {pool, node, worker, timeout, session, unknown keys in order}; built from
+  # the end, so a key given twice keeps its first value.
+  defp walk([]), do: {nil, nil, nil, nil, nil, []}
+
+  defp walk([{key, value} | rest]) when is_atom(key) do
+    case walk(rest) do
+      :error -> :error
+      acc -> put(acc, key, value)
+    end
+  end
+
+  defp walk(_other), do: :error
+
+  for {key, i} <- Enum.with_index(@runtime_keys, 1) do
+    defp put(acc, unquote(key), value), do: :erlang.setelement(unquote(i), acc, value)
+  end
+
+  defp put(acc, key, _value), do: :erlang.setelement(6, acc, [key | elem(acc, 5)])
+
+  defp check(pool, node, worker, timeout, session, runtime) do
+    cond do
+      node != nil and not (is_atom(node) and node != true and node != false) ->
+        bad(":__runtime__ node must be a node name (an atom)", node)
+
+      is_tuple(pool) and tuple_size(pool) == 2 ->
+        pool_on_node(pool, node, worker, timeout, session, runtime)
+
+      pool != nil and not is_atom(pool) ->
+        bad(":__runtime__ pool must be an atom or {pool, node}", pool)
+
+      timeout != nil and not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
+        bad(":__runtime__ timeout must be a non-negative integer (ms) or :infinity", timeout)
+
+      session != nil and not is_binary(session) ->
+        bad(":__runtime__ session must be a string", session)
+
+      worker != nil and
+          not ((is_integer(worker) and worker >= 0) or is_struct(worker, Ref) or is_pid(worker)) ->
+        bad(":__runtime__ worker must be an index, a ref or a pid", worker)
+
+      true ->
+        {:ok, pool || @default_pool, node, worker, timeout, session}
+    end
+  end
+
+  # pool: {name, node} is pool: name, node: node (the same checks again).
+  defp pool_on_node({name, on} = pool, node, worker, timeout, session, runtime) do
+    cond do
+      not (is_atom(name) and name != nil and is_atom(on) and on != nil) ->
+        bad(":__runtime__ pool must be an atom or {pool, node}", pool)
+
+      node not in [nil, on] ->
+        bad(
+          ":__runtime__ names two nodes: pool: #{inspect(pool)} and node: #{inspect(node)}",
+          runtime
+        )
+
+      true ->
+        check(name, on, worker, timeout, session, runtime)
+    end
+  end
+
+  defp bad(message, term) do
+    {:error, Error.new(:bad_args, message, details: %{term: term})}
+  end
+end
