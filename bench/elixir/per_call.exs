@@ -9,7 +9,8 @@
 # with the modules that make most of them (--top, default 8). The raw port echo of
 # the same request bytes (bench/python/echo_port.py, the caller owns the port) is
 # the reference row. --detail lists, per shape, every function called at least once
-# a call. Not part of `make bench`; it fails only on a wrong result.
+# a call. Part of `make bench` (its table is printed, not written to RESULTS.md); it
+# fails only on a wrong result.
 Code.require_file("common.exs", __DIR__)
 
 defmodule Bench.PerCall do
