@@ -55,6 +55,25 @@ Dispatched = (
 )
 
 
+def pad_rows(rows: torch.Tensor, longest: int) -> torch.Tensor:
+    """``rows`` (along dim 0) with rows of zeros after them, up to ``longest``."""
+    if rows.shape[0] >= longest:
+        return rows
+    return torch.cat([rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
+
+
+def spread_rows(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``rows`` cut into pieces of ``sizes`` rows, each padded to the longest piece: the
+    input of a reduce-scatter whose rank ``r`` keeps ``sizes[r]`` rows."""
+    return torch.stack([pad_rows(piece, max(sizes)) for piece in rows.split(sizes)])
+
+
+def unpad_rows(stacked: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The first ``sizes[r]`` rows of every ``stacked[r]`` (rank-major padded pieces),
+    concatenated: what :func:`pad_rows` padded, all-gathered, unpadded."""
+    return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)])
+
+
 class All2AllManagerBase:
     """Moves the tokens of a mixture-of-experts layer between the ranks of one group.
 
@@ -316,14 +335,8 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         out_shape = (*tensor.shape[:dim], sum(sizes), *tensor.shape[dim + 1 :])
         if longest == 0 or math.prod(rest) == 0:
             return torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
-        if rows.shape[0] < longest:
-            pad = torch.zeros(
-                (longest - rows.shape[0], *rest), dtype=tensor.dtype, device=tensor.device
-            )
-            rows = torch.cat([rows, pad], dim=0)
-        stacked = self._gather_flat(rows).reshape((self.world_size, longest, *rest))
-        pieces = [stacked[r, : sizes[r]] for r in range(self.world_size)]
-        return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+        stacked = self._gather_flat(pad_rows(rows, longest)).reshape((-1, longest, *rest))
+        return unpad_rows(stacked, sizes).movedim(0, dim).contiguous()
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum ``input_`` over the group and keep this rank's equal slice along ``dim``."""
@@ -378,14 +391,7 @@ class DeviceCommunicatorBase(CommunicatorChecks):
             out = torch.zeros((mine, *rest), dtype=tensor.dtype, device=tensor.device)
             return out.movedim(0, dim).contiguous()
         if any(s != longest for s in sizes):
-            padded = torch.zeros(
-                (self.world_size, longest, *rest), dtype=tensor.dtype, device=tensor.device
-            )
-            offset = 0
-            for r, size in enumerate(sizes):
-                padded[r, :size] = rows[offset : offset + size]
-                offset += size
-            rows = padded.reshape((self.world_size * longest, *rest))
+            rows = spread_rows(rows, sizes).reshape((self.world_size * longest, *rest))
         wire, restore = for_reduction(rows.contiguous(), self.backend)
         out = torch.empty((longest, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
         self._reduce_scatter_wire(out, wire)

@@ -59,6 +59,11 @@ from bridge_py.distributed.device_communicators.agreement import (
     checks_enabled,
     hash_ints,
 )
+from bridge_py.distributed.device_communicators.base_device_communicator import (
+    pad_rows,
+    spread_rows,
+    unpad_rows,
+)
 from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
@@ -336,13 +341,11 @@ class PyNcclCommunicator(CommunicatorChecks):
         """Every rank's `inp` into `out`, rank after rank, as bytes."""
         out_bytes, in_bytes = _bytes(out), _bytes(inp)
 
-        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
-            shm.all_gather(out_bytes, in_bytes, row, judge)
-
-        def run() -> Any:
-            return self._group._allgather_base(out_bytes, in_bytes) if inp.numel() else None
-
-        self._move(signature, shm_run, run)
+        self._move(
+            signature,
+            lambda shm, row, judge: shm.all_gather(out_bytes, in_bytes, row, judge),
+            lambda: self._group._allgather_base(out_bytes, in_bytes) if inp.numel() else None,
+        )
 
     # -------------------------------------------------------------- collectives
 
@@ -421,11 +424,10 @@ class PyNcclCommunicator(CommunicatorChecks):
 
         signature = self._signed(name, check)
         with self._on(stream):
-            padded = input_tensor.new_zeros((max(sizes), *input_tensor.shape[1:]))
-            padded[: sizes[self.rank]] = input_tensor
+            padded = pad_rows(input_tensor, max(sizes)).contiguous()
             gathered = input_tensor.new_empty((self.world_size, *padded.shape))
             self._gather(signature, gathered, padded)
-            output_tensor.copy_(torch.cat([gathered[r, :n] for r, n in enumerate(sizes)]))
+            output_tensor.copy_(unpad_rows(gathered, sizes))
         return output_tensor
 
     def reduce_scatter(
@@ -478,11 +480,8 @@ class PyNcclCommunicator(CommunicatorChecks):
 
         signature = self._signed(name, check)
         with self._on(stream):
-            longest, rest = max(sizes), input_tensor.shape[1:]
-            padded = input_tensor.new_zeros((self.world_size, longest, *rest))
-            for r, piece in enumerate(input_tensor.split(sizes)):
-                padded[r, : len(piece)] = piece
-            mine = input_tensor.new_empty((longest, *rest))
+            padded = spread_rows(input_tensor, sizes)
+            mine = input_tensor.new_empty(padded.shape[1:])
             self._reduce(signature, name, mine, padded, op)
             output_tensor.copy_(mine[: sizes[self.rank]])
         return output_tensor
@@ -503,14 +502,12 @@ class PyNcclCommunicator(CommunicatorChecks):
         signature = self._signed(name, check)
         data = _bytes(tensor)
 
-        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
-            shm.broadcast(data, src, row, judge)
-
-        def run() -> Any:
-            return self._group.broadcast(data, src) if data.numel() else None
-
         with self._on(stream):
-            self._move(signature, shm_run, run)
+            self._move(
+                signature,
+                lambda shm, row, judge: shm.broadcast(data, src, row, judge),
+                lambda: self._group.broadcast(data, src) if data.numel() else None,
+            )
         return tensor
 
     # ----------------------------------------------------------- point to point
