@@ -265,20 +265,25 @@ def _errors(rank: int, port: int) -> str:
             )
         with _raises(ValueError, "reduce_scatter", f"rank {rank}", "input_tensor", "7 elements"):
             comm.reduce_scatter(torch.empty(3), torch.zeros(7))
-        with _raises(ValueError, "broadcast", f"rank {rank}", "src=2", "not a rank"):
+        with _raises(ValueError, "broadcast", f"rank {rank}", r"invalid src rank \(2\)"):
             comm.broadcast(torch.zeros(1), 2)
         with _raises(ValueError, f"rank {rank}", "tensor must be contiguous"):
             comm.broadcast(torch.zeros(3, 4).t(), 0)
         with _raises(TypeError, "all_reduce", "not defined", "torch.int64"):
             comm.all_reduce(torch.zeros(2, dtype=torch.int64), op=ReduceOp.AVG)
-        with _raises(ValueError, "send", "dst=", "this rank itself"):
+        with _raises(ValueError, "send", rf"dst \({rank}\) is this rank itself"):
             comm.send(torch.zeros(1), rank)
         # a message of another size is received, dropped and reported; the pair stays in step
         if rank == 0:
             comm.send(torch.arange(4.0), 1)
             comm.send(torch.arange(2.0), 1)
         else:
-            with _raises(ValueError, "recv on rank 1", r"rank 0 sent shape \(4,\)", "dropped"):
+            with _raises(
+                ValueError,
+                "recv on rank 1",
+                r"expected shape \(2,\) torch.float32 from rank 0 .*sent shape \(4,\)",
+                "dropped",
+            ):
                 comm.recv(torch.empty(2), 0)
             assert comm.recv(torch.empty(2), 0).tolist() == [0.0, 1.0]
         # and the group still works

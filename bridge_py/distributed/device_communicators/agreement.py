@@ -230,6 +230,11 @@ class Agreement:
         self.checking = signature.op
         self.carrier(row, lambda rows: self.judge(signature, rows, error))
 
+    def step(self, signature: Signature) -> tuple[bytes, Judge]:
+        """The row a shared-memory operation carries in its first step, and its judge. With
+        checks off the row still goes along: ranks out of step raise, never mix data."""
+        return signature.row(False), lambda rows: self.judge(signature, rows, None)
+
     def _over_gloo(self, row: bytes, judge: Judge) -> None:
         """The gloo carrier: one all-gather of every rank's row."""
         mine = torch.frombuffer(bytearray(row), dtype=torch.int64)

@@ -25,8 +25,8 @@ instead of blocking until the group's timeout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,23 +36,15 @@ from bridge_py.distributed.device_communicators.agreement import (
     Agreement,
     Signature,
     checks_enabled,
-    describe_dtype,
     dtype_code,
-    dtype_of,
     hash_ints,
-    param,
-    shape_text,
 )
+from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
 from bridge_py.distributed.device_communicators.torch_compat import (
     all_gather_into,
     reduce_scatter_into,
 )
-from bridge_py.distributed.device_communicators.wire_dtypes import (
-    for_reduction,
-    for_transport,
-    reducible,
-)
-from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, for_transport
 
 __all__ = ["All2AllManagerBase", "DeviceCommunicatorBase", "Dispatched"]
 
@@ -62,7 +54,24 @@ Dispatched = (
     tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
 )
 
-_T = TypeVar("_T")
+
+def pad_rows(rows: torch.Tensor, longest: int) -> torch.Tensor:
+    """``rows`` (along dim 0) with rows of zeros after them, up to ``longest``."""
+    if rows.shape[0] >= longest:
+        return rows
+    return torch.cat([rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
+
+
+def spread_rows(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``rows`` cut into pieces of ``sizes`` rows, each padded to the longest piece: the
+    input of a reduce-scatter whose rank ``r`` keeps ``sizes[r]`` rows."""
+    return torch.stack([pad_rows(piece, max(sizes)) for piece in rows.split(sizes)])
+
+
+def unpad_rows(stacked: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The first ``sizes[r]`` rows of every ``stacked[r]`` (rank-major padded pieces),
+    concatenated: what :func:`pad_rows` padded, all-gathered, unpadded."""
+    return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)])
 
 
 class All2AllManagerBase:
@@ -112,7 +121,7 @@ class All2AllManagerBase:
         """Release the manager's resources."""
 
 
-class DeviceCommunicatorBase:
+class DeviceCommunicatorBase(CommunicatorChecks):
     """
     Base class for device-specific communicator.
     It can use the `cpu_group` to initialize the communicator.
@@ -163,24 +172,6 @@ class DeviceCommunicatorBase:
 
     # ------------------------------------------------------------- validation, agreement
 
-    def _error(self, op: str, message: str, kind: type[Exception] = ValueError) -> Exception:
-        who = self.agreement.who(self.rank_in_group)
-        return kind(f"{op} on {who} of {self.agreement.label}: {message}")
-
-    def _check_tensor(self, op: str, tensor: Any, reduce: bool = False) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise self._error(
-                op, f"expected a torch.Tensor, got {type(tensor).__name__}", TypeError
-            )
-        if tensor.device.type != self.device.type:
-            raise self._error(
-                op,
-                f"the tensor is on {tensor.device} but this communicator serves "
-                f"{self.device.type} tensors",
-            )
-        if reduce and not reducible(tensor.dtype, self.backend):
-            raise self._error(op, f"dtype {tensor.dtype} cannot be summed", TypeError)
-
     def _check_dim(self, op: str, tensor: torch.Tensor, dim: Any) -> int:
         """``dim`` as a non-negative dim of ``tensor``."""
         if isinstance(dim, bool) or not isinstance(dim, int):
@@ -191,38 +182,6 @@ class DeviceCommunicatorBase:
             )
         return dim % tensor.dim()
 
-    def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool) -> int:
-        if isinstance(peer, bool) or not isinstance(peer, int):
-            raise self._error(
-                op, f"{name} must be an int rank in the group, got {peer!r}", TypeError
-            )
-        if not 0 <= peer < self.world_size:
-            raise self._error(
-                op, f"invalid {name} rank ({peer}): the group has ranks 0..{self.world_size - 1}"
-            )
-        if not allow_self and peer == self.rank_in_group:
-            raise self._error(op, f"{name} ({peer}) is this rank itself")
-        return peer
-
-    def _check_sizes(self, op: str, sizes: Any) -> list[int]:
-        if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
-            raise self._error(op, f"sizes must be a list of ints, got {sizes!r}", TypeError)
-        if len(sizes) != self.world_size:
-            raise self._error(
-                op, f"sizes has {len(sizes)} entries but the group has {self.world_size} ranks"
-            )
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
-            raise self._error(op, f"sizes must be non-negative ints, got {list(sizes)}")
-        return list(sizes)
-
-    @staticmethod
-    def _validated(check: Callable[[], _T]) -> tuple[_T | None, Exception | None]:
-        """``check()``, or the TypeError/ValueError it raised about this rank's arguments."""
-        try:
-            return check(), None
-        except (TypeError, ValueError) as exc:
-            return None, exc
-
     def _agree(
         self,
         op: str,
@@ -230,17 +189,19 @@ class DeviceCommunicatorBase:
         check: Callable[[], tuple[int, ...]] | None = None,
         names: tuple[str, ...] = (),
         reduce: bool = False,
+        name: str = "input_",
     ) -> tuple[int, ...]:
         """Validate this rank's arguments, then agree on them with the other ranks.
 
-        ``tensor`` is checked first (a tensor of this device, summable with ``reduce``);
+        ``tensor`` (the parameter ``name``) is checked first (a tensor of this device,
+        summable with ``reduce``);
         then ``check`` returns the parameters (named by ``names``) that every rank must
         pass alike, raising TypeError/ValueError for bad ones. Every rank raises unless all
         ranks passed valid, matching arguments; returns the parameters.
         """
 
         def validate() -> tuple[int, ...]:
-            self._check_tensor(op, tensor, reduce)
+            self._check_tensor(op, tensor, reduce, name=name)
             return () if check is None else check()
 
         params, error = self._validated(validate)
@@ -261,11 +222,6 @@ class DeviceCommunicatorBase:
         return Signature(op, tensor.dtype, shape or tuple(tensor.shape), params, names)
 
     # ------------------------------------------------------- transport (the device hooks)
-
-    def _finish(self, work: Any, op: str, cpu_group: bool = False) -> None:
-        """Wait for the ``work`` of ``op`` (on the CPU group with ``cpu_group``), within
-        the caller's deadline where the wait blocks the CPU (``groups.work.finish``)."""
-        finish(work, op, self.agreement.where, bounded=cpu_group or self._device_blocks)
 
     def _all_gather_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
         """Every rank's flat ``wire`` into ``out``, rank-major (same dtype)."""
@@ -379,14 +335,8 @@ class DeviceCommunicatorBase:
         out_shape = (*tensor.shape[:dim], sum(sizes), *tensor.shape[dim + 1 :])
         if longest == 0 or math.prod(rest) == 0:
             return torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
-        if rows.shape[0] < longest:
-            pad = torch.zeros(
-                (longest - rows.shape[0], *rest), dtype=tensor.dtype, device=tensor.device
-            )
-            rows = torch.cat([rows, pad], dim=0)
-        stacked = self._gather_flat(rows).reshape((self.world_size, longest, *rest))
-        pieces = [stacked[r, : sizes[r]] for r in range(self.world_size)]
-        return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+        stacked = self._gather_flat(pad_rows(rows, longest)).reshape((-1, longest, *rest))
+        return unpad_rows(stacked, sizes).movedim(0, dim).contiguous()
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum ``input_`` over the group and keep this rank's equal slice along ``dim``."""
@@ -441,14 +391,7 @@ class DeviceCommunicatorBase:
             out = torch.zeros((mine, *rest), dtype=tensor.dtype, device=tensor.device)
             return out.movedim(0, dim).contiguous()
         if any(s != longest for s in sizes):
-            padded = torch.zeros(
-                (self.world_size, longest, *rest), dtype=tensor.dtype, device=tensor.device
-            )
-            offset = 0
-            for r, size in enumerate(sizes):
-                padded[r, :size] = rows[offset : offset + size]
-                offset += size
-            rows = padded.reshape((self.world_size * longest, *rest))
+            rows = spread_rows(rows, sizes).reshape((self.world_size * longest, *rest))
         wire, restore = for_reduction(rows.contiguous(), self.backend)
         out = torch.empty((longest, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
         self._reduce_scatter_wire(out, wire)
@@ -520,11 +463,11 @@ class DeviceCommunicatorBase:
         """
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        self._check_tensor("send", tensor)
+        self._check_tensor("send", tensor, name="tensor")
         peer = self.ranks[self._check_peer("send", "dst", dst, False)]
         wire, _ = for_transport(tensor, self.backend)
         if self.agreement.enabled:
-            header = self._header(tensor, wire).encode(False)
+            header = self._header(tensor, wire)
             self._finish(self.dist_module.isend(header, peer, group=self.cpu_group), "send", True)
         if wire.numel() > 0:
             self._finish(self.dist_module.isend(wire, peer, group=self.device_group), "send")
@@ -545,40 +488,15 @@ class DeviceCommunicatorBase:
         tensor = torch.empty(size, dtype=dtype, device=self.device)
         wire, _ = for_transport(tensor, self.backend)
         if self.agreement.enabled:
-            expected = self._header(tensor, wire).encode(False)
-            got = torch.empty_like(expected)
-            self._finish(self.dist_module.irecv(got, peer, group=self.cpu_group), op, True)
-            if not torch.equal(got, expected):
-                sent = got.tolist()
-                self._drain(sent, peer)
-                raise self._error(
-                    op,
-                    f"expected shape {tuple(tensor.shape)} {dtype} from "
-                    f"{self.agreement.who(src)}, but it sent shape {shape_text(sent)} "
-                    f"{describe_dtype(sent[2])}; the message was received and dropped",
-                )
+
+            def receive(buffer: torch.Tensor, header: bool) -> Any:
+                group = self.cpu_group if header else self.device_group
+                return self.dist_module.irecv(buffer, peer, group=group)
+
+            self._expect(self._header(tensor, wire), src, receive)
         if wire.numel() > 0:  # the wire views ``tensor`` (torch.empty is contiguous)
             self._finish(self.dist_module.irecv(wire, peer, group=self.device_group), op)
         return tensor
-
-    @staticmethod
-    def _header(tensor: torch.Tensor, wire: torch.Tensor) -> Signature:
-        """What a message carries: its tensor's dtype and shape, and the wire's form."""
-        return Signature(
-            "send",
-            tensor.dtype,
-            tuple(tensor.shape),
-            (int(wire.dtype != tensor.dtype), wire.numel()),
-        )
-
-    def _drain(self, header: list[int], peer: int) -> None:
-        """Receive and drop the payload announced by ``header`` (a mismatched send)."""
-        is_bytes, numel = param(header, 0), param(header, 1)
-        if numel <= 0:
-            return
-        dtype = None if is_bytes else dtype_of(header[2])
-        scratch = torch.empty(numel, dtype=dtype or torch.uint8, device=self.device)
-        self._finish(self.dist_module.irecv(scratch, peer, group=self.device_group), "recv")
 
     # ----------------------------------------------------------------- model & all2all
 

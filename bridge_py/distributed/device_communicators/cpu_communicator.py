@@ -91,11 +91,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
         return 0 if self.shm is None else self.shm.calls["broadcast"]
 
     def _step(self, op: str, wire: torch.Tensor) -> tuple[bytes, Judge]:
-        """The agreement row a shared-memory operation carries in its first step, and its
-        judge. With checks off the row still goes along: ranks out of step raise, never
-        mix data."""
-        signature = Signature(op, wire.dtype, (wire.numel(),))
-        return signature.row(False), lambda rows: self.agreement.judge(signature, rows, None)
+        """The agreement row and judge of a shared-memory step of ``op`` on ``wire``."""
+        return self.agreement.step(Signature(op, wire.dtype, (wire.numel(),)))
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum ``input_`` over the group; returns a new tensor (the input is not modified).
@@ -114,8 +111,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
             return input_.clone()
         wire, restore = for_reduction(input_, self.backend)
         out = torch.empty_like(wire)
-        judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
-        shm.all_reduce(wire.reshape(-1), out.view(-1), signature.row(False), judge)
+        shm.all_reduce(wire.reshape(-1), out.view(-1), *self.agreement.step(signature))
         return restore(out).reshape(input_.shape)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -136,8 +132,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
             self.agreement.check(signature, error)  # raises on every rank if anyone failed
             return input_
         data = input_.contiguous()
-        judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
-        shm.broadcast(data.view(-1).view(torch.uint8), src, signature.row(False), judge)
+        shm.broadcast(data.view(-1).view(torch.uint8), src, *self.agreement.step(signature))
         if data.data_ptr() != input_.data_ptr():
             input_.copy_(data)
         return input_

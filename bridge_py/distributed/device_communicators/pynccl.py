@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -57,11 +57,14 @@ from bridge_py.distributed.device_communicators.agreement import (
     Judge,
     Signature,
     checks_enabled,
-    describe_dtype,
     hash_ints,
-    param,
-    shape_text,
 )
+from bridge_py.distributed.device_communicators.base_device_communicator import (
+    pad_rows,
+    spread_rows,
+    unpad_rows,
+)
+from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
 from bridge_py.distributed.errors import StateError
@@ -123,7 +126,7 @@ def _agreed_token(group: ProcessGroup | StatelessProcessGroup, rank: int) -> str
     return bytes(tensor.tolist()).hex()
 
 
-class PyNcclCommunicator:
+class PyNcclCommunicator(CommunicatorChecks):
     """vLLM's NCCL communicator for a group of ranks, on CUDA (torch's NCCL) or on CPU.
 
     Made from a `StatelessProcessGroup` (or a gloo ProcessGroup) and a device; its
@@ -162,12 +165,14 @@ class PyNcclCommunicator:
         self.available = self.world_size > 1
         self.disabled = not self.available
         self.label = f"PyNcclCommunicator ({self.device.type}, {self.world_size} ranks)"
+        cpu = self.device.type == "cpu"
+        self.backend = "gloo" if cpu else "nccl"
+        self._device_blocks = cpu  # gloo's waits block the CPU, NCCL's order a stream
         self._shm: ShmCollectives | None = None
         self._pg: ProcessGroup | None = None
         self._depth = 0  # group_start nesting
         self._sends: list[Any] = []  # CPU, inside a group: posted sends, waited by group_end
         self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
-        cpu = self.device.type == "cpu"
         if self.available:
             self._pg = self._connect(group, cpu)
         self.agreement = Agreement(
@@ -177,7 +182,6 @@ class PyNcclCommunicator:
             self.label,
             cpu and checks_enabled(self.device),
         )
-        self.agreement.carrier = self._rows_over_group
         if self._pg is not None and cpu:
             ranks = list(range(self.world_size))
             self._shm = ShmCollectives.create(self._pg, self.rank, ranks, self.label)
@@ -219,42 +223,15 @@ class PyNcclCommunicator:
     # ----------------------------------------------------------------- plumbing
 
     @property
-    def _backend(self) -> str:
-        return "gloo" if self.device.type == "cpu" else "nccl"
-
-    @property
     def _group(self) -> ProcessGroup:
         if self._pg is None:
             raise StateError(f"{self.label} was destroyed")
         return self._pg
 
-    def _rows_over_group(self, row: bytes, judge: Judge) -> None:
-        """The agreement's carrier without shared memory: one all-gather of every row."""
-        mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
-        table = torch.empty(self.world_size * len(row), dtype=torch.uint8)
-        work = self._group._allgather_base(table, mine)
-        self._finish(work, f"{self.agreement.checking} (its argument check)")
-        data = table.numpy().tobytes()
-        judge([data[r * len(row) : (r + 1) * len(row)] for r in range(self.world_size)])
-
-    def _error(self, op: str, message: str, kind: type[Exception] = ValueError) -> Exception:
-        return kind(f"{op} on rank {self.rank} of {self.label}: {message}")
-
-    def _finish(self, work: Any, op: str) -> None:
-        """Wait for the ``work`` of ``op``; on CPU (gloo) within the caller's deadline."""
-        finish(work, op, self.agreement.where, bounded=self.device.type == "cpu")
-
     def _check(self, op: str, name: str, tensor: Any, like: torch.Tensor | None = None) -> None:
-        """`tensor` is a contiguous tensor of this device (and of `like`'s dtype)."""
-        if not isinstance(tensor, torch.Tensor):
-            kind = type(tensor).__name__
-            raise self._error(op, f"{name} must be a torch.Tensor, got {kind}", TypeError)
-        if tensor.device != self.device:
-            raise self._error(op, f"{name} is on {tensor.device}, not on {self.device}")
-        if not tensor.is_contiguous():
-            raise self._error(op, f"{name} must be contiguous (shape {tuple(tensor.shape)})")
-        if like is not None and tensor.dtype != like.dtype:
-            raise self._error(op, f"{name} is {tensor.dtype} but the input is {like.dtype}")
+        """The shared tensor check, strict: the memory is read as it is, so `tensor` must
+        be contiguous and on this very device (and of `like`'s dtype)."""
+        self._check_tensor(op, tensor, name=name, like=like, strict=True)
 
     def _check_numel(self, op: str, name: str, tensor: torch.Tensor, numel: int, how: str) -> None:
         if tensor.numel() != numel:
@@ -263,25 +240,11 @@ class PyNcclCommunicator:
                 op, f"{name} has {tensor.numel()} elements (shape {shape}), {how} = {numel}"
             )
 
-    def _check_rank(self, op: str, name: str, peer: Any, allow_self: bool = True) -> int:
-        if isinstance(peer, bool) or not isinstance(peer, int):
-            raise self._error(op, f"{name} must be an int group rank, got {peer!r}", TypeError)
-        if not 0 <= peer < self.world_size or (peer == self.rank and not allow_self):
-            which = "this rank itself" if peer == self.rank else "not a rank of the group"
-            raise self._error(op, f"{name}={peer} is {which} (ranks 0..{self.world_size - 1})")
-        return peer
-
     def _check_rows(self, op: str, output: Any, inp: Any, sizes: Any, scatter: bool) -> list[int]:
         """The checks of `all_gatherv` and (`scatter`) `reduce_scatterv`: `sizes` rows."""
         self._check(op, "input_tensor", inp)
         self._check(op, "output_tensor", output, inp)
-        if (
-            not isinstance(sizes, Sequence)
-            or len(sizes) != self.world_size
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes)
-        ):
-            raise self._error(op, f"sizes must be {self.world_size} ints >= 0, got {sizes!r}")
-        counts, rest = list(sizes), tuple(inp.shape[1:])
+        counts, rest = self._check_sizes(op, sizes), tuple(inp.shape[1:])
         rows = (sum(counts), counts[self.rank]) if scatter else (counts[self.rank], sum(counts))
         for name, tensor, n in zip(
             ("input_tensor", "output_tensor"), (inp, output), rows, strict=True
@@ -301,7 +264,7 @@ class PyNcclCommunicator:
         # Sums work for every dtype (bool: a logical OR), averages for floating types; the
         # others are not defined for complex numbers, nor MIN and MAX for uint64 (which
         # travels as int64 bits).
-        defined = reducible(dtype, self._backend)
+        defined = reducible(dtype, self.backend)
         if reduce_op == ReduceOp.AVG:
             defined = defined and (dtype.is_floating_point or dtype.is_complex)
         elif reduce_op != ReduceOp.SUM:
@@ -311,21 +274,20 @@ class PyNcclCommunicator:
             raise self._error(op, f"op={reduce_op!r} is not defined for dtype {dtype}", TypeError)
         return int(reduce_op)
 
-    def _validated(self, op: str, check: Callable[[], Signature]) -> Signature:
+    def _signed(self, op: str, check: Callable[[], Signature]) -> Signature:
         """`check()`: the arguments every rank must share; a TypeError or ValueError it raises
         about this rank's arguments is raised on every rank (with checks on)."""
-        try:
-            return check()
-        except (TypeError, ValueError) as exc:
-            self.agreement.check(Signature(op), exc)
-            raise
+        signature, error = self._validated(check)
+        if error is not None:
+            self.agreement.check(Signature(op), error)  # raises, here and on every rank
+        assert signature is not None
+        return signature
 
     def _move(self, signature: Signature, shm_run: ShmRun | None, run: Run) -> None:
         """Over shared memory when there is some and `shm_run` is given (its first step
         carries the agreement row), else `run()` on the group after agreeing."""
         if self._shm is not None and shm_run is not None:
-            judge = lambda rows: self.agreement.judge(signature, rows, None)  # noqa: E731
-            shm_run(self._shm, signature.row(False), judge)
+            shm_run(self._shm, *self.agreement.step(signature))
             return
         self.agreement.check(signature)
         work = run()
@@ -343,7 +305,7 @@ class PyNcclCommunicator:
     ) -> None:
         """All-reduce (`kind` "all_reduce") or reduce-scatter (else) of `inp` into `out`."""
         group = self._group
-        wire, restore = for_reduction(inp, self._backend)
+        wire, restore = for_reduction(inp, self.backend)
         wire = wire.reshape(-1)
         n = wire.numel() if kind == "all_reduce" else wire.numel() // self.world_size
         same = out.dtype == wire.dtype  # else: the result is narrowed back into out below
@@ -379,13 +341,11 @@ class PyNcclCommunicator:
         """Every rank's `inp` into `out`, rank after rank, as bytes."""
         out_bytes, in_bytes = _bytes(out), _bytes(inp)
 
-        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
-            shm.all_gather(out_bytes, in_bytes, row, judge)
-
-        def run() -> Any:
-            return self._group._allgather_base(out_bytes, in_bytes) if inp.numel() else None
-
-        self._move(signature, shm_run, run)
+        self._move(
+            signature,
+            lambda shm, row, judge: shm.all_gather(out_bytes, in_bytes, row, judge),
+            lambda: self._group._allgather_base(out_bytes, in_bytes) if inp.numel() else None,
+        )
 
     # -------------------------------------------------------------- collectives
 
@@ -412,7 +372,7 @@ class PyNcclCommunicator:
                 self._check_numel(name, "out_tensor", out_tensor, numel, "not in_tensor's")
             return Signature(name, in_tensor.dtype, (in_tensor.numel(),), (code,), ("op",))
 
-        signature = self._validated(name, check)
+        signature = self._signed(name, check)
         out = torch.empty_like(in_tensor) if out_tensor is None else out_tensor
         with self._on(stream):
             self._reduce(signature, name, out, in_tensor, op)
@@ -438,7 +398,7 @@ class PyNcclCommunicator:
             self._check_numel(name, "output_tensor", output_tensor, numel, how)
             return Signature(name, input_tensor.dtype, (input_tensor.numel(),))
 
-        signature = self._validated(name, check)
+        signature = self._signed(name, check)
         with self._on(stream):
             self._gather(signature, output_tensor, input_tensor)
         return output_tensor
@@ -462,13 +422,12 @@ class PyNcclCommunicator:
             params = (hash_ints(counts),)
             return Signature(name, input_tensor.dtype, (numel,), params, ("sizes#",))
 
-        signature = self._validated(name, check)
+        signature = self._signed(name, check)
         with self._on(stream):
-            padded = input_tensor.new_zeros((max(sizes), *input_tensor.shape[1:]))
-            padded[: sizes[self.rank]] = input_tensor
+            padded = pad_rows(input_tensor, max(sizes)).contiguous()
             gathered = input_tensor.new_empty((self.world_size, *padded.shape))
             self._gather(signature, gathered, padded)
-            output_tensor.copy_(torch.cat([gathered[r, :n] for r, n in enumerate(sizes)]))
+            output_tensor.copy_(unpad_rows(gathered, sizes))
         return output_tensor
 
     def reduce_scatter(
@@ -493,7 +452,7 @@ class PyNcclCommunicator:
             self._check_numel(name, "input_tensor", input_tensor, numel, how)
             return Signature(name, input_tensor.dtype, (numel,), (code,), ("op",))
 
-        signature = self._validated(name, check)
+        signature = self._signed(name, check)
         with self._on(stream):
             self._reduce(signature, name, output_tensor, input_tensor, op)
         return output_tensor
@@ -519,13 +478,10 @@ class PyNcclCommunicator:
             numel = input_tensor.numel()
             return Signature(name, input_tensor.dtype, (numel,), params, ("op", "sizes#"))
 
-        signature = self._validated(name, check)
+        signature = self._signed(name, check)
         with self._on(stream):
-            longest, rest = max(sizes), input_tensor.shape[1:]
-            padded = input_tensor.new_zeros((self.world_size, longest, *rest))
-            for r, piece in enumerate(input_tensor.split(sizes)):
-                padded[r, : len(piece)] = piece
-            mine = input_tensor.new_empty((longest, *rest))
+            padded = spread_rows(input_tensor, sizes)
+            mine = input_tensor.new_empty(padded.shape[1:])
             self._reduce(signature, name, mine, padded, op)
             output_tensor.copy_(mine[: sizes[self.rank]])
         return output_tensor
@@ -540,30 +496,21 @@ class PyNcclCommunicator:
 
         def check() -> Signature:
             self._check(name, "tensor", tensor)
-            source = self._check_rank(name, "src", src)
+            source = self._check_peer(name, "src", src, True)
             return Signature(name, tensor.dtype, (tensor.numel(),), (source,), ("src",))
 
-        signature = self._validated(name, check)
+        signature = self._signed(name, check)
         data = _bytes(tensor)
 
-        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
-            shm.broadcast(data, src, row, judge)
-
-        def run() -> Any:
-            return self._group.broadcast(data, src) if data.numel() else None
-
         with self._on(stream):
-            self._move(signature, shm_run, run)
+            self._move(
+                signature,
+                lambda shm, row, judge: shm.broadcast(data, src, row, judge),
+                lambda: self._group.broadcast(data, src) if data.numel() else None,
+            )
         return tensor
 
     # ----------------------------------------------------------- point to point
-
-    def _header(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What a message announces (with checks on): its dtype and element count."""
-        numel = tensor.numel()
-        return Signature("send", tensor.dtype, (numel,), (numel * tensor.element_size(),)).encode(
-            False
-        )
 
     def send(self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None) -> None:
         """Send `tensor` to rank `dst`, which receives it with `recv`.
@@ -575,13 +522,13 @@ class PyNcclCommunicator:
         if self.disabled:
             return
         self._check("send", "tensor", tensor)
-        peer = self._check_rank("send", "dst", dst, allow_self=False)
-        group, works = self._group, []
+        peer = self._check_peer("send", "dst", dst, False)
+        group, works, data = self._group, [], _bytes(tensor)
         with self._on(stream):
             if self.agreement.enabled:
-                works.append(group.send([self._header(tensor)], peer, 0))
+                works.append(group.send([self._header(tensor, data, (tensor.numel(),))], peer, 0))
             if tensor.numel():
-                works.append(group.send([_bytes(tensor)], peer, 0))
+                works.append(group.send([data], peer, 0))
         if self._depth and self.device.type == "cpu":
             self._sends.extend(works)
         elif not self._depth:
@@ -600,7 +547,7 @@ class PyNcclCommunicator:
         if self.disabled:
             return None
         self._check("recv", "tensor", tensor)
-        peer = self._check_rank("recv", "src", src, allow_self=False)
+        peer = self._check_peer("recv", "src", src, False)
         if self._depth and self.device.type == "cpu":
             self._recvs.append((tensor, peer))
             return tensor
@@ -609,24 +556,12 @@ class PyNcclCommunicator:
         return tensor
 
     def _receive(self, tensor: torch.Tensor, peer: int) -> None:
-        group = self._group
+        group, data = self._group, _bytes(tensor)
         if self.agreement.enabled:
-            expected = self._header(tensor)
-            got = torch.empty_like(expected)
-            self._finish(group.recv([got], peer, 0), "recv")
-            if not torch.equal(got, expected):
-                sent = got.tolist()
-                if param(sent, 0) > 0:  # drop the payload, so that the pair stays in step
-                    scratch = torch.empty(param(sent, 0), dtype=torch.uint8)
-                    self._finish(group.recv([scratch], peer, 0), "recv")
-                raise self._error(
-                    "recv",
-                    f"tensor has {tensor.numel()} elements of {tensor.dtype}, but rank {peer} "
-                    f"sent shape {shape_text(sent)} {describe_dtype(sent[2])}; the message "
-                    "was received and dropped",
-                )
+            header = self._header(tensor, data, (tensor.numel(),))
+            self._expect(header, peer, lambda buffer, _: group.recv([buffer], peer, 0))
         if tensor.numel():
-            work = group.recv([_bytes(tensor)], peer, 0)
+            work = group.recv([data], peer, 0)
             if not self._depth:
                 self._finish(work, "recv")
 

@@ -370,9 +370,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
   ## Returns
 
-    * `term()`
+    * `integer()`
   """
-  @spec world_size(t(), keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
+  @spec world_size(t(), keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
   def world_size(ref, opts \\ []) do
     VllmBridge.Runtime.get_attr(ref, "world_size", opts)
   end
