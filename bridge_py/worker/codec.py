@@ -8,6 +8,7 @@ plain values, tensors, tuples, :class:`Atom` s and objects the worker already ho
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import warnings
@@ -15,6 +16,8 @@ from typing import Any, Protocol
 
 import msgpack
 import torch
+
+from bridge_py.worker.ext_scan import Edit, find_large_exts, first_large_ext_data, splice
 
 EXT_TENSOR = 1
 EXT_REF = 2
@@ -152,8 +155,15 @@ def encode_tensor(tensor: torch.Tensor) -> bytes:
     return header if data is None else b"".join((header, data))
 
 
-def decode_tensor(payload: bytes) -> torch.Tensor:
-    """A CPU tensor (owning its memory) from an ext-1 payload."""
+def decode_tensor(payload: bytes | memoryview, *, share: bool = False) -> torch.Tensor:
+    """A CPU tensor from an ext-1 payload.
+
+    With ``share``, a view of ``payload``'s memory when that memory is writable and the
+    elements start on an address aligned for their type (a large argument decoded
+    straight from the frame it came in: the tensor keeps the frame's memory alive, and
+    nothing else writes it). Otherwise a copy in memory of its own, aligned and writable
+    (a misaligned complex128 view crashes, and ``bytes`` must not be written).
+    """
     if len(payload) < 3:
         raise CodecError("tensor payload shorter than its header")
     kind, bits, ndim = chr(payload[0]), payload[1], payload[2]
@@ -180,15 +190,27 @@ def decode_tensor(payload: bytes) -> torch.Tensor:
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # frombuffer warns that bytes are read-only; we only read from it.
-        warnings.simplefilter("ignore", UserWarning)
+    if share and type(payload) is memoryview and not payload.readonly:
         src = torch.frombuffer(payload, dtype=torch.uint8, offset=end, count=expected)
-    # Copy into the tensor's own (aligned, writable) memory: the data starts at an
-    # arbitrary offset in the payload, and a misaligned complex128 view crashes.
+        if src.data_ptr() % dtype.itemsize == 0:
+            return src.view(dtype).view(shape)
+    else:
+        with warnings.catch_warnings():
+            # frombuffer warns that bytes are read-only; we only read from it.
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=torch.uint8, offset=end, count=expected)
     out = torch.empty(shape, dtype=dtype)
     out.reshape(-1).view(torch.uint8).copy_(src)
     return out
+
+
+def tensor_data_at(prefix: bytes | memoryview, size: int) -> int:
+    """Where the elements of the first large tensor in a request frame of ``size`` bytes
+    start, guessed from the frame's first bytes (0: none seen). The port's frame reader
+    puts that offset on an aligned address, so the tensor can be decoded as a view of
+    the frame (see :func:`decode_tensor`); a wrong guess only costs that tensor a copy.
+    """
+    return first_large_ext_data(prefix, size, EXT_TENSOR, _CUT_FROM)
 
 
 class Codec:
@@ -312,6 +334,17 @@ class Codec:
         """
         local = self._local
         local.tuples = False
+        if len(data) >= _SCAN_FROM:
+            edits = find_large_exts(
+                data,
+                ext_code=EXT_TENSOR,
+                tuple_code=EXT_TUPLE,
+                min_len=_CUT_FROM,
+                budget=_SCAN_BUDGET,
+                max_depth=MAX_DEPTH,
+            )
+            if edits is not None:
+                return self._decode_cut(data, edits)
         value = self._unpack(data)
         # msgpack-python decodes its own timestamp extension (-1) without asking the
         # ext hook, and it is not one of the protocol's types; only bytes holding a
@@ -325,6 +358,32 @@ class Codec:
         ):
             value = self._complete(value, 1)
         return value
+
+    def _decode_cut(self, data: bytes | memoryview, edits: list[Edit]) -> Any:
+        """:meth:`decode` of a value with large tensors (found by ``find_large_exts``):
+        each tensor is decoded from ``data`` itself (a view of the frame where it can
+        be, see :func:`decode_tensor`: when the tensors are at least half of the memory
+        they would keep alive), and msgpack decodes the rest, where each tensor
+        is a placeholder: without this, msgpack would first copy each tensor's payload
+        into a new ``bytes``. A placeholder names this decode's random nonce, so one
+        sent by a client is refused as an unknown extension type like any other."""
+        buf = memoryview(data).cast("B")
+        cuts = [(start + _EXT_HEADER[buf[start]], end) for start, end, what in edits if what >= 0]
+        # Views keep the whole frame alive: only where the tensors are most of it.
+        share = False
+        if not buf.readonly and buf.obj is not None:
+            with memoryview(buf.obj) as whole:
+                share = 2 * sum(end - start for start, end in cuts) >= whole.nbytes
+        tensors = [decode_tensor(buf[start:end], share=share) for start, end in cuts]
+        local = self._local
+        nonce = os.urandom(8)
+        local.cut = (nonce, tensors)
+        try:
+            value = self._unpack(splice(buf, edits, _EXT_CUT, nonce))
+            # Always walked: the value is long, and may hold tuples or timestamps.
+            return self._complete(value, 1)
+        finally:
+            local.cut = None
 
     def _unpack(self, data: bytes | memoryview) -> Any:
         """One msgpack value, tuples left as :class:`_TuplePayload` (see :meth:`_complete`)."""
@@ -413,6 +472,12 @@ class Codec:
             if self._resolver is None:
                 return ref
             return self._resolver.resolve(ref)
+        if code == _EXT_CUT:
+            cut = getattr(self._local, "cut", None)
+            if cut is not None and len(payload) == 16 and payload[:8] == cut[0]:
+                index = int.from_bytes(payload[8:], "big")
+                if index < len(cut[1]):
+                    return cut[1][index]
         raise CodecError(f"unknown msgpack extension type {code}")
 
 
@@ -442,6 +507,15 @@ _NIL = b"\xc0"
 _PACKER_START = 1 << 12
 _KEEP_PACKER_BELOW = 1 << 16
 _PIECES_FROM = 1 << 16  # tensors this large are sent as pieces by encode_pieces
+# Values this long are scanned for tensors of at least _CUT_FROM bytes, which are then
+# decoded from the value's own memory, not from msgpack's copy (Codec._decode_cut); the
+# scan looks at no more than _SCAN_BUDGET other items. _EXT_CUT: the placeholders'
+# extension type, which is none of the protocol's.
+_SCAN_FROM = 1 << 16
+_CUT_FROM = 1 << 12
+_SCAN_BUDGET = 512
+_EXT_CUT = 127
+_EXT_HEADER = {0xC7: 3, 0xC8: 4, 0xC9: 6}  # ext 8, 16, 32: header bytes before the payload
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # never a tensor
 # What a decoded value's walk (Codec._complete) looks inside or refuses.
 _WALKED = frozenset({list, dict, _TuplePayload, msgpack.Timestamp})

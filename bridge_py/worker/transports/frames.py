@@ -7,15 +7,23 @@ writes whole frames from any thread without interleaving them.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 _HEADER = struct.Struct(">I")
 _READ_SIZE = 1 << 16  # bytes asked for per read while frames are small
 _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered reads
 _JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
+_PLACE_PREFIX = 1 << 12  # bytes of a large frame a Placement sees
+_ALIGN = 64  # where a Placement says, a large frame's memory is aligned this far
+
+Placement = Callable[[bytes, int], int]
+"""Given the first bytes of a large frame and its size, the offset in the frame that
+should lie on an aligned address (0: the frame's start)."""
 
 
 class ByteSource(Protocol):
@@ -86,17 +94,22 @@ class FrameReader:
     """Reads frames from a byte stream, taking several from one read when they are there.
 
     Small frames are sliced out of what one ``read1`` returned (one system call for
-    all the requests that arrived together); a large frame is read straight into a
-    buffer of its own size, with no copy in between.
+    all the requests that arrived together); a large frame is read straight into
+    memory of its own (a fresh anonymous ``mmap``, never reused, so what is decoded as
+    a view of one frame is never overwritten by the next), with no copy in between
+    and no pass to zero it first. ``place`` (see :data:`Placement`) picks the offset
+    in the frame that lands on a 64-byte boundary: the codec's guess at where a tensor's
+    elements start, so that tensor can be a view of the frame.
     """
 
-    def __init__(self, stream: ByteSource, max_frame: int) -> None:
+    def __init__(self, stream: ByteSource, max_frame: int, place: Placement | None = None) -> None:
         self._stream = stream
         self._max_frame = max_frame
+        self._place = place
         self._buf = b""  # bytes read and not yet handed out, from self._pos on
         self._pos = 0
 
-    def read(self) -> bytes | bytearray | None:
+    def read(self) -> bytes | memoryview | None:
         """The next frame's payload; None at end of input.
 
         Raises :class:`FrameTooLarge` for a frame over the limit, after skipping it.
@@ -118,7 +131,7 @@ class FrameReader:
                 return buf[pos + 4 : end]
         return self._read_more()
 
-    def _read_more(self) -> bytes | bytearray | None:
+    def _read_more(self) -> bytes | memoryview | None:
         header = self._take(4)
         if header is None:
             return None
@@ -129,8 +142,13 @@ class FrameReader:
         if size <= _SMALL_FRAME:
             return self._take(size)
         # A large frame: what is buffered, then the rest read in place.
-        frame = bytearray(size)
-        view = memoryview(frame)
+        shift = 0
+        if self._place is not None:
+            seen = min(size, _PLACE_PREFIX)
+            if not self._fill(seen):
+                return None
+            shift = -self._place(self._buf[self._pos : self._pos + seen], size) % _ALIGN
+        view = memoryview(mmap.mmap(-1, shift + size))[shift:]  # (page-aligned, zeroed lazily)
         got = min(len(self._buf) - self._pos, size)
         view[:got] = self._buf[self._pos : self._pos + got]
         self._pos += got
@@ -141,19 +159,25 @@ class FrameReader:
             if not k:
                 return None
             got += k
-        return frame
+        return view
 
     def _take(self, n: int) -> bytes | None:
         """``n`` bytes, reading as needed; None if the input ends first."""
-        while len(self._buf) - self._pos < n:
-            chunk = self._stream.read1(_READ_SIZE)
-            if not chunk:
-                return None
-            self._buf = self._buf[self._pos :] + chunk
-            self._pos = 0
+        if not self._fill(n):
+            return None
         data = self._buf[self._pos : self._pos + n]
         self._pos += n
         return data
+
+    def _fill(self, n: int) -> bool:
+        """Read until ``n`` bytes are buffered; False if the input ends first."""
+        while len(self._buf) - self._pos < n:
+            chunk = self._stream.read1(_READ_SIZE)
+            if not chunk:
+                return False
+            self._buf = self._buf[self._pos :] + chunk
+            self._pos = 0
+        return True
 
     def _skip(self, n: int) -> None:
         buffered = min(n, len(self._buf) - self._pos)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 
 from bridge_py.worker import envelope as pb
+from bridge_py.worker.codec import tensor_data_at
 from bridge_py.worker.dispatcher import Dispatcher, protocol_error
 from bridge_py.worker.transports.frames import ByteSource, FrameReader, FrameTooLarge, FrameWriter
 
@@ -62,7 +63,9 @@ class PortTransport:
         takeover_after: float = 0.01,
     ) -> None:
         self._dispatcher = dispatcher
-        self._reader = FrameReader(infile, max_frame)
+        # A large frame lands where its first tensor's elements are aligned: decoded as
+        # a view of the frame, not copied (codec.decode_tensor).
+        self._reader = FrameReader(infile, max_frame, tensor_data_at)
         # a writer shared with other senders of frames (--output frames), or an fd
         self._out = out if isinstance(out, FrameWriter) else FrameWriter(out)
         self._max_threads = max_threads
