@@ -252,7 +252,7 @@ class StatelessProcessGroup:
         """
         validate_rank(src, self.world_size, "src")
         if self.rank == src:
-            self.expire_data()
+            self._expire_if_due()
             if self.world_size > 1:
                 self._transport.broadcast_send(self.broadcast_send_counter, obj)
             self.broadcast_send_counter += 1
