@@ -506,7 +506,7 @@ defmodule Bench.Calls do
         Bench.median(peer),
         "raw port echo of 64 MiB",
         "MiB/s",
-        ratio_at_least: 0.7
+        ratio_at_least: 0.8
       )
     ]
   end
