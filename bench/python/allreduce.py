@@ -80,7 +80,8 @@ def main() -> None:
         ours, peer = (_slowest(results, label, side) for side in ("ours", "peer"))
         what = f"GroupCoordinator.all_reduce {label} f32, {ws} ranks (via {transport})"
         if label == "4 MiB":
-            rows.append(time_row(BENCH, what, ours, peer, "gloo all_reduce", faster_by=2.0))
+            # issue 17: at most 0.3x gloo's (it was 2x faster, 0.5x)
+            rows.append(time_row(BENCH, what, ours, peer, "gloo all_reduce", at_most=0.3))
         else:
             rows.append(time_row(BENCH, what, ours, peer, "gloo all_reduce", at_most=1.0))
     emit("GroupCoordinator.all_reduce (CPU) vs gloo (slowest rank, median per op)", rows)
