@@ -295,6 +295,30 @@ def test_errors_name_the_rank_and_the_parameter_and_the_group_goes_on() -> None:
     assert run_ranks(_errors, 2, free_port(), timeout=140) == ["ok"] * 2
 
 
+def _store_keys(rank: int, port: int) -> list[int]:
+    """The store's key count before, while and after communicators come and go."""
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60)
+    pg.barrier()
+    counts = [pg.store.num_keys()]
+    for _ in range(3):
+        comm = PyNcclCommunicator(pg, device="cpu")
+        assert comm.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+        pg.barrier()
+        counts.append(pg.store.num_keys())
+        comm.destroy()
+    pg.barrier()
+    counts.append(pg.store.num_keys())
+    pg.barrier()  # rank 0, which serves the store, counts before anyone leaves
+    return counts
+
+
+def test_communicators_over_a_group_store_leave_no_keys_behind() -> None:
+    # Each communicator's gloo rendezvous wrote one key per rank in the group's store; they
+    # went once every rank had joined (before: 2 more keys per communicator, for good).
+    counts = run_ranks(_store_keys, 2, free_port(), timeout=120)[0]
+    assert len(set(counts)) == 1, counts
+
+
 def _alone(rank: int, port: int) -> list[Any]:
     comm = PyNcclCommunicator(StatelessProcessGroup.create("127.0.0.1", port, 0, 1), "cpu")
     x = torch.ones(2)

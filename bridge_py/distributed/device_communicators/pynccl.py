@@ -70,10 +70,12 @@ from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.torch_group import (
     _assemble,
+    forget_rendezvous,
     stateless_destroy_torch_distributed_process_group,
 )
 from bridge_py.distributed.groups.work import finish
 from bridge_py.distributed.spg.group import StatelessProcessGroup
+from bridge_py.distributed.store.requests import StoreRequest
 
 __all__ = ["PyNcclCommunicator"]
 
@@ -170,6 +172,7 @@ class PyNcclCommunicator(CommunicatorChecks):
         self._device_blocks = cpu  # gloo's waits block the CPU, NCCL's order a stream
         self._shm: ShmCollectives | None = None
         self._pg: ProcessGroup | None = None
+        self._rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
         self._depth = 0  # group_start nesting
         self._sends: list[Any] = []  # CPU, inside a group: posted sends, waited by group_end
         self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
@@ -187,6 +190,12 @@ class PyNcclCommunicator(CommunicatorChecks):
             self._shm = ShmCollectives.create(self._pg, self.rank, ranks, self.label)
             if self._shm is not None:
                 self.agreement.carrier = self._shm.exchange
+            # The set-up's all-reduce needed every rank inside the gloo group, so no rank
+            # reads this one's rendezvous address any more: its key goes, and communicators
+            # made and destroyed over one store leave nothing in it.
+            with StoreRequest(self.label, self.rank, "its gloo rendezvous key", "deleting"):
+                if self._rendezvous is not None:
+                    forget_rendezvous(self._rendezvous, self.rank)
         elif self._pg is not None:
             major, minor, patch = torch.cuda.nccl.version()[:3]
             self.nccl_version = major * 10000 + minor * 100 + patch
@@ -205,6 +214,7 @@ class PyNcclCommunicator(CommunicatorChecks):
             )
         backend = Backend("gloo" if cpu else "nccl")
         store = PrefixStore(f"pynccl/{_agreed_token(group, self.rank)}/", _store_of(group))
+        self._rendezvous = store
         timeout = _get_default_timeout(backend)
         # (_assemble only wraps the store in another PrefixStore: any store does.)
         return _assemble(cast(TCPStore, store), self.rank, self.world_size, backend, timeout)

@@ -28,6 +28,7 @@ from bridge_py.distributed.spg.group import validate_rank
 from bridge_py.distributed.store import format_address, join_group, open_store
 
 __all__ = [
+    "forget_rendezvous",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
 ]
@@ -80,6 +81,18 @@ def _assemble(
     backend_obj._set_sequence_number_for_group()
     pg._register_backend(device, backend_type, backend_obj)
     return pg
+
+
+def forget_rendezvous(store: Store, rank: int) -> None:
+    """Delete the address ``rank`` published in ``store`` for the gloo rendezvous of a group
+    :func:`_assemble` made over it (gloo keeps one key per rank, under its device's index).
+
+    Only once every rank of the group is known to have joined it (a collective over all of
+    them has completed): a rank still joining reads the others' addresses. A group over a
+    store that outlives it (PyNcclCommunicator's, over a StatelessProcessGroup's store)
+    then leaves no keys behind. A key already gone is no error.
+    """
+    PrefixStore("pg/", store).delete_key(f"0/{rank}")
 
 
 def stateless_init_torch_distributed_process_group(
