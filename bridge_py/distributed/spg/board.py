@@ -6,6 +6,14 @@ runs on one node, each rank instead writes what it sends on a *board* of its own
 file under ``/dev/shm`` mapped by every rank, and rings the receivers' *doorbells*, FIFOs
 next to it; a rank waiting for a value sleeps in ``poll`` on its own doorbell.
 
+A doorbell is rung only when it is worth a system call: a rank about to sleep first says on
+its board whom it waits for (``asleep``), then looks once more, then sleeps; a writer
+writes, then reads the receiver's ``asleep`` word, and rings only if it names the writer
+(or anyone). Each side puts a full fence between its write and its read, so either the
+sleeper sees the write on its last look or the writer sees the sleeper's word (and rings).
+A rank that is busy, or waits for another rank, is not rung, not woken for nothing, and
+finds no stale byte on its doorbell when it next sleeps.
+
 A board has a head, a barrier page and slots of one format, in rings: one ring of
 :data:`RING` slots per destination rank (point-to-point messages) and one of
 :data:`BROADCAST_RING` slots read by every other rank (broadcasts, and the values of
@@ -14,6 +22,8 @@ all_gather, which is a broadcast from every rank)::
     0                   the shared-memory header (``shm.header``): b"VBBD", layout version,
                         u32 world size, u64 creator pid
     24                  u64 one past the last broadcast number used
+    32                  u64 asleep: 0 while this rank does not sleep on its doorbell, else
+                        what wakes it: ``src + 1`` (news from rank ``src``) or ANY
     64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
     64 + 8 * (n + dst)  u64 spills[dst]: messages to ``dst`` sent through the store
     64 + 8 * (2n + src) u64 broadcasts of ``src`` this rank is done with (last number + 1)
@@ -83,12 +93,14 @@ BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of severa
 MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one slot's value
 LIVENESS_PERIOD = 1.0
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
-_HEADER = Header(b"VBBD", 1, "2xIQ")  # world size, creator pid
+_HEADER = Header(b"VBBD", 2, "2xIQ")  # world size, creator pid
 _U64 = struct.Struct("<Q")
 _SLOT_HEAD = 16
 _PAGE = 4096
 _COUNTERS_AT = 64
 _BROADCASTS_SENT = 24  # in the head: one past the last broadcast number this rank used
+_ASLEEP = 32  # in the head: whom this rank sleeps waiting for (0: it does not sleep)
+ANY = (1 << 64) - 1  # the asleep word of a rank that any rank's news wakes
 # Barriers (see shm_transport.ShmTransport.barrier): offsets in the barrier page.
 _ARRIVED, _DEPARTED, _DECISIONS, _VERDICT = 0, 8, 64, 64 + 16 * 64
 DECISION_CELLS = 64
@@ -154,6 +166,7 @@ class Board:
         self._bells: list[int] = [-1] * world_size
         self._pids = [0] * world_size
         self._own_bell = -1
+        self._armed = 0  # what this rank's asleep word says (0: awake)
         self._lock_fd = -1
         self._fd = -1
         self._named = True
@@ -180,6 +193,8 @@ class Board:
             self._lock_fd = fd
         _HEADER.pack_into(board, world_size, os.getpid())
         self._maps[rank] = board
+        self._own = board  # this rank's board, read and written on every operation
+        self._me = rank + 1  # the asleep word of a rank that waits for this one
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
         try:
@@ -380,24 +395,52 @@ class Board:
         _U64.pack_into(self._map(self.rank), self.layout.ack_at(src), count)
 
     def ring(self, dst: int) -> None:
-        """Ring ``dst``'s doorbell (not this rank's own)."""
-        bell = self._bells[dst]
-        if bell >= 0:
-            _ring(bell)
-
-    def ring_all(self) -> None:
-        """Ring every other rank's doorbell."""
-        for bell in self._bells:
-            if bell >= 0:
+        """Ring ``dst``'s doorbell if ``dst`` sleeps waiting for this rank (or anyone):
+        what this rank wrote before is then seen by ``dst`` (see the module docstring)."""
+        board, bell = self._maps[dst], self._bells[dst]
+        if board is not None and bell >= 0:
+            fence()  # this rank's writes are seen before dst's asleep word is read
+            if _U64.unpack_from(board, _ASLEEP)[0] in (self._me, ANY):
                 _ring(bell)
 
-    def wait(self, timeout: float) -> None:
-        """Sleep until a doorbell rings or ``timeout`` seconds pass; empty the doorbell."""
+    def ring_all(self, everyone: bool = False) -> None:
+        """Ring the doorbell of every other rank that sleeps waiting for this one (or
+        anyone; ``everyone``: that sleeps at all, waiting for whomever)."""
+        fence()  # this rank's writes are seen before the asleep words are read
+        wake = (self._me, ANY)
+        for dst in self._peers:
+            board, bell = self._maps[dst], self._bells[dst]
+            if board is not None and bell >= 0:
+                asleep = _U64.unpack_from(board, _ASLEEP)[0]
+                if asleep in wake or (everyone and asleep):
+                    _ring(bell)
+
+    def wait(self, timeout: float, src: int = -1) -> None:
+        """Sleep until rank ``src`` (-1: any rank) rings, or ``timeout`` seconds pass; empty
+        the doorbell.
+
+        The first call of a wait (or one for another ``src``) only says on the board whom
+        this rank waits for, and returns at once: the caller looks once more before it
+        sleeps, so a write made before a writer read that word is not missed. The caller
+        says when the wait is over (:meth:`awake`).
+        """
+        want = ANY if src < 0 else src + 1
+        if self._armed != want:
+            self._armed = want
+            _U64.pack_into(self._own, _ASLEEP, want)
+            fence()  # the word is seen before this rank looks again
+            return
         if self._poll.poll(max(timeout, 0.0) * 1000.0):
             try:  # noqa: SIM105 (cheaper than contextlib.suppress, on every wake-up)
                 os.read(self._own_bell, 4096)
             except BlockingIOError:
                 pass
+
+    def awake(self) -> None:
+        """Say that this rank no longer sleeps (its wait is over): nobody rings it."""
+        if self._armed:
+            self._armed = 0
+            _U64.pack_into(self._own, _ASLEEP, 0)
 
     def gone(self, ranks: Sequence[int]) -> list[int]:
         """Those of ``ranks`` whose process has exited."""
@@ -425,37 +468,53 @@ class Board:
 
     def decision(self, barrier_id: int) -> int:
         """PASSED or FAILED once a rank decided barrier ``barrier_id``; else 0."""
-        board = self._map(0)
         at = self.layout.barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
-        cell, outcome = struct.unpack_from("<QQ", board, at)
+        return self._settled(at, barrier_id)
+
+    def _settled(self, at: int, barrier_id: int) -> int:
+        """The outcome in the decision cell at ``at`` if it is barrier ``barrier_id``'s,
+        else 0 (the cell's number is written after its outcome, and read before it)."""
+        board = self._map(0)
+        if _U64.unpack_from(board, at)[0] != barrier_id + 1:
+            return 0
         fence()
-        return outcome if cell == barrier_id + 1 else 0
+        return int(_U64.unpack_from(board, at + 8)[0])
 
     def decide(self, barrier_id: int, outcome: int, verdict: str = "") -> tuple[int, str]:
         """Settle barrier ``barrier_id`` as ``outcome`` (with ``verdict`` if FAILED) unless a
         rank did first; return what was settled. Taken under a lock on rank 0's board, so
-        every rank settles the same outcome."""
+        every rank settles the same outcome; a rank that finds it settled already (the
+        cell is written once) takes no lock. A failure wakes every rank asleep."""
         board = self._map(0)
         base = self.layout.barrier_at
         at = base + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
+        settled = self._settled(at, barrier_id)
+        if settled:
+            return settled, self._verdict(barrier_id) if settled == FAILED else ""
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            cell, settled = struct.unpack_from("<QQ", board, at)
+            cell = _U64.unpack_from(board, at)[0]
             if cell > barrier_id + 1:
                 return FAILED, (
                     f"the other ranks went on {DECISION_CELLS} barriers past this one while "
                     "this rank was inside it"
                 )
             if cell == barrier_id + 1:
+                settled = self._settled(at, barrier_id)
                 return settled, self._verdict(barrier_id) if settled == FAILED else ""
             if outcome == FAILED:
                 text = verdict.encode()[:_VERDICT_MAX]
                 board[base + _VERDICT + 16 : base + _VERDICT + 16 + len(text)] = text
                 struct.pack_into("<QQ", board, base + _VERDICT, barrier_id + 1, len(text))
-            struct.pack_into("<QQ", board, at, barrier_id + 1, outcome)
+            _U64.pack_into(board, at + 8, outcome)
+            fence()  # the outcome (and verdict) are seen before the cell's number
+            _U64.pack_into(board, at, barrier_id + 1)
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        self.ring_all()  # ranks still waiting learn it at once
+        if outcome == FAILED:
+            # Ranks still waiting for arrivals learn it at once; those that saw every rank
+            # arrive need no ring to pass.
+            self.ring_all(everyone=True)
         return outcome, verdict
 
     def _verdict(self, barrier_id: int) -> str:
