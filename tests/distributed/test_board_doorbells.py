@@ -30,6 +30,13 @@ def boards() -> Iterator[list[spg_board.Board]]:
             board.close()
 
 
+def _sleep(board: spg_board.Board, src: int = -1) -> None:
+    """Bring ``board`` to where its wait for ``src`` would sleep: past the spin, its asleep
+    word says whom it waits for (each call before returns at once)."""
+    while not board._armed:
+        board.wait(5.0, src)
+
+
 def _rings(board: spg_board.Board) -> int:
     """How many times ``board``'s doorbell was rung since last asked (empties it)."""
     try:
@@ -39,7 +46,9 @@ def _rings(board: spg_board.Board) -> int:
 
 
 def test_a_rank_that_does_not_sleep_is_not_rung(boards: list[spg_board.Board]) -> None:
-    rank0, rank1, _ = boards
+    rank0, rank1, rank2 = boards
+    rank2.wait(5.0, src=0)  # still spinning: looks again without sleeping
+    assert not rank2._armed
     assert rank0.send(1, 0, b"x")
     rank0.broadcast_sent(0)  # ranks 1 and 2 do not wait: nothing rung
     rank1.arrive(0)
@@ -51,7 +60,7 @@ def test_a_sleeping_rank_is_rung_only_by_the_rank_it_waits_for(
     boards: list[spg_board.Board],
 ) -> None:
     rank0, rank1, rank2 = boards
-    rank2.wait(5.0, src=1)  # says whom it waits for, and returns at once (it looks again)
+    _sleep(rank2, src=1)  # says whom it waits for, and returns at once (it looks again)
     assert rank0.send(2, 0, b"from 0")
     rank0.broadcast_sent(0)
     assert _rings(rank2) == 0  # waiting for rank 1: news from rank 0 does not wake it
@@ -66,7 +75,7 @@ def test_a_sleeping_rank_is_rung_only_by_the_rank_it_waits_for(
 
 def test_a_rank_waiting_for_anyone_is_rung_by_all(boards: list[spg_board.Board]) -> None:
     rank0, rank1, rank2 = boards
-    rank1.wait(5.0)
+    _sleep(rank1)
     rank0.broadcast_sent(0)
     rank2.depart(0)  # rings rank 0 only: rank 1 is not rung by it
     assert [_rings(b) for b in boards] == [0, 1, 0]
@@ -78,8 +87,8 @@ def test_a_failed_barrier_wakes_every_sleeper_a_passed_one_none(
     boards: list[spg_board.Board],
 ) -> None:
     rank0, rank1, rank2 = boards
-    rank0.wait(5.0, src=2)
-    rank1.wait(5.0, src=2)
+    _sleep(rank0, src=2)
+    _sleep(rank1, src=2)
     assert rank1.decide(0, spg_board.PASSED) == (spg_board.PASSED, "")
     assert [_rings(b) for b in boards] == [0, 0, 0]
     assert rank2.decide(0, spg_board.FAILED, "late") == (spg_board.PASSED, "")  # settled once

@@ -6,13 +6,14 @@ runs on one node, each rank instead writes what it sends on a *board* of its own
 file under ``/dev/shm`` mapped by every rank, and rings the receivers' *doorbells*, FIFOs
 next to it; a rank waiting for a value sleeps in ``poll`` on its own doorbell.
 
-A doorbell is rung only when it is worth a system call: a rank about to sleep first says on
-its board whom it waits for (``asleep``), then looks once more, then sleeps; a writer
-writes, then reads the receiver's ``asleep`` word, and rings only if it names the writer
-(or anyone). Each side puts a full fence between its write and its read, so either the
-sleeper sees the write on its last look or the writer sees the sleeper's word (and rings).
-A rank that is busy, or waits for another rank, is not rung, not woken for nothing, and
-finds no stale byte on its doorbell when it next sleeps.
+A doorbell is rung only when it is worth a system call: a waiting rank first looks again for
+a moment (:data:`SPIN_SECONDS`, yielding the CPU), which is when most answers come; a rank
+about to sleep then says on its board whom it waits for (``asleep``), looks once more, and
+sleeps; a writer writes, then reads the receiver's ``asleep`` word, and rings only if it
+names the writer (or anyone). Each side puts a full fence between its write and its read,
+so either the sleeper sees the write on its last look or the writer sees the sleeper's word
+(and rings). A rank that is busy, or waits for another rank, is not rung, not woken for
+nothing, and finds no stale byte on its doorbell when it next sleeps.
 
 A board has a head, a barrier page and slots of one format, in rings: one ring of
 :data:`RING` slots per destination rank (point-to-point messages) and one of
@@ -65,6 +66,7 @@ import re
 import secrets
 import select
 import struct
+import time
 from collections.abc import Callable, Sequence
 
 from bridge_py.distributed.errors import SharedMemoryError
@@ -92,6 +94,9 @@ RING = 8  # message slots per destination
 BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of several readers)
 MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one slot's value
 LIVENESS_PERIOD = 1.0
+# A wait looks again (yielding the CPU between looks) this long before it sleeps: most
+# answers come within it, and then nobody rings and nobody is woken.
+SPIN_SECONDS = 1e-4
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
 _HEADER = Header(b"VBBD", 2, "2xIQ")  # world size, creator pid
 _U64 = struct.Struct("<Q")
@@ -167,6 +172,8 @@ class Board:
         self._pids = [0] * world_size
         self._own_bell = -1
         self._armed = 0  # what this rank's asleep word says (0: awake)
+        self._spin_until = 0.0  # until when the running wait looks without sleeping
+        self._connected = False  # every rank's board open (asked on every collective)
         self._lock_fd = -1
         self._fd = -1
         self._named = True
@@ -195,6 +202,14 @@ class Board:
         self._maps[rank] = board
         self._own = board  # this rank's board, read and written on every operation
         self._me = rank + 1  # the asleep word of a rank that waits for this one
+        # Offsets read on every operation, worked out once: where this rank's ring for each
+        # rank starts, and the receipts (on a reader's board) of this rank's messages and
+        # broadcasts and (on this board) of each rank's broadcasts.
+        layout = self.layout
+        self._rings_at = [layout.message_at(dst, 0) for dst in range(world_size)]
+        self._inbox_at = layout.message_at(rank, 0)  # on a sender's board: its ring for us
+        self._acks_mine = layout.ack_at(rank)
+        self._broadcast_receipts = [layout.broadcast_received_at(r) for r in range(world_size)]
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
         try:
@@ -217,7 +232,7 @@ class Board:
     @property
     def connected(self) -> bool:
         """Whether every other rank's board and doorbell are open."""
-        return all(m is not None for m in self._maps)
+        return self._connected
 
     def is_open(self, src: int) -> bool:
         """Whether rank ``src``'s board is open here."""
@@ -290,6 +305,7 @@ class Board:
                     f"rank {self.rank} cannot open the board {name!r} of rank {src}: {exc}"
                 ) from exc
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
+        self._connected = all(m is not None for m in self._maps)
         return gone
 
     # --- messages ---
@@ -299,8 +315,8 @@ class Board:
         written) if it does not fit or ``dst`` has not received the slot's last one."""
         if self._maps[dst] is None:
             return False
-        at = self.layout.message_at(dst, number)
-        if not self._fill(at, number, value, [dst], self.layout.ack_at(self.rank)):
+        at = self._rings_at[dst] + _MESSAGE_SLOT * (number % RING)
+        if not self._fill(at, number, value, (dst,), self._acks_mine):
             return False
         self.ring(dst)
         return True
@@ -314,14 +330,12 @@ class Board:
         if not self.connected:
             return False
         at = self.layout.broadcast_at(number)
-        return self._fill(
-            at, number, value, self._peers, self.layout.broadcast_received_at(self.rank)
-        )
+        return self._fill(at, number, value, self._peers, self._broadcast_receipts[self.rank])
 
     def broadcast_sent(self, number: int) -> None:
         """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
         fence()
-        _U64.pack_into(self._map(self.rank), _BROADCASTS_SENT, number + 1)
+        _U64.pack_into(self._own, _BROADCASTS_SENT, number + 1)
         self.ring_all()
 
     def broadcasts_read(self) -> int:
@@ -334,7 +348,7 @@ class Board:
     def poll_broadcast(self, src: int, number: int) -> bytes | None:
         """``src``'s broadcast ``number``: a copy of its ring slot, b"" when it went
         through the store instead, None while ``src`` has not sent it."""
-        board = self._map(src)
+        board = self._maps[src] or self._map(src)
         at = self.layout.broadcast_at(number)
         data = _slot(board, at, number)
         if data is not None:
@@ -348,11 +362,13 @@ class Board:
     def broadcasts_received(self, numbers: dict[int, int]) -> None:
         """Record that this rank is done with broadcast ``numbers[src]`` of each ``src``."""
         fence()
-        board, layout = self._map(self.rank), self.layout
+        board, receipts = self._own, self._broadcast_receipts
         for src, number in numbers.items():
-            _U64.pack_into(board, layout.broadcast_received_at(src), number + 1)
+            _U64.pack_into(board, receipts[src], number + 1)
 
-    def _fill(self, at: int, number: int, value: bytes, readers: list[int], receipt: int) -> bool:
+    def _fill(
+        self, at: int, number: int, value: bytes, readers: Sequence[int], receipt: int
+    ) -> bool:
         """Write item ``number`` into this rank's slot at ``at`` once every one of ``readers``
         has received what it held (their counter at ``receipt`` says how many); False
         (nothing written) if one has not, the value is too large, or ``/dev/shm`` has no
@@ -360,10 +376,12 @@ class Board:
         size = len(value)
         if size > MESSAGE_CAPACITY:
             return False
-        board = self._map(self.rank)
+        board = self._own
         held = _U64.unpack_from(board, at)[0]  # the number + 1 of the item there
-        if held and any(_U64.unpack_from(self._map(r), receipt)[0] < held for r in readers):
-            return False
+        if held:
+            for r in readers:
+                if _U64.unpack_from(self._maps[r] or self._map(r), receipt)[0] < held:
+                    return False
         fence()  # the receipts are seen before the slot is written over
         try:
             if os.pwritev(self._fd, [_U64.pack(size), value], at + 8) != 8 + size:
@@ -387,12 +405,13 @@ class Board:
 
     def take(self, src: int, number: int) -> bytes | None:
         """Message ``number`` from ``src`` if it is in its ring slot (a copy), else None."""
-        return _slot(self._map(src), self.layout.message_at(self.rank, number), number)
+        at = self._inbox_at + _MESSAGE_SLOT * (number % RING)
+        return _slot(self._maps[src] or self._map(src), at, number)
 
     def received(self, src: int, count: int) -> None:
         """Record that ``count`` messages from ``src`` have been received (its slots free)."""
         fence()  # the copy of the message is done before the slot is given back
-        _U64.pack_into(self._map(self.rank), self.layout.ack_at(src), count)
+        _U64.pack_into(self._own, _COUNTERS_AT + 8 * src, count)  # layout.ack_at(src)
 
     def ring(self, dst: int) -> None:
         """Ring ``dst``'s doorbell if ``dst`` sleeps waiting for this rank (or anyone):
@@ -419,11 +438,19 @@ class Board:
         """Sleep until rank ``src`` (-1: any rank) rings, or ``timeout`` seconds pass; empty
         the doorbell.
 
-        The first call of a wait (or one for another ``src``) only says on the board whom
-        this rank waits for, and returns at once: the caller looks once more before it
-        sleeps, so a write made before a writer read that word is not missed. The caller
-        says when the wait is over (:meth:`awake`).
+        For the first :data:`SPIN_SECONDS` of a wait it only yields the CPU and returns (a
+        writer that answers meanwhile rings nobody). Then the first call (or one for another
+        ``src``) says on the board whom this rank waits for, and returns at once: the caller
+        looks once more before it sleeps, so a write made before a writer read that word is
+        not missed. The caller says when the wait is over (:meth:`awake`).
         """
+        if not self._armed:
+            now = time.monotonic()
+            if not self._spin_until:
+                self._spin_until = now + SPIN_SECONDS
+            if now < self._spin_until:
+                os.sched_yield()
+                return
         want = ANY if src < 0 else src + 1
         if self._armed != want:
             self._armed = want
@@ -438,6 +465,7 @@ class Board:
 
     def awake(self) -> None:
         """Say that this rank no longer sleeps (its wait is over): nobody rings it."""
+        self._spin_until = 0.0
         if self._armed:
             self._armed = 0
             _U64.pack_into(self._own, _ASLEEP, 0)
@@ -576,6 +604,7 @@ class Board:
                         for number, value in self.unreceived(dst):
                             flush(dst, number, value)
             self.unname()
+        self._connected = False
         for i, board in enumerate(self._maps):
             if board is not None:
                 with contextlib.suppress(BufferError):
