@@ -333,7 +333,8 @@ class Board:
         return self._fill(at, number, value, self._peers, self._broadcast_receipts[self.rank])
 
     def broadcast_sent(self, number: int) -> None:
-        """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
+        """Record that broadcast ``number`` went out (ring slot or store); ring the ranks
+        asleep waiting for this one."""
         fence()
         _U64.pack_into(self._own, _BROADCASTS_SENT, number + 1)
         self.ring_all()
@@ -477,7 +478,8 @@ class Board:
     # --- barriers ---
 
     def arrive(self, barrier_id: int) -> None:
-        """Mark this rank arrived at barrier ``barrier_id`` and ring every doorbell."""
+        """Mark this rank arrived at barrier ``barrier_id``; ring the ranks asleep waiting
+        for this one."""
         self._put(_ARRIVED, barrier_id + 1)
         self.ring_all()
 
