@@ -307,7 +307,7 @@ def test_a_board_of_another_kind_or_layout_is_refused(boards: tuple[spg_board.Bo
     assert rank1.name in str(info.value) and isinstance(info.value, SharedMemoryError)
     _patch(path, 0, magic)
     version = _patch(path, 4, (99).to_bytes(2, "little"))
-    with pytest.raises(spg_board.BoardError, match="layout version 99, expected 1"):
+    with pytest.raises(spg_board.BoardError, match="layout version 99, expected 2"):
         rank0.connect(names)
     _patch(path, 4, version)
     _patch(path, 8, (3).to_bytes(4, "little"))  # a board of another group's size

@@ -6,6 +6,15 @@ runs on one node, each rank instead writes what it sends on a *board* of its own
 file under ``/dev/shm`` mapped by every rank, and rings the receivers' *doorbells*, FIFOs
 next to it; a rank waiting for a value sleeps in ``poll`` on its own doorbell.
 
+A doorbell is rung only when it is worth a system call: a waiting rank first looks again for
+a moment (:data:`SPIN_SECONDS`, yielding the CPU), which is when most answers come; a rank
+about to sleep then says on its board whom it waits for (``asleep``), looks once more, and
+sleeps; a writer writes, then reads the receiver's ``asleep`` word, and rings only if it
+names the writer (or anyone). Each side puts a full fence between its write and its read,
+so either the sleeper sees the write on its last look or the writer sees the sleeper's word
+(and rings). A rank that is busy, or waits for another rank, is not rung, not woken for
+nothing, and finds no stale byte on its doorbell when it next sleeps.
+
 A board has a head, a barrier page and slots of one format, in rings: one ring of
 :data:`RING` slots per destination rank (point-to-point messages) and one of
 :data:`BROADCAST_RING` slots read by every other rank (broadcasts, and the values of
@@ -14,6 +23,8 @@ all_gather, which is a broadcast from every rank)::
     0                   the shared-memory header (``shm.header``): b"VBBD", layout version,
                         u32 world size, u64 creator pid
     24                  u64 one past the last broadcast number used
+    32                  u64 asleep: 0 while this rank does not sleep on its doorbell, else
+                        what wakes it: ``src + 1`` (news from rank ``src``) or ANY
     64 + 8 * src        u64 acks[src]: messages from ``src`` this rank has received
     64 + 8 * (n + dst)  u64 spills[dst]: messages to ``dst`` sent through the store
     64 + 8 * (2n + src) u64 broadcasts of ``src`` this rank is done with (last number + 1)
@@ -55,6 +66,7 @@ import re
 import secrets
 import select
 import struct
+import time
 from collections.abc import Callable, Sequence
 
 from bridge_py.distributed.errors import SharedMemoryError
@@ -82,13 +94,18 @@ RING = 8  # message slots per destination
 BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of several readers)
 MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one slot's value
 LIVENESS_PERIOD = 1.0
+# A wait looks again (yielding the CPU between looks) this long before it sleeps: most
+# answers come within it, and then nobody rings and nobody is woken.
+SPIN_SECONDS = 1e-4
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
-_HEADER = Header(b"VBBD", 1, "2xIQ")  # world size, creator pid
+_HEADER = Header(b"VBBD", 2, "2xIQ")  # world size, creator pid
 _U64 = struct.Struct("<Q")
 _SLOT_HEAD = 16
 _PAGE = 4096
 _COUNTERS_AT = 64
 _BROADCASTS_SENT = 24  # in the head: one past the last broadcast number this rank used
+_ASLEEP = 32  # in the head: whom this rank sleeps waiting for (0: it does not sleep)
+ANY = (1 << 64) - 1  # the asleep word of a rank that any rank's news wakes
 # Barriers (see shm_transport.ShmTransport.barrier): offsets in the barrier page.
 _ARRIVED, _DEPARTED, _DECISIONS, _VERDICT = 0, 8, 64, 64 + 16 * 64
 DECISION_CELLS = 64
@@ -154,6 +171,9 @@ class Board:
         self._bells: list[int] = [-1] * world_size
         self._pids = [0] * world_size
         self._own_bell = -1
+        self._armed = 0  # what this rank's asleep word says (0: awake)
+        self._spin_until = 0.0  # until when the running wait looks without sleeping
+        self._connected = False  # every rank's board open (asked on every collective)
         self._lock_fd = -1
         self._fd = -1
         self._named = True
@@ -180,6 +200,16 @@ class Board:
             self._lock_fd = fd
         _HEADER.pack_into(board, world_size, os.getpid())
         self._maps[rank] = board
+        self._own = board  # this rank's board, read and written on every operation
+        self._me = rank + 1  # the asleep word of a rank that waits for this one
+        # Offsets read on every operation, worked out once: where this rank's ring for each
+        # rank starts, and the receipts (on a reader's board) of this rank's messages and
+        # broadcasts and (on this board) of each rank's broadcasts.
+        layout = self.layout
+        self._rings_at = [layout.message_at(dst, 0) for dst in range(world_size)]
+        self._inbox_at = layout.message_at(rank, 0)  # on a sender's board: its ring for us
+        self._acks_mine = layout.ack_at(rank)
+        self._broadcast_receipts = [layout.broadcast_received_at(r) for r in range(world_size)]
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
         try:
@@ -202,7 +232,7 @@ class Board:
     @property
     def connected(self) -> bool:
         """Whether every other rank's board and doorbell are open."""
-        return all(m is not None for m in self._maps)
+        return self._connected
 
     def is_open(self, src: int) -> bool:
         """Whether rank ``src``'s board is open here."""
@@ -275,6 +305,7 @@ class Board:
                     f"rank {self.rank} cannot open the board {name!r} of rank {src}: {exc}"
                 ) from exc
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
+        self._connected = all(m is not None for m in self._maps)
         return gone
 
     # --- messages ---
@@ -284,8 +315,8 @@ class Board:
         written) if it does not fit or ``dst`` has not received the slot's last one."""
         if self._maps[dst] is None:
             return False
-        at = self.layout.message_at(dst, number)
-        if not self._fill(at, number, value, [dst], self.layout.ack_at(self.rank)):
+        at = self._rings_at[dst] + _MESSAGE_SLOT * (number % RING)
+        if not self._fill(at, number, value, (dst,), self._acks_mine):
             return False
         self.ring(dst)
         return True
@@ -299,14 +330,13 @@ class Board:
         if not self.connected:
             return False
         at = self.layout.broadcast_at(number)
-        return self._fill(
-            at, number, value, self._peers, self.layout.broadcast_received_at(self.rank)
-        )
+        return self._fill(at, number, value, self._peers, self._broadcast_receipts[self.rank])
 
     def broadcast_sent(self, number: int) -> None:
-        """Record that broadcast ``number`` went out (ring slot or store); ring every rank."""
+        """Record that broadcast ``number`` went out (ring slot or store); ring the ranks
+        asleep waiting for this one."""
         fence()
-        _U64.pack_into(self._map(self.rank), _BROADCASTS_SENT, number + 1)
+        _U64.pack_into(self._own, _BROADCASTS_SENT, number + 1)
         self.ring_all()
 
     def broadcasts_read(self) -> int:
@@ -319,7 +349,7 @@ class Board:
     def poll_broadcast(self, src: int, number: int) -> bytes | None:
         """``src``'s broadcast ``number``: a copy of its ring slot, b"" when it went
         through the store instead, None while ``src`` has not sent it."""
-        board = self._map(src)
+        board = self._maps[src] or self._map(src)
         at = self.layout.broadcast_at(number)
         data = _slot(board, at, number)
         if data is not None:
@@ -333,11 +363,13 @@ class Board:
     def broadcasts_received(self, numbers: dict[int, int]) -> None:
         """Record that this rank is done with broadcast ``numbers[src]`` of each ``src``."""
         fence()
-        board, layout = self._map(self.rank), self.layout
+        board, receipts = self._own, self._broadcast_receipts
         for src, number in numbers.items():
-            _U64.pack_into(board, layout.broadcast_received_at(src), number + 1)
+            _U64.pack_into(board, receipts[src], number + 1)
 
-    def _fill(self, at: int, number: int, value: bytes, readers: list[int], receipt: int) -> bool:
+    def _fill(
+        self, at: int, number: int, value: bytes, readers: Sequence[int], receipt: int
+    ) -> bool:
         """Write item ``number`` into this rank's slot at ``at`` once every one of ``readers``
         has received what it held (their counter at ``receipt`` says how many); False
         (nothing written) if one has not, the value is too large, or ``/dev/shm`` has no
@@ -345,10 +377,12 @@ class Board:
         size = len(value)
         if size > MESSAGE_CAPACITY:
             return False
-        board = self._map(self.rank)
+        board = self._own
         held = _U64.unpack_from(board, at)[0]  # the number + 1 of the item there
-        if held and any(_U64.unpack_from(self._map(r), receipt)[0] < held for r in readers):
-            return False
+        if held:
+            for r in readers:
+                if _U64.unpack_from(self._maps[r] or self._map(r), receipt)[0] < held:
+                    return False
         fence()  # the receipts are seen before the slot is written over
         try:
             if os.pwritev(self._fd, [_U64.pack(size), value], at + 8) != 8 + size:
@@ -372,32 +406,70 @@ class Board:
 
     def take(self, src: int, number: int) -> bytes | None:
         """Message ``number`` from ``src`` if it is in its ring slot (a copy), else None."""
-        return _slot(self._map(src), self.layout.message_at(self.rank, number), number)
+        at = self._inbox_at + _MESSAGE_SLOT * (number % RING)
+        return _slot(self._maps[src] or self._map(src), at, number)
 
     def received(self, src: int, count: int) -> None:
         """Record that ``count`` messages from ``src`` have been received (its slots free)."""
         fence()  # the copy of the message is done before the slot is given back
-        _U64.pack_into(self._map(self.rank), self.layout.ack_at(src), count)
+        _U64.pack_into(self._own, _COUNTERS_AT + 8 * src, count)  # layout.ack_at(src)
 
     def ring(self, dst: int) -> None:
-        """Ring ``dst``'s doorbell (not this rank's own)."""
-        bell = self._bells[dst]
-        if bell >= 0:
-            _ring(bell)
-
-    def ring_all(self) -> None:
-        """Ring every other rank's doorbell."""
-        for bell in self._bells:
-            if bell >= 0:
+        """Ring ``dst``'s doorbell if ``dst`` sleeps waiting for this rank (or anyone):
+        what this rank wrote before is then seen by ``dst`` (see the module docstring)."""
+        board, bell = self._maps[dst], self._bells[dst]
+        if board is not None and bell >= 0:
+            fence()  # this rank's writes are seen before dst's asleep word is read
+            if _U64.unpack_from(board, _ASLEEP)[0] in (self._me, ANY):
                 _ring(bell)
 
-    def wait(self, timeout: float) -> None:
-        """Sleep until a doorbell rings or ``timeout`` seconds pass; empty the doorbell."""
+    def ring_all(self, everyone: bool = False) -> None:
+        """Ring the doorbell of every other rank that sleeps waiting for this one (or
+        anyone; ``everyone``: that sleeps at all, waiting for whomever)."""
+        fence()  # this rank's writes are seen before the asleep words are read
+        wake = (self._me, ANY)
+        for dst in self._peers:
+            board, bell = self._maps[dst], self._bells[dst]
+            if board is not None and bell >= 0:
+                asleep = _U64.unpack_from(board, _ASLEEP)[0]
+                if asleep in wake or (everyone and asleep):
+                    _ring(bell)
+
+    def wait(self, timeout: float, src: int = -1) -> None:
+        """Sleep until rank ``src`` (-1: any rank) rings, or ``timeout`` seconds pass; empty
+        the doorbell.
+
+        For the first :data:`SPIN_SECONDS` of a wait it only yields the CPU and returns (a
+        writer that answers meanwhile rings nobody). Then the first call (or one for another
+        ``src``) says on the board whom this rank waits for, and returns at once: the caller
+        looks once more before it sleeps, so a write made before a writer read that word is
+        not missed. The caller says when the wait is over (:meth:`awake`).
+        """
+        if not self._armed:
+            now = time.monotonic()
+            if not self._spin_until:
+                self._spin_until = now + SPIN_SECONDS
+            if now < self._spin_until:
+                os.sched_yield()
+                return
+        want = ANY if src < 0 else src + 1
+        if self._armed != want:
+            self._armed = want
+            _U64.pack_into(self._own, _ASLEEP, want)
+            fence()  # the word is seen before this rank looks again
+            return
         if self._poll.poll(max(timeout, 0.0) * 1000.0):
             try:  # noqa: SIM105 (cheaper than contextlib.suppress, on every wake-up)
                 os.read(self._own_bell, 4096)
             except BlockingIOError:
                 pass
+
+    def awake(self) -> None:
+        """Say that this rank no longer sleeps (its wait is over): nobody rings it."""
+        self._spin_until = 0.0
+        if self._armed:
+            self._armed = 0
+            _U64.pack_into(self._own, _ASLEEP, 0)
 
     def gone(self, ranks: Sequence[int]) -> list[int]:
         """Those of ``ranks`` whose process has exited."""
@@ -406,7 +478,8 @@ class Board:
     # --- barriers ---
 
     def arrive(self, barrier_id: int) -> None:
-        """Mark this rank arrived at barrier ``barrier_id`` and ring every doorbell."""
+        """Mark this rank arrived at barrier ``barrier_id``; ring the ranks asleep waiting
+        for this one."""
         self._put(_ARRIVED, barrier_id + 1)
         self.ring_all()
 
@@ -425,37 +498,53 @@ class Board:
 
     def decision(self, barrier_id: int) -> int:
         """PASSED or FAILED once a rank decided barrier ``barrier_id``; else 0."""
-        board = self._map(0)
         at = self.layout.barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
-        cell, outcome = struct.unpack_from("<QQ", board, at)
+        return self._settled(at, barrier_id)
+
+    def _settled(self, at: int, barrier_id: int) -> int:
+        """The outcome in the decision cell at ``at`` if it is barrier ``barrier_id``'s,
+        else 0 (the cell's number is written after its outcome, and read before it)."""
+        board = self._map(0)
+        if _U64.unpack_from(board, at)[0] != barrier_id + 1:
+            return 0
         fence()
-        return outcome if cell == barrier_id + 1 else 0
+        return int(_U64.unpack_from(board, at + 8)[0])
 
     def decide(self, barrier_id: int, outcome: int, verdict: str = "") -> tuple[int, str]:
         """Settle barrier ``barrier_id`` as ``outcome`` (with ``verdict`` if FAILED) unless a
         rank did first; return what was settled. Taken under a lock on rank 0's board, so
-        every rank settles the same outcome."""
+        every rank settles the same outcome; a rank that finds it settled already (the
+        cell is written once) takes no lock. A failure wakes every rank asleep."""
         board = self._map(0)
         base = self.layout.barrier_at
         at = base + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
+        settled = self._settled(at, barrier_id)
+        if settled:
+            return settled, self._verdict(barrier_id) if settled == FAILED else ""
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            cell, settled = struct.unpack_from("<QQ", board, at)
+            cell = _U64.unpack_from(board, at)[0]
             if cell > barrier_id + 1:
                 return FAILED, (
                     f"the other ranks went on {DECISION_CELLS} barriers past this one while "
                     "this rank was inside it"
                 )
             if cell == barrier_id + 1:
+                settled = self._settled(at, barrier_id)
                 return settled, self._verdict(barrier_id) if settled == FAILED else ""
             if outcome == FAILED:
                 text = verdict.encode()[:_VERDICT_MAX]
                 board[base + _VERDICT + 16 : base + _VERDICT + 16 + len(text)] = text
                 struct.pack_into("<QQ", board, base + _VERDICT, barrier_id + 1, len(text))
-            struct.pack_into("<QQ", board, at, barrier_id + 1, outcome)
+            _U64.pack_into(board, at + 8, outcome)
+            fence()  # the outcome (and verdict) are seen before the cell's number
+            _U64.pack_into(board, at, barrier_id + 1)
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        self.ring_all()  # ranks still waiting learn it at once
+        if outcome == FAILED:
+            # Ranks still waiting for arrivals learn it at once; those that saw every rank
+            # arrive need no ring to pass.
+            self.ring_all(everyone=True)
         return outcome, verdict
 
     def _verdict(self, barrier_id: int) -> str:
@@ -517,6 +606,7 @@ class Board:
                         for number, value in self.unreceived(dst):
                             flush(dst, number, value)
             self.unname()
+        self._connected = False
         for i, board in enumerate(self._maps):
             if board is not None:
                 with contextlib.suppress(BufferError):

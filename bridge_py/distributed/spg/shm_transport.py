@@ -1,10 +1,11 @@
 """A StatelessProcessGroup's operations over shared-memory boards, when all ranks share a node.
 
 Each rank writes on its own board (``board.Board``: a small file under ``/dev/shm`` that
-every rank maps) and rings the others' FIFO doorbells; a rank that waits sleeps on its own
-doorbell, and checks every second that the ranks it waits for still run, so a rank that
-exits is reported at once instead of at the timeout. No store request is made while things
-fit, and what does not goes through the store (``overflow``, the group's store transport):
+every rank maps) and rings the FIFO doorbells of the ranks asleep waiting for it; a rank
+that waits sleeps on its own doorbell, and checks every second that the ranks it waits for
+still run, so a rank that exits is reported at once instead of at the timeout. No store
+request is made while things fit, and what does not goes through the store (``overflow``,
+the group's store transport):
 
 * ``send``/``recv``: message ``n`` to ``dst`` goes into slot ``n % RING`` of the sender's
   ring for ``dst``; a message whose slot ``dst`` has not read yet, or too large for a slot,
@@ -40,7 +41,13 @@ from bridge_py.distributed.spg.board import (
     Board,
     BoardError,
 )
-from bridge_py.distributed.spg.common import arrival_timeout, exited, lost, timed_out
+from bridge_py.distributed.spg.common import (
+    BarrierHooks,
+    arrival_timeout,
+    exited,
+    lost,
+    timed_out,
+)
 from bridge_py.distributed.spg.store_transport import StoreTransport
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.requests import StoreRequest
@@ -90,34 +97,38 @@ class ShmTransport:
         once a rank waited for has exited, naming ``op``, this rank, the rank(s) and
         ``what`` (``many``: the values of a collective).
         """
+        board = self.board
         start = time.monotonic()
         deadline = start + limit
         check_at = start + LIVENESS_PERIOD
         waiting = srcs
-        while True:
-            sleep = True
-            still = []
-            for src in waiting:
-                done = ready(src)
-                if not done:
-                    still.append(src)
-                    sleep = sleep and done is not None
-            waiting = still
-            if not waiting:
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                awaited = what if isinstance(what, str) else what()
-                late = waiting if many else waiting[0]
-                raise timed_out(op, self.rank, awaited, late, start, limit)
-            if now >= check_at:
-                check_at = now + LIVENESS_PERIOD
-                gone = self.board.gone(waiting)
-                if gone:
+        try:
+            while True:
+                sleep = True
+                still = []
+                for src in waiting:
+                    done = ready(src)
+                    if not done:
+                        still.append(src)
+                        sleep = sleep and done is not None
+                waiting = still
+                if not waiting:
+                    return
+                now = time.monotonic()
+                if now >= deadline:
                     awaited = what if isinstance(what, str) else what()
-                    raise exited(op, self.rank, awaited, gone if many else gone[0], start)
-            if sleep:
-                self.board.wait(min(deadline, check_at) - now)
+                    late = waiting if many else waiting[0]
+                    raise timed_out(op, self.rank, awaited, late, start, limit)
+                if now >= check_at:
+                    check_at = now + LIVENESS_PERIOD
+                    gone = board.gone(waiting)
+                    if gone:
+                        awaited = what if isinstance(what, str) else what()
+                        raise exited(op, self.rank, awaited, gone if many else gone[0], start)
+                if sleep:  # woken by the first rank still awaited (any other wakes it later)
+                    board.wait(min(deadline, check_at) - now, waiting[0])
+        finally:
+            board.awake()
 
     # --- point to point -------------------------------------------------------------------
 
@@ -285,13 +296,15 @@ class ShmTransport:
         """Barrier ``barrier_id`` over the boards: the three phases of the store barrier
         (``StoreTransport.barrier``), with no store request.
 
-        1. each rank marks itself arrived on its board and rings every doorbell, then sleeps
-           on its own until every rank has arrived. Whether the barrier passed is *settled*
-           once, under a lock on rank 0's board: by the first rank to see everyone arrived
-           (passed) or to give up at ``timeout`` (failed, with its verdict), and every rank
-           follows what was settled, so all ranks pass or all fail. A rank whose process
-           exits makes it fail at once;
-        2. every rank runs the ``all_arrived`` hook, marks itself departed and rings rank 0;
+        1. each rank marks itself arrived on its board and rings the doorbells of the ranks
+           asleep waiting for it, then sleeps on its own until every rank has arrived.
+           Whether the barrier passed is *settled* once, under a lock on rank 0's board: by
+           the first rank to see everyone arrived (passed; the others find it settled and
+           take no lock) or to give up at ``timeout`` (failed, with its verdict, which rings
+           every rank asleep), and every rank follows what was settled, so all ranks pass or
+           all fail. A rank whose process exits makes it fail at once;
+        2. every rank runs the ``all_arrived`` hook, marks itself departed and rings rank 0
+           (if it sleeps waiting for this rank);
         3. rank 0 waits (at most ``timeout``) until every rank has departed, so that it does
            not leave, and perhaps shut the store down, while another rank still uses it.
         """
@@ -301,36 +314,11 @@ class ShmTransport:
         hooks = self.overflow.hooks((lambda: self._release(True)) if self._sent else None)
         start = time.monotonic()
         until = deadline.clamp_until(start + timeout)
-        check_at = start + LIVENESS_PERIOD
         board.arrive(barrier_id)
-        waited = False
-        failure: type[BarrierFailure] = BarrierFailure  # what this rank raises if it fails
-        while True:
-            missing = board.not_arrived(barrier_id)
-            if not missing:
-                outcome, verdict = board.decide(barrier_id, PASSED)
-                break
-            if board.decision(barrier_id) == FAILED:
-                outcome, verdict = board.decide(barrier_id, FAILED)  # reads the verdict
-                break
-            if not waited and hooks.while_waiting is not None:
-                waited = True
-                hooks.while_waiting()
-                continue
-            now = time.monotonic()
-            if now >= until:
-                verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
-                outcome, verdict = board.decide(barrier_id, FAILED, verdict)
-                failure = BarrierTimeout
-                break
-            if now >= check_at:
-                check_at = now + LIVENESS_PERIOD
-                gone = board.gone(missing)
-                if gone:
-                    verdict = f"ranks {gone} exited before arriving (seen by rank {rank})"
-                    outcome, verdict = board.decide(barrier_id, FAILED, verdict)
-                    break
-            board.wait(min(until, check_at) - now)
+        try:
+            outcome, verdict, failure = self._arrivals(barrier_id, timeout, start, until, hooks)
+        finally:
+            board.awake()
         if outcome != PASSED:
             raise failure(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
         if hooks.all_arrived is not None:
@@ -340,15 +328,50 @@ class ShmTransport:
         if rank != 0:
             return
         until = deadline.clamp_until(time.monotonic() + timeout)
-        while missing := board.not_departed(barrier_id):
+        try:
+            while missing := board.not_departed(barrier_id):
+                now = time.monotonic()
+                if now >= until:
+                    raise BarrierTimeout(
+                        f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s "
+                        f"in phase 3 (departure): {world_size - len(missing)} of {world_size} "
+                        "ranks departed"
+                    )
+                board.wait(until - now, missing[0])
+        finally:
+            board.awake()
+
+    def _arrivals(
+        self, barrier_id: int, timeout: float, start: float, until: float, hooks: BarrierHooks
+    ) -> tuple[int, str, type[BarrierFailure]]:
+        """Phase 1 of :meth:`barrier` once this rank has arrived: wait until every rank has
+        arrived or the barrier is settled; return the outcome, its verdict and what this
+        rank raises if it failed. Sleeps until the first rank still missing arrives (or a
+        rank settles a failure, which rings every rank asleep)."""
+        board, rank, world_size = self.board, self.rank, self.world_size
+        check_at = start + LIVENESS_PERIOD
+        waited = False
+        while True:
+            missing = board.not_arrived(barrier_id)
+            if not missing:
+                return (*board.decide(barrier_id, PASSED), BarrierFailure)
+            if board.decision(barrier_id) == FAILED:
+                return (*board.decide(barrier_id, FAILED), BarrierFailure)  # reads the verdict
+            if not waited and hooks.while_waiting is not None:
+                waited = True
+                hooks.while_waiting()
+                continue
             now = time.monotonic()
             if now >= until:
-                raise BarrierTimeout(
-                    f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
-                    f"phase 3 (departure): {world_size - len(missing)} of {world_size} ranks "
-                    "departed"
-                )
-            board.wait(until - now)
+                verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
+                return (*board.decide(barrier_id, FAILED, verdict), BarrierTimeout)
+            if now >= check_at:
+                check_at = now + LIVENESS_PERIOD
+                gone = board.gone(missing)
+                if gone:
+                    verdict = f"ranks {gone} exited before arriving (seen by rank {rank})"
+                    return (*board.decide(barrier_id, FAILED, verdict), BarrierFailure)
+            board.wait(min(until, check_at) - now, missing[0])
 
     def _connect_all(self, what: str) -> None:
         """Open every rank's board (for a collective); PeerGoneError starting with ``what``
