@@ -1,8 +1,10 @@
 """The one way a rank waits for another: spin briefly, then sleep, never forever blindly.
 
-Every wait on another process (a MessageQueue's reader for the next message or its writer
-for a free chunk, whether on shared memory or a socket; the CPU all-reduce; a board) goes
-through :func:`wait_until`. It first spins on
+Every wait on another process in shared memory or on a socket (a MessageQueue's reader for
+the next message or its writer for a free chunk; the CPU all-reduce) goes through
+:func:`wait_until`; the StatelessProcessGroup's boards wait in their own short loop
+(``spg.board``: a 100 us look, then a sleep on the doorbell that only a rank told to ring
+it rings). :func:`wait_until` first spins on
 ``os.sched_yield`` for a couple of milliseconds, which keeps latency low while messages are
 flowing, then sleeps with exponentially growing naps capped at one millisecond (ten once the
 wait is a second old), so an idle queue costs about 1% of a core (vLLM keeps one core busy

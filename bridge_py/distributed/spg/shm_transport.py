@@ -364,7 +364,10 @@ class ShmTransport:
             now = time.monotonic()
             if now >= until:
                 verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
-                return (*board.decide(barrier_id, FAILED, verdict), BarrierTimeout)
+                outcome, settled = board.decide(barrier_id, FAILED, verdict)
+                # A timeout only where this rank's own settled it: when another rank's
+                # verdict came first, this rank fails with it, as over the store.
+                return outcome, settled, BarrierTimeout if settled == verdict else BarrierFailure
             if now >= check_at:
                 check_at = now + LIVENESS_PERIOD
                 gone = board.gone(missing)
