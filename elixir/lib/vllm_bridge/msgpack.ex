@@ -85,6 +85,9 @@ defmodule VllmBridge.Msgpack do
   @max_u64 0xFFFFFFFFFFFFFFFF
   @min_s64 -0x8000000000000000
   @max_depth 128
+
+  # Small writers on every call's path: compiled into their callers.
+  @compile {:inline, enc_uint: 1, list_header: 1}
   @max_extent 0x7FFFFFFFFFFFFFFF
 
   @doc """
@@ -158,7 +161,15 @@ defmodule VllmBridge.Msgpack do
   def decode(binary, opts \\ [])
 
   def decode(binary, opts) when is_binary(binary) and is_list(opts) do
-    case dec(binary, Keyword.get(opts, :ref)) do
+    # the one option read in place: this runs for every call's reply
+    ref =
+      case opts do
+        [] -> nil
+        [{:ref, ref} | _] -> ref
+        _ -> Keyword.get(opts, :ref)
+      end
+
+    case d(binary, [], 0, ref) do
       {term, <<>>} ->
         {:ok, term}
 
@@ -371,8 +382,6 @@ defmodule VllmBridge.Msgpack do
   # {:v, left, key, acc} (map, the value of key is next). `dp` is the number
   # of containers open around the next value (enclosing tuples included): a
   # container opened at dp = @max_depth would nest deeper than the limit.
-  defp dec(bin, r), do: d(bin, [], 0, r)
-
   defp d(<<byte, rest::binary>>, st, dp, r) when byte < 0x80, do: v(rest, st, dp, r, byte)
   defp d(<<0b1000::4, n::4, rest::binary>>, st, dp, r), do: map(rest, st, dp, r, n)
   defp d(<<0b1001::4, n::4, rest::binary>>, st, dp, r), do: array(rest, st, dp, r, n)

@@ -512,6 +512,7 @@ defmodule VllmBridge.Pool do
     :ok
   end
 
+  @compile {:inline, settings: 1}
   defp settings(pool), do: :persistent_term.get({__MODULE__, pool}, nil)
 
   defp registry(pool) do

@@ -110,6 +110,36 @@ defmodule VllmBridge.Proto do
   @i32 5
 
   # field layouts: {field number, key, kind}
+  # The field writers, the varint writer and reader are small and on every
+  # call's path: compiled into their callers, not called (each call is a
+  # reduction of the caller's).
+  @compile {:inline, uint64_field: 3, string_field: 3, bytes_field: 4, varint: 1}
+
+  # Seven bits a byte, low first; every byte but the last has its top bit set.
+  # Values below 2^28 (ids, lengths, handles) written in place (a macro: the
+  # compiler does not inline a function into one it inlines itself), longer
+  # ones by encode_long_varint/1.
+  defmacrop encode_varint(value) do
+    quote do
+      case unquote(value) do
+        v when v < 0x80 ->
+          <<v>>
+
+        v when v < 0x4000 ->
+          <<1::1, v::7, v >>> 7>>
+
+        v when v < 0x200000 ->
+          <<1::1, v::7, 1::1, v >>> 7::7, v >>> 14>>
+
+        v when v < 0x10000000 ->
+          <<1::1, v::7, 1::1, v >>> 7::7, 1::1, v >>> 14::7, v >>> 21>>
+
+        v ->
+          encode_long_varint(v)
+      end
+    end
+  end
+
   @op_fields [
     create: {10, [{1, :class_name, :string}, {2, :args, :bytes}, {3, :kwargs, :bytes}]},
     call:
@@ -425,18 +455,11 @@ defmodule VllmBridge.Proto do
   defp uint64!(value, where),
     do: bad!("field #{where}: expected a uint64, got #{inspect(value, limit: 8)}")
 
-  # Seven bits a byte, low first; every byte but the last has its top bit set.
-  # Values below 2^28 (ids, lengths, handles) in one call.
-  defp encode_varint(value) when value < 0x80, do: <<value>>
-  defp encode_varint(value) when value < 0x4000, do: <<1::1, value::7, value >>> 7>>
+  # (encode_varint/1's values from 2^28, and its own rest)
+  defp encode_long_varint(value) when value < 0x80, do: <<value>>
 
-  defp encode_varint(value) when value < 0x200000,
-    do: <<1::1, value::7, 1::1, value >>> 7::7, value >>> 14>>
-
-  defp encode_varint(value) when value < 0x10000000,
-    do: <<1::1, value::7, 1::1, value >>> 7::7, 1::1, value >>> 14::7, value >>> 21>>
-
-  defp encode_varint(value), do: <<1::1, value::7, encode_varint(value >>> 7)::binary>>
+  defp encode_long_varint(value),
+    do: <<1::1, value::7, encode_long_varint(value >>> 7)::binary>>
 
   ## Field decoding -----------------------------------------------------------
 

@@ -114,6 +114,25 @@ defmodule VllmBridge.Runtime do
   # nothing, rather than giving up just after the caller stopped waiting.
   @deadline_margin 25
 
+  # The steps every call takes, compiled into their callers instead of called
+  # one from the next (each call is a reduction of the calling process).
+  @compile {:inline,
+            run: 3,
+            send_op: 3,
+            prepare: 3,
+            finish: 4,
+            gone: 2,
+            deadline_ms: 1,
+            check_name: 2,
+            no_kwargs: 2,
+            encode: 2,
+            encode_args: 1,
+            encode_kwargs: 1,
+            check_refs: 2,
+            check_kwarg_refs: 2,
+            first_ref: 2,
+            worker_target: 5}
+
   @typedoc "Positional arguments."
   @type args :: [term()]
 
@@ -419,11 +438,14 @@ defmodule VllmBridge.Runtime do
     do: %{pool: pool, worker: pid, index: index, session: nil, via: via, timeout: timeout}
 
   # The first ref among the top-level arguments, then the keyword arguments.
-  defp first_ref([%Ref{} = ref | _], _kwargs), do: ref
-  defp first_ref([_ | rest], kwargs), do: first_ref(rest, kwargs)
-  defp first_ref([], [{_key, %Ref{} = ref} | _]), do: ref
-  defp first_ref([], [_ | rest]), do: first_ref([], rest)
   defp first_ref([], []), do: nil
+  defp first_ref(args, kwargs), do: find_ref(args, kwargs)
+
+  defp find_ref([%Ref{} = ref | _], _kwargs), do: ref
+  defp find_ref([_ | rest], kwargs), do: find_ref(rest, kwargs)
+  defp find_ref([], [{_key, %Ref{} = ref} | _]), do: ref
+  defp find_ref([], [_ | rest]), do: find_ref([], rest)
+  defp find_ref([], []), do: nil
 
   defp ref_target(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
     do: {:remote, node(pid), ctx.timeout}
@@ -485,23 +507,34 @@ defmodule VllmBridge.Runtime do
   # maps and tuples too) must live in the worker the call runs on, or the call
   # would reach another object there.
   # (Lists may be improper here: the encoder refuses them later with a clear error.)
-  defp check_refs([head | tail], target) do
-    case check_ref(head, target) do
-      :ok -> check_refs(tail, target)
-      error -> error
-    end
-  end
-
-  defp check_refs(_tail, _target), do: :ok
-
-  defp check_kwarg_refs([{_key, value} | rest], target) do
-    case check_ref(value, target) do
-      :ok -> check_kwarg_refs(rest, target)
-      error -> error
-    end
-  end
+  defp check_refs([], _target), do: :ok
+  defp check_refs(args, target), do: check_list(args, target)
 
   defp check_kwarg_refs([], _target), do: :ok
+  defp check_kwarg_refs(kwargs, target), do: check_kwarg_list(kwargs, target)
+
+  # (a number, string or atom holds no ref: the next element without a call)
+  defp check_list([head | tail], target)
+       when is_number(head) or is_binary(head) or is_atom(head),
+       do: check_list(tail, target)
+
+  defp check_list([head | tail], target) do
+    case check_ref(head, target) do
+      :ok -> check_list(tail, target)
+      error -> error
+    end
+  end
+
+  defp check_list(_tail, _target), do: :ok
+
+  defp check_kwarg_list([{_key, value} | rest], target) do
+    case check_ref(value, target) do
+      :ok -> check_kwarg_list(rest, target)
+      error -> error
+    end
+  end
+
+  defp check_kwarg_list([], _target), do: :ok
 
   defp check_ref(%Ref{worker: pid}, %{worker: pid}), do: :ok
 
@@ -521,9 +554,9 @@ defmodule VllmBridge.Runtime do
 
   defp check_ref(%Tensor{}, _target), do: :ok
   defp check_ref(%_{}, _target), do: :ok
-  defp check_ref([_ | _] = list, target), do: check_refs(list, target)
-  defp check_ref(map, target) when is_map(map), do: check_refs(Map.to_list(map), target)
-  defp check_ref(tuple, target) when is_tuple(tuple), do: check_refs(Tuple.to_list(tuple), target)
+  defp check_ref([_ | _] = list, target), do: check_list(list, target)
+  defp check_ref(map, target) when is_map(map), do: check_list(Map.to_list(map), target)
+  defp check_ref(tuple, target) when is_tuple(tuple), do: check_list(Tuple.to_list(tuple), target)
   defp check_ref(_other, _target), do: :ok
 
   # release_session/2 runs where node: says.

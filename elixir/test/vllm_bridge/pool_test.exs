@@ -217,9 +217,11 @@ defmodule VllmBridge.PoolTest do
 
       assert {:ok, %{pending: 0}} = Worker.info(worker)
 
-      # not iodata
-      assert {:error, %Error{category: :bad_args}} =
+      # not iodata (refused by the port, then named; its table entry goes too)
+      assert {:error, %Error{category: :bad_args, message: "request frame is not iodata"}} =
                Worker.request(channel, Worker.new_id(), [:nope], 5_000)
+
+      assert {:ok, %{pending: 0}} = Worker.info(worker)
 
       # the channel of a worker that has stopped: a :worker error, not a hang
       ref = Process.monitor(worker)

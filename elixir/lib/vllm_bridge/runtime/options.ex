@@ -16,6 +16,9 @@ defmodule VllmBridge.Runtime.Options do
   alias VllmBridge.{Error, Pool, Ref}
 
   @runtime_keys [:pool, :node, :worker, :timeout, :session]
+
+  # compiled into their callers (every call reads its options)
+  @compile {:inline, runtime: 1, put: 3}
   @default_pool Pool.default_name()
 
   @typedoc """

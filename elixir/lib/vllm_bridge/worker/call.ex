@@ -14,6 +14,9 @@ defmodule VllmBridge.Worker.Call do
   alias VllmBridge.Error
   alias VllmBridge.Worker.Pending
 
+  # One call's steps, compiled into through_channel/6 rather than called.
+  @compile {:inline, enter: 3, command: 7, await_reply: 5}
+
   @doc """
   Makes a call through a worker's channel: `pid` is the worker, `port` its
   port and `table` its pending calls. Results as for
@@ -22,16 +25,18 @@ defmodule VllmBridge.Worker.Call do
   @spec through_channel(pid(), port(), Pending.t(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
   def through_channel(pid, port, table, id, frame, timeout) do
-    with :ok <- check_frame(frame) do
-      # The monitor's alias is the reply address: it stops taking messages when
-      # the monitor goes (alias: :demonitor), so a reply that comes after the
-      # deadline is dropped, as it is for GenServer.call.
-      tag = :erlang.monitor(:process, pid, alias: :demonitor)
+    # The monitor's alias is the reply address: it stops taking messages when
+    # the monitor goes (alias: :demonitor), so a reply that comes after the
+    # deadline is dropped, as it is for GenServer.call.
+    tag = :erlang.monitor(:process, pid, alias: :demonitor)
 
-      case enter(table, id, tag) do
-        :ok -> command(port, frame, table, id, tag, pid, timeout)
-        {:error, _} = error -> forget(tag, error)
-      end
+    case enter(table, id, tag) do
+      :ok ->
+        command(port, frame, table, id, tag, pid, timeout)
+
+      {:error, _} = error ->
+        # a frame that is not iodata is named first
+        forget(tag, with(:ok <- check_frame(frame), do: error))
     end
   end
 
@@ -42,14 +47,24 @@ defmodule VllmBridge.Worker.Call do
     ArgumentError -> :ok
   end
 
+  # Port.command/2 refuses a frame that is not iodata as it refuses a closed
+  # port (ArgumentError): the frame is measured only then, to tell which.
   defp command(port, frame, table, id, tag, pid, timeout) do
     Port.command(port, frame)
     await_reply(tag, table, id, pid, timeout)
   rescue
-    # The port closed (Python exited): the worker's exit notice is on its way
-    # (or, for a Python that failed to start, the worker answers the entry on
-    # its next health tick or start: see "Start-up").
-    ArgumentError -> await_reply(tag, table, id, pid, timeout)
+    ArgumentError ->
+      case check_frame(frame) do
+        # The port closed (Python exited): the worker's exit notice is on its
+        # way (or, for a Python that failed to start, the worker answers the
+        # entry on its next health tick or start: see "Start-up").
+        :ok ->
+          await_reply(tag, table, id, pid, timeout)
+
+        {:error, _} = error ->
+          Pending.delete(table, id)
+          forget(tag, error)
+      end
   end
 
   defp await_reply(tag, table, id, pid, timeout) do

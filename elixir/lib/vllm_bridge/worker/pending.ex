@@ -60,6 +60,31 @@ defmodule VllmBridge.Worker.Pending do
     end
   end
 
+  @doc """
+  Removes the entry for `id` and hands `result` to its caller, in one table
+  operation (a reply's whole business with the table): `:answered` when a
+  caller was answered, `:health` or `:handshake` for the worker's own ping
+  (nobody is answered), `nil` when there is no entry.
+  """
+  @spec answer_id(t(), pos_integer(), term()) :: :answered | :health | :handshake | nil
+  def answer_id(table, id, result) do
+    case :ets.take(table, id) do
+      [{_id, tag, _caller}] when is_reference(tag) ->
+        send(tag, {tag, result})
+        :answered
+
+      [{_id, own, _caller}] when own in [:health, :handshake] ->
+        own
+
+      [{_id, from, _caller}] ->
+        GenServer.reply(from, result)
+        :answered
+
+      [] ->
+        nil
+    end
+  end
+
   @doc "Forgets the entry for `id`, if any (also when the table is gone)."
   @spec delete(t(), pos_integer()) :: true
   def delete(table, id) do

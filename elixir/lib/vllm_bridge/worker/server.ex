@@ -46,6 +46,9 @@ defmodule VllmBridge.Worker.Server do
     State
   }
 
+  # a reply's bookkeeping, compiled into handle_info/2
+  @compile {:inline, after_call: 1}
+
   # a retiring worker waits this long for callers that had already looked it up
   @drain_grace 50
 
@@ -139,7 +142,10 @@ defmodule VllmBridge.Worker.Server do
         {:noreply, Startup.printed(state, Output.unsolicited(state, reply))}
 
       {:ok, id} ->
-        case Pending.take(state.table, id) do
+        case Pending.answer_id(state.table, id, {:ok, reply}) do
+          :answered ->
+            after_call(state)
+
           :health ->
             {:noreply, Health.answered(state)}
 
@@ -149,10 +155,6 @@ defmodule VllmBridge.Worker.Server do
           # No entry: the caller timed out and went away; drop the late reply.
           nil ->
             {:noreply, state}
-
-          to ->
-            Pending.answer(to, {:ok, reply})
-            after_call(state)
         end
 
       {:error, error} ->
@@ -263,6 +265,10 @@ defmodule VllmBridge.Worker.Server do
 
   # After a caller's reply: count it, then look at the limits (between calls).
   defp after_call(%{phase: :retiring} = state), do: drain(%{state | calls: state.calls + 1})
+
+  # (no limit set, nothing to look at)
+  defp after_call(%{max_calls: nil, max_memory_mb: nil, calls: calls} = state),
+    do: {:noreply, %{state | calls: calls + 1}}
 
   defp after_call(state) do
     state = %{state | calls: state.calls + 1}
