@@ -51,15 +51,6 @@ defmodule VllmBridge.Worker.Pending do
     :ets.insert(table, {id, kind, nil})
   end
 
-  @doc "Removes the entry for `id` and returns its address (`nil` when there is none)."
-  @spec take(t(), pos_integer()) :: address() | nil
-  def take(table, id) do
-    case :ets.take(table, id) do
-      [{_id, address, _caller}] -> address
-      [] -> nil
-    end
-  end
-
   @doc """
   Removes the entry for `id` and hands `result` to its caller, in one table
   operation (a reply's whole business with the table): `:answered` when a
