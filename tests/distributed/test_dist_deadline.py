@@ -5,7 +5,7 @@ that would outlast it gives up at it, as at its own timeout: a receive that give
 takes nothing, so the next receive gets the next message. Without a deadline nothing
 changes (the store's timeout, or the call's own). A GroupCoordinator's collective gives
 up at it too (CollectiveTimeout), over gloo or shared memory, instead of blocking until
-the group's timeout.
+the group's timeout, and the group refuses its later collectives.
 """
 
 from __future__ import annotations
@@ -137,14 +137,21 @@ def _all_reduce_alone(rank: int, port: int, shm: bool, done: str) -> dict:
     start = time.monotonic()
     reply = d.dispatch(pb.Request(2, "", call, 1000))
     took = time.monotonic() - start
+    # The same call again: refused at once, since rank 1 would still run the abandoned one
+    # (without the refusal: a second wait of its deadline, or a result mixed with it).
+    start = time.monotonic()
+    again = d.dispatch(pb.Request(3, "", call, 1000))
+    took_again = time.monotonic() - start
     Path(done).touch()
-    error = reply.error
-    assert error is not None, reply
+    error, refused = reply.error, again.error
+    assert error is not None and refused is not None, (reply, again)
     return {
         "took": took,
         "category": error.category,
         "type": error.python_type,
         "message": error.message,
+        "again": (refused.category, refused.python_type, refused.message),
+        "took_again": took_again,
     }
 
 
@@ -161,3 +168,8 @@ def test_a_collective_whose_peer_never_joins_gives_up_at_the_deadline(
     message = got["message"]
     assert "all_reduce" in message and "rank 0" in message and "'tp" in message, message
     assert "unusable" in message, message
+    # Then the group refuses its next collective at once, saying why.
+    category, kind, refusal = got["again"]
+    assert category == "python" and kind in ("StateError", "DistributedError"), got
+    assert "unusable" in refusal and "all_reduce" in refusal, refusal
+    assert got["took_again"] < 0.9, got  # not a second wait of its 1 s deadline

@@ -37,7 +37,12 @@ import torch
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
-from bridge_py.distributed.errors import CollectiveMismatchError, DistributedError
+from bridge_py.distributed.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    DistributedError,
+    StateError,
+)
 from bridge_py.distributed.groups.objects import all_gather_bytes
 from bridge_py.distributed.groups.work import finish
 
@@ -210,6 +215,21 @@ class Agreement:
         # The operation being checked, and where: what a timed-out exchange names.
         self.checking = ""
         self.where = f"{self.who(rank_in_group)} of {label}"
+        # Why the group is unusable (a collective timed out and was abandoned), once it is.
+        self.broken: str | None = None
+
+    def refuse_if_broken(self, op: str) -> None:
+        """Raise StateError when an earlier collective of this group timed out: this rank's
+        next collective would be matched with what the other ranks still run of that one."""
+        if self.broken is not None:
+            raise StateError(
+                f"{op} on {self.where} refused: {self.broken}, so the group is unusable: "
+                "destroy it and create it again on every rank"
+            )
+
+    def abandoned(self, op: str) -> None:
+        """Mark the group unusable: ``op`` timed out (a CollectiveTimeout) and was abandoned."""
+        self.broken = self.broken or f"an earlier {op} timed out and was abandoned"
 
     def who(self, rank_in_group: int) -> str:
         """``rank R (global G)`` for a rank of this group."""
@@ -222,6 +242,7 @@ class Agreement:
         valid). With checks disabled, or in a group of one, it is raised at once and nothing
         is exchanged.
         """
+        self.refuse_if_broken(signature.op)
         if not self.enabled or self.world_size == 1:
             if error is not None:
                 raise error
@@ -233,6 +254,7 @@ class Agreement:
     def step(self, signature: Signature) -> tuple[bytes, Judge]:
         """The row a shared-memory operation carries in its first step, and its judge. With
         checks off the row still goes along: ranks out of step raise, never mix data."""
+        self.refuse_if_broken(signature.op)
         return signature.row(False), lambda rows: self.judge(signature, rows, None)
 
     def _over_gloo(self, row: bytes, judge: Judge) -> None:
@@ -240,7 +262,11 @@ class Agreement:
         mine = torch.frombuffer(bytearray(row), dtype=torch.int64)
         table = torch.empty(self.world_size * _WIDTH, dtype=torch.int64)
         work = all_gather_into(table, mine, self.cpu_group, async_op=True)
-        finish(work, f"{self.checking} (its argument check)", self.where)
+        try:
+            finish(work, f"{self.checking} (its argument check)", self.where)
+        except CollectiveTimeout:
+            self.abandoned(self.checking)
+            raise
         data = table.numpy().tobytes()
         judge([data[r * ROW_BYTES : (r + 1) * ROW_BYTES] for r in range(self.world_size)])
 

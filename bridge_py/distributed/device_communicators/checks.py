@@ -28,6 +28,7 @@ from bridge_py.distributed.device_communicators.agreement import (
     shape_text,
 )
 from bridge_py.distributed.device_communicators.wire_dtypes import reducible
+from bridge_py.distributed.errors import CollectiveTimeout
 from bridge_py.distributed.groups.work import finish
 
 __all__ = ["CommunicatorChecks"]
@@ -113,8 +114,16 @@ class CommunicatorChecks:
 
     def _finish(self, work: Any, op: str, cpu_group: bool = False) -> None:
         """Wait for the ``work`` of ``op`` (on the CPU group with ``cpu_group``), within
-        the caller's deadline where the wait blocks the CPU (``groups.work.finish``)."""
-        finish(work, op, self.agreement.where, bounded=cpu_group or self._device_blocks)
+        the caller's deadline where the wait blocks the CPU (``groups.work.finish``). A
+        wait that times out leaves the group unusable: its later collectives are refused
+        (``Agreement.refuse_if_broken``), as is handing back this one's result."""
+        agreement = self.agreement
+        agreement.refuse_if_broken(op)
+        try:
+            finish(work, op, agreement.where, bounded=cpu_group or self._device_blocks)
+        except CollectiveTimeout:
+            agreement.abandoned(op)
+            raise
 
     # ------------------------------------------------------------- message headers
 
