@@ -328,18 +328,15 @@ def ensure_model_parallel_initialized(
             data_parallel_size=data_parallel_size,
         )
         return
-    tp = get_tensor_model_parallel_world_size()
-    if tp != tensor_model_parallel_size:
-        raise StateError(
-            "tensor parallel group already initialized, but of unexpected size: "
-            f"got {tp}, wanted {tensor_model_parallel_size}"
-        )
-    pp = get_pp_group().world_size
-    if pp != pipeline_model_parallel_size:
-        raise StateError(
-            "pipeline parallel group already initialized, but of unexpected size: "
-            f"got {pp}, wanted {pipeline_model_parallel_size}"
-        )
+    for name, got, wanted in (
+        ("tensor", get_tensor_model_parallel_world_size(), tensor_model_parallel_size),
+        ("pipeline", get_pp_group().world_size, pipeline_model_parallel_size),
+    ):
+        if got != wanted:
+            raise StateError(
+                f"{name} parallel group already initialized, but of unexpected size: "
+                f"got {got}, wanted {wanted}"
+            )
 
 
 def model_parallel_is_initialized() -> bool:

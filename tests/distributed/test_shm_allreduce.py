@@ -87,6 +87,11 @@ def _communicator(env: dict[str, str]) -> CpuCommunicator:
                 os.environ[key] = value
 
 
+def _calls(comm: CpuCommunicator, op: str) -> int:
+    """How many ``op`` collectives ``comm`` ran over shared memory (0 on gloo)."""
+    return 0 if comm.shm is None else comm.shm.calls[op]
+
+
 def make(rank: int, dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
     """Rank ``rank``'s input: random, full range for 8-bit integers (their sums wrap)."""
     gen = torch.Generator().manual_seed(seed * 1009 + rank)
@@ -186,11 +191,11 @@ def _all_dtypes(rank: int, port: int, world_size: int) -> dict[str, int]:
     assert torch.equal(reduced, ordered_sum(big)[rank * part : (rank + 1) * part])
     assert torch.equal(small.broadcast(big[rank].clone(), src=1), big[1])
     counts = {
-        "all_reduce": comm.shm_all_reduce_calls,
-        "small_all_reduce": small.shm_all_reduce_calls,
-        "all_gather": small.shm_all_gather_calls,
-        "reduce_scatter": small.shm_reduce_scatter_calls,
-        "broadcast": small.shm_broadcast_calls,
+        "all_reduce": _calls(comm, "all_reduce"),
+        "small_all_reduce": _calls(small, "all_reduce"),
+        "all_gather": _calls(small, "all_gather"),
+        "reduce_scatter": _calls(small, "reduce_scatter"),
+        "broadcast": _calls(small, "broadcast"),
     }
     small.destroy()
     g.destroy()
@@ -226,7 +231,7 @@ def _many(rank: int, port: int, world_size: int) -> int:
         if i % 50 == 0:  # interleave other collectives over the same buffer
             got = comm.all_gather(torch.full((3,), float(rank + i)), dim=0)
             assert got.tolist() == [float(r + i) for r in range(world_size) for _ in range(3)]
-    calls = comm.shm_all_reduce_calls
+    calls = _calls(comm, "all_reduce")
     comm.destroy()
     dist.destroy_process_group()
     return calls
@@ -250,9 +255,9 @@ def _fallback(rank: int, port: int) -> dict[str, Any]:
     for comm in (off, half, on):
         assert torch.equal(comm.all_reduce(x), torch.arange(6.0) * 2 + 1)
     result = {
-        "off": (off.shm is None, off.dist_module is dist, off.shm_all_reduce_calls),
-        "half": (half.shm is None, half.shm_all_reduce_calls),
-        "on": (on.shm is not None, on.shm_all_reduce_calls),
+        "off": (off.shm is None, off.dist_module is dist, _calls(off, "all_reduce")),
+        "half": (half.shm is None, _calls(half, "all_reduce")),
+        "on": (on.shm is not None, _calls(on, "all_reduce")),
     }
     for comm in (off, half, on):
         comm.destroy()

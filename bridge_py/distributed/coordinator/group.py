@@ -25,7 +25,7 @@ from bridge_py.distributed.coordinator.layout import (
     device_for,
     unique_name,
 )
-from bridge_py.distributed.coordinator.queues import broadcast_queue, single_reader_queues
+from bridge_py.distributed.coordinator.queues import CHUNK_BYTES, CHUNKS, single_reader_queues
 from bridge_py.distributed.coordinator.tensor_dicts import (
     TensorMetadata,
     TensorWire,
@@ -174,8 +174,14 @@ class GroupCoordinator:
         such callers pass ``blocking=False`` and call ``wait_until_ready`` on the queue later.
         """
         self._check_peer("create_mq_broadcaster", "writer", writer_rank)
-        return broadcast_queue(
-            self.cpu_group, writer_rank, external_writer_handle, blocking, self._auth_key
+        return MessageQueue.create_from_process_group(
+            self.cpu_group,
+            CHUNK_BYTES,
+            CHUNKS,
+            writer_rank,
+            external_writer_handle,
+            blocking,
+            auth_key=self._auth_key,
         )
 
     def create_single_reader_mq_broadcasters(

@@ -1,4 +1,5 @@
-"""The shared-memory MessageQueues a GroupCoordinator makes over its CPU group."""
+"""The shared-memory MessageQueues a GroupCoordinator makes over its CPU group: their sizes,
+and the single-reader queues (a queue per rank, one reader)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,11 @@ from bridge_py.distributed.device_communicators.shm_broadcast import Handle, Mes
 from bridge_py.distributed.groups.node import in_the_same_node_as
 from bridge_py.distributed.groups.objects import ObjectChannel
 
-__all__ = ["broadcast_queue", "single_reader_queues"]
+__all__ = ["CHUNKS", "CHUNK_BYTES", "single_reader_queues"]
 
 # Message queue broadcaster sizes, as vLLM: 4 MiB chunks, 6 of them.
 CHUNK_BYTES = 1 << 22
 CHUNKS = 6
-
-
-def broadcast_queue(
-    cpu_group: ProcessGroup,
-    writer_rank: int,
-    external_writer_handle: Handle | None,
-    blocking: bool,
-    key: bytes | None,
-) -> MessageQueue:
-    """GroupCoordinator.create_mq_broadcaster: one writer, every other rank reads."""
-    return MessageQueue.create_from_process_group(
-        cpu_group,
-        CHUNK_BYTES,
-        CHUNKS,
-        writer_rank=writer_rank,
-        external_writer_handle=external_writer_handle,
-        blocking=blocking,
-        auth_key=key,
-    )
 
 
 def single_reader_queues(

@@ -37,7 +37,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
     for EP groups.
 
     ``shm`` is the group's :class:`ShmCollectives` (None when gloo carries everything);
-    ``shm_all_reduce_calls`` and friends count the collectives it ran.
+    its ``calls`` count the collectives it ran, by name.
     """
 
     def __init__(
@@ -67,28 +67,6 @@ class CpuCommunicator(DeviceCommunicatorBase):
             self.agreement.carrier = self.shm.exchange
         if self.use_all2all:
             self.all2all_manager = NaiveAll2AllManager(self)
-
-    # ------------------------------------------------------------------ shared memory
-
-    @property
-    def shm_all_reduce_calls(self) -> int:
-        """All-reduces run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.calls["all_reduce"]
-
-    @property
-    def shm_all_gather_calls(self) -> int:
-        """All-gathers run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.calls["all_gather"]
-
-    @property
-    def shm_reduce_scatter_calls(self) -> int:
-        """Reduce-scatters run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.calls["reduce_scatter"]
-
-    @property
-    def shm_broadcast_calls(self) -> int:
-        """Broadcasts run over shared memory so far (0 on gloo)."""
-        return 0 if self.shm is None else self.shm.calls["broadcast"]
 
     def _step(self, op: str, wire: torch.Tensor) -> tuple[bytes, Judge]:
         """The agreement row and judge of a shared-memory step of ``op`` on ``wire``."""

@@ -33,7 +33,6 @@ __all__ = [
     "READY",
     "RemotePublisher",
     "RemoteSubscriber",
-    "format_tcp_address",
     "parse_tcp_address",
 ]
 
@@ -43,11 +42,6 @@ _HELLO = struct.Struct("!4s16sI")  # magic, queue token, reader rank
 _HELLO_MAGIC = b"VBMR"
 READY = CHUNK.pack(0, 0, 0)  # an empty chunk: no message is empty
 _RECV_BYTES = 1 << 20
-
-
-def format_tcp_address(host: str, port: int) -> str:
-    """``tcp://host:port``, with brackets around an IPv6 host."""
-    return f"tcp://{format_address(host, port)}"
 
 
 def parse_tcp_address(address: str) -> tuple[str, int]:
@@ -83,7 +77,7 @@ class RemotePublisher:
             self._listener.close()
             raise OSError(f"cannot listen for remote readers on {host!r}: {exc}") from exc
         self._listener.setblocking(False)
-        self.address = format_tcp_address(host, self._listener.getsockname()[1])
+        self.address = f"tcp://{format_address(host, self._listener.getsockname()[1])}"
         self._token = token
         self._n_reader = n_reader
         self._ranks = ranks
