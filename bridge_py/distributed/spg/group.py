@@ -183,15 +183,13 @@ class StatelessProcessGroup:
             for key, data, src in zip(wanted, got, others, strict=True)
         ]
         cards.insert(self.rank, card)
-        # The last rank to have read every card deletes them before its create returns (not
-        # later, by the reaper), so the store keeps nothing of it once every rank has gone
-        # on to a barrier: another rank may leave that barrier first.
+        # The last rank to have read every card deletes them: the store keeps nothing of it.
         with StoreRequest(op, self.rank, "node/read", "counting in"):
             read = self.store.add("node/read", 1)
         if read == self.world_size:
-            for key in [f"node/{r}" for r in range(self.world_size)] + ["node/read"]:
-                with StoreRequest(op, self.rank, key, "deleting"):
-                    self.store.delete_key(key)
+            self._store_transport.discard([f"node/{r}" for r in range(self.world_size)])
+            self._store_transport.discard(["node/read"])
+            self._store_transport.flush()
         return cards
 
     # --- point to point -----------------------------------------------------------------
