@@ -220,8 +220,13 @@ def test_expire_data_deletes_old_keys() -> None:
     assert len(results[0]["written"]) == 5  # 3 sends, a broadcast value and its ack counter
     join_keys = ["join/count", "join/done"]
     unreceived = [f"p2p/0/1/{i}" for i in range(3)]
-    for result in results:
-        assert result["before"] == join_keys + unreceived
+    for rank, result in enumerate(results):
+        before = result["before"]
+        if rank == 1:
+            # Rank 0 leaves a barrier last, once every rank's deferred deletes are done; rank 1
+            # may look before rank 0's own are (create's node cards, when rank 0 read them last).
+            before = [key for key in before if not key.startswith("node/")]
+        assert before == join_keys + unreceived
         assert result["after"] == join_keys
     assert results[0]["entries"] == 0
 
