@@ -85,7 +85,7 @@ defmodule Bench.Calls do
     bare = open_bare_worker()
     grpc = open_grpc()
     {:ok, router} = Bench.EchoRouter.start_link(nil)
-    group = one_rank_group()
+    group = Bench.one_rank_group(@dist_pool)
 
     ctx = %{
       counters: counters,
@@ -108,21 +108,6 @@ defmodule Bench.Calls do
 
   defp pool_spec(name, args) do
     Supervisor.child_spec({Pool, name: name, size: 1, args: args}, id: name)
-  end
-
-  # A StatelessProcessGroup of one rank on the shipped table's worker: what the
-  # generated modules' rows call.
-  defp one_rank_group do
-    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
-    {:ok, port} = :inet.port(socket)
-    :ok = :gen_tcp.close(socket)
-
-    {:ok, group} =
-      StatelessProcessGroup.create(nil, "127.0.0.1", port, 0, 1, [],
-        __runtime__: [pool: @dist_pool, timeout: 120_000]
-      )
-
-    group
   end
 
   ## 1. sequential latency --------------------------------------------------------

@@ -199,4 +199,21 @@ defmodule Bench do
       timeout -> raise "no echo within #{timeout} ms"
     end
   end
+
+  @doc """
+  A StatelessProcessGroup of one rank on a worker of `pool` (one serving the shipped
+  table), on a free port of 127.0.0.1: what the generated modules' rows call.
+  """
+  def one_rank_group(pool) do
+    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
+    {:ok, port} = :inet.port(socket)
+    :ok = :gen_tcp.close(socket)
+
+    {:ok, group} =
+      Vllm.Distributed.StatelessProcessGroup.create(nil, "127.0.0.1", port, 0, 1, [],
+        __runtime__: [pool: pool, timeout: 120_000]
+      )
+
+    group
+  end
 end

@@ -35,7 +35,7 @@ defmodule Bench.PerCall do
       )
 
     {:ok, counter} = Runtime.call_class("Counter", [], __runtime__: [pool: @pool])
-    group = one_rank_group()
+    group = Bench.one_rank_group(@dist_pool)
     {:ok, worker} = Pool.worker(@pool, 0)
     {:ok, dist_worker} = Pool.worker(@dist_pool, 0)
 
@@ -51,8 +51,7 @@ defmodule Bench.PerCall do
     rt = [__runtime__: [pool: @dist_pool]]
 
     shapes = [
-      {"raw port echo (caller-owned port)", worker,
-       fn _ -> Bench.echo(echo, frame) == frame end},
+      {"raw port echo (caller-owned port)", worker, fn _ -> Bench.echo(echo, frame) == frame end},
       {"Runtime.ping(nil, __runtime__: [pool: p])", worker,
        fn _ -> Runtime.ping(nil, __runtime__: [pool: @pool]) == {:ok, nil} end},
       {"Runtime.call_method(counter, \"incr\", [])", worker,
@@ -108,6 +107,7 @@ defmodule Bench.PerCall do
     :cprof.pause()
     {total, modules} = :cprof.analyse()
     :cprof.stop()
+
     functions =
       for({_m, _c, fs} <- modules, {mfa, c} <- fs, c >= n, do: {mfa, c / n})
       |> Enum.sort_by(&elem(&1, 1), :desc)
@@ -122,19 +122,6 @@ defmodule Bench.PerCall do
       ["--top", k | _] -> String.to_integer(k)
       _ -> 8
     end
-  end
-
-  defp one_rank_group do
-    {:ok, socket} = :gen_tcp.listen(0, ip: {127, 0, 0, 1})
-    {:ok, port} = :inet.port(socket)
-    :ok = :gen_tcp.close(socket)
-
-    {:ok, group} =
-      StatelessProcessGroup.create(nil, "127.0.0.1", port, 0, 1, [],
-        __runtime__: [pool: @dist_pool, timeout: 120_000]
-      )
-
-    group
   end
 end
 
