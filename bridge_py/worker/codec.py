@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgpack
 import torch
 
-from bridge_py.worker.ext_scan import Edit, find_large_exts, first_large_ext_data, splice
+from bridge_py.worker.ext_scan import Edit, find_large_exts, first_large_ext_payload, splice
 
 EXT_TENSOR = 1
 EXT_REF = 2
@@ -168,7 +168,7 @@ def decode_tensor(payload: bytes | memoryview, *, share: bool = False) -> torch.
         raise CodecError("tensor payload shorter than its header")
     kind, bits, ndim = chr(payload[0]), payload[1], payload[2]
     dtype = dtype_from_wire(kind, bits)
-    end = 3 + 8 * ndim
+    end = _tensor_header_bytes(ndim)
     if len(payload) < end:
         raise CodecError("tensor payload shorter than its shape")
     shape = struct.unpack_from(f">{ndim}Q", payload, 3)
@@ -210,7 +210,15 @@ def tensor_data_at(prefix: bytes | memoryview, size: int) -> int:
     puts that offset on an aligned address, so the tensor can be decoded as a view of
     the frame (see :func:`decode_tensor`); a wrong guess only costs that tensor a copy.
     """
-    return first_large_ext_data(prefix, size, EXT_TENSOR, _CUT_FROM)
+    at = first_large_ext_payload(prefix, size, EXT_TENSOR, _CUT_FROM)
+    if not at or at + 3 > len(prefix):
+        return 0
+    return at + _tensor_header_bytes(prefix[at + 2])
+
+
+def _tensor_header_bytes(ndim: int) -> int:
+    """The bytes of an ext-1 payload before its elements: type, bits, ndim, the dims."""
+    return 3 + 8 * ndim
 
 
 class Codec:

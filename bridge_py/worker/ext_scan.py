@@ -13,16 +13,17 @@ sense of (a truncated or malformed value, one nested too deep) it gives up on, a
 codec decodes the buffer as it always did, which reports the error. So the scan decides
 only how fast a value is decoded, never what it decodes to.
 
-:func:`first_large_ext_data` is a cheaper guess from the first bytes of a frame, for the
-frame reader: where the first tensor's elements will start, so that the frame can be
-read in at an offset that puts them on an aligned address.
+:func:`first_large_ext_payload` is a cheaper guess from the first bytes of a frame, for
+the frame reader: where the first large tensor's payload starts (the codec knows where
+its elements start within it), so that the frame can be read in at an offset that puts
+them on an aligned address.
 """
 
 from __future__ import annotations
 
 import struct
 
-__all__ = ["Edit", "find_large_exts", "first_large_ext_data", "splice"]
+__all__ = ["Edit", "find_large_exts", "first_large_ext_payload", "splice"]
 
 Edit = tuple[int, int, int]
 """``(start, end, what)``: replace ``buf[start:end]``. ``what >= 0``: a large extension
@@ -224,21 +225,22 @@ def splice(data: bytes | memoryview, edits: list[Edit], code: int, nonce: bytes)
     return b"".join(pieces)
 
 
-def first_large_ext_data(prefix: bytes | memoryview, size: int, ext_code: int, min_len: int) -> int:
-    """Where the data of the first large tensor starts in a frame of ``size`` bytes,
-    guessed from the frame's first bytes ``prefix``: the first ext 32 header there of
-    type ``ext_code`` with a payload of at least ``min_len`` bytes that fits the frame,
-    past the tensor's own header (type, bits, dims, and 8 bytes per dim). 0 when none.
+def first_large_ext_payload(
+    prefix: bytes | memoryview, size: int, ext_code: int, min_len: int
+) -> int:
+    """Where the payload of the first large ``ext_code`` value starts in a frame of
+    ``size`` bytes, guessed from the frame's first bytes ``prefix``: the first ext 32
+    header there of that type with a payload of at least ``min_len`` bytes that fits the
+    frame. 0 when none.
 
-    A guess only: the frame reader uses it to choose where the frame lands in memory; a
-    wrong guess costs the tensor one copy (it is decoded from a misaligned address),
-    never a wrong value."""
+    A guess only (the bytes are not parsed as msgpack): the frame reader uses it to choose
+    where the frame lands in memory; a wrong guess costs the tensor one copy (it is
+    decoded from a misaligned address), never a wrong value."""
     data = bytes(prefix)
     at = data.find(b"\xc9")
-    while 0 <= at <= len(data) - 9:
+    while 0 <= at <= len(data) - 6:
         length = int.from_bytes(data[at + 1 : at + 5], "big")
-        start = at + 9 + 8 * data[at + 8]
-        if data[at + 5] == ext_code and length >= min_len and start <= at + 6 + length <= size:
-            return start
+        if data[at + 5] == ext_code and length >= min_len and at + 6 + length <= size:
+            return at + 6
         at = data.find(b"\xc9", at + 1)
     return 0
