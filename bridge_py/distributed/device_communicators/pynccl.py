@@ -172,12 +172,12 @@ class PyNcclCommunicator(CommunicatorChecks):
         self._device_blocks = cpu  # gloo's waits block the CPU, NCCL's order a stream
         self._shm: ShmCollectives | None = None
         self._pg: ProcessGroup | None = None
-        self._rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
         self._depth = 0  # group_start nesting
         self._sends: list[Any] = []  # CPU, inside a group: posted sends, waited by group_end
         self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
+        rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
         if self.available:
-            self._pg = self._connect(group, cpu)
+            self._pg, rendezvous = self._connect(group, cpu)
         self.agreement = Agreement(
             cast(ProcessGroup, self._pg),
             self.rank,
@@ -194,8 +194,7 @@ class PyNcclCommunicator(CommunicatorChecks):
             # reads this one's rendezvous address any more: its key goes, and communicators
             # made and destroyed over one store leave nothing in it.
             with StoreRequest(self.label, self.rank, "its gloo rendezvous key", "deleting"):
-                if self._rendezvous is not None:
-                    forget_rendezvous(self._rendezvous, self.rank)
+                forget_rendezvous(cast(dist.Store, rendezvous), self.rank)
         elif self._pg is not None:
             major, minor, patch = torch.cuda.nccl.version()[:3]
             self.nccl_version = major * 10000 + minor * 100 + patch
@@ -203,8 +202,11 @@ class PyNcclCommunicator(CommunicatorChecks):
                 self.all_reduce(torch.zeros(1, device=self.device))
                 torch.cuda.current_stream().synchronize()
 
-    def _connect(self, group: ProcessGroup | StatelessProcessGroup, cpu: bool) -> ProcessGroup:
-        """This communicator's own torch group (gloo or NCCL) on the group's store."""
+    def _connect(
+        self, group: ProcessGroup | StatelessProcessGroup, cpu: bool
+    ) -> tuple[ProcessGroup, dist.Store]:
+        """This communicator's own torch group (gloo or NCCL) on the group's store, and the
+        store (under the communicator's own prefix) its rendezvous used."""
         if not cpu and self.device.type != "cuda":
             raise ValueError(f"PyNcclCommunicator serves 'cpu' or CUDA, not {self.device}")
         if not cpu and not (torch.cuda.is_available() and dist.is_nccl_available()):
@@ -214,10 +216,10 @@ class PyNcclCommunicator(CommunicatorChecks):
             )
         backend = Backend("gloo" if cpu else "nccl")
         store = PrefixStore(f"pynccl/{_agreed_token(group, self.rank)}/", _store_of(group))
-        self._rendezvous = store
         timeout = _get_default_timeout(backend)
         # (_assemble only wraps the store in another PrefixStore: any store does.)
-        return _assemble(cast(TCPStore, store), self.rank, self.world_size, backend, timeout)
+        pg = _assemble(cast(TCPStore, store), self.rank, self.world_size, backend, timeout)
+        return pg, store
 
     def destroy(self) -> None:
         """Release the shared memory and the torch group; the communicator is then disabled."""
