@@ -21,9 +21,9 @@ defmodule VllmBridge.Pool do
   What every call needs of the pool (its registry, size, default timeout and
   a round-robin counter, an `:atomics` array) is one `:persistent_term`
   read, so placing a call (`route/3`, `route_at/2`, `next_route/1`) is that
-  read and one registry lookup, lock-free and without a process. The
-  Registry's metadata holds the size and timeout too, for `size/1` and
-  `timeout/1`, which also tell whether the pool is running.
+  read and one registry lookup, lock-free and without a process. `size/1`
+  and `timeout/1` read the same settings once the pool's Registry answers
+  (so they also tell whether the pool is running).
 
   Workers are independent Python processes: objects (and the handles of
   `VllmBridge.Ref`s) live in exactly one of them. A worker that dies is
@@ -264,7 +264,7 @@ defmodule VllmBridge.Pool do
     starts = :atomics.new(size, signed: false)
     timeout = Keyword.fetch!(opts, :timeout)
     :ok = remember(name, registry, size, timeout)
-    meta = [size: size, timeout: timeout, starts: starts]
+    meta = [starts: starts]
 
     Supervisor.init(
       [
@@ -425,11 +425,11 @@ defmodule VllmBridge.Pool do
 
   @doc "The number of workers of a pool."
   @spec size(name()) :: {:ok, pos_integer()} | {:error, Error.t()}
-  def size(pool), do: meta(pool, :size)
+  def size(pool), do: setting(pool, 1)
 
   @doc "The pool's default per-call timeout in ms (or `:infinity`)."
   @spec timeout(name()) :: {:ok, timeout()} | {:error, Error.t()}
-  def timeout(pool), do: meta(pool, :timeout)
+  def timeout(pool), do: setting(pool, 2)
 
   @doc """
   The running workers as `{index, pid}`, by index (a restarting worker is
@@ -477,16 +477,18 @@ defmodule VllmBridge.Pool do
     ArgumentError -> {:error, no_pool(pool)}
   end
 
-  defp meta(pool, key) when is_atom(pool) do
-    case Registry.meta(registry(pool), key) do
-      {:ok, value} -> {:ok, value}
+  # Element `at` of the pool's settings (see remember/4), while the pool runs:
+  # its registry, which the settings outlive, must answer.
+  defp setting(pool, at) when is_atom(pool) do
+    case Registry.meta(registry(pool), :starts) do
+      {:ok, _starts} -> {:ok, elem(settings(pool), at)}
       :error -> {:error, no_pool(pool)}
     end
   rescue
     ArgumentError -> {:error, no_pool(pool)}
   end
 
-  defp meta(pool, _key), do: {:error, no_pool(pool)}
+  defp setting(pool, _at), do: {:error, no_pool(pool)}
 
   defp no_pool(pool) do
     Error.new(:worker, "no pool named #{inspect(pool)} is running", details: %{pool: pool})
