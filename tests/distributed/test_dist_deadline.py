@@ -14,6 +14,7 @@ import datetime
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
@@ -105,16 +106,14 @@ def test_wait_until_ready_gives_up_at_the_deadline() -> None:
 _ABSENT_FOR = 25.0
 
 
-def _all_reduce_alone(rank: int, port: int, shm: bool, done: str) -> dict:
-    """Rank 0 calls the TP group's all_reduce in a worker request with a 1 s deadline; rank 1
-    never calls it, and stays until rank 0 is done."""
-    import torch
-
-    from bridge_py.distributed import init_distributed_environment, initialize_model_parallel
-    from bridge_py.worker import envelope as pb
-    from bridge_py.worker.codec import PLAIN
-    from bridge_py.worker.dispatcher import Dispatcher
-    from bridge_py.worker.export_table import default_exports
+def _tp_group_of_two(rank: int, port: int, shm: bool, done: str) -> object:
+    """The TP group of two ranks (shared memory on or off) on rank 0; rank 1 joins, then
+    stays without calling anything until rank 0 is done, and gets None."""
+    from bridge_py.distributed import (
+        get_tp_group,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
 
     os.environ["VLLM_BRIDGE_CPU_SHM"] = "1" if shm else "0"
     init_distributed_environment(
@@ -130,6 +129,21 @@ def _all_reduce_alone(rank: int, port: int, shm: bool, done: str) -> dict:
         until = time.monotonic() + _ABSENT_FOR
         while not Path(done).exists() and time.monotonic() < until:
             time.sleep(0.05)
+        return None
+    return get_tp_group()
+
+
+def _all_reduce_alone(rank: int, port: int, shm: bool, done: str) -> dict:
+    """Rank 0 calls the TP group's all_reduce in a worker request with a 1 s deadline; rank 1
+    never calls it, and stays until rank 0 is done."""
+    import torch
+
+    from bridge_py.worker import envelope as pb
+    from bridge_py.worker.codec import PLAIN
+    from bridge_py.worker.dispatcher import Dispatcher
+    from bridge_py.worker.export_table import default_exports
+
+    if _tp_group_of_two(rank, port, shm, done) is None:
         return {}
     d = Dispatcher(default_exports())
     tp = d.dispatch(pb.Request(1, "", pb.CallFunction("get_tp_group")))
@@ -173,3 +187,50 @@ def test_a_collective_whose_peer_never_joins_gives_up_at_the_deadline(
     assert category == "python" and kind in ("StateError", "DistributedError"), got
     assert "unusable" in refusal and "all_reduce" in refusal, refusal
     assert got["took_again"] < 0.9, got  # not a second wait of its 1 s deadline
+
+
+def _abandon_then(rank: int, port: int, shm: bool, first: str, done: str) -> dict:
+    """Rank 0 runs ``first`` (an object receive or an all_reduce) on the TP group under a 1 s
+    deadline, which rank 1 never joins, then the other one: what the second one does."""
+    import torch
+
+    tp: Any = _tp_group_of_two(rank, port, shm, done)
+    if tp is None:
+        return {}
+    calls = {
+        "recv_object": lambda: tp.recv_object(1),
+        "all_reduce": lambda: tp.all_reduce(torch.ones(4)),
+    }
+    second = next(name for name in calls if name != first)
+    got: dict = {}
+    for name in (first, second):
+        start = time.monotonic()
+        try:
+            with deadline.until(start + 1.0):
+                calls[name]()
+        except Exception as exc:
+            got[name] = (type(exc).__name__, str(exc), time.monotonic() - start)
+    Path(done).touch()
+    return got
+
+
+@pytest.mark.parametrize("first", ["recv_object", "all_reduce"])
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_an_abandoned_operation_makes_every_later_one_on_the_group_refused(
+    shm: bool, first: str, tmp_path: Path
+) -> None:
+    """Objects and collectives of one GroupCoordinator share its CPU group: whichever of them
+    timed out, the other is refused at once instead of waiting again (or pairing with what
+    the other rank still runs)."""
+    got = run_ranks(
+        _abandon_then, 2, free_port(), shm, first, str(tmp_path / "done"), timeout=_ABSENT_FOR + 30
+    )[0]
+    kind, message, took = got[first]
+    assert kind == "CollectiveTimeout" and "unusable" in message, got
+    assert 0.9 < took < 4.0, got
+    second = next(name for name in got if name != first)
+    kind, message, took = got[second]
+    assert kind == "StateError", got
+    named = second.removesuffix("_object")  # the channel's words: "recv of an object"
+    assert "refused" in message and "unusable" in message and named in message, got
+    assert took < 0.9, got  # not a second wait of its 1 s deadline

@@ -105,21 +105,21 @@ class TensorWire:
             work = dist.broadcast(wire, src=self._ranks[src], group=group, async_op=True)
             pending.append((work, tensor.is_cpu))
         for work, cpu in pending:
-            finish(work, "broadcast_tensor_dict", self._where, bounded=cpu)
+            finish(work, "broadcast_tensor_dict", self._where, bounded=cpu, group=self._cpu_group)
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         """Send ``tensor`` to group rank ``peer``."""
         group = self._group(tensor)
         wire, _ = for_transport(tensor, str(dist.get_backend(group)))
         work = dist.isend(wire, dst=self._ranks[peer], group=group)
-        finish(work, "send_tensor_dict", self._where, bounded=tensor.is_cpu)
+        finish(work, "send_tensor_dict", self._where, bounded=tensor.is_cpu, group=self._cpu_group)
 
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
         """Receive into ``tensor`` from group rank ``peer``."""
         group = self._group(tensor)
         wire, restore = for_transport(tensor, str(dist.get_backend(group)))
         work = dist.irecv(wire, src=self._ranks[peer], group=group)
-        finish(work, "recv_tensor_dict", self._where, bounded=tensor.is_cpu)
+        finish(work, "recv_tensor_dict", self._where, bounded=tensor.is_cpu, group=self._cpu_group)
         if wire.data_ptr() != tensor.data_ptr():
             tensor.copy_(restore(wire).reshape(tensor.shape))
 

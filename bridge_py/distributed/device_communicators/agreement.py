@@ -39,12 +39,10 @@ from torch.distributed import ProcessGroup
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 from bridge_py.distributed.errors import (
     CollectiveMismatchError,
-    CollectiveTimeout,
     DistributedError,
-    StateError,
 )
 from bridge_py.distributed.groups.objects import all_gather_bytes
-from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.groups.work import finish, refuse_if_unusable
 
 __all__ = [
     "CHECK_ENV",
@@ -215,21 +213,12 @@ class Agreement:
         # The operation being checked, and where: what a timed-out exchange names.
         self.checking = ""
         self.where = f"{self.who(rank_in_group)} of {label}"
-        # Why the group is unusable (a collective timed out and was abandoned), once it is.
-        self.broken: str | None = None
 
     def refuse_if_broken(self, op: str) -> None:
-        """Raise StateError when an earlier collective of this group timed out: this rank's
-        next collective would be matched with what the other ranks still run of that one."""
-        if self.broken is not None:
-            raise StateError(
-                f"{op} on {self.where} refused: {self.broken}, so the group is unusable: "
-                "destroy it and create it again on every rank"
-            )
-
-    def abandoned(self, op: str) -> None:
-        """Mark the group unusable: ``op`` timed out (a CollectiveTimeout) and was abandoned."""
-        self.broken = self.broken or f"an earlier {op} timed out and was abandoned"
+        """Raise StateError when an earlier operation on this group was abandoned (it timed
+        out): this rank's ``op`` would be matched with what the other ranks still run of
+        that one (``groups.work.refuse_if_unusable``)."""
+        refuse_if_unusable(self.cpu_group, op, self.where)
 
     def who(self, rank_in_group: int) -> str:
         """``rank R (global G)`` for a rank of this group."""
@@ -262,11 +251,7 @@ class Agreement:
         mine = torch.frombuffer(bytearray(row), dtype=torch.int64)
         table = torch.empty(self.world_size * _WIDTH, dtype=torch.int64)
         work = all_gather_into(table, mine, self.cpu_group, async_op=True)
-        try:
-            finish(work, f"{self.checking} (its argument check)", self.where)
-        except CollectiveTimeout:
-            self.abandoned(self.checking)
-            raise
+        finish(work, f"{self.checking} (its argument check)", self.where, group=self.cpu_group)
         data = table.numpy().tobytes()
         judge([data[r * ROW_BYTES : (r + 1) * ROW_BYTES] for r in range(self.world_size)])
 

@@ -28,7 +28,6 @@ from bridge_py.distributed.device_communicators.agreement import (
     shape_text,
 )
 from bridge_py.distributed.device_communicators.wire_dtypes import reducible
-from bridge_py.distributed.errors import CollectiveTimeout
 from bridge_py.distributed.groups.work import finish
 
 __all__ = ["CommunicatorChecks"]
@@ -118,12 +117,8 @@ class CommunicatorChecks:
         wait that times out leaves the group unusable: its later collectives are refused
         (``Agreement.refuse_if_broken``), as is handing back this one's result."""
         agreement = self.agreement
-        agreement.refuse_if_broken(op)
-        try:
-            finish(work, op, agreement.where, bounded=cpu_group or self._device_blocks)
-        except CollectiveTimeout:
-            agreement.abandoned(op)
-            raise
+        bounded = cpu_group or self._device_blocks
+        finish(work, op, agreement.where, bounded=bounded, group=agreement.cpu_group)
 
     # ------------------------------------------------------------- message headers
 

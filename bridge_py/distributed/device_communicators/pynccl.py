@@ -124,7 +124,8 @@ def _agreed_token(group: ProcessGroup | StatelessProcessGroup, rank: int) -> str
     if backend == Backend.NCCL:
         raise ValueError("PyNcclCommunicator should be attached to a non-NCCL group.")
     tensor = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-    finish(group.broadcast(tensor, 0), "PyNcclCommunicator's set-up", f"rank {rank} of its group")
+    where = f"rank {rank} of its group"
+    finish(group.broadcast(tensor, 0), "PyNcclCommunicator's set-up", where, group=group)
     return bytes(tensor.tolist()).hex()
 
 

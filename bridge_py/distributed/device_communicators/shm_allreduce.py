@@ -95,7 +95,7 @@ from bridge_py.distributed.errors import (
     PeerGoneError,
     SharedMemoryError,
 )
-from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.groups.work import finish, mark_unusable
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import (
@@ -256,6 +256,7 @@ class ShmCollectives:
         slot_bytes: int,
         label: str,
         timeout: float,
+        group: ProcessGroup,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -277,6 +278,7 @@ class ShmCollectives:
         self._phase = 0
         self._step = 0
         self._broken: str | None = None
+        self._group = group  # marked unusable when a step fails (groups.work)
         self._lock = threading.Lock()
         self._pids = [
             _PID.unpack_from(self._buf, _HEADER_BYTES + r * _CTRL_BYTES + _PID_AT)
@@ -328,7 +330,7 @@ class ShmCollectives:
             except (OSError, ValueError) as exc:
                 why = f"cannot create a shared-memory segment: {exc}"
         where = f"rank {rank} of {label}"
-        finish(cpu_group.broadcast(name, 0), "shared-memory set-up", where)
+        finish(cpu_group.broadcast(name, 0), "shared-memory set-up", where, group=cpu_group)
         if rank != 0 and offer:
             shm, slot_bytes, why = cls._attach(bytes(name.tolist()).rstrip(b"\0"), world_size)
         mapping: mmap.mmap | None = None
@@ -344,13 +346,13 @@ class ShmCollectives:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         minimum = dist.AllreduceOptions()
         minimum.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
-        finish(cpu_group.allreduce([flag], minimum), "shared-memory set-up", where)
+        finish(cpu_group.allreduce([flag], minimum), "shared-memory set-up", where, group=cpu_group)
         if rank == 0 and shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()  # every rank has it mapped (or gave up): remove the name now
         if int(flag.item()) == 1:
             # ... so that no rank returns before it is gone
-            finish(cpu_group.barrier(), "shared-memory set-up", where)
+            finish(cpu_group.barrier(), "shared-memory set-up", where, group=cpu_group)
         # (``shm`` is set whenever ``mapping`` is: tested for the type checker's sake.)
         if int(flag.item()) == 0 or mapping is None or shm is None:
             if mapping is not None:
@@ -366,6 +368,7 @@ class ShmCollectives:
             slot_bytes,
             label,
             _group_timeout(cpu_group) if timeout is None else timeout,
+            cpu_group,
         )
 
     @staticmethod
@@ -441,15 +444,20 @@ class ShmCollectives:
                     check=lambda: self._check_peers(phase),
                 )
             except TimeoutError as exc:
-                self._broken = self._failure(phase, what, exc)
-                raise CollectiveTimeout(self._broken) from exc
+                raise CollectiveTimeout(self._fail(self._failure(phase, what, exc))) from exc
             except PeerGoneError as exc:
-                self._broken = self._failure(phase, what, exc)
-                raise PeerGoneError(self._broken) from exc
+                raise PeerGoneError(self._fail(self._failure(phase, what, exc))) from exc
             except BaseException:
-                self._broken = f"{what} was interrupted on rank {self.rank} of {self.label}"
+                self._fail(f"{what} was interrupted on rank {self.rank} of {self.label}")
                 raise
         fence()  # everything the others wrote before their counters is now visible
+
+    def _fail(self, why: str) -> str:
+        """Refuse every later operation of this transport, and of anything else on its
+        group (whose ranks are now out of step), saying ``why``; returns ``why``."""
+        self._broken = why
+        mark_unusable(self._group, f"an earlier {why}")
+        return why
 
     def _late(self, phase: int) -> list[int]:
         return [

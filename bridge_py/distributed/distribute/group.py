@@ -66,11 +66,17 @@ def _torch_sync(pg: ProcessGroup) -> GroupSync:
     bounded = device.type == "cpu"  # a GPU's wait only orders its stream (groups.work)
 
     def barrier() -> None:
-        finish(pg.allreduce([torch.zeros(1, device=device)]), "barrier", where, bounded=bounded)
+        finish(
+            pg.allreduce([torch.zeros(1, device=device)]),
+            "barrier",
+            where,
+            bounded=bounded,
+            group=pg,
+        )
 
     def broadcast(value: int, src: int) -> int:
         token = torch.tensor([value], dtype=torch.int64, device=device)
-        finish(pg.broadcast(token, src), "broadcast", where, bounded=bounded)
+        finish(pg.broadcast(token, src), "broadcast", where, bounded=bounded, group=pg)
         return int(token.item())
 
     return GroupSync(pg.rank(), pg.size(), barrier, broadcast)

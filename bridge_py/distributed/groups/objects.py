@@ -157,7 +157,7 @@ class ObjectChannel:
     # --- plumbing ---
 
     def _wait(self, work: Work, op: str) -> None:
-        finish(work, f"{op} of an object", self._where)
+        finish(work, f"{op} of an object", self._where, group=self._group)
 
     def _next(self) -> int:
         seq = self._collectives
@@ -207,12 +207,17 @@ def all_gather_bytes(
     world = group.size()
     where = where or f"rank {group.rank()} of its group"
     sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-    finish(group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]), what, where)
+    finish(
+        group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]),
+        what,
+        where,
+        group=group,
+    )
     lengths = [
         _checked_size(int(s.item()), limit, f"{what} from rank {r}") for r, s in enumerate(sizes)
     ]
     parts = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
-    finish(group.allgather([parts], [_padded(data, max(lengths))]), what, where)
+    finish(group.allgather([parts], [_padded(data, max(lengths))]), what, where, group=group)
     return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
 
 

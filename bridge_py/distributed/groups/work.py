@@ -15,29 +15,62 @@ the group. It abandons the collective, it cannot cancel it (as torch's own timeo
 other ranks may still run it, the Work may still fill the tensors it was given, and the next
 collective of this rank would be matched with the wrong one. The group is unusable from then
 on, as it is in torch.distributed after a timeout; the error says so.
+
+That state belongs to the torch group, not to whichever object waited: a wait given the
+``group`` it runs on marks it (:func:`mark_unusable`), and every later operation of any of
+the package's objects on that group (a GroupCoordinator's collectives, its objects and
+tensor dictionaries, its shared-memory transport) is refused at once with StateError
+(:func:`refuse_if_unusable`) instead of waiting again or pairing with what the other ranks
+still run.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import weakref
+from typing import Any
 
 from torch.distributed import Work
 
 from bridge_py import deadline
-from bridge_py.distributed.errors import CollectiveTimeout
+from bridge_py.distributed.errors import CollectiveTimeout, StateError
 
-__all__ = ["finish"]
+__all__ = ["finish", "mark_unusable", "refuse_if_unusable"]
+
+# The torch groups whose ranks are out of step, with why (the first reason is kept).
+_unusable: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def finish(work: Work | None, op: str, where: str, *, bounded: bool = True) -> None:
+def mark_unusable(group: Any, why: str) -> None:
+    """Remember that an operation on ``group`` was abandoned (``why``: which, and how it
+    ended), so that every later one is refused (:func:`refuse_if_unusable`)."""
+    _unusable.setdefault(group, why)
+
+
+def refuse_if_unusable(group: Any, op: str, where: str) -> None:
+    """Raise StateError naming ``op`` and ``where`` (this rank and its group) when an
+    earlier operation on ``group`` was abandoned: this rank's ``op`` would be matched with
+    what the other ranks still run of that one."""
+    why = _unusable.get(group) if _unusable else None
+    if why is not None:
+        raise StateError(
+            f"{op} on {where} refused: {why}, so the group is unusable: "
+            "destroy it and create it again on every rank"
+        )
+
+
+def finish(work: Work | None, op: str, where: str, *, group: Any, bounded: bool = True) -> None:
     """Wait for ``work`` (None: a group this rank is not in, nothing to wait for).
 
     ``op`` names the operation and ``where`` this rank and its group (``"rank 0 (global 2)
     of group 'tp'"``) in the error. ``bounded=False`` waits as torch does whatever the
     deadline: for a collective that does not block the CPU (NCCL's ``wait`` only orders
-    the current stream; a wait with a timeout would block the CPU instead).
+    the current stream; a wait with a timeout would block the CPU instead). ``group`` is the
+    torch group whose order the work keeps: one already unusable is refused before the wait,
+    and a wait that times out makes it so.
     """
+    refuse_if_unusable(group, op, where)
     if work is None:
         return
     left = deadline.remaining() if bounded else None
@@ -53,12 +86,13 @@ def finish(work: Work | None, op: str, where: str, *, bounded: bool = True) -> N
     except RuntimeError as exc:
         if "timed out" not in str(exc).lower():  # gloo's words; anything else is not ours
             raise
-        raise _timed_out(op, where, left) from exc
+        raise _timed_out(op, where, left, group) from exc
     if done is False:  # a backend that says so rather than raise
-        raise _timed_out(op, where, left)
+        raise _timed_out(op, where, left, group)
 
 
-def _timed_out(op: str, where: str, left: float | None) -> CollectiveTimeout:
+def _timed_out(op: str, where: str, left: float | None, group: Any) -> CollectiveTimeout:
+    mark_unusable(group, f"an earlier {op} timed out and was abandoned")
     # Under a deadline the group's own timeout may still come first.
     passed = left is not None and (deadline.remaining() or 0.0) < 0.05
     limit = f"at the caller's deadline, after {left:.1f} s" if passed else "at the group's timeout"
