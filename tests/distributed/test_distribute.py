@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing
 import os
 import pickle
@@ -27,10 +28,11 @@ from bridge_py.distributed.distribute import (
     get_tensors_parallel,
 )
 from bridge_py.distributed.distribute.codec import TENSORS
-from bridge_py.distributed.distribute.group import as_group_sync
-from bridge_py.distributed.distribute.shm import NAME_PREFIX, ShmChannel, segment_name
+from bridge_py.distributed.distribute.group import CallId, as_group_sync
+from bridge_py.distributed.distribute.shm import ShmChannel, segment_name
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.shm import segments
+from bridge_py.distributed.shm.wait import pid_namespace
 from tests.distributed.harness import free_port, run_ranks
 
 SHM = Path("/dev/shm")
@@ -40,7 +42,7 @@ TIMEOUT = 20.0  # barrier timeout of the gathers (StatelessProcessGroup) in the 
 def _segments() -> set[str]:
     if not SHM.is_dir():
         return set()
-    return {name for name in os.listdir(SHM) if name.startswith(NAME_PREFIX)}
+    return {n for n in os.listdir(SHM) if n.startswith(segments.NAME_PREFIX) and "_gather" in n}
 
 
 @pytest.fixture(autouse=True)
@@ -223,12 +225,12 @@ def _dying_rank(rank: int, port: int, world_size: int, ranks: list[int], token_f
     """Take part in a gather up to a point, then get SIGKILLed (no cleanup code runs)."""
     group = _group("spg", rank, world_size, port)
     sync = as_group_sync(group, timeout=3)
-    token = sync.agree_token(ranks[0])
+    call = sync.agree_call(ranks[0])
     if rank != ranks[0]:  # a writer dies right after writing its segment
-        ShmChannel(token).publish(rank, TENSORS.encode(torch.ones(1024)))
+        ShmChannel(call).publish(rank, TENSORS.encode(torch.ones(1024)))
     else:  # the reader dies once every writer has written
         sync.barrier()
-    Path(token_file).write_text(str(token))
+    Path(token_file).write_text(json.dumps(call))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -279,8 +281,54 @@ def test_killed_rank_leaves_no_segment(dies: str, tmp_path: Path) -> None:
     assert any(words in results[1][0] for words in ("exited", "timed out", "store error")), results[
         1
     ][0]
-    token = int(token_file.read_text())
-    assert not [r for r in range(world_size) if (SHM / segment_name(token, r)).exists()]
+    call = CallId(*json.loads(token_file.read_text()))
+    assert not [r for r in range(world_size) if (SHM / segment_name(call, r)).exists()]
+
+
+def _all_die(rank: int, port: int, name_file: str, go_file: str) -> None:
+    """A gather of two ranks up to the writer's segment; then the writer is SIGKILLed, and
+    the reader too once ``go_file`` exists: no rank is left to remove the segment."""
+    sync = as_group_sync(_group("spg", rank, 2, port), timeout=TIMEOUT)
+    call = sync.agree_call(0)
+    if rank == 1:
+        ShmChannel(call).publish(1, TENSORS.encode(torch.ones(1024)))
+        Path(name_file).write_text(segment_name(call, 1))
+    else:
+        until = time.monotonic() + 60
+        while not Path(go_file).exists() and time.monotonic() < until:
+            time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_the_segments_of_a_gather_whose_ranks_all_died_are_removed_as_orphans(
+    tmp_path: Path,
+) -> None:
+    """What a gather leaves when every rank is killed names its reader, which has exited:
+    ``remove_orphans`` (which every same-node group runs) removes it, and not before."""
+    port, name_file, go_file = free_port(), tmp_path / "name", tmp_path / "go"
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    procs = [
+        ctx.Process(target=_all_die, args=(r, port, str(name_file), str(go_file)), daemon=True)
+        for r in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        procs[1].join(60)
+        name = name_file.read_text()
+        assert (SHM / name).exists()
+        # The writer is gone, the reader is not: the segment may still be read.
+        assert name not in segments.remove_orphans() and (SHM / name).exists()
+        go_file.touch()
+        procs[0].join(60)
+        assert [proc.exitcode for proc in procs] == [-signal.SIGKILL] * 2
+        assert name in segments.remove_orphans()
+        assert not (SHM / name).exists()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
 
 
 def _bad_config_job(rank: int, port: int, world_size: int, workspace: str | None) -> str:
@@ -341,11 +389,12 @@ def test_group_coordinator_and_default_group() -> None:
 
 
 def test_a_truncated_segment_is_a_shared_memory_error() -> None:
-    channel = ShmChannel(0x5EED)
+    call = CallId(0x5EED, os.getpid(), pid_namespace())
+    channel = ShmChannel(call)
     channel.publish(1, TENSORS.encode(torch.ones(1024)))
-    path = SHM / segment_name(0x5EED, 1)
+    path = SHM / segment_name(call, 1)
     os.truncate(path, 100)  # the header is there, the 4 KiB body is not
-    with pytest.raises(SharedMemoryError, match=r"segment 'bpd[0-9a-f]+r1' of rank 1 is trunc"):
+    with pytest.raises(SharedMemoryError, match=rf"segment '{path.name}' of rank 1 is trunc"):
         channel.take(1, lambda view, what: bytes(view))
     assert not path.exists()  # taken: unlinked even though unreadable
 
@@ -372,7 +421,7 @@ def _hostile_writer(rank: int, port: int, kind: str, marker: str) -> str:
             return f"{type(exc).__name__}: {exc}"
         return f"got {got}"
     sync = as_group_sync(group, timeout=TIMEOUT)
-    path = SHM / segment_name(sync.agree_token(0), 1)
+    path = SHM / segment_name(sync.agree_call(0), 1)
     saved = io.BytesIO()
     torch.save({"x": Evil(marker)}, saved)  # a config whose pickle calls open()
     value = {
@@ -390,6 +439,10 @@ def _hostile_writer(rank: int, port: int, kind: str, marker: str) -> str:
     return f"left: {left}"
 
 
+# A gather's segment of rank 1, as an error message quotes it.
+_SEGMENT_1 = r"'vbspg_[0-9]+_[0-9]+_gather[0-9a-f]+r1'"
+
+
 @pytest.mark.parametrize("kind", ["pickle", "config", "shared"])
 def test_a_hostile_segment_is_refused_unread(kind: str, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
@@ -397,10 +450,10 @@ def test_a_hostile_segment_is_refused_unread(kind: str, tmp_path: Path) -> None:
     assert not marker.exists()  # nothing in the segment was unpickled
     expected = {
         "pickle": r"CollectiveMismatchError: refused the value of rank 1 in shared-memory "
-        r"segment 'bpd[0-9a-f]+r1': a tensor was expected, .* not unpickled",
+        rf"segment {_SEGMENT_1}: a tensor was expected, .* not unpickled",
         "config": r"CollectiveMismatchError: the value of rank 1 in shared-memory segment "
-        r"'bpd[0-9a-f]+r1' is not a gathered config: .*Weights only load failed",
-        "shared": r"SharedMemoryError: shared-memory segment 'bpd[0-9a-f]+r1' of rank 1 is "
+        rf"{_SEGMENT_1} is not a gathered config: .*Weights only load failed",
+        "shared": rf"SharedMemoryError: shared-memory segment {_SEGMENT_1} of rank 1 is "
         r"refused: .*group or others may write it",
     }[kind]
     assert re.match(expected, reader, re.DOTALL), reader

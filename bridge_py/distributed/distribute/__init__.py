@@ -13,9 +13,10 @@ part in the synchronization only. ``ranks`` are ranks *in ``group``* (for a
 GroupCoordinator, ``rank_in_group``), the only numbering a stateless group has; ModelOpt takes
 global ranks, which are the same for the world group and for ``group=None``. The steps:
 
-1. the reader draws a random token and the group broadcasts it; it names the call's
-   shared-memory segments (``bpd<token>r<rank>``) or its folder in the workspace, so
-   concurrent calls and jobs never collide (ModelOpt's fixed ``rank_<r>`` names do);
+1. the reader draws a random token and the group broadcasts it with the reader's PID; they
+   name the call's shared-memory segments (``distribute.shm``) or its folder in the
+   workspace, so concurrent calls and jobs never collide (ModelOpt's fixed ``rank_<r>``
+   names do), and segments whose reader has exited can be told apart;
 2. each other contributing rank writes its value (one segment, or one state file);
 3. barrier; the reader reads every value (copies: nothing it yields points into shared
    memory) and removes every segment or file at once;
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS, Codec
-from bridge_py.distributed.distribute.group import GroupSync, as_group_sync
+from bridge_py.distributed.distribute.group import CallId, GroupSync, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
 from bridge_py.distributed.distribute.shm import ShmChannel
 from bridge_py.distributed.errors import DistributedError
@@ -89,17 +90,17 @@ def _gather(
     group: Any,
     timeout: float | None,
     codec: Codec,
-    open_carrier: Callable[[int], ShmChannel | NfsChannel],
+    open_carrier: Callable[[CallId], ShmChannel | NfsChannel],
 ) -> Iterator[list[Any]]:
     """The protocol of the module docstring, for one value per rank of ``ranks``, moved by
-    ``codec`` through the carrier that ``open_carrier(token)`` opens (shared memory or a
+    ``codec`` through the carrier that ``open_carrier(call)`` opens (shared memory or a
     workspace folder: both publish, take and remove one value per rank)."""
     sync = as_group_sync(group, timeout)
     ranks = _check_ranks(ranks, sync.size)
     me, reader = sync.rank, ranks[0]
     writers = [rank for rank in ranks if rank != reader]
-    token = _step(sync, "agreeing on the call's token", name, lambda: sync.agree_token(reader))
-    carrier = open_carrier(token)
+    call = _step(sync, "agreeing on the call's token", name, lambda: sync.agree_call(reader))
+    carrier = open_carrier(call)
     failure: Exception | None = None
     try:
         # A failure to write or read is raised only after both barriers, so that no other
@@ -163,8 +164,10 @@ def get_configs_parallel(
     destroyed after consumption.
     """
 
-    def open_carrier(token: int) -> ShmChannel | NfsChannel:
-        return ShmChannel(token) if workspace_path is None else NfsChannel(workspace_path, token)
+    def open_carrier(call: CallId) -> ShmChannel | NfsChannel:
+        if workspace_path is None:
+            return ShmChannel(call)
+        return NfsChannel(workspace_path, call.token)
 
     with _gather("get_configs_parallel", config, ranks, group, timeout, CONFIGS, open_carrier) as c:
         yield c

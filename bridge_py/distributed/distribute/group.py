@@ -1,10 +1,11 @@
 """The little that the ``distribute`` gathers need from a group, for every kind of group.
 
-ModelOpt's gathers only call ``barrier(group)``. Ours also agree on a random token per call
-(it names the call's shared-memory segments and workspace folder, so that two calls, or two
-jobs on one node, never collide), so a group must offer three things: this process's rank in
-the group, a barrier, and a broadcast of one 63-bit integer. :func:`as_group_sync` gathers
-them into one :class:`GroupSync` for:
+ModelOpt's gathers only call ``barrier(group)``. Ours also agree on what names each call
+(:class:`CallId`: a random token, so that two calls, or two jobs on one node, never collide,
+and the reader's process, so that segments whose reader is gone can be found and removed), so
+a group must offer three things: this process's rank in the group, a barrier, and a
+broadcast of a few non-negative 63-bit integers. :func:`as_group_sync` gathers them into one
+:class:`GroupSync` for:
 
 * a torch ``ProcessGroup`` (torch's global groups or one from
   ``stateless_init_torch_distributed_process_group``): the collectives are called on the
@@ -21,21 +22,34 @@ them into one :class:`GroupSync` for:
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from bridge_py.distributed.errors import DistributedError
 from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.shm.wait import pid_namespace
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 
-__all__ = ["GroupSync", "as_group_sync"]
+__all__ = ["CallId", "GroupSync", "as_group_sync"]
 
 # StatelessProcessGroup.barrier's own default, used when the caller gives no timeout.
 _DEFAULT_BARRIER_TIMEOUT = 30.0
+
+
+class CallId(NamedTuple):
+    """What names one gather call on every rank: a random ``token`` and the reader's
+    process (``pid`` in PID namespace ``namespace``), the one that reads and removes what
+    the call leaves in shared memory."""
+
+    token: int
+    pid: int
+    namespace: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +60,21 @@ class GroupSync:
     size: int
     #: Returns once every rank of the group has called it (raises if that cannot happen).
     barrier: Callable[[], None]
-    #: ``broadcast(value, src)``: ``src``'s int ``value`` on every rank.
-    broadcast: Callable[[int, int], int]
+    #: ``broadcast(values, src)``: ``src``'s list of ints on every rank (as many as given).
+    broadcast: Callable[[list[int], int], list[int]]
 
-    def agree_token(self, src: int) -> int:
-        """Return the same random non-negative int on every rank, drawn by rank ``src``."""
-        return self.broadcast(secrets.randbits(63) if self.rank == src else 0, src)
+    def agree_call(self, src: int) -> CallId:
+        """The same :class:`CallId` on every rank: a token drawn by rank ``src``, which is
+        the reader. Raises DistributedError if what arrives is not one."""
+        mine = [secrets.randbits(63), os.getpid(), pid_namespace()] if self.rank == src else []
+        got = self.broadcast(mine or [0, 0, 0], src)
+        if not (
+            isinstance(got, list)
+            and len(got) == len(CallId._fields)
+            and all(type(v) is int and v >= 0 for v in got)
+        ):
+            raise DistributedError(f"rank {src} sent {got!r:.80} where a gather's id belongs")
+        return CallId(*got)
 
 
 def _torch_sync(pg: ProcessGroup) -> GroupSync:
@@ -74,10 +97,10 @@ def _torch_sync(pg: ProcessGroup) -> GroupSync:
             group=pg,
         )
 
-    def broadcast(value: int, src: int) -> int:
-        token = torch.tensor([value], dtype=torch.int64, device=device)
-        finish(pg.broadcast(token, src), "broadcast", where, bounded=bounded, group=pg)
-        return int(token.item())
+    def broadcast(values: list[int], src: int) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        finish(pg.broadcast(tensor, src), "broadcast", where, bounded=bounded, group=pg)
+        return [int(v) for v in tensor.tolist()]
 
     return GroupSync(pg.rank(), pg.size(), barrier, broadcast)
 
@@ -89,7 +112,7 @@ def _stateless_sync(group: StatelessProcessGroup, timeout: float | None) -> Grou
         group.rank,
         group.world_size,
         lambda: group.barrier(timeout=wait),
-        lambda value, src: int(group.broadcast_obj(value, src)),
+        lambda values, src: group.broadcast_obj(values, src),
     )
 
 
@@ -106,7 +129,7 @@ def as_group_sync(group: Any, timeout: float | None = None) -> GroupSync:
             world = dist.group.WORLD
             assert isinstance(world, ProcessGroup)
             return _torch_sync(world)
-        return GroupSync(0, 1, lambda: None, lambda value, src: value)  # this process alone
+        return GroupSync(0, 1, lambda: None, lambda values, src: values)  # this process alone
     if isinstance(group, ProcessGroup):
         return _torch_sync(group)
     if isinstance(group, StatelessProcessGroup) or (

@@ -27,10 +27,12 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
-from bridge_py.distributed.distribute.shm import NAME_PREFIX
 from bridge_py.distributed.errors import DistributedError
 
 __all__ = ["NFSWorkspace", "NfsChannel"]
+
+# The folder of one call in a workspace is named this, then the call's token.
+NAME_PREFIX = "bpd"
 
 _NOT_INITIALIZED = "NFSWorkspace is not initialized!"
 

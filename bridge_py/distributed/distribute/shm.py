@@ -2,17 +2,20 @@
 
 A segment holds one value as a one-shot segment of ``shm.segments`` (the format of a
 StatelessProcessGroup's large values: the shared-memory header, with the value's size, then
-the bytes its codec gives from the next page boundary on). Segment names are
-``bpd<token>r<rank>``: the token is drawn afresh for every call and agreed through the group,
-so concurrent calls and concurrent jobs on one node never share a name.
+the bytes its codec gives from the next page boundary on). A segment is named after the call
+(``group.CallId``, agreed through the group): ``vbspg_<namespace>_<pid>_gather<token>r<rank>``,
+where the PID and its namespace are the reader's and the token is drawn afresh for every
+call, so concurrent calls and concurrent jobs on one node never share a name.
 
 Who removes what: a writer creates its segment, fills it and closes it (the segment lives on
 under its name). The reader (the first rank of the gather) checks each segment
 (``shm.files``: this user's own file, writable by it alone), unlinks its name at once and
 copies the value out. Removal is idempotent, so on any failure a writer removes its own
 segment and the reader removes every writer's, whoever is left standing: a rank that dies
-leaves nothing behind once the others have finished. Python's resource tracker never hears
-of them (it would unlink segments another process still needs when a process exits).
+leaves nothing behind once the others have finished. Should every rank die, the segments
+name a reader that has exited, and ``segments.remove_orphans`` (which every same-node group
+runs) removes them as it removes a group's. Python's resource tracker never hears of them
+(it would unlink segments another process still needs when a process exits).
 """
 
 from __future__ import annotations
@@ -22,28 +25,27 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bridge_py.distributed.distribute.group import CallId
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 
-__all__ = ["NAME_PREFIX", "ShmChannel", "segment_name"]
-
-NAME_PREFIX = "bpd"
+__all__ = ["ShmChannel", "segment_name"]
 
 
-def segment_name(token: int, rank: int) -> str:
-    """The name (without the leading slash) of ``rank``'s segment in the call ``token``."""
-    return f"{NAME_PREFIX}{token:016x}r{rank}"
+def segment_name(call: CallId, rank: int) -> str:
+    """The name (without the leading slash) of ``rank``'s segment in the call ``call``."""
+    return f"{segments.NAME_PREFIX}{call.namespace}_{call.pid}_gather{call.token:016x}r{rank}"
 
 
 class ShmChannel:
-    """The segments of one gather call, named by its agreed ``token``."""
+    """The segments of one gather call, named after it (``call``, agreed by the group)."""
 
-    def __init__(self, token: int) -> None:
-        self.token = token
+    def __init__(self, call: CallId) -> None:
+        self.call = call
 
     def name(self, rank: int) -> str:
         """The segment name of ``rank`` in this call."""
-        return segment_name(self.token, rank)
+        return segment_name(self.call, rank)
 
     def publish(self, rank: int, parts: Sequence[Any]) -> None:
         """Create ``rank``'s segment holding the bytes of ``parts`` (bytes-like objects),
