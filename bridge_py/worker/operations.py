@@ -193,8 +193,13 @@ def _caller(fn: Callable[..., Any], name: str, codec: Codec) -> Run:
 
     def call(args: bytes, kwargs: bytes) -> Any:
         if args or kwargs or not bare:
-            pos = _decode(decode, args, "args") if args else []
-            kw = _decode(decode, kwargs, "kwargs") if kwargs else {}
+            what = "args"
+            try:
+                pos = decode(args) if args else []
+                what = "kwargs"
+                kw = decode(kwargs) if kwargs else {}
+            except Exception as exc:
+                raise _decode_failure(exc, what) from None
             if type(pos) is not list:
                 raise Failure("bad_args", f"args must be a msgpack array, got {type(pos).__name__}")
             if kwargs and (type(kw) is not dict or not all(isinstance(k, str) for k in kw)):
@@ -219,13 +224,18 @@ def _decode(decode: Callable[[bytes], Any], data: bytes, what: str) -> Any:
     """``decode(data)``, its failures as ``Failure``s (``what`` names the data)."""
     try:
         return decode(data)
-    except HandleNotFound as exc:
-        raise Failure("not_found", str(exc)) from None
-    except CodecError as exc:
-        raise Failure("bad_args", f"cannot decode {what}: {exc}") from None
-    except Exception as exc:  # the codec turns every error into CodecError: a bug
-        why = f"{type(exc).__name__}: {exc}"
-        raise Failure("bad_args", f"cannot decode {what}: {why}") from None
+    except Exception as exc:
+        raise _decode_failure(exc, what) from None
+
+
+def _decode_failure(exc: Exception, what: str) -> Failure:
+    """What decoding ``what`` (``"args"``...) that raised ``exc`` answers."""
+    if isinstance(exc, HandleNotFound):
+        return Failure("not_found", str(exc))
+    if isinstance(exc, CodecError):
+        return Failure("bad_args", f"cannot decode {what}: {exc}")
+    # The codec turns every error into CodecError: a bug.
+    return Failure("bad_args", f"cannot decode {what}: {type(exc).__name__}: {exc}")
 
 
 def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:
