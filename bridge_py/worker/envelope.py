@@ -191,6 +191,7 @@ class Reply:
 
 _SMALL_VARINTS = tuple(bytes((i,)) for i in range(0x80))
 _SMALL_JOIN = 1 << 12  # pieces shorter than this are joined into one bytes object
+_SHORT_VALUE_HEADS = tuple(b"\x12" + varint for varint in _SMALL_VARINTS)  # Reply.value's
 
 
 def _varint(n: int) -> bytes:
@@ -269,6 +270,8 @@ def value_reply_chunks(
     """:func:`encode_reply_chunks` of a value reply whose id field is already encoded:
     ``head`` is that field's bytes (a request's own id field, ``08`` and the varint, as it
     arrived, is the same field of its reply)."""
+    if type(value) is bytes and len(value) < 0x80:  # most results: one field header byte
+        return [head + _SHORT_VALUE_HEADS[len(value)] + value]
     if value is None:
         return [head]
     if isinstance(value, list):
