@@ -7,15 +7,17 @@ the caller learns which argument of which function was wrong; ``torch.dtype``
 parameters also accept the wire forms of a dtype (``{:f, 32}``, ``"float32"``).
 
 Everything that can be worked out from a signature is worked out once per function
-(:class:`_Plan`); a call is then checked without ``inspect.Signature.bind`` (which costs
-more than the rest of a small call), unless it does not fit: ``bind`` then words the
-error.
+(:class:`_Plan`), and a function's check is made once (:func:`checker`): a call with
+positional arguments only is then one count and the type checks of its annotated
+parameters. No call is checked with ``inspect.Signature.bind`` (which costs more than
+the rest of a small call), unless it does not fit: ``bind`` then words the error.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -170,6 +172,18 @@ def _checked(param: _Param, value: Any, name: str) -> Any:
     return value
 
 
+Check = Callable[[list[Any], dict[str, Any]], tuple[list[Any], dict[str, Any]]]
+"""A call's check: its arguments, ready to pass (see :func:`prepare_call`); raises
+:class:`BadArguments`."""
+
+
+def checker(fn: Callable[..., Any], name: str) -> Check:
+    """The check of calls to ``fn`` (``name`` in its errors): :func:`prepare_call`'s work,
+    with everything that does not depend on the arguments worked out once."""
+    target = getattr(fn, "__func__", fn)
+    return _checker(target, target is not fn, name)
+
+
 def prepare_call(
     fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -177,21 +191,72 @@ def prepare_call(
 
     Raises :class:`BadArguments` naming ``name`` when the call cannot fit. Arguments
     annotated ``torch.dtype`` are converted from their wire form (``{:f, 32}``,
-    ``"float32"``); everything else passes through unchanged.
+    ``"float32"``); everything else passes through unchanged. ``args`` may be changed
+    in place (a converted argument takes the place of its wire form).
     """
-    target = getattr(fn, "__func__", fn)
-    plan = _plan(target, target is not fn)
+    return checker(fn, name)(args, kwargs)
+
+
+def _unchecked(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    return args, kwargs
+
+
+@functools.lru_cache(maxsize=2048)
+def _checker(target: Callable[..., Any], drop_first: bool, name: str) -> Check:
+    """:func:`checker` for ``target`` (without ``self`` when ``drop_first``)."""
+    plan = _plan(target, drop_first)
     if plan is None:
-        return args, kwargs
-    # Positional arguments only (the common call) fit when their count does; otherwise
-    # the keywords are matched to the parameters, and ``bind`` words what does not fit.
-    positional_fit = (
-        not kwargs
-        and not plan.keyword_only_required
-        and plan.required <= len(args)
-        and (len(args) <= len(plan.positional) or plan.var_positional)
+        return _unchecked
+    # Positional arguments only (the common call) fit when their count is in
+    # [low, high]; a required keyword-only parameter makes every such call miss.
+    low = plan.required
+    high = len(plan.positional) if not plan.var_positional else sys.maxsize
+    if plan.keyword_only_required:
+        high = -1
+    # The positional parameters that are checked, in order, each with the exact types
+    # that pass its check unchanged; a value of any other type is looked at by _checked.
+    checks = tuple(
+        (at, _passing(param), param)
+        for at, param in enumerate(plan.positional)
+        if param.allowed is not None or param.dtype
     )
-    if not positional_fit and not _fits_keywords(plan, args, kwargs):
+
+    def check(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        given = len(args)
+        if kwargs or not low <= given <= high:
+            return _prepare(plan, name, args, kwargs)
+        for at, passing, param in checks:
+            if at >= given:
+                break
+            value = args[at]
+            if type(value) not in passing:
+                args[at] = _checked(param, value, name)
+        return args, kwargs
+
+    return check
+
+
+def _passing(param: _Param) -> frozenset[type]:
+    """The types whose values ``_checked(param, ...)`` returns unchanged, without asking
+    it: those ``param.allowed`` names (with ``bool`` where ``int`` is, and ``int`` where
+    ``float`` is, as :func:`_fits` lets through); none for a dtype (it is converted)."""
+    if param.dtype or param.allowed is None:
+        return frozenset()
+    passing = set(param.allowed)
+    if int in passing:
+        passing.add(bool)
+    if float in passing:
+        passing.add(int)
+    return frozenset(passing)
+
+
+def _prepare(
+    plan: _Plan, name: str, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """:func:`prepare_call` by ``plan``, for a call with keywords or with a count of
+    positional arguments that does not fit."""
+    # The keywords are matched to the parameters, and ``bind`` words what does not fit.
+    if not _fits_keywords(plan, args, kwargs):
         try:
             plan.sig.bind(*args, **kwargs)
         except TypeError as exc:

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from bridge_py.deadline import CURRENT
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
-from bridge_py.worker.codec import CodecError
 from bridge_py.worker.exports import ExportTable
 from bridge_py.worker.operations import (
     DEFAULT_SESSION,
     EXPECTED,
+    Failure,
     Operations,
     as_failure,
     encode_failure,
@@ -215,42 +214,39 @@ class Dispatcher:
         try:
             sequencer = plan.sequencer
             if sequencer is None:
-                value, reply = self._call_planned(frame, plan, deadline, args, kwargs)
-            else:
-                call = self._call_planned
-                value, reply = sequencer.run_turn(number, call, frame, plan, deadline, args, kwargs)
-            if reply is not None:
-                return reply
-            data = plan.codec.encode_pieces(value)
+                return self._call_planned(plan, frame, id_end, deadline, args, kwargs)
+            call = self._call_planned
+            return sequencer.run_turn(number, call, plan, frame, id_end, deadline, args, kwargs)
         except BaseException as exc:  # one reply per request, whatever happened
-            failure = encode_failure(exc) if isinstance(exc, CodecError) else internal_failure(exc)
-            return pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
-        return pb.value_reply_chunks(frame[:id_end], data)
+            return _error_chunks(frame, internal_failure(exc))
 
     def _call_planned(
-        self, frame: bytes, plan: CallPlan, deadline: float, args: bytes, kwargs: bytes
-    ) -> tuple[Any, list[bytes | memoryview] | None]:
-        """The planned call (in its turn, if it takes one): ``(result, None)``, or
-        ``(None, reply)`` when it failed, its deadline had passed or the plan has gone
-        stale."""
+        self, plan: CallPlan, frame: bytes, id_end: int, deadline: float, args: bytes, kwargs: bytes
+    ) -> list[bytes | memoryview]:
+        """The reply to the planned call (in its turn, if it takes one): its result, or
+        the error when it failed, its deadline had passed or the plan has gone stale
+        (then the full way's reply)."""
         if plan.epoch != self.registry.epoch:
             answer = self._answer(pb.decode_request(frame), None, deadline)
-            return None, pb.encode_reply_chunks(answer)
+            return pb.encode_reply_chunks(answer)
         current = CURRENT
         before = current.at
         if deadline:
             late = time.monotonic() - deadline
             if late >= 0:
-                failure = expired_failure(late)
-                return None, pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
+                return _error_chunks(frame, expired_failure(late))
             current.at = deadline
         try:
-            return plan.run(args, kwargs), None
+            value = plan.run(args, kwargs)
         except EXPECTED as exc:
-            reply = error_reply(pb.peek_request_id(frame), as_failure(exc))
-            return None, pb.encode_reply_chunks(reply)
+            return _error_chunks(frame, as_failure(exc))
         finally:
             current.at = before
+        try:
+            data = plan.codec.encode_pieces(value)
+        except Exception as exc:  # CodecError, or what a result's own methods raised
+            return _error_chunks(frame, encode_failure(exc))
+        return pb.value_reply_chunks(frame[:id_end], data)
 
     def _learn(self, frame: bytes, req: pb.Request) -> None:
         """Make a plan for ``req``, which has just succeeded, if its frame is in the layout
@@ -279,6 +275,11 @@ class Dispatcher:
         codec = self.operations.codec(session)
         plan = CallPlan(run, sequencer, codec, epoch, req.session, type(op))
         self.plans.learn(split[1], plan)
+
+
+def _error_chunks(frame: bytes, failure: Failure) -> list[bytes | memoryview]:
+    """The error reply to the request in ``frame`` (a planned one: its id is readable)."""
+    return pb.encode_reply_chunks(error_reply(pb.peek_request_id(frame), failure))
 
 
 def _why(exc: BaseException) -> str:

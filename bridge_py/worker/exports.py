@@ -148,10 +148,15 @@ class ExportTable:
 
     def attribute(self, obj: Any, name: str) -> Any:
         """The value of ``obj.name``, if the class of ``obj`` exports it."""
+        self.check_attribute(obj, name)
+        return getattr(obj, name)
+
+    def check_attribute(self, obj: Any, name: str) -> None:
+        """Raise :class:`NotExported` unless the class of ``obj`` exports ``name`` as an
+        attribute (which it then does for good: the table does not change once built)."""
         entry = self._entry_of(obj)
         if entry is None or _is_dunder(name) or name not in entry.attributes:
             raise NotExported(f"attribute {name!r} of {self.class_name(type(obj))} is not exported")
-        return getattr(obj, name)
 
     def class_name(self, klass: type) -> str:
         """The wire name of a class: its exported name, else ``module.QualName``."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from bridge_py import deadline
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.arguments import BadArguments, accepts_no_arguments, prepare_call
+from bridge_py.worker.arguments import BadArguments, accepts_no_arguments, checker
+from bridge_py.worker.call_plans import Run
 from bridge_py.worker.codec import Codec, CodecError, RefValue
 from bridge_py.worker.exports import ExportTable, NotExported
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
@@ -40,18 +40,10 @@ class Failure(Exception):
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Method:
-    """What is needed to call one exported method, worked out once per class."""
-
-    name: str  # "Class.method", for error messages
-    bare: bool  # may be called with no arguments, so a call without any needs no checks
-
-
 class Operations:
-    """Runs decoded requests; one codec per session and what each exported method needs,
-    worked out once. ``on_release`` is called after every release (handles or a session),
-    so that whatever holds objects on the side (call plans) lets them go."""
+    """Runs decoded requests; one codec per session and the wire name of each exported
+    method, worked out once. ``on_release`` is called after every release (handles or a
+    session), so that whatever holds objects on the side (call plans) lets them go."""
 
     def __init__(
         self,
@@ -64,17 +56,31 @@ class Operations:
         self._on_release = on_release
         # One codec per session (it holds no per-call state): built once, not per call.
         self._codecs: dict[str, Codec] = {}
-        # (class, method name) -> _Method, for exported methods met so far.
-        self._methods: dict[tuple[type, str], _Method] = {}
+        # (class, method name) -> "Class.method", for exported methods met so far.
+        self._methods: dict[tuple[type, str], str] = {}
+        # The operations with plans: what makes the call (see ``plan``) ...
+        self._calls: dict[type, Callable[[Any, str, Codec], Run]] = {
+            pb.CallMethod: self._method_call,
+            pb.CallFunction: self._function_call,
+            pb.GetAttribute: self._attribute_read,
+            pb.Ping: self._ping,
+        }
+        # ... and every operation, run: those with plans make their call and make it.
         self._ops: dict[type, Callable[[Any, str, Codec], Any]] = {
-            pb.CallMethod: self._call_method,
+            pb.CallMethod: lambda op, session, codec: self._method_call(op, session, codec)(
+                op.args, op.kwargs
+            ),
             pb.CreateInstance: self._create,
-            pb.CallFunction: self._call_function,
-            pb.GetAttribute: self._get_attribute,
+            pb.CallFunction: lambda op, session, codec: self._function_call(op, session, codec)(
+                op.args, op.kwargs
+            ),
+            pb.GetAttribute: lambda op, session, codec: self._attribute_read(op, session, codec)(
+                b"", b""
+            ),
             pb.ReleaseHandles: self._release,
             pb.ReleaseSession: self._release_session,
             pb.Describe: self._describe,
-            pb.Ping: self._ping,
+            pb.Ping: lambda op, session, codec: self._ping(op, session, codec)(op.payload, b""),
         }
 
     def codec(self, session: str) -> Codec:
@@ -86,12 +92,6 @@ class Operations:
             codec = Codec(SessionResolver(self.registry, session, self.exports.class_name))
             self._codecs[session] = codec
         return codec
-
-    def is_bare(self, obj: Any, method: str) -> bool:
-        """Whether ``obj.method`` is an exported method met before that takes no
-        arguments, so that calling it without any skips no check."""
-        target = self._methods.get((type(obj), method))
-        return target is not None and target.bare
 
     def reply(self, req: pb.Request) -> pb.Reply:
         """Run ``req`` now (its turn, if it takes one, is the caller's to hold); failures
@@ -107,81 +107,53 @@ class Operations:
         except EXPECTED as exc:
             return error_reply(req.id, as_failure(exc))
 
-    def plan(self, req: pb.Request) -> Callable[[bytes, bytes], Any] | None:
-        """How to run requests that name what ``req`` names (``call_plans``): a function
-        of their argument bytes (args and kwargs; a ping's payload) that makes the call
-        as :meth:`reply` would, raising what :func:`as_failure` takes when it fails.
-        None for the operations that get no plan. ``req`` has just succeeded; raises
-        what resolving it raises should that no longer hold."""
-        op = req.op
+    def plan(self, req: pb.Request) -> Run | None:
+        """How to run requests that name what ``req`` names (``call_plans``): the very
+        call :meth:`reply` makes of ``req``, a function of the argument bytes (args and
+        kwargs; a ping's payload). None for the operations that get no plan. ``req`` has
+        just succeeded; raises what resolving it raises should that no longer hold."""
+        make = self._calls.get(type(req.op))
+        if make is None:
+            return None
         session = req.session or DEFAULT_SESSION
-        codec = self.codec(session)
-        arguments = self._arguments
-        if isinstance(op, pb.CallMethod):
-            obj = self.registry.get(op.handle, session)
-            name = op.method
-            target = self._methods.get((type(obj), name)) or self._method(obj, name)
-            bare = target.bare
+        return make(req.op, session, self.codec(session))
 
-            def call_method(args: bytes, kwargs: bytes) -> Any:
-                if bare and not args and not kwargs:
-                    try:
-                        return getattr(obj, name)()
-                    except BaseException as exc:  # SystemExit too: a call never ends the worker
-                        raise python_failure(exc) from exc
-                return _call(getattr(obj, name), target.name, *arguments(codec, args, kwargs))
+    # -- the calls of the operations with plans: all that does not depend on the
+    # -- argument bytes worked out (the object, the callee, its check, the names) ---
 
-            return call_method
-        if isinstance(op, pb.CallFunction):
-            fn = self.exports.function(op.function)
-            function = op.function
-            return lambda args, kwargs: _call(fn, function, *arguments(codec, args, kwargs))
-        if isinstance(op, pb.GetAttribute):
-            obj = self.registry.get(op.handle, session)
-            attribute, attr = self.exports.attribute, op.name
-            return lambda _args, _kwargs: attribute(obj, attr)
-        if isinstance(op, pb.Ping):
-            return lambda payload, _: _decode(codec, payload, "ping payload") if payload else None
-        return None
-
-    # -- operations -----------------------------------------------------------------
-
-    def _call_method(self, op: pb.CallMethod, session: str, codec: Codec) -> Any:
+    def _method_call(self, op: pb.CallMethod, session: str, codec: Codec) -> Run:
         obj = self.registry.get(op.handle, session)
-        target = self._methods.get((type(obj), op.method)) or self._method(obj, op.method)
-        method = getattr(obj, op.method)
-        if op.args or op.kwargs or not target.bare:
-            args, kwargs = self._arguments(codec, op.args, op.kwargs)
-            return _call(method, target.name, args, kwargs)
-        try:
-            return method()
-        except BaseException as exc:  # SystemExit too: a call never ends the worker
-            raise python_failure(exc) from exc
+        name = self._methods.get((type(obj), op.method)) or self._method(obj, op.method)
+        return _caller(getattr(obj, op.method), name, codec)
 
-    def _method(self, obj: Any, name: str) -> _Method:
-        """Look up an exported method (raises NotExported) and remember what it needs."""
-        method = self.exports.method(obj, name)
-        target = _Method(
-            name=f"{self.exports.class_name(type(obj))}.{name}",
-            bare=accepts_no_arguments(method),
-        )
-        self._methods[(type(obj), name)] = target
-        return target
+    def _method(self, obj: Any, name: str) -> str:
+        """Look up an exported method (raises NotExported); its name in errors
+        ("Class.method"), remembered for the class."""
+        self.exports.method(obj, name)
+        full = f"{self.exports.class_name(type(obj))}.{name}"
+        self._methods[(type(obj), name)] = full
+        return full
+
+    def _function_call(self, op: pb.CallFunction, session: str, codec: Codec) -> Run:
+        return _caller(self.exports.function(op.function), op.function, codec)
+
+    def _attribute_read(self, op: pb.GetAttribute, session: str, codec: Codec) -> Run:
+        obj = self.registry.get(op.handle, session)
+        name = op.name
+        self.exports.check_attribute(obj, name)  # (the table does not change once built)
+        return lambda _args, _kwargs: getattr(obj, name)
+
+    def _ping(self, op: pb.Ping, session: str, codec: Codec) -> Run:
+        decode = codec.decode
+        return lambda payload, _: _decode(decode, payload, "ping payload") if payload else None
+
+    # -- the other operations ---------------------------------------------------------
 
     def _create(self, op: pb.CreateInstance, session: str, codec: Codec) -> RefValue:
         cls = self.exports.constructor(op.class_name)
-        args, kwargs = self._arguments(codec, op.args, op.kwargs)
-        obj = _call(cls, op.class_name, args, kwargs)
+        obj = _caller(cls, op.class_name, codec)(op.args, op.kwargs)
         class_name = self.exports.class_name(type(obj))
         return RefValue(self.registry.register(obj, session, class_name), class_name)
-
-    def _call_function(self, op: pb.CallFunction, session: str, codec: Codec) -> Any:
-        fn = self.exports.function(op.function)
-        args, kwargs = self._arguments(codec, op.args, op.kwargs)
-        return _call(fn, op.function, args, kwargs)
-
-    def _get_attribute(self, op: pb.GetAttribute, session: str, codec: Codec) -> Any:
-        return self.exports.attribute(self.registry.get(op.handle, session), op.name)
 
     def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
         freed = self.registry.release(list(op.handles), session)
@@ -197,22 +169,6 @@ class Operations:
     def _describe(self, op: pb.Describe, session: str, codec: Codec) -> dict[str, Any]:
         return self.exports.describe()
 
-    def _ping(self, op: pb.Ping, session: str, codec: Codec) -> Any:
-        return _decode(codec, op.payload, "ping payload") if op.payload else None
-
-    # -- arguments ------------------------------------------------------------------
-
-    def _arguments(
-        self, codec: Codec, args: bytes, kwargs: bytes
-    ) -> tuple[list[Any], dict[str, Any]]:
-        pos = _decode(codec, args, "args") if args else []
-        kw = _decode(codec, kwargs, "kwargs") if kwargs else {}
-        if type(pos) is not list:
-            raise Failure("bad_args", f"args must be a msgpack array, got {type(pos).__name__}")
-        if type(kw) is not dict or not all(isinstance(k, str) for k in kw):
-            raise Failure("bad_args", "kwargs must be a msgpack map with string keys")
-        return pos, kw
-
 
 EXPECTED = (Failure, HandleNotFound, NotExported)
 """What an operation raises when it fails in a way its caller is told about."""
@@ -227,27 +183,59 @@ def as_failure(exc: Failure | HandleNotFound | NotExported) -> Failure:
     return exc
 
 
-def _decode(codec: Codec, data: bytes, what: str) -> Any:
-    try:
-        return codec.decode(data)
-    except HandleNotFound as exc:
-        raise Failure("not_found", str(exc)) from None
-    except CodecError as exc:
-        raise Failure("bad_args", f"cannot decode {what}: {exc}") from None
-    except Exception as exc:  # the codec turns every error into CodecError: a bug
-        why = f"{type(exc).__name__}: {exc}"
-        raise Failure("bad_args", f"cannot decode {what}: {why}") from None
+def _caller(fn: Callable[..., Any], name: str, codec: Codec) -> Run:
+    """The call of ``fn`` (``name`` in errors) with arguments decoded by ``codec``: decode
+    them, check them against ``fn``'s signature (``arguments.checker``), call. A call
+    without argument bytes to a function that takes none is just the call."""
+    check = checker(fn, name)
+    decode = codec.decode
+    bare = accepts_no_arguments(fn)
+
+    def call(args: bytes, kwargs: bytes) -> Any:
+        if args or kwargs or not bare:
+            what = "args"
+            try:
+                pos = decode(args) if args else []
+                what = "kwargs"
+                kw = decode(kwargs) if kwargs else {}
+            except Exception as exc:
+                raise _decode_failure(exc, what) from None
+            if type(pos) is not list:
+                raise Failure("bad_args", f"args must be a msgpack array, got {type(pos).__name__}")
+            if kwargs and (type(kw) is not dict or not all(isinstance(k, str) for k in kw)):
+                raise Failure("bad_args", "kwargs must be a msgpack map with string keys")
+            try:
+                pos, kw = check(pos, kw)
+            except BadArguments as exc:
+                raise Failure("bad_args", str(exc)) from None
+            try:
+                return fn(*pos, **kw)
+            except BaseException as exc:  # SystemExit too: a call never ends the worker
+                raise python_failure(exc) from exc
+        try:
+            return fn()
+        except BaseException as exc:  # SystemExit too: a call never ends the worker
+            raise python_failure(exc) from exc
+
+    return call
 
 
-def _call(fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+def _decode(decode: Callable[[bytes], Any], data: bytes, what: str) -> Any:
+    """``decode(data)``, its failures as ``Failure``s (``what`` names the data)."""
     try:
-        args, kwargs = prepare_call(fn, name, args, kwargs)
-    except BadArguments as exc:
-        raise Failure("bad_args", str(exc)) from None
-    try:
-        return fn(*args, **kwargs)
-    except BaseException as exc:  # SystemExit too: a call never ends the worker
-        raise python_failure(exc) from exc
+        return decode(data)
+    except Exception as exc:
+        raise _decode_failure(exc, what) from None
+
+
+def _decode_failure(exc: Exception, what: str) -> Failure:
+    """What decoding ``what`` (``"args"``...) that raised ``exc`` answers."""
+    if isinstance(exc, HandleNotFound):
+        return Failure("not_found", str(exc))
+    if isinstance(exc, CodecError):
+        return Failure("bad_args", f"cannot decode {what}: {exc}")
+    # The codec turns every error into CodecError: a bug.
+    return Failure("bad_args", f"cannot decode {what}: {type(exc).__name__}: {exc}")
 
 
 def _value_reply(request_id: int, codec: Codec, value: Any) -> pb.Reply:

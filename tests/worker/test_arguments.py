@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from bridge_py.worker.arguments import BadArguments, prepare_call
+from bridge_py.worker.arguments import BadArguments, checker, prepare_call
+from tests.worker.sample_exports import Counter
 
 
 def plain(a, b=2, *, c, d=4):  # type: ignore[no-untyped-def]
@@ -87,3 +89,51 @@ def test_keyword_arguments_are_checked_and_converted() -> None:
         prepare_call(annotated, "annotated", [1], {"other": 2})
     with pytest.raises(BadArguments, match="missing a required argument: 'c'"):
         prepare_call(plain, "plain", [1], {"d": 2})
+
+
+def positional_dtype(n: int, dtype: torch.dtype | None = None, x: float = 0.0) -> None:
+    pass
+
+
+class _Int(int):
+    pass
+
+
+def test_positional_arguments_are_checked_and_converted_as_by_keyword() -> None:
+    # checker's own way for positional arguments (one count, the annotated parameters'
+    # checks) answers as the way with keywords (_prepare) and as the type checks do.
+    def both(args: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        got = prepare_call(positional_dtype, "positional_dtype", list(args), {})
+        names = ["n", "dtype", "x"][: len(args)]
+        by_name = prepare_call(
+            positional_dtype, "positional_dtype", [], dict(zip(names, args, strict=True))
+        )
+        assert got[0] == [by_name[1][name] for name in names]
+        return got
+
+    assert both([1, ["f", 32], 2]) == ([1, torch.float32, 2], {})
+    assert both([True, "bfloat16"]) == ([True, torch.bfloat16], {})  # a bool is an int
+    assert both([_Int(3), None, _Int(4)])[0] == [3, None, 4]  # subclasses pass
+    assert both([1]) == ([1], {})
+    for args, message in (
+        ([1.5], "positional_dtype: argument 'n' must be int, got float 1.5"),
+        ([1, None, "2"], "positional_dtype: argument 'x' must be float, got str '2'"),
+        ([1, None, True], "argument 'x' must be float, got bool True"),
+        ([1, "float33"], "positional_dtype: argument 'dtype': "),
+        ([], "missing a required argument: 'n'"),
+        ([1, None, 2.0, 4], "too many positional arguments"),
+    ):
+        with pytest.raises(BadArguments, match=re.escape(message)):
+            prepare_call(positional_dtype, "positional_dtype", list(args), {})
+
+
+def test_a_check_is_made_once_per_function_and_name() -> None:
+    assert checker(annotated, "annotated") is checker(annotated, "annotated")
+    assert checker(annotated, "other") is not checker(annotated, "annotated")
+    # A bound method's check is its function's, without self.
+    counter = Counter()
+    assert checker(counter.incr, "Counter.incr") is checker(Counter().incr, "Counter.incr")
+    with pytest.raises(
+        BadArguments, match=re.escape("Counter.incr: argument 'by' must be int or None")
+    ):
+        checker(counter.incr, "Counter.incr")(["one"], {})

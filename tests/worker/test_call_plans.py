@@ -17,6 +17,7 @@ import time
 import weakref
 
 import pytest
+import torch
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
@@ -140,6 +141,63 @@ def test_planned_calls_with_bad_arguments_answer_as_the_full_way() -> None:
         assert (planned.category, planned.message) == (full.category, full.message)
         assert planned.category == "bad_args"
     assert PLAIN.decode(_planned(d, _frame(4, handle, "incr", PLAIN.encode([5]))).value) == 6
+
+
+def _same_error(d: Dispatcher, frame: bytes) -> pb.Error:
+    """The error a planned ``frame`` answers, checked to be the full way's."""
+    planned = _planned(d, frame).error
+    full = d.dispatch(pb.decode_request(frame)).error
+    assert planned is not None and full is not None
+    assert (planned.category, planned.message, planned.python_type) == (
+        full.category,
+        full.message,
+        full.python_type,
+    )
+    return planned
+
+
+def test_planned_calls_check_and_convert_arguments_as_the_full_way() -> None:
+    # A function with annotated parameters, planned once: each later call, positional or
+    # by keyword, is checked (and its dtype converted) as the first one was.
+    d = Dispatcher(table())
+
+    def zeros(args: object, kwargs: object = None) -> bytes:
+        encoded = b"" if kwargs is None else PLAIN.encode(kwargs)
+        return _request(2, pb.CallFunction("zeros", PLAIN.encode(args), encoded))
+
+    _full(d, zeros([[2]]))
+    for frame in (zeros([[3], ["f", 64]]), zeros([[3]], {"dtype": "float64"})):
+        tensor = PLAIN.decode(_planned(d, frame).value)
+        assert tensor.dtype == torch.float64 and tensor.shape == (3,)
+    for args, kwargs, message in (
+        ([[3], "float33"], None, "zeros: argument 'dtype': "),
+        ([[3]], {"dtype": 5}, "zeros: argument 'dtype': "),
+        ([[3], None, 1], None, "zeros(shape: 'list[int]', dtype: 'torch.dtype' = torch.float32)"),
+        ([], None, "missing a required argument: 'shape'"),
+        ([[3]], {"nope": 1}, "unexpected keyword argument 'nope'"),
+        ([[3]], {1: 2}, "kwargs must be a msgpack map with string keys"),
+        ([[3]], ["dtype"], "kwargs must be a msgpack map with string keys"),
+    ):
+        error = _same_error(d, zeros(args, kwargs))
+        assert error.category == "bad_args" and message in error.message
+    # The method the module's tests plan: incr(by: int | None).
+    handle = _counter(d)
+    _full(d, _frame(3, handle, "incr", PLAIN.encode([1])))
+    for value in (2.5, "2", [2]):
+        error = _same_error(d, _frame(4, handle, "incr", PLAIN.encode([value])))
+        assert "Counter.incr: argument 'by' must be int or None, got" in error.message
+    assert PLAIN.decode(_planned(d, _frame(5, handle, "incr", PLAIN.encode([True]))).value) == 2
+    assert (
+        PLAIN.decode(_planned(d, _frame(6, handle, "incr", b"", PLAIN.encode({"by": 3}))).value)
+        == 5
+    )
+
+
+def test_a_planned_result_that_cannot_be_encoded_answers_as_the_full_way() -> None:
+    d = Dispatcher(table())
+    _full(d, _request(2, pb.CallFunction("nested", PLAIN.encode([1]))))
+    error = _same_error(d, _request(3, pb.CallFunction("nested", PLAIN.encode([400]))))
+    assert error.category == "encode" and "nested deeper" in error.message
 
 
 def test_a_planned_call_resolves_refs_in_its_arguments_each_time() -> None:
