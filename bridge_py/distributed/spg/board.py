@@ -223,6 +223,9 @@ class Board:
         self._broadcasts_done = 0
         # (board, doorbell) of every other rank whose board is open: those ring_all looks at.
         self._ringable: list[tuple[mmap.mmap, int]] = []
+        # Every rank's board in rank order once all are open (else empty): barriers read them.
+        self._boards: list[mmap.mmap] = []
+        self._barrier_at = layout.barrier_at
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
         try:
@@ -319,6 +322,7 @@ class Board:
                 ) from exc
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
         self._connected = all(m is not None for m in self._maps)
+        self._boards = [m for m in self._maps if m is not None] if self._connected else []
         self._ringable = []
         for dst in self._peers:
             board, bell = self._maps[dst], self._bells[dst]
@@ -529,13 +533,13 @@ class Board:
 
     def decision(self, barrier_id: int) -> int:
         """PASSED or FAILED once a rank decided barrier ``barrier_id``; else 0."""
-        at = self.layout.barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
+        at = self._barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
         return self._settled(at, barrier_id)
 
     def _settled(self, at: int, barrier_id: int) -> int:
         """The outcome in the decision cell at ``at`` if it is barrier ``barrier_id``'s,
         else 0 (the cell's number is written after its outcome, and read before it)."""
-        board = self._map(0)
+        board = self._maps[0] or self._map(0)
         if _U64.unpack_from(board, at)[0] != barrier_id + 1:
             return 0
         fence()
@@ -588,13 +592,12 @@ class Board:
 
     def _put(self, offset: int, value: int) -> None:
         fence()
-        _U64.pack_into(self._map(self.rank), self.layout.barrier_at + offset, value)
+        _U64.pack_into(self._own, self._barrier_at + offset, value)
 
     def _behind(self, offset: int, barrier_id: int) -> list[int]:
-        at = self.layout.barrier_at + offset
-        behind = [
-            r for r in range(self.world_size) if _U64.unpack_from(self._map(r), at)[0] <= barrier_id
-        ]
+        at, unpack = self._barrier_at + offset, _U64.unpack_from
+        boards = self._boards or [self._map(r) for r in range(self.world_size)]
+        behind = [r for r, board in enumerate(boards) if unpack(board, at)[0] <= barrier_id]
         fence()
         return behind
 
@@ -638,7 +641,7 @@ class Board:
                             flush(dst, number, value)
             self.unname()
         self._connected = False
-        self._ringable = []
+        self._ringable, self._boards = [], []
         for i, board in enumerate(self._maps):
             if board is not None:
                 with contextlib.suppress(BufferError):
