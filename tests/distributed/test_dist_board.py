@@ -297,23 +297,37 @@ def _no_room(rank: int, port: int) -> dict:
         values = [bytes([rank, i]) * 30_000 for i in range(4)]
         gathered = [group.all_gather_obj(v) for v in values]
         peer = 1 - rank
-        for i in range(3):
-            group.send_obj((rank, i), peer)
+        # Larger than a slot's first page (allocated with the board): the store.
+        big = [(rank, i, b"m" * spg_board.PAGE_CAPACITY) for i in range(3)]
+        for message in big:
+            group.send_obj(message, peer)
         got = [group.recv_obj(peer, timeout=20) for _ in range(3)]
+        queued = group._transport._queue_sent[peer]
+        # Small values need no new page: they still go on the board.
+        group.send_obj((rank, "small"), peer)
+        small = group.recv_obj(peer, timeout=20)
+        small_gathered = group.all_gather_obj(rank)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     group.barrier(timeout=10)
     expected = [[bytes([r, i]) * 30_000 for r in range(2)] for i in range(4)]
     return {
-        "gathered": gathered == expected,
-        "messages": got == [(peer, i) for i in range(3)],
-        "queued": group._transport._queue_sent[peer],
+        "gathered": gathered == expected and small_gathered == [0, 1],
+        "messages": got == [(peer, i, b"m" * spg_board.PAGE_CAPACITY) for i in range(3)]
+        and small == (peer, "small"),
+        "queued": queued,
+        "queued after the small one": group._transport._queue_sent[peer],
     }
 
 
 def test_no_room_on_dev_shm_sends_values_through_the_store() -> None:
     for result in run_ranks(_no_room, 2, free_port(), timeout=60):
-        assert result == {"gathered": True, "messages": True, "queued": 3}
+        assert result == {
+            "gathered": True,
+            "messages": True,
+            "queued": 3,
+            "queued after the small one": 3,
+        }
 
 
 def _broadcasts(rank: int, port: int, world_size: int) -> dict:

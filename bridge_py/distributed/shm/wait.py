@@ -61,8 +61,9 @@ _fence_lock = threading.Lock()
 
 def fence() -> None:
     """A full memory barrier (taking and releasing a mutex), ordering shared-memory flag writes."""
-    with _fence_lock:
-        pass
+    # Two calls rather than a with block: cheaper, and it runs several times per message.
+    _fence_lock.acquire()
+    _fence_lock.release()
 
 
 def deadline_after(timeout: float | None) -> float | None:

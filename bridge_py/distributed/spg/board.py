@@ -33,13 +33,15 @@ all_gather, which is a broadcast from every rank)::
     broadcasts[j]       the same, for this rank's broadcasts
 
 Item ``n`` goes into slot ``n % size`` of its ring once every reader has received what the
-slot held before (their receipt counters say so). The writer writes the length and the value
-with ``pwrite`` (a full ``/dev/shm`` is then an error, where a store through the mapping
-would be SIGBUS; the pages the mapping writes are allocated when the board is made), then
-the number; a reader reads the number, then (after a memory fence) the rest. Writing never
-waits: an item that finds its slot busy, that is larger than :data:`MESSAGE_CAPACITY` or
-that finds no room on ``/dev/shm`` goes through the store, and the counters say so (a
-message's ``spills``, a broadcast's number being used).
+slot held before (their receipt counters say so). The writer writes the length and the value,
+then (after a memory fence) the number; a reader reads the number, then (after a fence) the
+rest. The first page of every slot (and the head and barrier page) is allocated when the
+board is made, so a value that fits in it (:data:`PAGE_CAPACITY` bytes) is copied through
+the mapping; a larger one is written with ``pwrite``, where a full ``/dev/shm`` is an error
+(ENOSPC) and not the SIGBUS a store through the mapping would get. Writing never waits: an
+item that finds its slot busy, that is larger than :data:`MESSAGE_CAPACITY` or that finds
+no room on ``/dev/shm`` goes through the store, and the counters say so (a message's
+``spills``, a broadcast's number being used).
 
 Boards and doorbells are named like the group's segments
 (``vbspg_<pid namespace>_<pid>_<token>_board``/``_bell``), so that
@@ -84,6 +86,7 @@ __all__ = [
     "BROADCAST_RING",
     "LIVENESS_PERIOD",
     "MESSAGE_CAPACITY",
+    "PAGE_CAPACITY",
     "RING",
     "Board",
     "BoardError",
@@ -102,6 +105,7 @@ _HEADER = Header(b"VBBD", 2, "2xIQ")  # world size, creator pid
 _U64 = struct.Struct("<Q")
 _SLOT_HEAD = 16
 _PAGE = 4096
+PAGE_CAPACITY = _PAGE - _SLOT_HEAD  # bytes of a value copied through the mapping
 _COUNTERS_AT = 64
 _BROADCASTS_SENT = 24  # in the head: one past the last broadcast number this rank used
 _ASLEEP = 32  # in the head: whom this rank sleeps waiting for (0: it does not sleep)
@@ -117,7 +121,7 @@ def _pages(size: int) -> int:
     return (size + _PAGE - 1) // _PAGE * _PAGE
 
 
-_MESSAGE_SLOT = _SLOT_HEAD + MESSAGE_CAPACITY
+_MESSAGE_SLOT = _SLOT_HEAD + MESSAGE_CAPACITY  # a multiple of the page: slots start on one
 
 
 class Layout:
@@ -181,21 +185,22 @@ class Board:
         fd = os.open(os.path.join(SHM_DIR, self.name), flags, 0o600)
         try:
             os.ftruncate(fd, self.layout.size)
-            # The pages written through the mapping are allocated now, so that a full
-            # /dev/shm fails here (no board: the store) and not with SIGBUS later; values go
-            # in with pwrite, which reports ENOSPC instead.
+            # The pages written through the mapping (the head, the barrier page and the
+            # first page of every slot) are allocated now, so that a full /dev/shm fails
+            # here (no board: the store) and not with SIGBUS later; the rest of a slot is
+            # written with pwrite, which reports ENOSPC instead.
             os.posix_fallocate(fd, 0, self.layout.barrier_at + _PAGE)
             for dst in range(world_size):
                 for slot in range(RING):
-                    os.posix_fallocate(fd, self.layout.message_at(dst, slot), _SLOT_HEAD)
+                    os.posix_fallocate(fd, self.layout.message_at(dst, slot), _PAGE)
             for slot in range(BROADCAST_RING):
-                os.posix_fallocate(fd, self.layout.broadcast_at(slot), _SLOT_HEAD)
+                os.posix_fallocate(fd, self.layout.broadcast_at(slot), _PAGE)
             board = mmap.mmap(fd, self.layout.size)
         except BaseException:
             os.close(fd)
             unlink(self.name)
             raise
-        self._fd = fd  # this rank's values are written with pwrite; on rank 0, also the lock
+        self._fd = fd  # large values are written with pwrite; on rank 0, also the lock
         if rank == 0:
             self._lock_fd = fd
         _HEADER.pack_into(board, world_size, os.getpid())
@@ -210,6 +215,17 @@ class Board:
         self._inbox_at = layout.message_at(rank, 0)  # on a sender's board: its ring for us
         self._acks_mine = layout.ack_at(rank)
         self._broadcast_receipts = [layout.broadcast_received_at(r) for r in range(world_size)]
+        self._broadcasts_at = layout.broadcast_at(0)
+        # The receipts last read (then fenced): of this rank's messages, per reader, and of
+        # its broadcasts, the least over the readers. A slot whose item they cover is free
+        # without reading them again.
+        self._acked = [0] * world_size
+        self._broadcasts_done = 0
+        # (board, doorbell) of every other rank whose board is open: those ring_all looks at.
+        self._ringable: list[tuple[mmap.mmap, int]] = []
+        # Every rank's board in rank order once all are open (else empty): barriers read them.
+        self._boards: list[mmap.mmap] = []
+        self._barrier_at = layout.barrier_at
         self._pids[rank] = os.getpid()
         bell = os.path.join(SHM_DIR, _bell_name(self.name))
         try:
@@ -306,6 +322,12 @@ class Board:
                 ) from exc
             self._maps[src], self._bells[src], self._pids[src] = board, bell, pid
         self._connected = all(m is not None for m in self._maps)
+        self._boards = [m for m in self._maps if m is not None] if self._connected else []
+        self._ringable = []
+        for dst in self._peers:
+            board, bell = self._maps[dst], self._bells[dst]
+            if board is not None and bell >= 0:
+                self._ringable.append((board, bell))
         return gone
 
     # --- messages ---
@@ -313,10 +335,17 @@ class Board:
     def send(self, dst: int, number: int, value: bytes) -> bool:
         """Put message ``number`` to ``dst`` in its ring slot and ring ``dst``; False (nothing
         written) if it does not fit or ``dst`` has not received the slot's last one."""
-        if self._maps[dst] is None:
+        reader = self._maps[dst]
+        if reader is None:
             return False
         at = self._rings_at[dst] + _MESSAGE_SLOT * (number % RING)
-        if not self._fill(at, number, value, (dst,), self._acks_mine):
+        held = _U64.unpack_from(self._own, at)[0]  # the number + 1 of the message there
+        if held > self._acked[dst]:
+            self._acked[dst] = _U64.unpack_from(reader, self._acks_mine)[0]
+            fence()  # the receipt is seen before the slot is written over
+            if held > self._acked[dst]:
+                return False
+        if not self._fill(at, number, value):
             return False
         self.ring(dst)
         return True
@@ -327,10 +356,15 @@ class Board:
         """Put broadcast ``number`` of this rank in its ring slot; False (nothing written) if
         it does not fit or some rank has not received the slot's last broadcast. The caller
         then says it was sent (:meth:`broadcast_sent`), whichever way it went."""
-        if not self.connected:
+        if not self._connected:
             return False
-        at = self.layout.broadcast_at(number)
-        return self._fill(at, number, value, self._peers, self._broadcast_receipts[self.rank])
+        at = self._broadcasts_at + _MESSAGE_SLOT * (number % BROADCAST_RING)
+        held = _U64.unpack_from(self._own, at)[0]  # the number + 1 of the broadcast there
+        if held > self._broadcasts_done:
+            self._broadcasts_done = self.broadcasts_read()
+            if held > self._broadcasts_done:
+                return False
+        return self._fill(at, number, value)
 
     def broadcast_sent(self, number: int) -> None:
         """Record that broadcast ``number`` went out (ring slot or store); ring the ranks
@@ -350,46 +384,49 @@ class Board:
         """``src``'s broadcast ``number``: a copy of its ring slot, b"" when it went
         through the store instead, None while ``src`` has not sent it."""
         board = self._maps[src] or self._map(src)
-        at = self.layout.broadcast_at(number)
-        data = _slot(board, at, number)
-        if data is not None:
-            return data
-        if _U64.unpack_from(board, _BROADCASTS_SENT)[0] <= number:
-            return None
-        fence()  # sent: a slot is written before the count, so a second look is final
-        data = _slot(board, at, number)
-        return b"" if data is None else data
+        at = self._broadcasts_at + _MESSAGE_SLOT * (number % BROADCAST_RING)
+        if _U64.unpack_from(board, at)[0] != number + 1:  # _slot, inline: read on every look
+            if _U64.unpack_from(board, _BROADCASTS_SENT)[0] <= number:
+                return None
+            fence()  # sent: a slot is written before the count, so a second look is final
+            data = _slot(board, at, number)
+            return b"" if data is None else data
+        fence()  # the value is read after its number
+        size = _U64.unpack_from(board, at + 8)[0]
+        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
 
-    def broadcasts_received(self, numbers: dict[int, int]) -> None:
-        """Record that this rank is done with broadcast ``numbers[src]`` of each ``src``."""
+    def broadcast_received(self, src: int, number: int) -> None:
+        """Record that this rank is done with broadcast ``number`` of ``src``."""
+        fence()
+        _U64.pack_into(self._own, self._broadcast_receipts[src], number + 1)
+
+    def broadcasts_received(self, numbers: Sequence[int]) -> None:
+        """Record that this rank is done with broadcast ``numbers[src]`` of every other
+        rank ``src``."""
         fence()
         board, receipts = self._own, self._broadcast_receipts
-        for src, number in numbers.items():
-            _U64.pack_into(board, receipts[src], number + 1)
+        for src in self._peers:
+            _U64.pack_into(board, receipts[src], numbers[src] + 1)
 
-    def _fill(
-        self, at: int, number: int, value: bytes, readers: Sequence[int], receipt: int
-    ) -> bool:
-        """Write item ``number`` into this rank's slot at ``at`` once every one of ``readers``
-        has received what it held (their counter at ``receipt`` says how many); False
-        (nothing written) if one has not, the value is too large, or ``/dev/shm`` has no
-        room for all of it (a write cut short counts as none)."""
+    def _fill(self, at: int, number: int, value: bytes) -> bool:
+        """Write item ``number`` into this rank's slot at ``at``, whose readers are done with
+        what it held; False (nothing written) if the value is too large, or ``/dev/shm`` has
+        no room for all of it (a write cut short counts as none)."""
         size = len(value)
-        if size > MESSAGE_CAPACITY:
-            return False
         board = self._own
-        held = _U64.unpack_from(board, at)[0]  # the number + 1 of the item there
-        if held:
-            for r in readers:
-                if _U64.unpack_from(self._maps[r] or self._map(r), receipt)[0] < held:
-                    return False
-        fence()  # the receipts are seen before the slot is written over
-        try:
-            if os.pwritev(self._fd, [_U64.pack(size), value], at + 8) != 8 + size:
-                return False
-        except OSError:
+        if size <= PAGE_CAPACITY:  # the slot's first page, allocated with the board
+            _U64.pack_into(board, at + 8, size)
+            board[at + _SLOT_HEAD : at + _SLOT_HEAD + size] = value
+        elif size > MESSAGE_CAPACITY:
             return False
-        _U64.pack_into(board, at, number + 1)  # after the write (a system call): it is there
+        else:
+            try:
+                if os.pwritev(self._fd, [_U64.pack(size), value], at + 8) != 8 + size:
+                    return False
+            except OSError:
+                return False
+        fence()  # the value is seen before its number
+        _U64.pack_into(board, at, number + 1)
         return True
 
     def spilled(self, dst: int, count: int) -> None:
@@ -428,12 +465,10 @@ class Board:
         anyone; ``everyone``: that sleeps at all, waiting for whomever)."""
         fence()  # this rank's writes are seen before the asleep words are read
         wake = (self._me, ANY)
-        for dst in self._peers:
-            board, bell = self._maps[dst], self._bells[dst]
-            if board is not None and bell >= 0:
-                asleep = _U64.unpack_from(board, _ASLEEP)[0]
-                if asleep in wake or (everyone and asleep):
-                    _ring(bell)
+        for board, bell in self._ringable:
+            asleep = _U64.unpack_from(board, _ASLEEP)[0]
+            if asleep in wake or (everyone and asleep):
+                _ring(bell)
 
     def wait(self, timeout: float, src: int = -1) -> None:
         """Sleep until rank ``src`` (-1: any rank) rings, or ``timeout`` seconds pass; empty
@@ -498,13 +533,13 @@ class Board:
 
     def decision(self, barrier_id: int) -> int:
         """PASSED or FAILED once a rank decided barrier ``barrier_id``; else 0."""
-        at = self.layout.barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
+        at = self._barrier_at + _DECISIONS + 16 * (barrier_id % DECISION_CELLS)
         return self._settled(at, barrier_id)
 
     def _settled(self, at: int, barrier_id: int) -> int:
         """The outcome in the decision cell at ``at`` if it is barrier ``barrier_id``'s,
         else 0 (the cell's number is written after its outcome, and read before it)."""
-        board = self._map(0)
+        board = self._maps[0] or self._map(0)
         if _U64.unpack_from(board, at)[0] != barrier_id + 1:
             return 0
         fence()
@@ -557,13 +592,12 @@ class Board:
 
     def _put(self, offset: int, value: int) -> None:
         fence()
-        _U64.pack_into(self._map(self.rank), self.layout.barrier_at + offset, value)
+        _U64.pack_into(self._own, self._barrier_at + offset, value)
 
     def _behind(self, offset: int, barrier_id: int) -> list[int]:
-        at = self.layout.barrier_at + offset
-        behind = [
-            r for r in range(self.world_size) if _U64.unpack_from(self._map(r), at)[0] <= barrier_id
-        ]
+        at, unpack = self._barrier_at + offset, _U64.unpack_from
+        boards = self._boards or [self._map(r) for r in range(self.world_size)]
+        behind = [r for r, board in enumerate(boards) if unpack(board, at)[0] <= barrier_id]
         fence()
         return behind
 
@@ -607,6 +641,7 @@ class Board:
                             flush(dst, number, value)
             self.unname()
         self._connected = False
+        self._ringable, self._boards = [], []
         for i, board in enumerate(self._maps):
             if board is not None:
                 with contextlib.suppress(BufferError):

@@ -107,6 +107,7 @@ class StatelessProcessGroup:
         self.broadcast_recv_src_counter = {i: 0 for i in range(self.world_size)}
         # Not dataclass fields: the documented field list stays vLLM's.
         self._barrier_count = 0
+        self._others = [r for r in range(self.world_size) if r != self.rank]
         # create() sets the key it resolved before constructing (so that with the operator's
         # VLLM_BRIDGE_REQUIRE_AUTH_KEY an explicit key is not asked for again here).
         preset = self.__dict__.get("_auth_key")
@@ -284,7 +285,7 @@ class StatelessProcessGroup:
             return [obj]
         self._expire_if_due()
         counters = self.broadcast_recv_src_counter
-        seqs = [counters[r] for r in range(self.world_size)]
+        seqs = list(map(counters.__getitem__, range(self.world_size)))
         try:
             result = self._transport.all_gather(self.broadcast_send_counter, seqs, obj, like)
         except (CollectiveMismatchError, AuthenticationError):
@@ -296,9 +297,8 @@ class StatelessProcessGroup:
     def _gathered(self, counters: dict[int, int]) -> None:
         """Every rank's value of an all_gather has been received: count them."""
         self.broadcast_send_counter += 1
-        for src in range(self.world_size):
-            if src != self.rank:
-                counters[src] += 1
+        for src in self._others:
+            counters[src] += 1
 
     def barrier(self, timeout: float = 30.0) -> None:
         """A robust barrier to synchronize all ranks.

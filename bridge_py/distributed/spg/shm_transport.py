@@ -86,22 +86,21 @@ class ShmTransport:
         op: str,
         what: str | Callable[[], str],
         srcs: list[int],
-        limit: float,
+        timeout: float | None,
         ready: Callable[[int], bool | None],
         many: bool = False,
     ) -> None:
         """Sleep on the doorbell until ``ready(src)`` is true for every one of ``srcs``.
 
         ``ready`` returning None means "not yet, look again without sleeping" (a message is
-        on its way through the store). GroupTimeout after ``limit`` seconds, PeerGoneError
+        on its way through the store). GroupTimeout after ``timeout`` seconds (None: the
+        store's timeout; either clamped to the running call's deadline), PeerGoneError
         once a rank waited for has exited, naming ``op``, this rank, the rank(s) and
         ``what`` (``many``: the values of a collective).
         """
         board = self.board
-        start = time.monotonic()
-        deadline = start + limit
-        check_at = start + LIVENESS_PERIOD
         waiting = srcs
+        start = limit = until = check_at = 0.0  # set once something is missing
         try:
             while True:
                 sleep = True
@@ -115,7 +114,11 @@ class ShmTransport:
                 if not waiting:
                     return
                 now = time.monotonic()
-                if now >= deadline:
+                if not start:  # the first look found something missing: the wait starts
+                    start, check_at = now, now + LIVENESS_PERIOD
+                    limit = deadline.clamp(self.overflow.limit(timeout))
+                    until = now + limit
+                if now >= until:
                     awaited = what if isinstance(what, str) else what()
                     late = waiting if many else waiting[0]
                     raise timed_out(op, self.rank, awaited, late, start, limit)
@@ -126,9 +129,10 @@ class ShmTransport:
                         awaited = what if isinstance(what, str) else what()
                         raise exited(op, self.rank, awaited, gone if many else gone[0], start)
                 if sleep:  # woken by the first rank still awaited (any other wakes it later)
-                    board.wait(min(deadline, check_at) - now, waiting[0])
+                    board.wait(min(until, check_at) - now, waiting[0])
         finally:
-            board.awake()
+            if start:
+                board.awake()
 
     # --- point to point -------------------------------------------------------------------
 
@@ -174,7 +178,7 @@ class ShmTransport:
 
         start = time.monotonic()
         if not ready(src):
-            self._wait("recv_obj", repr(name), [src], self.overflow.limit(timeout), ready)
+            self._wait("recv_obj", repr(name), [src], timeout, ready)
         board.received(src, seq + 1)  # a copy was taken: the slot is free
         message = found[0]
         return lambda: self.values.unpack(name, message, src, label="message", like=like)
@@ -211,8 +215,9 @@ class ShmTransport:
             if segment is not None:
                 self.values.segments.discard(segment)
 
-    def _fetch(self, src: int, seq: int, op: str, limit: float) -> bytes:
-        """``src``'s broadcast ``seq``, from its ring slot or from the store."""
+    def _fetch(self, src: int, seq: int, op: str, timeout: float | None) -> bytes:
+        """``src``'s broadcast ``seq``, from its ring slot or from the store (waiting at most
+        ``timeout`` seconds for each, None: the store's timeout)."""
         board = self.board
         key = keys.broadcast_value(src, seq)
         found: list[bytes] = []
@@ -224,8 +229,8 @@ class ShmTransport:
             found.append(data)  # b"": in the store
             return True
 
-        self._wait(op, f"key {key!r}", [src], limit, ready)
-        return found[0] or self.overflow.await_key(key, src, op, limit)
+        self._wait(op, f"key {key!r}", [src], timeout, ready)
+        return found[0] or self.overflow.await_key(key, src, op, timeout)
 
     def broadcast_send(self, seq: int, obj: Any) -> None:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""
@@ -241,16 +246,16 @@ class ShmTransport:
             return self.overflow.broadcast_recv(src, seq, timeout, like)
         key = keys.broadcast_value(src, seq)
         try:
-            data = self._fetch(src, seq, "broadcast_obj", self.overflow.limit(timeout))
+            data = self._fetch(src, seq, "broadcast_obj", timeout)
         except BaseException:
-            board.broadcasts_received({src: seq})
+            board.broadcast_received(src, seq)
             raise
 
         def load() -> Any:
             try:
                 return self.values.unpack(key, data, src, last=False, like=like)
             finally:
-                board.broadcasts_received({src: seq})  # after loading: the slot may be reused
+                board.broadcast_received(src, seq)  # after loading: the slot may be reused
 
         return load
 
@@ -263,32 +268,33 @@ class ShmTransport:
         if not board.connected:
             self._connect_all(f"all_gather_obj on rank {self.rank}")
         self._publish(seq, obj, "all_gather_obj")
-        limit = deadline.clamp(self.overflow.default_timeout())
-        wanted = {src: seqs[src] for src in self._others}
-        got: dict[int, bytes] = {}
+        others, poll = self._others, board.poll_broadcast
+        got: list[Any] = [obj] * self.world_size  # this rank's, then the others' as they come
 
         def ready(src: int) -> bool:
-            data = board.poll_broadcast(src, wanted[src])
+            data = poll(src, seqs[src])
             if data is None:
                 return False
             got[src] = data  # b"": in the store
             return True
 
         def what() -> str:
-            return f"keys {[keys.broadcast_value(src, n) for src, n in wanted.items()]}"
+            return f"keys {[keys.broadcast_value(src, seqs[src]) for src in others]}"
 
-        self._wait("all_gather_obj", what, self._others, limit, ready, many=True)
+        self._wait("all_gather_obj", what, others, None, ready, many=True)
         board.unname()  # every rank has opened this rank's board by now: the names can go
-        result = []
+        unpack = self.values.unpack
         try:
-            for src, number in wanted.items():
-                key = keys.broadcast_value(src, number)
-                data = got[src] or self.overflow.await_key(key, src, "all_gather_obj", limit)
-                result.append(self.values.unpack(key, data, src, last=False, like=like))
+            for src in others:
+                key = keys.broadcast_value(src, seqs[src])
+                data = got[src]
+                if not data:  # in the store
+                    limit = deadline.clamp(self.overflow.default_timeout())
+                    data = self.overflow.await_key(key, src, "all_gather_obj", limit)
+                got[src] = unpack(key, data, src, last=False, like=like)
         finally:
-            board.broadcasts_received(wanted)  # after loading: the slots may be reused
-        result.insert(self.rank, obj)
-        return result
+            board.broadcasts_received(seqs)  # after loading: the slots may be reused
+        return got
 
     # --- barrier --------------------------------------------------------------------------
 

@@ -361,6 +361,10 @@ class StoreTransport:
     def hooks(self, also: Callable[[], None] | None = None) -> BarrierHooks:
         """Deferred deletes while waiting; once all arrived, every read value can go (with
         ``also``, the calling transport's own)."""
+        # No hook once all arrived when there is nothing to do then: the barrier is shorter
+        # (see barrier, phase 2).
+        if not (also or self._own_gather or self._trash or self._reaper.pending):
+            return BarrierHooks(self.flush)
 
         def all_arrived() -> None:
             if also is not None:
@@ -368,10 +372,7 @@ class StoreTransport:
             self.release_own_gather()
             self.flush_now()
 
-        # No hook once all arrived when there is nothing to do then: the barrier is shorter
-        # (see barrier, phase 2).
-        busy = also or self._own_gather or self._trash or self._reaper.pending
-        return BarrierHooks(while_waiting=self.flush, all_arrived=all_arrived if busy else None)
+        return BarrierHooks(self.flush, all_arrived)
 
     def barrier(self, barrier_id: int, timeout: float) -> None:
         """Barrier ``barrier_id`` over the store, in three phases; BarrierTimeout when a rank

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload
+from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload, sign
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
@@ -73,6 +73,7 @@ DESCRIPTOR_MAGIC = b"\x00VBS2"
 NOT_LOCAL = b"-"  # the node identity of a rank that does not take shared memory
 _DESCRIPTOR = struct.Struct(">QQ32s")  # size, generation, digest
 _NO_DIGEST = bytes(32)
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 def enabled() -> bool:
@@ -350,22 +351,22 @@ class Values:
         ``readers``: the ranks that will read it, when all share this node (else None: no
         segment). A large pickle then goes to a segment, reused once they all marked it read.
         """
-        limit = self._threshold
-        keyed = self.key is not None
+        limit, key = self._threshold, self.key
         raw = obj.payload if type(obj) is tensors.Encoded else None  # sent as it is
         if raw is None and readers and (self._spilled or sys.getsizeof(obj) > limit):
             # Looks large (or the last value was): pickle straight into a segment.
-            payload = dump(obj, self.segments, keyed, readers)
+            payload = dump(obj, self.segments, key is not None, readers)
         else:
             # Pickling into a spill file costs several times a plain pickle, so small objects
             # (most) are pickled plainly, and copied to a segment only if that was wrong.
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if raw is None else raw
+            payload = pickle.dumps(obj, _PROTOCOL) if raw is None else raw
             if not readers or len(payload) <= limit:
-                return seal_payload(self.key, _context(name), payload), None
-            payload = dump(obj, self.segments, keyed, readers, pickled=payload)
+                # seal_payload, with the context worked out only when there is a key.
+                return (payload if key is None else sign(key, _context(name), payload)), None
+            payload = dump(obj, self.segments, key is not None, readers, pickled=payload)
         segment = segment_name(payload)
         self._spilled = segment is not None
-        return seal_payload(self.key, _context(name), payload), segment
+        return seal_payload(key, _context(name), payload), segment
 
     def open(self, name: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
         """The checked payload of ``data`` (``name``, from ``src``): bytes, or an open
