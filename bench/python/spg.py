@@ -6,7 +6,9 @@ per rank: the issue's yardstick for small objects). The hardware floor of a mess
 two processes of one machine is measured too: a one-byte round trip between partner ranks
 over a Unix datagram socket (a kernel copy and a wake-up each way, nothing else). Each
 round times a block of ``reps`` calls of every op, ours and the peer in alternating order,
-after a gloo barrier; a block's time is that of the slowest rank, and each row is the
+after a gloo barrier and one untimed call of the same op (which lines the ranks up: they
+leave gloo's barrier up to milliseconds apart, which the set+get, a call of each rank
+alone, never waits for); a block's time is that of the slowest rank, and each row is the
 median over rounds.
 
     python bench/python/spg.py [--quick]
@@ -144,6 +146,9 @@ def _rank(rank: int, ws: int, ports: tuple[int, int, int], rounds: int, reps: di
             sides = [("ours", ours), ("peer", peer)]
             for side, fn in sides if r % 2 == 0 else sides[::-1]:
                 dist.barrier()
+                # One op untimed: the ranks leave gloo's barrier up to milliseconds apart, and
+                # a collective's first op would wait that out on the ranks that left first.
+                fn()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     fn()
