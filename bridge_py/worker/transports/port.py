@@ -47,9 +47,8 @@ class PortTransport:
     everything else (a ping, a release), until a blocked call returns and gives its
     thread back.
 
-    The leader marks the start of a request without a lock (it alone writes those
-    fields); the end of a request, where the leader learns whether it was replaced,
-    and a takeover both hold ``_lock``, so exactly one thread reads at a time.
+    Exactly one thread reads at a time: the leader and a standby that would take over
+    both claim the request the leader is in, and only one claim succeeds (see _lead).
     """
 
     def __init__(
@@ -70,10 +69,10 @@ class PortTransport:
         self._out = out if isinstance(out, FrameWriter) else FrameWriter(out)
         self._max_threads = max_threads
         self._takeover_after = takeover_after
-        self._lock = threading.Lock()
-        self._leader: int | None = None  # thread ident
-        self._running = False  # the leader is inside a request
-        self._job = 0  # requests started by leaders so far
+        self._lock = threading.Lock()  # guards _threads and _spare
+        # The request the leader is in: a fresh one-item list per request, emptied by
+        # whoever claims its end (empty while the leader waits for input).
+        self._request: list[bool] = []
         self._threads = 0
         # Whether a standby stands behind the leader: not when max_threads are taken, and
         # then the leader runs no call that may block (see _refuse_blocking).
@@ -94,16 +93,14 @@ class PortTransport:
         self._done.wait()
 
     def _lead(self) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            self._leader = me
         admit, run, write = self._dispatcher.admit, self._dispatcher.run, self._out.write
+        read = self._reader.read
         try:
             while True:
                 if not self._spare:
                     self._rehire()
                 try:
-                    frame = self._reader.read()
+                    frame = read()
                 except FrameTooLarge as exc:
                     write(pb.encode_reply(protocol_error(0, str(exc))))
                     continue
@@ -111,13 +108,14 @@ class PortTransport:
                     self._done.set()
                     return
                 job = admit(frame, None if self._spare else self._refuse_blocking)
-                self._job += 1  # only the leader writes these two
-                self._running = True
+                # Only the leader stores this; list.pop is atomic, so of the leader
+                # (done) and a standby (taking over) exactly one empties it.
+                self._request = request = [True]
                 write(run(job))
-                with self._lock:
-                    if self._leader != me:  # a standby took over while this call blocked
-                        return
-                    self._running = False
+                try:
+                    request.pop()
+                except IndexError:  # a standby took over while this call blocked
+                    return
         except (BrokenPipeError, ConnectionResetError):
             # The reader of our replies is gone (the BEAM closed the port): nobody can
             # hear us any more, so stop serving, quietly.
@@ -132,18 +130,19 @@ class PortTransport:
                 self._threads -= 1
 
     def _stand_by(self) -> None:
-        seen = -1
+        seen: list[bool] | None = None
         while not self._done.wait(self._takeover_after):
+            request = self._request
+            if request is not seen or not request:
+                seen = request  # a new request: give it its time (or none is running)
+                continue
+            # The leader has been in one request for a whole period: take over, unless
+            # it has just finished it.
+            try:
+                request.pop()
+            except IndexError:
+                continue
             with self._lock:
-                if not self._running:
-                    seen = -1
-                    continue
-                if self._job != seen:
-                    seen = self._job  # a new request: give it its time
-                    continue
-                # The leader has been in one request for a whole period: take over.
-                self._leader = threading.get_ident()
-                self._running = False
                 hire = self._spare = self._threads < self._max_threads
                 if hire:
                     self._threads += 1
