@@ -124,7 +124,7 @@ class FrameReader:
             self._buf, self._pos = buf, 0
             pos = 0
         if len(buf) - pos >= 4:
-            size = int.from_bytes(buf[pos : pos + 4], "big")
+            (size,) = _HEADER.unpack_from(buf, pos)  # (no slice, unlike int.from_bytes)
             end = pos + 4 + size
             if end <= len(buf) and size <= self._max_frame:
                 self._pos = end
