@@ -76,43 +76,43 @@ class PollingInput:
 
     def read1(self, size: int) -> bytes:
         """Up to ``size`` bytes, as soon as there are any; ``b""`` at end of input."""
-        return self._read(os.read, size)
+        try:
+            got = os.read(self._fd, size)
+        except BlockingIOError:
+            return self._wait_for(os.read, size)
+        self._spinning = self._spin > 0  # it was already there: requests come fast
+        return got
 
     read = read1
 
     def readinto(self, view: memoryview) -> int:
         """Fill as much of ``view`` as is there once any is; 0 at end of input."""
-        return self._read(_readv_into, view)
-
-    def _read(self, attempt: Callable[[int, _A], _R], arg: _A) -> _R:
         try:
-            got = attempt(self._fd, arg)
+            got = _readv_into(self._fd, view)
         except BlockingIOError:
-            pass
-        else:
-            self._spinning = self._spin > 0  # it was already there: requests come fast
-            return got
+            return self._wait_for(_readv_into, view)
+        self._spinning = self._spin > 0
+        return got
+
+    def _wait_for(self, attempt: Callable[[int, _A], _R], arg: _A) -> _R:
+        """Retry ``attempt`` (which found nothing) until it gets input, spinning first
+        if :attr:`spinning`; then learn from how long that took."""
         start = time.perf_counter()
-        spinning = self.spinning
+        spin = self._spin if self.spinning else 0.0
         while True:
-            self._wait(start, spinning)
+            # Retry at once while spinning; otherwise sleep until input comes.
+            if not (spin and time.perf_counter() - start < spin):
+                self._poll.poll()  # readable, or the writer closed (POLLHUP)
             try:
                 got = attempt(self._fd, arg)
             except BlockingIOError:
                 continue
-            self._learn(time.perf_counter() - start)
+            # Spin next time only if this wait was short enough for a spin to catch.
+            waited = time.perf_counter() - start
+            self._spinning = self._spin > 0 and waited < self._spin
+            if self._policy is not None:
+                self._policy.record(waited)
             return got
-
-    def _wait(self, start: float, spinning: bool) -> None:
-        """Return at once while spinning; otherwise sleep until input comes."""
-        if not (spinning and time.perf_counter() - start < self._spin):
-            self._poll.poll()  # readable, or the writer closed (POLLHUP)
-
-    def _learn(self, waited: float) -> None:
-        """Spin next time only if this wait was short enough for a spin to catch."""
-        self._spinning = self._spin > 0 and waited < self._spin
-        if self._policy is not None:
-            self._policy.record(waited)
 
 
 def _readv_into(fd: int, view: memoryview) -> int:
