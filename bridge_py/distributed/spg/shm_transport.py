@@ -40,6 +40,7 @@ from bridge_py.distributed.spg.board import (
     PASSED,
     Board,
     BoardError,
+    maker_exited,
 )
 from bridge_py.distributed.spg.common import (
     BarrierHooks,
@@ -134,6 +135,30 @@ class ShmTransport:
             if start:
                 board.awake()
 
+    def _unopened(
+        self,
+        src: int,
+        op: str,
+        what: str,
+        timeout: float | None,
+        receive: Callable[[int, int, float | None, Tensor | None], Callable[[], Any]],
+        seq: int,
+        like: Tensor | None,
+    ) -> Callable[[], Any]:
+        """``receive(src, seq, timeout, like)`` through the store, for ``src`` whose board
+        this rank never opened: ``src`` had closed its group, or exited, when this rank
+        joined. What a rank sends is in the store before its process ends (its group's
+        close flushes its rings there), so when ``src`` has exited the store gets a short
+        look, and a PeerGoneError naming ``what`` if nothing is there."""
+        if not maker_exited(self.names[src]):
+            return receive(src, seq, timeout, like)
+        start = time.monotonic()
+        look = LIVENESS_PERIOD if timeout is None else min(timeout, LIVENESS_PERIOD)
+        try:
+            return receive(src, seq, look, like)
+        except TimeoutError:
+            raise exited(op, self.rank, what, src, start) from None
+
     # --- point to point -------------------------------------------------------------------
 
     def send(self, dst: int, seq: int, obj: Any) -> None:
@@ -152,7 +177,8 @@ class ShmTransport:
         """Receive message ``seq`` from ``src``, from its ring slot or the store queue it
         took; returns what loads it (see ``StoreTransport.recv``)."""
         if not self.board.is_open(src):  # src had closed its group when this rank joined
-            return self.overflow.recv(src, seq, timeout, like)
+            name = repr(keys.p2p_value(src, self.rank, seq))
+            return self._unopened(src, "recv_obj", name, timeout, self.overflow.recv, seq, like)
         self.overflow.flush()
         board, inbox = self.board, self.overflow.inbox
         name = keys.p2p_value(src, self.rank, seq)
@@ -242,9 +268,10 @@ class ShmTransport:
         """A receiver's side of broadcast ``seq`` of ``src``, from its ring slot or the
         store; returns what loads it (see ``StoreTransport.recv``)."""
         board = self.board
-        if not board.is_open(src):
-            return self.overflow.broadcast_recv(src, seq, timeout, like)
         key = keys.broadcast_value(src, seq)
+        if not board.is_open(src):
+            receive = self.overflow.broadcast_recv
+            return self._unopened(src, "broadcast_obj", f"key {key!r}", timeout, receive, seq, like)
         try:
             data = self._fetch(src, seq, "broadcast_obj", timeout)
         except BaseException:
