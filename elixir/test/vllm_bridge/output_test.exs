@@ -121,8 +121,12 @@ defmodule VllmBridge.OutputTest do
         assert details.missing_module == "torch"
         assert Enum.any?(details.stderr, &(&1 =~ "No module named 'torch'"))
         GenServer.stop(worker)
+        send(self(), {:worker, worker})
       end)
 
+    # Only this worker's lines: tests running beside this one start torchless Pythons too.
+    assert_received {:worker, worker}
+    log = log |> lines(inspect(worker) <> " ") |> Enum.join("\n")
     assert [_] = lines(log, ~r/\(os pid \d+\): ModuleNotFoundError: No module named 'torch'/)
     assert [_ | _] = lines(log, ~r/\(os pid \d+\): Traceback \(most recent call last\):/)
   end
