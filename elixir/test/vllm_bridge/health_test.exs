@@ -30,7 +30,18 @@ defmodule VllmBridge.HealthTest do
     :ok
   end
 
-  defp stop_os(os_pid), do: System.cmd("kill", ["-STOP", Integer.to_string(os_pid)])
+  # SIGSTOP, then wait until the kernel says the process is stopped (state T): the
+  # signal is delivered asynchronously, and a call made before it lands is answered.
+  defp stop_os(os_pid) do
+    System.cmd("kill", ["-STOP", Integer.to_string(os_pid)])
+
+    eventually(fn ->
+      case File.read("/proc/#{os_pid}/stat") do
+        {:ok, stat} -> stat |> String.split(") ") |> List.last() |> String.starts_with?("T")
+        {:error, _} -> false
+      end
+    end)
+  end
 
   # The pid at `index` once it is another than `old`.
   defp replacement(pool, index, old) do
