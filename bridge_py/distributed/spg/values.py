@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bridge_py.distributed.auth import AuthenticationError, open_payload, seal_payload, sign
+from bridge_py.distributed.auth import AuthenticationError, open_payload, sign
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
@@ -361,12 +361,11 @@ class Values:
             # (most) are pickled plainly, and copied to a segment only if that was wrong.
             payload = pickle.dumps(obj, _PROTOCOL) if raw is None else raw
             if not readers or len(payload) <= limit:
-                # seal_payload, with the context worked out only when there is a key.
-                return (payload if key is None else sign(key, _context(name), payload)), None
+                return self.seal(name, payload), None
             payload = dump(obj, self.segments, key is not None, readers, pickled=payload)
         segment = segment_name(payload)
         self._spilled = segment is not None
-        return seal_payload(key, _context(name), payload), segment
+        return self.seal(name, payload), segment
 
     def open(self, name: str, data: bytes | memoryview, src: int, label: str = "key") -> Any:
         """The checked payload of ``data`` (``name``, from ``src``): bytes, or an open
@@ -416,8 +415,10 @@ class Values:
         return self.load(payload, like, what)
 
     def seal(self, name: str, data: bytes) -> bytes:
-        """``data`` (not a pickle: a node card) sealed for ``name``."""
-        return seal_payload(self.key, _context(name), data)
+        """``data`` (a pickle, a descriptor, a node card) sealed for ``name``
+        (``auth.seal_payload``; the context is worked out only with a key)."""
+        key = self.key
+        return data if key is None else sign(key, _context(name), data)
 
     def unseal(self, name: str, data: bytes, what: str) -> bytes:
         """The inverse of :meth:`seal`; AuthenticationError naming ``what`` if forged."""
