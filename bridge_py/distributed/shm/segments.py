@@ -72,6 +72,7 @@ __all__ = [
     "SegmentOwner",
     "create",
     "data_offset",
+    "maker_exited",
     "mark_offset",
     "open_value",
     "read_generation",
@@ -401,6 +402,21 @@ def read_once(name: str, whose: str = "") -> Iterator[memoryview]:
         os.close(fd)
 
 
+def maker_exited(name: str) -> bool:
+    """Whether the process that made the shared-memory file ``name`` (a group's name,
+    ``vbspg_<pid namespace>_<pid>_...``: a segment, a board, a doorbell, a gather's
+    segment) is another one of this PID namespace, and has exited. False for a name that
+    does not say, or a process of another namespace."""
+    try:
+        namespace, pid = name.removeprefix(NAME_PREFIX).split("_", 2)[:2]
+        made_by, namespace_id = int(pid), int(namespace)
+    except ValueError:
+        return False
+    if namespace_id != pid_namespace() or made_by == os.getpid():
+        return False
+    return not process_alive(made_by)
+
+
 def remove_orphans() -> list[str]:
     """Unlink segments whose creator (in this PID namespace) has exited; return their names.
 
@@ -417,11 +433,10 @@ def remove_orphans() -> list[str]:
     except OSError:
         return []
     removed = []
-    me, uid = os.getpid(), os.geteuid()
+    uid = os.geteuid()
     for name in names:
         try:
-            pid = int(name[len(prefix) :].split("_", 1)[0])
-            if pid == me or process_alive(pid):
+            if not maker_exited(name):
                 continue
             path = os.path.join(SHM_DIR, name)
             info = os.lstat(path)

@@ -91,7 +91,6 @@ __all__ = [
     "Board",
     "BoardError",
     "Layout",
-    "maker_exited",
 ]
 
 RING = 8  # message slots per destination
@@ -156,17 +155,6 @@ class Layout:
 
 class BoardError(SharedMemoryError):
     """A board could not be made or opened, or a peer's board is not what it should be."""
-
-
-def maker_exited(board_name: str) -> bool:
-    """Whether the process that made the board ``board_name`` (a name from a node card,
-    which carries its maker's PID namespace and PID) is of this PID namespace and has
-    exited. False for a name that does not say, or a process of another namespace."""
-    try:
-        namespace, pid = board_name.removeprefix(NAME_PREFIX).split("_", 2)[:2]
-        return int(namespace) == pid_namespace() and not process_alive(int(pid))
-    except ValueError:
-        return False
 
 
 def _bell_name(board_name: str) -> str:

@@ -33,6 +33,7 @@ from torch.distributed import Store
 
 from bridge_py import deadline
 from bridge_py.distributed.errors import BarrierFailure, BarrierTimeout, PeerGoneError
+from bridge_py.distributed.shm.segments import maker_exited
 from bridge_py.distributed.spg import keys, p2p
 from bridge_py.distributed.spg.board import (
     FAILED,
@@ -40,7 +41,6 @@ from bridge_py.distributed.spg.board import (
     PASSED,
     Board,
     BoardError,
-    maker_exited,
 )
 from bridge_py.distributed.spg.common import (
     BarrierHooks,
