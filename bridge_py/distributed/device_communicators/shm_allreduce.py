@@ -95,7 +95,7 @@ from bridge_py.distributed.errors import (
     PeerGoneError,
     SharedMemoryError,
 )
-from bridge_py.distributed.groups.work import finish, mark_unusable
+from bridge_py.distributed.groups.work import finish, mark_unusable, refuse_if_unusable
 from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import (
@@ -277,7 +277,6 @@ class ShmCollectives:
         self._views: dict[torch.dtype, torch.Tensor] = {}
         self._phase = 0
         self._step = 0
-        self._broken: str | None = None
         self._group = group  # marked unusable when a step fails (groups.work)
         self._lock = threading.Lock()
         self._pids = [
@@ -410,7 +409,6 @@ class ShmCollectives:
 
     def close(self) -> None:
         """Unmap the segment (idempotent; the name was unlinked at set-up)."""
-        self._broken = self._broken or "the transport was closed"
         self._counters.release()
         self._data = torch.empty(0, dtype=torch.uint8)
         self._buf = None  # type: ignore[assignment]  # closed: any later use fails at once
@@ -453,9 +451,9 @@ class ShmCollectives:
         fence()  # everything the others wrote before their counters is now visible
 
     def _fail(self, why: str) -> str:
-        """Refuse every later operation of this transport, and of anything else on its
-        group (whose ranks are now out of step), saying ``why``; returns ``why``."""
-        self._broken = why
+        """Mark the group unusable (its ranks are now out of step), saying ``why``: every
+        later operation on it is refused, this transport's and the others'; returns
+        ``why``."""
         mark_unusable(self._group, f"an earlier {why}")
         return why
 
@@ -480,12 +478,13 @@ class ShmCollectives:
             "now (its ranks are out of step)"
         )
 
-    def _enter(self) -> None:
-        if self._broken is not None:
+    def _enter(self, op: str) -> None:
+        if self.closed:
             raise DistributedError(
-                f"shared-memory collectives of {self.label} are unusable on rank "
-                f"{self.rank}: {self._broken}"
+                f"{op} on rank {self.rank} of {self.label}: its shared-memory collectives "
+                "were closed"
             )
+        refuse_if_unusable(self._group, op, f"rank {self.rank} of {self.label}")
 
     # --------------------------------------------------------------------- buffer views
 
@@ -544,7 +543,7 @@ class ShmCollectives:
         every rank, and calls ``drain(half, start, k)``; the first step carries ``row``, and
         ``judge`` sees every rank's row before anything is read."""
         with self._lock:
-            self._enter()
+            self._enter(op)
             self.calls[op] += 1
             slots = self._slots(dtype)
             first: Judge | None = judge
