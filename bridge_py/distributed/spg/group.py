@@ -190,8 +190,9 @@ class StatelessProcessGroup:
         with StoreRequest(op, self.rank, "node/read", "counting in"):
             read = self.store.add("node/read", 1)
         if read == self.world_size:
-            self._store_transport.discard([f"node/{r}" for r in range(self.world_size)])
-            self._store_transport.discard(["node/read"])
+            self._store_transport.discard(
+                [f"node/{r}" for r in range(self.world_size)] + ["node/read"]
+            )
             self._store_transport.flush()
         return cards
 
