@@ -76,22 +76,21 @@ class PollingInput:
 
     def read1(self, size: int) -> bytes:
         """Up to ``size`` bytes, as soon as there are any; ``b""`` at end of input."""
-        try:
-            got = os.read(self._fd, size)
-        except BlockingIOError:
-            return self._wait_for(os.read, size)
-        self._spinning = self._spin > 0  # it was already there: requests come fast
-        return got
+        return self._read(os.read, size)
 
     read = read1
 
     def readinto(self, view: memoryview) -> int:
         """Fill as much of ``view`` as is there once any is; 0 at end of input."""
+        return self._read(_readv_into, view)
+
+    def _read(self, attempt: Callable[[int, _A], _R], arg: _A) -> _R:
+        """``attempt(fd, arg)`` once input is there (at once if it already is)."""
         try:
-            got = _readv_into(self._fd, view)
+            got = attempt(self._fd, arg)
         except BlockingIOError:
-            return self._wait_for(_readv_into, view)
-        self._spinning = self._spin > 0
+            return self._wait_for(attempt, arg)
+        self._spinning = self._spin > 0  # it was already there: requests come fast
         return got
 
     def _wait_for(self, attempt: Callable[[int, _A], _R], arg: _A) -> _R:
