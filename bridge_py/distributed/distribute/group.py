@@ -66,8 +66,11 @@ class GroupSync:
     def agree_call(self, src: int) -> CallId:
         """The same :class:`CallId` on every rank: a token drawn by rank ``src``, which is
         the reader. Raises DistributedError if what arrives is not one."""
-        mine = [secrets.randbits(63), os.getpid(), pid_namespace()] if self.rank == src else []
-        got = self.broadcast(mine or [0, 0, 0], src)
+        if self.rank == src:
+            mine = [secrets.randbits(63), os.getpid(), pid_namespace()]
+        else:
+            mine = [0] * len(CallId._fields)  # the shape src sends: overwritten
+        got = self.broadcast(mine, src)
         if not (
             isinstance(got, list)
             and len(got) == len(CallId._fields)
