@@ -141,21 +141,19 @@ class ShmTransport:
         op: str,
         what: str,
         timeout: float | None,
-        receive: Callable[[int, int, float | None, Tensor | None], Callable[[], Any]],
-        seq: int,
-        like: Tensor | None,
+        receive: Callable[[float | None], Callable[[], Any]],
     ) -> Callable[[], Any]:
-        """``receive(src, seq, timeout, like)`` through the store, for ``src`` whose board
-        this rank never opened: ``src`` had closed its group, or exited, when this rank
-        joined. What a rank sends is in the store before its process ends (its group's
-        close flushes its rings there), so when ``src`` has exited the store gets a short
-        look, and a PeerGoneError naming ``what`` if nothing is there."""
+        """``receive(timeout)`` through the store, for ``src`` whose board this rank never
+        opened: ``src`` had closed its group, or exited, when this rank joined. What a rank
+        sends is in the store before its process ends (its group's close flushes its rings
+        there), so when ``src`` has exited the store gets a short look, and a PeerGoneError
+        naming ``what`` if nothing is there."""
         if not maker_exited(self.names[src]):
-            return receive(src, seq, timeout, like)
+            return receive(timeout)
         start = time.monotonic()
         look = LIVENESS_PERIOD if timeout is None else min(timeout, LIVENESS_PERIOD)
         try:
-            return receive(src, seq, look, like)
+            return receive(look)
         except TimeoutError:
             raise exited(op, self.rank, what, src, start) from None
 
@@ -178,7 +176,8 @@ class ShmTransport:
         took; returns what loads it (see ``StoreTransport.recv``)."""
         if not self.board.is_open(src):  # src had closed its group when this rank joined
             name = repr(keys.p2p_value(src, self.rank, seq))
-            return self._unopened(src, "recv_obj", name, timeout, self.overflow.recv, seq, like)
+            receive = lambda limit: self.overflow.recv(src, seq, limit, like)  # noqa: E731
+            return self._unopened(src, "recv_obj", name, timeout, receive)
         self.overflow.flush()
         board, inbox = self.board, self.overflow.inbox
         name = keys.p2p_value(src, self.rank, seq)
@@ -270,8 +269,8 @@ class ShmTransport:
         board = self.board
         key = keys.broadcast_value(src, seq)
         if not board.is_open(src):
-            receive = self.overflow.broadcast_recv
-            return self._unopened(src, "broadcast_obj", f"key {key!r}", timeout, receive, seq, like)
+            receive = lambda limit: self.overflow.broadcast_recv(src, seq, limit, like)  # noqa: E731
+            return self._unopened(src, "broadcast_obj", f"key {key!r}", timeout, receive)
         try:
             data = self._fetch(src, seq, "broadcast_obj", timeout)
         except BaseException:
