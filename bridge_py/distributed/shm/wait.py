@@ -1,21 +1,27 @@
 """The one way a rank waits for another: spin briefly, then sleep, never forever blindly.
 
-Every wait on another process in shared memory or on a socket (a MessageQueue's reader for
-the next message or its writer for a free chunk; the CPU all-reduce) goes through
-:func:`wait_until`; the StatelessProcessGroup's boards wait in their own short loop
-(``spg.board``: a 100 us look, then a sleep on the doorbell that only a rank told to ring
-it rings). :func:`wait_until` first spins on
-``os.sched_yield`` for a couple of milliseconds, which keeps latency low while messages are
-flowing, then sleeps with exponentially growing naps capped at one millisecond (ten once the
-wait is a second old), so an idle queue costs about 1% of a core (vLLM keeps one core busy
-for 10 s after each message, then sleeps 0.1 s at a time).
+Every wait on another process in shared memory or on a socket goes through
+:func:`wait_until`: a MessageQueue's reader for the next message and its writer for a free
+chunk, the CPU all-reduce's phases, and a StatelessProcessGroup's boards (a message, a
+broadcast, a barrier's arrivals and departures). A wait first looks again and again,
+yielding the CPU, which keeps latency low while messages are flowing, then sleeps in naps,
+looking between them. How long it spins and naps is its :class:`Pace`:
 
-Every wait takes a deadline (``TimeoutError`` names what was awaited), optional ``cancel``
-events (a caller's, a MessageQueue's ``shutdown``), and a liveness check run a few times a
-second that raises :class:`PeerGoneError` when the peer it waits for has exited, so a dead
-peer is reported even without a deadline. What can be waited on with a file descriptor (a
-socket, a FIFO doorbell) passes a ``sleep`` that blocks on it for at most the nap, so it
-wakes as soon as the other side acts.
+* :data:`POLLING`, where nothing wakes a sleeper early (a MessageQueue, the all-reduce):
+  2 ms of spinning, then naps growing from 20 us to 1 ms (10 ms once the wait is a second
+  old), so an idle queue costs about 1% of a core (vLLM keeps one core busy for 10 s after
+  each message, then sleeps 0.1 s at a time);
+* :data:`DOORBELL`, where the other side wakes a sleeper (a board's FIFO doorbell, rung by
+  a writer that sees the waiter asleep): 100 us of spinning, which is when most answers
+  come (then nobody rings and nobody is woken), then sleeps until rung or until the next
+  liveness check.
+
+Every wait takes a deadline (``GroupTimeout``, a TimeoutError, names what was awaited),
+optional ``cancel`` events (a caller's, a MessageQueue's ``shutdown``), and a liveness check
+run every ``check_every`` seconds of its pace that raises :class:`PeerGoneError` when the
+peer it waits for has exited, so a dead peer is reported even without a deadline. What can
+be waited on with a file descriptor (a socket, a FIFO doorbell) passes a ``sleep`` that
+blocks on it for at most the nap, so it wakes as soon as the other side acts.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from bridge_py.distributed.errors import GroupTimeout, PeerGoneError, WaitCancelled
 
 __all__ = [
+    "DOORBELL",
+    "POLLING",
     "Cancel",
+    "Pace",
     "PeerGoneError",
     "deadline_after",
     "fence",
@@ -41,16 +51,30 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Spin (yielding the CPU to anyone runnable) this long before sleeping.
-SPIN_SECONDS = 0.002
-# Naps grow from the first to the last value, doubling; after a second of waiting they
-# may grow to the idle value (an idle reader then costs ~1% of a core, for <= 10 ms latency).
-FIRST_NAP_SECONDS = 2e-5
-LAST_NAP_SECONDS = 1e-3
-IDLE_AFTER_SECONDS = 1.0
-IDLE_NAP_SECONDS = 1e-2
-# How often the liveness check runs once sleeping, and how often a long wait is logged.
-CHECK_INTERVAL_SECONDS = 0.2
+
+class Pace(NamedTuple):
+    """How a wait spends its time until it is over: it spins (yields the CPU and looks
+    again) for ``spin`` seconds, then sleeps in naps that start at ``first_nap`` and double
+    up to ``last_nap`` (``idle_nap`` once the wait is ``idle_after`` seconds old), and runs
+    its liveness check every ``check_every`` seconds."""
+
+    spin: float
+    first_nap: float
+    last_nap: float
+    idle_after: float
+    idle_nap: float
+    check_every: float
+
+
+# Nothing wakes the sleeper: short naps bound the latency.
+POLLING = Pace(
+    spin=2e-3, first_nap=2e-5, last_nap=1e-3, idle_after=1.0, idle_nap=1e-2, check_every=0.2
+)
+# The sleeper is woken when it is its turn (a doorbell): it sleeps until the next check.
+DOORBELL = Pace(
+    spin=1e-4, first_nap=1.0, last_nap=1.0, idle_after=1.0, idle_nap=1.0, check_every=1.0
+)
+# How often a long wait is logged.
 LOG_INTERVAL_SECONDS = 60.0
 
 # What ends a wait early: an event, or any of several (None: nothing).
@@ -81,7 +105,7 @@ def remaining(deadline: float | None) -> float | None:
 
 
 def wait_until(
-    ready: Callable[[], bool],
+    ready: Callable[[], bool | None],
     what: str | Callable[[], str],
     deadline: float | None,
     *,
@@ -89,45 +113,58 @@ def wait_until(
     cancel: Cancel = None,
     log: bool = True,
     sleep: Callable[[float], object] = time.sleep,
+    pace: Pace = POLLING,
 ) -> None:
-    """Return once ``ready()`` is true; spin, then sleep (``sleep(seconds)``), between tries.
+    """Return once ``ready()`` is true; spin, then sleep (``sleep(seconds)``), between tries,
+    as ``pace`` says. A ``ready()`` of None means "not yet, but look again at once" (the
+    awaited thing is on its way): no sleep follows it.
 
     Raises GroupTimeout (a TimeoutError, naming ``what``, or what ``what()`` says then: who
-    is late) at ``deadline``, WaitCancelled ("cancelled") within a nap (at most 10 ms) of
-    ``cancel`` (an event, or any of a tuple of them) being set, and whatever ``check()``
-    raises (it runs every ``CHECK_INTERVAL_SECONDS`` once sleeping, to notice a dead peer).
-    With ``log``, a wait longer than ``LOG_INTERVAL_SECONDS`` is logged at that interval.
+    is late) at ``deadline``, WaitCancelled ("cancelled") within a nap (at most 10 ms with
+    :data:`POLLING`) of ``cancel`` (an event, or any of a tuple of them) being set, and
+    whatever ``check()`` raises (it runs every ``pace.check_every`` seconds, to notice a
+    dead peer). With ``log``, a wait longer than ``LOG_INTERVAL_SECONDS`` is logged at that
+    interval.
     """
-    if ready():
+    done = ready()
+    if done:
         return
     stops = [e for e in (cancel if isinstance(cancel, tuple) else (cancel,)) if e is not None]
     start = time.monotonic()
-    spin_until = start + SPIN_SECONDS
-    next_check = start
+    spin_until = start + pace.spin
+    next_check = start + pace.check_every
     next_log = start + LOG_INTERVAL_SECONDS
-    nap = FIRST_NAP_SECONDS
-    while not ready():
+    nap = pace.first_nap
+    while True:
         now = time.monotonic()
-        if any(stop.is_set() for stop in stops):
+        if stops and any(stop.is_set() for stop in stops):
             raise WaitCancelled("cancelled")
         if deadline is not None and now >= deadline:
             awaited = what() if callable(what) else what
             raise GroupTimeout(f"timed out after {now - start:.3g} s waiting for {awaited}")
-        if now < spin_until:
-            os.sched_yield()
-            continue
         if check is not None and now >= next_check:
             check()
-            next_check = now + CHECK_INTERVAL_SECONDS
-            continue  # check() may have seen the last write before the peer left
-        if log and now >= next_log:
-            logger.info(
-                "still waiting for %s after %.0f s", what() if callable(what) else what, now - start
-            )
-            next_log = now + LOG_INTERVAL_SECONDS
-        sleep(nap if deadline is None else min(nap, max(0.0, deadline - now)))
-        longest = LAST_NAP_SECONDS if now - start < IDLE_AFTER_SECONDS else IDLE_NAP_SECONDS
-        nap = min(nap * 2, longest)
+            next_check = now + pace.check_every
+        elif done is None:
+            pass  # on its way: look again at once
+        elif now < spin_until:
+            os.sched_yield()
+        else:
+            if log and now >= next_log:
+                awaited = what() if callable(what) else what
+                logger.info("still waiting for %s after %.0f s", awaited, now - start)
+                next_log = now + LOG_INTERVAL_SECONDS
+            wake = now + nap  # or sooner: at the deadline, or when the check is due
+            if deadline is not None and deadline < wake:
+                wake = deadline
+            if check is not None and next_check < wake:
+                wake = next_check
+            sleep(max(0.0, wake - now))
+            longest = pace.last_nap if now - start < pace.idle_after else pace.idle_nap
+            nap = min(nap * 2, longest)
+        done = ready()
+        if done:
+            return
 
 
 def pid_namespace() -> int:

@@ -7,13 +7,14 @@ file under ``/dev/shm`` mapped by every rank, and rings the receivers' *doorbell
 next to it; a rank waiting for a value sleeps in ``poll`` on its own doorbell.
 
 A doorbell is rung only when it is worth a system call: a waiting rank first looks again for
-a moment (:data:`SPIN_SECONDS`, yielding the CPU), which is when most answers come; a rank
-about to sleep then says on its board whom it waits for (``asleep``), looks once more, and
-sleeps; a writer writes, then reads the receiver's ``asleep`` word, and rings only if it
-names the writer (or anyone). Each side puts a full fence between its write and its read,
-so either the sleeper sees the write on its last look or the writer sees the sleeper's word
-(and rings). A rank that is busy, or waits for another rank, is not rung, not woken for
-nothing, and finds no stale byte on its doorbell when it next sleeps.
+a moment (it waits with ``shm.wait.wait_until`` at the ``DOORBELL`` pace, and
+:meth:`Board.wait` is its sleep), which is when most answers come; a rank about to sleep
+then says on its board whom it waits for (``asleep``), looks once more, and sleeps; a writer
+writes, then reads the receiver's ``asleep`` word, and rings only if it names the writer (or
+anyone). Each side puts a full fence between its write and its read, so either the sleeper
+sees the write on its last look or the writer sees the sleeper's word (and rings). A rank
+that is busy, or waits for another rank, is not rung, not woken for nothing, and finds no
+stale byte on its doorbell when it next sleeps.
 
 A board has a head, a barrier page and slots of one format, in rings: one ring of
 :data:`RING` slots per destination rank (point-to-point messages) and one of
@@ -48,7 +49,7 @@ Boards and doorbells are named like the group's segments
 ``segments.remove_orphans`` removes those of a rank that was killed. A rank creates its own
 before ``create`` exchanges node cards, and unlinks the names once every other rank has
 opened them; the mappings live on until the group is closed. A waiting rank checks every
-:data:`LIVENESS_PERIOD` seconds whether the rank it waits for still runs.
+second (the pace's ``check_every``) whether the rank it waits for still runs.
 
 What a rank trusts: a board or doorbell it opens (named in another rank's node card, which
 is sealed with the group's key) must be a file of its own user that only this user may
@@ -68,7 +69,6 @@ import re
 import secrets
 import select
 import struct
-import time
 from collections.abc import Callable, Sequence
 
 from bridge_py.distributed.errors import SharedMemoryError
@@ -84,7 +84,6 @@ from bridge_py.distributed.shm.wait import (
 __all__ = [
     "BOARD_PATTERN",
     "BROADCAST_RING",
-    "LIVENESS_PERIOD",
     "MESSAGE_CAPACITY",
     "PAGE_CAPACITY",
     "RING",
@@ -96,10 +95,6 @@ __all__ = [
 RING = 8  # message slots per destination
 BROADCAST_RING = 32  # broadcast slots (a source may run further ahead of several readers)
 MESSAGE_CAPACITY = (64 << 10) - 16  # bytes of one slot's value
-LIVENESS_PERIOD = 1.0
-# A wait looks again (yielding the CPU between looks) this long before it sleeps: most
-# answers come within it, and then nobody rings and nobody is woken.
-SPIN_SECONDS = 1e-4
 BOARD_PATTERN = re.compile(r"vbspg_[0-9]+_[0-9]+_[0-9a-f]+_board\Z")
 _HEADER = Header(b"VBBD", 2, "2xIQ")  # world size, creator pid
 _U64 = struct.Struct("<Q")
@@ -176,7 +171,6 @@ class Board:
         self._pids = [0] * world_size
         self._own_bell = -1
         self._armed = 0  # what this rank's asleep word says (0: awake)
-        self._spin_until = 0.0  # until when the running wait looks without sleeping
         self._connected = False  # every rank's board open (asked on every collective)
         self._lock_fd = -1
         self._fd = -1
@@ -472,21 +466,13 @@ class Board:
 
     def wait(self, timeout: float, src: int = -1) -> None:
         """Sleep until rank ``src`` (-1: any rank) rings, or ``timeout`` seconds pass; empty
-        the doorbell.
+        the doorbell. The ``sleep`` of a ``shm.wait.wait_until`` with the ``DOORBELL`` pace.
 
-        For the first :data:`SPIN_SECONDS` of a wait it only yields the CPU and returns (a
-        writer that answers meanwhile rings nobody). Then the first call (or one for another
-        ``src``) says on the board whom this rank waits for, and returns at once: the caller
-        looks once more before it sleeps, so a write made before a writer read that word is
-        not missed. The caller says when the wait is over (:meth:`awake`).
+        The first call (or one for another ``src``) says on the board whom this rank waits
+        for, and returns at once: the caller looks once more before it sleeps, so a write
+        made before a writer read that word is not missed. The caller says when the wait is
+        over (:meth:`awake`).
         """
-        if not self._armed:
-            now = time.monotonic()
-            if not self._spin_until:
-                self._spin_until = now + SPIN_SECONDS
-            if now < self._spin_until:
-                os.sched_yield()
-                return
         want = ANY if src < 0 else src + 1
         if self._armed != want:
             self._armed = want
@@ -501,7 +487,6 @@ class Board:
 
     def awake(self) -> None:
         """Say that this rank no longer sleeps (its wait is over): nobody rings it."""
-        self._spin_until = 0.0
         if self._armed:
             self._armed = 0
             _U64.pack_into(self._own, _ASLEEP, 0)

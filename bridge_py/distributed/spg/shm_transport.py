@@ -32,12 +32,17 @@ from torch import Tensor
 from torch.distributed import Store
 
 from bridge_py import deadline
-from bridge_py.distributed.errors import BarrierFailure, BarrierTimeout, PeerGoneError
+from bridge_py.distributed.errors import (
+    BarrierFailure,
+    BarrierTimeout,
+    GroupTimeout,
+    PeerGoneError,
+)
 from bridge_py.distributed.shm.segments import maker_exited
+from bridge_py.distributed.shm.wait import DOORBELL, wait_until
 from bridge_py.distributed.spg import keys, p2p
 from bridge_py.distributed.spg.board import (
     FAILED,
-    LIVENESS_PERIOD,
     PASSED,
     Board,
     BoardError,
@@ -57,6 +62,10 @@ __all__ = ["ShmTransport", "queue_flusher"]
 
 # How long one pop of a pair's store queue waits before looking at the ring again.
 _QUEUE_POLL = 0.05
+
+
+class _Exited(Exception):
+    """A barrier's liveness check found ranks that exited before arriving (its verdict)."""
 
 
 class ShmTransport:
@@ -99,41 +108,47 @@ class ShmTransport:
         once a rank waited for has exited, naming ``op``, this rank, the rank(s) and
         ``what`` (``many``: the values of a collective).
         """
-        board = self.board
+        board, rank = self.board, self.rank
         waiting = srcs
-        start = limit = until = check_at = 0.0  # set once something is missing
+
+        def look() -> bool | None:
+            nonlocal waiting
+            still, soon = [], False
+            for src in waiting:
+                done = ready(src)
+                if not done:
+                    still.append(src)
+                    soon = soon or done is None
+            waiting = still
+            return None if soon else not still
+
+        if look():
+            return
+        start = time.monotonic()
+        limit = deadline.clamp(self.overflow.limit(timeout))
+
+        def awaited() -> str:
+            return what if isinstance(what, str) else what()
+
+        def liveness() -> None:
+            gone = board.gone(waiting)
+            if gone:
+                raise exited(op, rank, awaited(), gone if many else gone[0], start)
+
         try:
-            while True:
-                sleep = True
-                still = []
-                for src in waiting:
-                    done = ready(src)
-                    if not done:
-                        still.append(src)
-                        sleep = sleep and done is not None
-                waiting = still
-                if not waiting:
-                    return
-                now = time.monotonic()
-                if not start:  # the first look found something missing: the wait starts
-                    start, check_at = now, now + LIVENESS_PERIOD
-                    limit = deadline.clamp(self.overflow.limit(timeout))
-                    until = now + limit
-                if now >= until:
-                    awaited = what if isinstance(what, str) else what()
-                    late = waiting if many else waiting[0]
-                    raise timed_out(op, self.rank, awaited, late, start, limit)
-                if now >= check_at:
-                    check_at = now + LIVENESS_PERIOD
-                    gone = board.gone(waiting)
-                    if gone:
-                        awaited = what if isinstance(what, str) else what()
-                        raise exited(op, self.rank, awaited, gone if many else gone[0], start)
-                if sleep:  # woken by the first rank still awaited (any other wakes it later)
-                    board.wait(min(until, check_at) - now, waiting[0])
+            wait_until(
+                look,
+                awaited,
+                start + limit,
+                check=liveness,
+                sleep=lambda seconds: board.wait(seconds, waiting[0]),
+                pace=DOORBELL,
+            )
+        except GroupTimeout:
+            late = waiting if many else waiting[0]
+            raise timed_out(op, rank, awaited(), late, start, limit) from None
         finally:
-            if start:
-                board.awake()
+            board.awake()
 
     def _unopened(
         self,
@@ -151,7 +166,7 @@ class ShmTransport:
         if not maker_exited(self.names[src]):
             return receive(timeout)
         start = time.monotonic()
-        look = LIVENESS_PERIOD if timeout is None else min(timeout, LIVENESS_PERIOD)
+        look = DOORBELL.check_every if timeout is None else min(timeout, DOORBELL.check_every)
         try:
             return receive(look)
         except TimeoutError:
@@ -359,17 +374,28 @@ class ShmTransport:
         board.unname()  # every rank has opened this rank's board by now
         if rank != 0:
             return
+        missing: list[int] = []
+
+        def departed() -> bool:
+            nonlocal missing
+            missing = board.not_departed(barrier_id)
+            return not missing
+
         until = deadline.clamp_until(time.monotonic() + timeout)
         try:
-            while missing := board.not_departed(barrier_id):
-                now = time.monotonic()
-                if now >= until:
-                    raise BarrierTimeout(
-                        f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s "
-                        f"in phase 3 (departure): {world_size - len(missing)} of {world_size} "
-                        "ranks departed"
-                    )
-                board.wait(until - now, missing[0])
+            wait_until(
+                departed,
+                "every rank to depart",
+                until,
+                sleep=lambda seconds: board.wait(seconds, missing[0]),
+                pace=DOORBELL,
+            )
+        except GroupTimeout:
+            raise BarrierTimeout(
+                f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s "
+                f"in phase 3 (departure): {world_size - len(missing)} of {world_size} "
+                "ranks departed"
+            ) from None
         finally:
             board.awake()
 
@@ -381,32 +407,46 @@ class ShmTransport:
         rank raises if it failed. Sleeps until the first rank still missing arrives (or a
         rank settles a failure, which rings every rank asleep)."""
         board, rank, world_size = self.board, self.rank, self.world_size
-        check_at = start + LIVENESS_PERIOD
+        missing: list[int] = []
         waited = False
-        while True:
+
+        def settled() -> bool | None:
+            nonlocal missing, waited
             missing = board.not_arrived(barrier_id)
-            if not missing:
-                return (*board.decide(barrier_id, PASSED), BarrierFailure)
-            if board.decision(barrier_id) == FAILED:
-                return (*board.decide(barrier_id, FAILED), BarrierFailure)  # reads the verdict
+            if not missing or board.decision(barrier_id) == FAILED:
+                return True
             if not waited and hooks.while_waiting is not None:
                 waited = True
                 hooks.while_waiting()
-                continue
-            now = time.monotonic()
-            if now >= until:
-                verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
-                outcome, settled = board.decide(barrier_id, FAILED, verdict)
-                # A timeout only where this rank's own settled it: when another rank's
-                # verdict came first, this rank fails with it, as over the store.
-                return outcome, settled, BarrierTimeout if settled == verdict else BarrierFailure
-            if now >= check_at:
-                check_at = now + LIVENESS_PERIOD
-                gone = board.gone(missing)
-                if gone:
-                    verdict = f"ranks {gone} exited before arriving (seen by rank {rank})"
-                    return (*board.decide(barrier_id, FAILED, verdict), BarrierFailure)
-            board.wait(min(until, check_at) - now, missing[0])
+                return None  # it took a while: look again before sleeping
+            return False
+
+        def liveness() -> None:
+            gone = board.gone(missing)
+            if gone:
+                raise _Exited(f"ranks {gone} exited before arriving (seen by rank {rank})")
+
+        try:
+            wait_until(
+                settled,
+                "every rank to arrive",
+                until,
+                check=liveness,
+                sleep=lambda seconds: board.wait(seconds, missing[0]),
+                pace=DOORBELL,
+            )
+        except GroupTimeout:
+            verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
+            outcome, settled_verdict = board.decide(barrier_id, FAILED, verdict)
+            # A timeout only where this rank's own settled it: when another rank's
+            # verdict came first, this rank fails with it, as over the store.
+            failure = BarrierTimeout if settled_verdict == verdict else BarrierFailure
+            return outcome, settled_verdict, failure
+        except _Exited as exc:
+            return (*board.decide(barrier_id, FAILED, str(exc)), BarrierFailure)
+        if not missing:
+            return (*board.decide(barrier_id, PASSED), BarrierFailure)
+        return (*board.decide(barrier_id, FAILED), BarrierFailure)  # reads the verdict
 
     def _connect_all(self, what: str) -> None:
         """Open every rank's board (for a collective); PeerGoneError starting with ``what``
