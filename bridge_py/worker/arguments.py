@@ -192,12 +192,20 @@ def prepare_call(
     Raises :class:`BadArguments` naming ``name`` when the call cannot fit. Arguments
     annotated ``torch.dtype`` are converted from their wire form (``{:f, 32}``,
     ``"float32"``); everything else passes through unchanged. ``args`` may be changed
-    in place (a converted argument takes the place of its wire form).
+    in place (a converted argument takes the place of its wire form), and so may
+    ``kwargs``.
     """
     return checker(fn, name)(args, kwargs)
 
 
+def _string_keys(kwargs: dict[Any, Any]) -> None:
+    """Raise BadArguments unless every keyword is a string (msgpack maps may have others)."""
+    if not all(type(key) is str for key in kwargs):
+        raise BadArguments("kwargs must be a msgpack map with string keys")
+
+
 def _unchecked(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    _string_keys(kwargs)
     return args, kwargs
 
 
@@ -210,9 +218,8 @@ def _checker(target: Callable[..., Any], drop_first: bool, name: str) -> Check:
     # Positional arguments only (the common call) fit when their count is in
     # [low, high]; a required keyword-only parameter makes every such call miss.
     low = plan.required
-    high = len(plan.positional) if not plan.var_positional else sys.maxsize
-    if plan.keyword_only_required:
-        high = -1
+    most = len(plan.positional) if not plan.var_positional else sys.maxsize
+    high = -1 if plan.keyword_only_required else most
     # The positional parameters that are checked, in order, each with the exact types
     # that pass its check unchanged; a value of any other type is looked at by _checked.
     checks = tuple(
@@ -220,10 +227,33 @@ def _checker(target: Callable[..., Any], drop_first: bool, name: str) -> Check:
         for at, param in enumerate(plan.positional)
         if param.allowed is not None or param.dtype
     )
+    # The same by name, for the parameters a keyword may fill; and where each is.
+    named = {
+        key: (_passing(plan.params[key]), plan.params[key])
+        for key in plan.by_keyword
+        if plan.params[key].allowed is not None or plan.params[key].dtype
+    }
+    by_keyword, must_name = plan.by_keyword, plan.must_name
 
     def check(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         given = len(args)
-        if kwargs or not low <= given <= high:
+        if kwargs:
+            # Keywords that each name a parameter not given by position, with every
+            # parameter without a default given: anything else (a name ``**kwargs``
+            # takes, or a call that does not fit) goes the general way.
+            if given > most:
+                return _prepare(plan, name, args, kwargs)
+            for key in kwargs:
+                at = by_keyword.get(key)
+                if at is None or at < given:
+                    return _prepare(plan, name, args, kwargs)
+            if must_name and not all(at < given or key in kwargs for key, at in must_name):
+                return _prepare(plan, name, args, kwargs)
+            for key, value in kwargs.items():
+                entry = named.get(key)
+                if entry is not None and type(value) not in entry[0]:
+                    kwargs[key] = _checked(entry[1], value, name)
+        elif not low <= given <= high:
             return _prepare(plan, name, args, kwargs)
         for at, passing, param in checks:
             if at >= given:
@@ -255,6 +285,7 @@ def _prepare(
 ) -> tuple[list[Any], dict[str, Any]]:
     """:func:`prepare_call` by ``plan``, for a call with keywords or with a count of
     positional arguments that does not fit."""
+    _string_keys(kwargs)  # (the fast way takes only names of parameters)
     # The keywords are matched to the parameters, and ``bind`` words what does not fit.
     if not _fits_keywords(plan, args, kwargs):
         try:

@@ -202,7 +202,7 @@ def _caller(fn: Callable[..., Any], name: str, codec: Codec) -> Run:
                 raise _decode_failure(exc, what) from None
             if type(pos) is not list:
                 raise Failure("bad_args", f"args must be a msgpack array, got {type(pos).__name__}")
-            if kwargs and (type(kw) is not dict or not all(isinstance(k, str) for k in kw)):
+            if type(kw) is not dict:  # its keys are checked by ``check``
                 raise Failure("bad_args", "kwargs must be a msgpack map with string keys")
             try:
                 pos, kw = check(pos, kw)

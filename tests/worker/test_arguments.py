@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from bridge_py.worker import arguments
 from bridge_py.worker.arguments import BadArguments, checker, prepare_call
 from tests.worker.sample_exports import Counter
 
@@ -137,3 +138,37 @@ def test_a_check_is_made_once_per_function_and_name() -> None:
         BadArguments, match=re.escape("Counter.incr: argument 'by' must be int or None")
     ):
         checker(counter.incr, "Counter.incr")(["one"], {})
+
+
+def _outcome(check: Callable[..., tuple[list[Any], dict[str, Any]]], *call: Any) -> object:
+    """What ``check(*call, args, kwargs)`` gives (fresh copies of the last two), or its
+    BadArguments."""
+    *head, args, kwargs = call
+    try:
+        return check(*head, list(args), dict(kwargs))
+    except BadArguments as exc:
+        return f"BadArguments: {exc}"
+
+
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
+def test_calls_with_keywords_are_answered_as_the_general_way_answers_them(
+    fn: Callable[..., Any],
+) -> None:
+    # checker's own way for keywords (each names a parameter not given by position)
+    # gives what _prepare (which matches every keyword, and binds to word an error)
+    # gives: the same arguments, converted alike, or the same error.
+    plan = arguments._plan(fn, False)
+    assert plan is not None
+    values = [1, 2.5, "s", None, "bfloat16", True]
+    for args, kwargs in _cases():
+        for value in values:
+            named = {key: value for key in kwargs}
+            fast = _outcome(prepare_call, fn, "f", args, named)
+            general = _outcome(arguments._prepare, plan, "f", args, named)
+            assert fast == general, (fn.__name__, args, named)
+
+
+def test_keywords_that_are_not_strings_are_refused_whatever_the_signature() -> None:
+    for fn in [*FUNCTIONS, print]:  # print: no signature to check against
+        with pytest.raises(BadArguments, match="kwargs must be a msgpack map with string keys"):
+            prepare_call(fn, "f", [1], {1: 2})  # type: ignore[dict-item]
