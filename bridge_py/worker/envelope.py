@@ -534,7 +534,7 @@ def split_call(frame: bytes) -> Split | None:
 
     On the hot path of every planned call: the operation's length, the handle, the
     name's length and the args' length read inline when they take one byte, and the
-    deadline when it takes two (a call to :func:`_read_varint` costs a fifth of the
+    deadline when it takes up to three (a call to :func:`_read_varint` costs a fifth of the
     whole split), everything else by :func:`_read_varint`.
     """
     n = len(frame)
@@ -552,13 +552,16 @@ def split_call(frame: bytes) -> Split | None:
             byte = frame[pos]
         session_end = pos
         deadline = 0
-        if byte == 0x18:  # a deadline: its varint read inline up to two bytes (16 s)
-            deadline = frame[pos + 1]
+        if byte == 0x18:  # a deadline: its varint read inline up to three bytes (34 min;
+            deadline = frame[pos + 1]  # the Elixir runtime's default is 120,000 ms)
             if deadline < 0x80:
                 pos += 2
             elif frame[pos + 2] < 0x80:
                 deadline = deadline & 0x7F | frame[pos + 2] << 7
                 pos += 3
+            elif frame[pos + 3] < 0x80:
+                deadline = deadline & 0x7F | (frame[pos + 2] & 0x7F) << 7 | frame[pos + 3] << 14
+                pos += 4
             else:
                 deadline, pos = _read_varint(frame, pos + 1, n)
             byte = frame[pos]

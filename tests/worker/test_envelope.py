@@ -240,7 +240,8 @@ def test_split_call_agrees_with_the_general_decoder() -> None:
 @pytest.mark.parametrize("session", ["", "s1", "grpc-" + "ab" * 32])
 def test_split_call_leaves_the_id_deadline_and_arguments_out_of_the_key(session: str) -> None:
     keys = set()
-    for deadline_ms in (0, 1, 127, 128, 4750, 16_383, 16_384, 119_975, 2**40, 2**64 - 1):
+    # the varint's length changes after 127, 16,383 and 2,097,151 (inline up to there)
+    for deadline_ms in (0, 1, 127, 128, 4750, 16_383, 16_384, 119_975, 2**21 - 1, 2**21, 2**64 - 1):
         for args in (b"", b"\x91\x01", b"\xdc\x00\x7c" + b"\x00" * 124, b"\x91" + b"\x00" * 300):
             call = pb.CallMethod(3, "incr", args, b"\x80")
             frame = pb.encode_request(pb.Request(300, session, call, deadline_ms))
