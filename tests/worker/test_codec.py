@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -28,6 +29,28 @@ def test_tensors_round_trip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 def test_non_contiguous_tensors_are_sent_contiguous() -> None:
     t = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()
     assert torch.equal(PLAIN.decode(PLAIN.encode(t)), t)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(6.0).requires_grad_(),  # a leaf that requires grad
+        lambda: torch.arange(6.0, requires_grad=True) * 2,  # a result in a graph
+        lambda: torch.arange(12.0)[::2],  # one dimension, strided
+        lambda: torch.arange(12.0).reshape(3, 4).t(),  # two, transposed
+        lambda: torch.tensor(2.5),  # none
+        lambda: torch.nn.Parameter(torch.ones(2, 2)),  # a subclass
+    ],
+    ids=["leaf-grad", "graph", "strided", "transposed", "0-d", "parameter"],
+)
+def test_a_tensor_is_sent_as_its_plain_contiguous_copy_would_be(
+    make: Callable[[], torch.Tensor],
+) -> None:
+    t = make()
+    plain = t.detach().clone().contiguous()
+    assert PLAIN.encode(t) == PLAIN.encode(plain)
+    assert PLAIN.encode_pieces(t) == PLAIN.encode_pieces(plain) == PLAIN.encode(plain)
+    assert torch.equal(PLAIN.decode(PLAIN.encode(t)), plain)
 
 
 def test_decoded_tensors_own_writable_memory() -> None:
