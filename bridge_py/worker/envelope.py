@@ -523,14 +523,14 @@ def split_call(frame: bytes) -> Split | None:
     one call of the same thing to the next and the key that names that thing; or None.
 
     The layout: the id first (see :func:`id_field_end`), maybe a session (shorter than
-    128 bytes), maybe a ``deadline_ms``, then a method call, a function call, an
-    attribute read or a ping to the end, each field once and in order, none of them
-    empty. The key is the session field, the operation's field key and the fields that
-    name the target (handle and method, function, handle and attribute): two requests
-    with the same key call the same thing in the same session. Anything else returns
-    None (the general decoder reads it, or says what is wrong with it); no text is
-    decoded here, so a frame with invalid text may be split (its key is then no valid
-    frame's key).
+    128 bytes), maybe a ``deadline_ms``, then a method call, a function call or a
+    constructor, an attribute read or a ping to the end, each field once and in order,
+    none empty. The key is the session field, the operation's field key and the fields
+    that name the target (handle and method, function or class, handle and attribute):
+    two requests with the same key call the same thing in the same session. Anything
+    else returns None (the general decoder reads it, or says what is wrong with it); no
+    text is decoded here, so a frame with invalid text may be split (its key is then no
+    valid frame's key).
 
     On the hot path of every planned call: the operation's length, the handle, the
     name's length and the args' length read inline when they take one byte, and the
@@ -566,6 +566,8 @@ def split_call(frame: bytes) -> Split | None:
                 deadline, pos = _read_varint(frame, pos + 1, n)
             byte = frame[pos]
         op_at = pos
+        if byte == 0x52:  # a constructor (field 10): laid out as a function call (12)
+            byte = 0x62
         if byte == 0x8A:  # ping, field 17: two bytes
             if frame[pos + 1] != 0x01:
                 return None

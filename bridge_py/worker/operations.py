@@ -60,6 +60,7 @@ class Operations:
         self._methods: dict[tuple[type, str], str] = {}
         # The operations with plans: what makes the call (see ``plan``) ...
         self._calls: dict[type, Callable[[Any, str, Codec], Run]] = {
+            pb.CreateInstance: self._construction,
             pb.CallMethod: self._method_call,
             pb.CallFunction: self._function_call,
             pb.GetAttribute: self._attribute_read,
@@ -70,7 +71,9 @@ class Operations:
             pb.CallMethod: lambda op, session, codec: self._method_call(op, session, codec)(
                 op.args, op.kwargs
             ),
-            pb.CreateInstance: self._create,
+            pb.CreateInstance: lambda op, session, codec: self._construction(op, session, codec)(
+                op.args, op.kwargs
+            ),
             pb.CallFunction: lambda op, session, codec: self._function_call(op, session, codec)(
                 op.args, op.kwargs
             ),
@@ -121,6 +124,17 @@ class Operations:
     # -- the calls of the operations with plans: all that does not depend on the
     # -- argument bytes worked out (the object, the callee, its check, the names) ---
 
+    def _construction(self, op: pb.CreateInstance, session: str, codec: Codec) -> Run:
+        construct = _caller(self.exports.constructor(op.class_name), op.class_name, codec)
+        class_name, register = self.exports.class_name, self.registry.register
+
+        def run(args: bytes, kwargs: bytes) -> RefValue:
+            obj = construct(args, kwargs)
+            name = class_name(type(obj))
+            return RefValue(register(obj, session, name), name)
+
+        return run
+
     def _method_call(self, op: pb.CallMethod, session: str, codec: Codec) -> Run:
         obj = self.registry.get(op.handle, session)
         name = self._methods.get((type(obj), op.method)) or self._method(obj, op.method)
@@ -148,12 +162,6 @@ class Operations:
         return lambda payload, _: _decode(decode, payload, "ping payload") if payload else None
 
     # -- the other operations ---------------------------------------------------------
-
-    def _create(self, op: pb.CreateInstance, session: str, codec: Codec) -> RefValue:
-        cls = self.exports.constructor(op.class_name)
-        obj = _caller(cls, op.class_name, codec)(op.args, op.kwargs)
-        class_name = self.exports.class_name(type(obj))
-        return RefValue(self.registry.register(obj, session, class_name), class_name)
 
     def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
         freed = self.registry.release(list(op.handles), session)

@@ -8,7 +8,9 @@ is read, and runs when its number comes up.
 Most turns find nobody ahead of them; those take no lock at all: a number from an
 ``itertools.count`` (one C call, atomic under the GIL) and, on leaving, one counter
 update that only the turn's holder makes. Only a turn that must wait takes the lock and
-sleeps, and only then does leaving a turn take the lock to wake it.
+sleeps, and only then does leaving a turn take the lock to wake it. The lock and its
+condition are made by the first turn that waits (every object the worker holds has a
+sequencer, and a condition costs most of one: 2 us of making an object).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Sequencer:
     __slots__ = ("_cond", "_numbers", "_serving", "_sleepers", "take")
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._cond: threading.Condition | None = None  # made by the first turn that waits
         self._numbers = itertools.count()  # the numbers turns get, in order
         self._serving = 0  # the number whose turn it is; only its holder moves it on
         self._sleepers = 0  # turns waiting on the condition (changed under its lock)
@@ -54,19 +56,30 @@ class Sequencer:
         # A sleeper counts itself before it looks at _serving, and _done moves _serving
         # on before it looks at the count: either this sees the new number, or _done
         # sees the sleeper and wakes it (under the lock, so not before it waits).
-        with self._cond:
+        cond = self._cond
+        if cond is None:
+            with _MAKING:  # two first waiters make one condition
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition(threading.Lock())
+        with cond:
             self._sleepers += 1
             try:
                 while self._serving != number:
-                    self._cond.wait()
+                    cond.wait()
             finally:
                 self._sleepers -= 1
 
     def _done(self) -> None:
         self._serving += 1
-        if self._sleepers:
-            with self._cond:
-                self._cond.notify_all()
+        if self._sleepers:  # a sleeper made the condition before it counted itself
+            cond = self._cond
+            assert cond is not None
+            with cond:
+                cond.notify_all()
+
+
+_MAKING = threading.Lock()
 
 
 class Turn:

@@ -123,6 +123,25 @@ def test_getters_functions_and_pings_are_planned_too() -> None:
     }
 
 
+def test_constructors_are_planned_and_each_call_makes_a_new_object() -> None:
+    d = Dispatcher(table())
+    make = pb.CreateInstance("Counter", PLAIN.encode([5]), PLAIN.encode({"step": 2}))
+    first = PLAIN.decode(_full(d, _request(2, make, "s1")).value)
+    refs = [first] + [PLAIN.decode(_planned(d, _request(3, make, "s1")).value) for _ in range(3)]
+    assert [type(r) for r in refs] == [RefValue] * 4
+    assert len({r.handle for r in refs}) == 4 and {r.class_name for r in refs} == {"Counter"}
+    for ref in refs:  # each a Counter of its own, made with the arguments, in the session
+        counter = d.registry.get(ref.handle, "s1")
+        assert (counter.value, counter.step) == (5, 2)
+    other = pb.CreateInstance("Counter", PLAIN.encode([7]))  # other arguments: the same plan
+    assert d.registry.get(PLAIN.decode(_planned(d, _request(4, other, "s1")).value).handle,
+                          "s1").value == 7  # fmt: skip
+    # Bad arguments answer as the full way; so does a constructor that raises.
+    _same_error(d, _request(5, pb.CreateInstance("Counter", PLAIN.encode(["five"])), "s1"))
+    _same_error(d, _request(6, pb.CreateInstance("Counter", b"", PLAIN.encode({"x": 1})), "s1"))
+    assert d.registry.get(refs[0].handle, "s1") is not d.registry.get(refs[1].handle, "s1")
+
+
 def test_planned_calls_with_bad_arguments_answer_as_the_full_way() -> None:
     d = Dispatcher(table())
     handle = _counter(d)

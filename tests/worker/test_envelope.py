@@ -192,6 +192,8 @@ def _named(req: pb.Request) -> tuple[object, ...]:
         return (req.session, pb.CallMethod, op.handle, op.method)
     if isinstance(op, pb.CallFunction):
         return (req.session, pb.CallFunction, op.function)
+    if isinstance(op, pb.CreateInstance):
+        return (req.session, pb.CreateInstance, op.class_name)
     if isinstance(op, pb.GetAttribute):
         return (req.session, pb.GetAttribute, op.handle, op.name)
     return (req.session, type(op))
@@ -201,7 +203,7 @@ def _carried(req: pb.Request) -> tuple[bytes, bytes]:
     op = req.op
     if isinstance(op, pb.Ping):
         return op.payload, b""
-    if isinstance(op, (pb.CallMethod, pb.CallFunction)):
+    if isinstance(op, (pb.CallMethod, pb.CallFunction, pb.CreateInstance)):
         return op.args, op.kwargs
     return b"", b""
 
