@@ -129,7 +129,7 @@ MIN_SLOT_BYTES = 64 << 10
 DIRECT_BYTES = 256 << 10
 THREADS_ENV = "VLLM_BRIDGE_CPU_SHM_THREADS"
 _PIECE = 32768  # torch's grain size: smaller elementwise ops stay on the calling thread
-_PARALLEL_BYTES = 1 << 20  # ops at least this long may use torch's intra-op threads
+_PARALLEL_BYTES = 1 << 20  # ops at least this long may use torch's intra-op threads (_piece)
 _THREADS = os.environ.get(THREADS_ENV, "").strip()
 
 _HEADER = Header(b"VBAR", 1, "2xIQ16s")  # world_size, slot_bytes, token
@@ -200,45 +200,6 @@ def _own_mapping(shm: posix.Segment) -> mmap.mmap:
         shm.close()
 
 
-def _piece(tensor: torch.Tensor) -> int:
-    """How many elements of ``tensor`` one torch op may cover in the shared-memory ops.
-
-    torch runs an op of more than 32768 elements on its intra-op (OpenMP) threads. Ranks
-    sharing a node already use its cores, and for short ops the woken threads of one rank
-    mostly compete with the other ranks the group waits for: 500 all-reduces of 40-280 KB
-    took 50 s instead of 1 s on 2 ranks x 2 threads on 2 cores. So ops below
-    ``_PARALLEL_BYTES`` are cut into pieces that stay on the calling thread, and longer ones
-    (where threads pay off: 4 MiB sums ran faster with them) are left whole.
-    ``VLLM_BRIDGE_CPU_SHM_THREADS`` = ``0`` always cuts, ``1`` never does.
-    """
-    n = tensor.numel()
-    if _THREADS == "1" or (_THREADS != "0" and n * tensor.element_size() >= _PARALLEL_BYTES):
-        return max(n, 1)
-    return _PIECE
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for 1-D tensors (see :func:`_piece`)."""
-    step = _piece(dst)
-    for a in range(0, dst.numel(), step):
-        dst[a : a + step].copy_(src[a : a + step])
-
-
-def _ordered_sum(parts: list[torch.Tensor], out: torch.Tensor) -> None:
-    """``out = ((parts[0] + parts[1]) + parts[2]) + ...``, each partial sum in out's dtype
-    (1-D tensors; see :func:`_piece`)."""
-    if len(parts) == 1:
-        _copy(out, parts[0])
-        return
-    step = _piece(out)
-    for a in range(0, out.numel(), step):
-        b = a + step
-        piece = out[a:b]
-        torch.add(parts[0][a:b], parts[1][a:b], out=piece)
-        for part in parts[2:]:
-            piece.add_(part[a:b])
-
-
 class ShmCollectives:
     """The shared-memory collectives of one group (see the module docstring).
 
@@ -288,6 +249,53 @@ class ShmCollectives:
             ("agreement", "all_reduce", "all_gather", "reduce_scatter", "broadcast"), 0
         )
         self._finalizer = weakref.finalize(self, _release, mapping, self._views)
+        # The CPUs torch's intra-op threads of this rank may use without taking them from
+        # the group's other ranks: a rank bound to some of the node's CPUs has them to
+        # itself; one that may run anywhere shares all of them with the others.
+        self._cpus = len(os.sched_getaffinity(0))
+        self._sharing = 1 if self._cpus < (os.cpu_count() or self._cpus) else world_size
+
+    def _piece(self, tensor: torch.Tensor) -> int:
+        """How many elements of ``tensor`` one torch op may cover in the shared-memory ops.
+
+        torch runs an op of more than 32768 elements on its intra-op (OpenMP) threads. Ranks
+        sharing a node already use its cores: where this rank's threads would take CPUs from
+        the others (more threads, times the ranks sharing the CPUs, than there are CPUs: the
+        default whenever no thread count is set), the woken threads mostly compete with the
+        ranks the group waits for (a 4 MiB all-reduce of 2 ranks on 2 CPUs took 12 ms with
+        2 threads each, 1 ms without; 500 all-reduces of 40-280 KB took 50 s instead of 1 s).
+        So ops are cut into pieces that stay on the calling thread, unless they are at least
+        ``_PARALLEL_BYTES`` long and the threads have CPUs of their own.
+        ``VLLM_BRIDGE_CPU_SHM_THREADS`` = ``0`` always cuts, ``1`` never does.
+        """
+        n = tensor.numel()
+        if _THREADS == "1" or (
+            _THREADS != "0"
+            and n * tensor.element_size() >= _PARALLEL_BYTES
+            and torch.get_num_threads() * self._sharing <= self._cpus
+        ):
+            return max(n, 1)
+        return _PIECE
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` for 1-D tensors (see :meth:`_piece`)."""
+        step = self._piece(dst)
+        for a in range(0, dst.numel(), step):
+            dst[a : a + step].copy_(src[a : a + step])
+
+    def _ordered_sum(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """``out = ((parts[0] + parts[1]) + parts[2]) + ...``, each partial sum in out's dtype
+        (1-D tensors; see :meth:`_piece`)."""
+        if len(parts) == 1:
+            self._copy(out, parts[0])
+            return
+        step = self._piece(out)
+        for a in range(0, out.numel(), step):
+            b = a + step
+            piece = out[a:b]
+            torch.add(parts[0][a:b], parts[1][a:b], out=piece)
+            for part in parts[2:]:
+                piece.add_(part[a:b])
 
     # ------------------------------------------------------------------------ set-up
 
@@ -583,28 +591,28 @@ class ShmCollectives:
         def fill(half: torch.Tensor, start: int, k: int) -> None:
             mine, source = half[rank, :k], input_[start : start + k]
             if k <= direct or not own_input:
-                _copy(mine, source)
+                self._copy(mine, source)
                 return
             lo, hi = self._bounds(k, rank)
-            _copy(mine[:lo], source[:lo])
-            _copy(mine[hi:], source[hi:])
+            self._copy(mine[:lo], source[:lo])
+            self._copy(mine[hi:], source[hi:])
 
         def drain(half: torch.Tensor, start: int, k: int) -> None:
             part, target = half[:, :k], out[start : start + k]
             if k <= direct:
-                _ordered_sum(list(part.unbind(0)), target)
+                self._ordered_sum(list(part.unbind(0)), target)
                 return
             lo, hi = self._bounds(k, rank)
             parts = list(part[:, lo:hi].unbind(0))
             if own_input:
                 parts[rank] = input_[start + lo : start + hi]
-            _ordered_sum(parts, target[lo:hi])
-            _copy(part[rank, lo:hi], target[lo:hi])
+            self._ordered_sum(parts, target[lo:hi])
+            self._copy(part[rank, lo:hi], target[lo:hi])
             self._arrive_and_wait("all_reduce (all-gather)")
             for r in range(world):
                 if r != rank:
                     lo, hi = self._bounds(k, r)
-                    _copy(target[lo:hi], part[r, lo:hi])
+                    self._copy(target[lo:hi], part[r, lo:hi])
 
         per = self._slots(input_.dtype).shape[2]
         self._run("all_reduce", input_.dtype, input_.numel(), per, row, judge, fill, drain)
@@ -618,11 +626,11 @@ class ShmCollectives:
         rows_out = output.view(self.world_size, n)
 
         def fill(half: torch.Tensor, start: int, k: int) -> None:
-            _copy(half[self.rank, :k], input_[start : start + k])
+            self._copy(half[self.rank, :k], input_[start : start + k])
 
         def drain(half: torch.Tensor, start: int, k: int) -> None:
             for r in range(self.world_size):
-                _copy(rows_out[r, start : start + k], half[r, :k])
+                self._copy(rows_out[r, start : start + k], half[r, :k])
 
         per = self._slots(input_.dtype).shape[2]
         self._run("all_gather", input_.dtype, n, per, row, judge, fill, drain)
@@ -639,11 +647,11 @@ class ShmCollectives:
         def fill(half: torch.Tensor, start: int, k: int) -> None:
             mine = half[self.rank, : world * k].view(world, k)
             for r in range(world):
-                _copy(mine[r], pieces[r, start : start + k])
+                self._copy(mine[r], pieces[r, start : start + k])
 
         def drain(half: torch.Tensor, start: int, k: int) -> None:
             chunks = half[:, : world * k].view(world, world, k)
-            _ordered_sum(list(chunks[:, self.rank].unbind(0)), output[start : start + k])
+            self._ordered_sum(list(chunks[:, self.rank].unbind(0)), output[start : start + k])
 
         per = self._slots(input_.dtype).shape[2] // world
         self._run("reduce_scatter", input_.dtype, m, per, row, judge, fill, drain)
@@ -656,11 +664,11 @@ class ShmCollectives:
 
         def fill(half: torch.Tensor, start: int, k: int) -> None:
             if mine:
-                _copy(half.view(-1)[:k], tensor[start : start + k])
+                self._copy(half.view(-1)[:k], tensor[start : start + k])
 
         def drain(half: torch.Tensor, start: int, k: int) -> None:
             if not mine:
-                _copy(tensor[start : start + k], half.view(-1)[:k])
+                self._copy(tensor[start : start + k], half.view(-1)[:k])
 
         slots = self._slots(tensor.dtype)
         per = slots.shape[1] * slots.shape[2]
