@@ -7,7 +7,9 @@ into vLLM. Ours: `PyNcclCommunicator(StatelessProcessGroup.create(...), device="
 machine). Peer: torch's `ProcessGroupGloo` made from a TCPStore, `broadcast` per tensor and
 its `barrier`. Both in the same four processes over the same tensors, in alternating order,
 each sync after a barrier, timed at the slowest rank; medians over rounds. The trainer
-writes new values before every sync and the receivers check every tensor afterwards.
+writes new values before every sync and the receivers check every tensor afterwards. The
+ranks run with one torch thread each, then (not with ``--quick``) with as many as there
+are CPUs, torch's default when nothing sets ``OMP_NUM_THREADS``.
 
     python bench/python/weight_sync.py [--quick]
 """
@@ -24,10 +26,14 @@ BENCH = "weight_sync"
 WORLD = 4  # 1 trainer + 3 inference ranks
 
 
-def _rank(rank: int, spg_port: int, gloo_port: int, rounds: int, count: int, numel: int) -> dict:
+def _rank(
+    rank: int, spg_port: int, gloo_port: int, rounds: int, count: int, numel: int, threads: int
+) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
+
+    torch.set_num_threads(threads)
 
     from bridge_py.distributed import StatelessProcessGroup
     from bridge_py.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -73,26 +79,31 @@ def _rank(rank: int, spg_port: int, gloo_port: int, rounds: int, count: int, num
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     rounds, count, numel = (2, 4, 4096) if args.quick else (9, 100, 512 * 1024)
-    results = run_ranks(
-        _rank, WORLD, free_port(), free_port(), rounds, count, numel,
-        timeout=90 if args.quick else 600,
-    )  # fmt: skip
-    per = {
-        side: [max(ts) for ts in zip(*(r["times"][side] for r in results), strict=True)]
-        for side in ("ours", "peer")
-    }
-    ours, peer = median(per["ours"]), median(per["peer"])
     size = count * numel * 4
     label = f"{size / 2**20:g} MiB" if size >= 2**20 else f"{size / 2**10:g} KiB"
-    what = (
-        f"PyNcclCommunicator weight sync, {label} in {count} f32 tensors, 1 -> {WORLD - 1} "
-        f"ranks + barrier (via {results[0]['transport']})"
-    )
-    rows = [time_row(BENCH, what, ours, peer, "gloo broadcasts", faster_by=2.0)]
-    rate = f", {size / ours / 2**30:.2f} GiB/s vs {size / peer / 2**30:.2f} GiB/s"
-    emit(f"Weight sync on CPU vs gloo (slowest rank, median per sync{rate})", rows)
+    rows = []
+    rates = []
+    cpus = len(os.sched_getaffinity(0))
+    for threads in (1,) if args.quick else (1, cpus):
+        results = run_ranks(
+            _rank, WORLD, free_port(), free_port(), rounds, count, numel, threads,
+            timeout=90 if args.quick else 600,
+        )  # fmt: skip
+        per = {
+            side: [max(ts) for ts in zip(*(r["times"][side] for r in results), strict=True)]
+            for side in ("ours", "peer")
+        }
+        ours, peer = median(per["ours"]), median(per["peer"])
+        how = "" if threads == 1 else f", {threads} torch threads per rank (torch's default)"
+        what = (
+            f"PyNcclCommunicator weight sync, {label} in {count} f32 tensors, 1 -> {WORLD - 1} "
+            f"ranks + barrier (via {results[0]['transport']}){how}"
+        )
+        rows.append(time_row(BENCH, what, ours, peer, "gloo broadcasts", faster_by=2.0))
+        rates.append(f"{size / ours / 2**30:.2f} GiB/s vs {size / peer / 2**30:.2f} GiB/s")
+    emit(f"Weight sync on CPU vs gloo (slowest rank, median per sync: {'; '.join(rates)})", rows)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # each rank sets its own count
     main()
