@@ -62,7 +62,7 @@ def test_a_repeated_call_is_decoded_once(
     monkeypatch.setattr(pb, "decode_request", counting)
     assert [counter.incr() for _ in range(30)] == list(range(1, 31))
     assert len(decoded) == 1  # the first: every later one ran from its plan
-    assert len(serving[1].plans) == 2  # the getter's (value) and incr's
+    assert len(serving[1].plans) == 3  # the constructor's (Counter), the getter's (value), incr's
 
 
 def test_calls_on_one_object_run_in_the_order_they_were_admitted(client: Client) -> None:
