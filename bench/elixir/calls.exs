@@ -124,6 +124,7 @@ defmodule Bench.Calls do
         [
           {:getter, fn n -> getter_batch(group, n) end},
           {:method_args, fn n -> method_args_batch(group, n) end},
+          {:method_kwargs, fn n -> method_kwargs_batch(group, n) end},
           {:function, fn n -> function_batch(n) end},
           {:ping, fn n -> ping_batch(n) end},
           {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
@@ -166,6 +167,13 @@ defmodule Bench.Calls do
         p50.echo,
         echo_name,
         at_most: 2
+      ),
+      Bench.time_row(
+        @bench,
+        "StatelessProcessGroup.broadcast_obj(group, 7, 0, timeout: 5.0) (and a keyword), p50",
+        p50.method_kwargs,
+        p50.echo,
+        echo_name
       ),
       Bench.time_row(
         @bench,
@@ -249,6 +257,16 @@ defmodule Bench.Calls do
   defp method_args_batch(group, n) do
     for i <- 1..n do
       {us, result} = Bench.tc(fn -> StatelessProcessGroup.broadcast_obj(group, i, 0) end)
+      Bench.check!(result == {:ok, i}, "broadcast_obj returned #{inspect(result)}")
+      us
+    end
+  end
+
+  defp method_kwargs_batch(group, n) do
+    for i <- 1..n do
+      {us, result} =
+        Bench.tc(fn -> StatelessProcessGroup.broadcast_obj(group, i, 0, timeout: 5.0) end)
+
       Bench.check!(result == {:ok, i}, "broadcast_obj returned #{inspect(result)}")
       us
     end
