@@ -265,16 +265,16 @@ class ShmCollectives:
         ranks the group waits for (a 4 MiB all-reduce of 2 ranks on 2 CPUs took 12 ms with
         2 threads each, 1 ms without; 500 all-reduces of 40-280 KB took 50 s instead of 1 s).
         So ops are cut into pieces that stay on the calling thread, unless they are at least
-        ``_PARALLEL_BYTES`` long and the threads have CPUs of their own.
+        ``_PARALLEL_BYTES`` long and the threads have CPUs of their own (or there is one).
         ``VLLM_BRIDGE_CPU_SHM_THREADS`` = ``0`` always cuts, ``1`` never does.
         """
         n = tensor.numel()
         if _THREADS == "1" or (
             _THREADS != "0"
             and n * tensor.element_size() >= _PARALLEL_BYTES
-            and torch.get_num_threads() * self._sharing <= self._cpus
+            and ((threads := torch.get_num_threads()) == 1 or threads * self._sharing <= self._cpus)
         ):
-            return max(n, 1)
+            return max(n, 1)  # (one thread: nothing to cut it for)
         return _PIECE
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
