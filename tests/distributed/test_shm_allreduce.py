@@ -246,40 +246,41 @@ def _pieces(rank: int, port: int, world_size: int) -> list[tuple[str, int, bool]
     """(where the rank runs, torch threads, whether a 4 MiB op is left whole for them)."""
     _init(rank, port, world_size)
     big = torch.zeros(1 << 20)
+    total = float(sum(range(world_size)))
+    allowed = sorted(os.sched_getaffinity(0))
     seen = []
-    cpus = os.cpu_count() or 1
-    comm = _communicator({})  # the rank may run on every CPU: it shares them with the others
-    assert comm.shm is not None
-    for threads in (cpus, 1):
-        torch.set_num_threads(threads)
-        seen.append(("anywhere", threads, comm.shm._piece(big) == big.numel()))
-    comm.destroy()
-    os.sched_setaffinity(0, {rank % cpus})  # bound to one CPU of its own
-    comm = _communicator({})
-    assert comm.shm is not None
-    for threads in (2, 1):
-        torch.set_num_threads(threads)
-        seen.append(("bound", threads, comm.shm._piece(big) == big.numel()))
-        total = float(sum(range(world_size)))
-        assert torch.equal(comm.all_reduce(big + rank), torch.full_like(big, total))
-    comm.destroy()
+    for where, cpus in (
+        ("anywhere", allowed),  # every rank may run on every CPU: they share them all
+        ("first two", allowed[:2]),  # as in a container of 2 CPUs: shared all the same
+        ("bound", [allowed[rank % len(allowed)]]),  # one CPU each (shared past 2 ranks)
+    ):
+        os.sched_setaffinity(0, cpus)
+        comm = _communicator({})
+        assert comm.shm is not None
+        for threads in (len(cpus) + 1, 1):
+            torch.set_num_threads(threads)
+            seen.append((where, threads, comm.shm._piece(big) == big.numel()))
+            assert torch.equal(comm.all_reduce(big + rank), torch.full_like(big, total))
+        comm.destroy()
     dist.destroy_process_group()
     return seen
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_use_torch_threads_only_where_they_have_cpus_of_their_own(world_size: int) -> None:
     # A rank's intra-op threads would take CPUs from the rank it waits for: a 4 MiB
     # all-reduce of 2 ranks on 2 CPUs took 12 ms with torch's default 2 threads each and
     # 1 ms without (bench/README.md). Long ops use the threads only where there is a CPU
-    # for each of them: a rank bound to its own CPUs, or threads x ranks <= CPUs; and one
-    # thread has nothing to cut an op for.
-    cpus = os.cpu_count() or 1
-    for seen in run_ranks(_pieces, world_size, free_port(), world_size, timeout=90):
+    # for each of them (threads x ranks that may run on the rank's CPUs <= those CPUs),
+    # and one thread has nothing to cut an op for.
+    allowed = len(os.sched_getaffinity(0))
+    for seen in run_ranks(_pieces, world_size, free_port(), world_size, timeout=120):
         assert seen == [
-            ("anywhere", cpus, False),  # torch's default: cut into single-thread pieces
+            ("anywhere", allowed + 1, False),  # more threads than CPUs: single-thread pieces
             ("anywhere", 1, True),
+            ("first two", 3, False),
+            ("first two", 1, True),
             ("bound", 2, False),
             ("bound", 1, True),
         ]

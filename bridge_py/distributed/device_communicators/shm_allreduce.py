@@ -134,14 +134,17 @@ _THREADS = os.environ.get(THREADS_ENV, "").strip()
 
 _HEADER = Header(b"VBAR", 1, "2xIQ16s")  # world_size, slot_bytes, token
 _HEADER_BYTES = 256
-_CTRL_BYTES = 512  # per rank: counter at 0, rows at 64 and 192, pid at 320
+_CTRL_BYTES = 512  # per rank: counter at 0, rows at 64 and 192, pid at 320, CPUs at 336
 _ROW_AT = (64, 192)
 _ROW_BYTES = ROW_BYTES
 _PID = struct.Struct("<QQ")  # pid, pid namespace
 _PID_AT = 320
 _NAME_BYTES = 64  # the name and token broadcast at set-up
 _ALIGN = 64  # slices handed to ranks start on cache lines
-assert _ROW_AT[1] + _ROW_BYTES <= _PID_AT and _PID_AT + _PID.size <= _CTRL_BYTES
+_CPUS_AT = 336  # the CPUs the rank may run on, a bit each (the first 1024; 0: not known)
+_CPUS_BYTES = 128
+assert _ROW_AT[1] + _ROW_BYTES <= _PID_AT and _PID_AT + _PID.size <= _CPUS_AT
+assert _CPUS_AT + _CPUS_BYTES <= _CTRL_BYTES
 
 
 def shm_enabled() -> bool:
@@ -249,23 +252,27 @@ class ShmCollectives:
             ("agreement", "all_reduce", "all_gather", "reduce_scatter", "broadcast"), 0
         )
         self._finalizer = weakref.finalize(self, _release, mapping, self._views)
-        # The CPUs torch's intra-op threads of this rank may use without taking them from
-        # the group's other ranks: a rank bound to some of the node's CPUs has them to
-        # itself; one that may run anywhere shares all of them with the others.
+        # The CPUs this rank may run on, and how many of the group's ranks may run on some
+        # of them (itself included; a rank whose CPUs are not known counts): the ranks its
+        # intra-op threads would compete with (see _piece).
         self._cpus = len(os.sched_getaffinity(0))
-        self._sharing = 1 if self._cpus < (os.cpu_count() or self._cpus) else world_size
+        mine = _cpu_mask(self._buf, rank)
+        self._sharing = sum(
+            1 for r in range(world_size) if not (other := _cpu_mask(self._buf, r)) or other & mine
+        )
 
     def _piece(self, tensor: torch.Tensor) -> int:
         """How many elements of ``tensor`` one torch op may cover in the shared-memory ops.
 
         torch runs an op of more than 32768 elements on its intra-op (OpenMP) threads. Ranks
         sharing a node already use its cores: where this rank's threads would take CPUs from
-        the others (more threads, times the ranks sharing the CPUs, than there are CPUs: the
-        default whenever no thread count is set), the woken threads mostly compete with the
-        ranks the group waits for (a 4 MiB all-reduce of 2 ranks on 2 CPUs took 12 ms with
-        2 threads each, 1 ms without; 500 all-reduces of 40-280 KB took 50 s instead of 1 s).
-        So ops are cut into pieces that stay on the calling thread, unless they are at least
-        ``_PARALLEL_BYTES`` long and the threads have CPUs of their own (or there is one).
+        the others (more threads, times the ranks that may run on the same CPUs, than this
+        rank's CPUs: the default whenever no thread count is set), the woken threads mostly
+        compete with the ranks the group waits for (a 4 MiB all-reduce of 2 ranks on 2 CPUs
+        took 12 ms with 2 threads each, 1 ms without; 500 all-reduces of 40-280 KB took 50 s
+        instead of 1 s). So ops are cut into pieces that stay on the calling thread, unless
+        they are at least ``_PARALLEL_BYTES`` long and the threads have CPUs of their own (or
+        there is one).
         ``VLLM_BRIDGE_CPU_SHM_THREADS`` = ``0`` always cuts, ``1`` never does.
         """
         n = tensor.numel()
@@ -346,6 +353,9 @@ class ShmCollectives:
                 mapping = _own_mapping(shm)
                 at = _HEADER_BYTES + rank * _CTRL_BYTES + _PID_AT
                 _PID.pack_into(mapping, at, os.getpid(), pid_namespace())
+                at = _HEADER_BYTES + rank * _CTRL_BYTES + _CPUS_AT
+                cpus = sum(1 << cpu for cpu in os.sched_getaffinity(0) if cpu < 8 * _CPUS_BYTES)
+                mapping[at : at + _CPUS_BYTES] = cpus.to_bytes(_CPUS_BYTES, "little")
                 fence()
             except (OSError, ValueError, AttributeError) as exc:
                 why = f"cannot map the segment: {exc}"
@@ -673,6 +683,12 @@ class ShmCollectives:
         slots = self._slots(tensor.dtype)
         per = slots.shape[1] * slots.shape[2]
         self._run("broadcast", tensor.dtype, tensor.numel(), per, row, judge, fill, drain)
+
+
+def _cpu_mask(buf: memoryview, rank: int) -> int:
+    """The CPUs rank ``rank`` wrote that it may run on, a bit each (0: not known)."""
+    at = _HEADER_BYTES + rank * _CTRL_BYTES + _CPUS_AT
+    return int.from_bytes(buf[at : at + _CPUS_BYTES], "little")
 
 
 def _nothing(half: torch.Tensor, start: int, k: int) -> None:
