@@ -36,6 +36,15 @@ def test_where_spinning_slows_the_caller_it_settles_on_sleeping() -> None:
     assert spun < 100_000 / 200
 
 
+def test_where_spinning_saves_little_it_sleeps() -> None:
+    # A spin takes a CPU: it is kept only for a wait at least MARGIN shorter (so the
+    # policy is within MARGIN of never spinning and of always spinning, whichever wins).
+    for spin_wait, spinning in ((19.5e-6, False), (18.5e-6, True)):
+        policy = SpinPolicy()
+        _run(policy, 20_000, spin_wait=spin_wait, sleep_wait=20e-6)
+        assert policy.spinning is spinning, spin_wait
+
+
 def test_it_follows_a_machine_whose_behaviour_changes() -> None:
     policy = SpinPolicy()
     _run(policy, 100_000, spin_wait=15e-6, sleep_wait=120e-6)

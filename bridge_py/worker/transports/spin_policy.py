@@ -9,7 +9,8 @@ getting it (the BEAM's turnaround, plus our wake-up when we slept) is exactly wh
 choice changes, and is what a sequential caller waits for.
 
 The policy alternates between the two modes: it measures a window of waits in each, keeps
-the one with the shorter mean, and tries the other again after a run that doubles each
+the one with the shorter mean (spinning only when it is shorter by ``MARGIN``: a spin takes
+a CPU, so a tie goes to sleeping), and tries the other again after a run that doubles each
 time the same mode wins again (up to ``LONGEST_RUN`` waits), so once the choice is
 settled fewer than one wait in 200 is spent trying the losing mode. Waits longer than
 ``IDLE`` are the caller's own pauses, which no waiting strategy changes, and are left out.
@@ -32,6 +33,7 @@ class SpinPolicy:
     FIRST_RUN = 256  # waits in the chosen mode before the other one is measured again
     LONGEST_RUN = 32768
     IDLE = 1e-3  # seconds: a longer wait is the caller pausing, not its turnaround
+    MARGIN = 0.05  # spinning is kept only when its mean wait is this much shorter
 
     __slots__ = ("_chosen", "_count", "_estimates", "_run", "_run_left", "_total", "spinning")
 
@@ -70,7 +72,7 @@ class SpinPolicy:
             self._choose()
 
     def _choose(self) -> None:
-        faster = self._estimates[True] < self._estimates[False]
+        faster = self._estimates[True] < self._estimates[False] * (1.0 - self.MARGIN)
         if faster == self._chosen:
             self._run = min(2 * self._run, self.LONGEST_RUN)
         else:
