@@ -218,8 +218,9 @@ def _checker(target: Callable[..., Any], drop_first: bool, name: str) -> Check:
     # Positional arguments only (the common call) fit when their count is in
     # [low, high]; a required keyword-only parameter makes every such call miss.
     low = plan.required
-    most = len(plan.positional) if not plan.var_positional else sys.maxsize
-    high = -1 if plan.keyword_only_required else most
+    high = len(plan.positional) if not plan.var_positional else sys.maxsize
+    if plan.keyword_only_required:
+        high = -1
     # The positional parameters that are checked, in order, each with the exact types
     # that pass its check unchanged; a value of any other type is looked at by _checked.
     checks = tuple(
@@ -227,27 +228,19 @@ def _checker(target: Callable[..., Any], drop_first: bool, name: str) -> Check:
         for at, param in enumerate(plan.positional)
         if param.allowed is not None or param.dtype
     )
-    # The same by name, for the parameters a keyword may fill; and where each is.
+    # The same by name, for the parameters a keyword may fill.
     named = {
-        key: (_passing(plan.params[key]), plan.params[key])
+        key: (_passing(param), param)
         for key in plan.by_keyword
-        if plan.params[key].allowed is not None or plan.params[key].dtype
+        if (param := plan.params[key]).allowed is not None or param.dtype
     }
-    by_keyword, must_name = plan.by_keyword, plan.must_name
 
     def check(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         given = len(args)
         if kwargs:
-            # Keywords that each name a parameter not given by position, with every
-            # parameter without a default given: anything else (a name ``**kwargs``
-            # takes, or a call that does not fit) goes the general way.
-            if given > most:
-                return _prepare(plan, name, args, kwargs)
-            for key in kwargs:
-                at = by_keyword.get(key)
-                if at is None or at < given:
-                    return _prepare(plan, name, args, kwargs)
-            if must_name and not all(at < given or key in kwargs for key, at in must_name):
+            # Keywords that fit are checked in place by name, as positional arguments are
+            # by position; a call that does not fit goes the general way (bind words why).
+            if not _fits_keywords(plan, args, kwargs):
                 return _prepare(plan, name, args, kwargs)
             for key, value in kwargs.items():
                 entry = named.get(key)
@@ -285,7 +278,7 @@ def _prepare(
 ) -> tuple[list[Any], dict[str, Any]]:
     """:func:`prepare_call` by ``plan``, for a call with keywords or with a count of
     positional arguments that does not fit."""
-    _string_keys(kwargs)  # (the fast way takes only names of parameters)
+    _string_keys(kwargs)  # (the way in ``check`` takes none that are not)
     # The keywords are matched to the parameters, and ``bind`` words what does not fit.
     if not _fits_keywords(plan, args, kwargs):
         try:
@@ -311,7 +304,8 @@ def _prepare(
 
 def _fits_keywords(plan: _Plan, args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether ``fn(*args, **kwargs)`` fits the signature ``plan`` describes, worked out
-    without binding; False when it does not, or when that cannot be told this way."""
+    without binding; False when it does not, or when that cannot be told this way (a
+    keyword that is not a string)."""
     given = len(args)
     if given > len(plan.positional) and not plan.var_positional:
         return False
@@ -319,11 +313,13 @@ def _fits_keywords(plan: _Plan, args: list[Any], kwargs: dict[str, Any]) -> bool
     for key in kwargs:
         at = by_keyword.get(key)
         if at is None:
-            if not plan.var_keyword or key in plan.params:  # unknown, or positional-only
+            # unknown, positional-only, or not a name at all
+            if not plan.var_keyword or key in plan.params or type(key) is not str:
                 return False
         elif at < given:
             return False  # given twice: by position and by name
-    return all(at < given or key in kwargs for key, at in plan.must_name)
+    must_name = plan.must_name
+    return not must_name or all(at < given or key in kwargs for key, at in must_name)
 
 
 def accepts_no_arguments(fn: Callable[..., Any]) -> bool:
