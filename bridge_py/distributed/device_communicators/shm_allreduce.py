@@ -231,7 +231,7 @@ class ShmCollectives:
         self._buf = memoryview(mapping)
         self._data_at, self.total_bytes = _layout(world_size, slot_bytes)
         self._counters = self._buf.cast("q")
-        self._counter_index = [(_HEADER_BYTES + r * _CTRL_BYTES) // 8 for r in range(world_size)]
+        self._counter_index = [_ctrl(r) // 8 for r in range(world_size)]
         self._mine = self._counter_index[rank]
         self._others = [i for r, i in enumerate(self._counter_index) if r != rank]
         self._data = torch.frombuffer(
@@ -243,10 +243,7 @@ class ShmCollectives:
         self._step = 0
         self._group = group  # marked unusable when a step fails (groups.work)
         self._lock = threading.Lock()
-        self._pids = [
-            _PID.unpack_from(self._buf, _HEADER_BYTES + r * _CTRL_BYTES + _PID_AT)
-            for r in range(world_size)
-        ]
+        self._pids = [_PID.unpack_from(self._buf, _ctrl(r) + _PID_AT) for r in range(world_size)]
         # operations run so far, by name
         self.calls = dict.fromkeys(
             ("agreement", "all_reduce", "all_gather", "reduce_scatter", "broadcast"), 0
@@ -351,9 +348,9 @@ class ShmCollectives:
         if shm is not None:
             try:
                 mapping = _own_mapping(shm)
-                at = _HEADER_BYTES + rank * _CTRL_BYTES + _PID_AT
+                at = _ctrl(rank) + _PID_AT
                 _PID.pack_into(mapping, at, os.getpid(), pid_namespace())
-                at = _HEADER_BYTES + rank * _CTRL_BYTES + _CPUS_AT
+                at = _ctrl(rank) + _CPUS_AT
                 cpus = sum(1 << cpu for cpu in os.sched_getaffinity(0) if cpu < 8 * _CPUS_BYTES)
                 mapping[at : at + _CPUS_BYTES] = cpus.to_bytes(_CPUS_BYTES, "little")
                 fence()
@@ -517,7 +514,7 @@ class ShmCollectives:
         return view
 
     def _write_row(self, half: int, row: bytes) -> None:
-        at = _HEADER_BYTES + self.rank * _CTRL_BYTES + _ROW_AT[half]
+        at = _ctrl(self.rank) + _ROW_AT[half]
         self._buf[at : at + _ROW_BYTES] = row
 
     def _rows(self, half: int) -> list[bytes]:
@@ -685,9 +682,14 @@ class ShmCollectives:
         self._run("broadcast", tensor.dtype, tensor.numel(), per, row, judge, fill, drain)
 
 
+def _ctrl(rank: int) -> int:
+    """Where rank ``rank``'s control block starts in the segment."""
+    return _HEADER_BYTES + rank * _CTRL_BYTES
+
+
 def _cpu_mask(buf: memoryview, rank: int) -> int:
     """The CPUs rank ``rank`` wrote that it may run on, a bit each (0: not known)."""
-    at = _HEADER_BYTES + rank * _CTRL_BYTES + _CPUS_AT
+    at = _ctrl(rank) + _CPUS_AT
     return int.from_bytes(buf[at : at + _CPUS_BYTES], "little")
 
 
