@@ -20,7 +20,16 @@ import datetime
 import os
 import time
 
-from common import emit, free_port, median, parse_args, run_ranks, time_row
+from common import (
+    emit,
+    free_port,
+    median,
+    parse_args,
+    run_ranks,
+    thread_counts,
+    threads_label,
+    time_row,
+)
 
 BENCH = "allreduce"
 SIZES = {"4 KiB": 1024, "4 MiB": 1024 * 1024}  # f32 elements
@@ -67,7 +76,7 @@ def _rank(rank: int, ws: int, port: int, rounds: int, reps: dict, threads: int) 
                     fn()
                 times[label][side].append((time.perf_counter() - t0) / k)
     dist.barrier()
-    return {"times": times, "transport": transport, "threads": threads}
+    return {"times": times, "transport": transport}
 
 
 def _slowest(results: list[dict], label: str, side: str) -> float:
@@ -82,16 +91,15 @@ def main() -> None:
     reps = {"4 KiB": 2, "4 MiB": 1} if args.quick else {"4 KiB": 200, "4 MiB": 10}
     ws = 2
     rows = []
-    cpus = len(os.sched_getaffinity(0))
-    for threads in (1, cpus):
+    for threads in thread_counts():
         results = run_ranks(
             _rank, ws, ws, free_port(), rounds, reps, threads, timeout=90 if args.quick else 300
         )
         transport = results[0]["transport"]
-        how = "" if threads == 1 else f", {threads} torch threads per rank (torch's default)"
         for label in SIZES:
             ours, peer = (_slowest(results, label, side) for side in ("ours", "peer"))
-            what = f"GroupCoordinator.all_reduce {label} f32, {ws} ranks (via {transport}){how}"
+            what = f"GroupCoordinator.all_reduce {label} f32, {ws} ranks (via {transport})"
+            what += threads_label(threads)
             # issue 17: 4 MiB at most 0.3x gloo's (it was 2x faster, 0.5x)
             limit = 0.3 if label == "4 MiB" else 1.0
             rows.append(time_row(BENCH, what, ours, peer, "gloo all_reduce", at_most=limit))

@@ -35,6 +35,8 @@ __all__ = [
     "parse_args",
     "run_ranks",
     "speed_row",
+    "thread_counts",
+    "threads_label",
     "time_row",
 ]
 
@@ -44,6 +46,18 @@ def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="tiny iteration counts")
     return parser.parse_args()
+
+
+def thread_counts() -> list[int]:
+    """The torch thread counts a benchmark's ranks run with, each rank setting its own:
+    one (as torchrun sets ``OMP_NUM_THREADS=1`` for several processes per node), then
+    torch's default when nothing sets it, one per CPU."""
+    return [1, len(os.sched_getaffinity(0))]
+
+
+def threads_label(threads: int) -> str:
+    """What a row's name adds for ranks that ran with ``threads`` torch threads."""
+    return "" if threads == 1 else f", {threads} torch threads per rank (torch's default)"
 
 
 def median(values: Sequence[float]) -> float:

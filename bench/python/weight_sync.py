@@ -20,7 +20,16 @@ import datetime
 import os
 import time
 
-from common import emit, free_port, median, parse_args, run_ranks, time_row
+from common import (
+    emit,
+    free_port,
+    median,
+    parse_args,
+    run_ranks,
+    thread_counts,
+    threads_label,
+    time_row,
+)
 
 BENCH = "weight_sync"
 WORLD = 4  # 1 trainer + 3 inference ranks
@@ -83,8 +92,7 @@ def main() -> None:
     label = f"{size / 2**20:g} MiB" if size >= 2**20 else f"{size / 2**10:g} KiB"
     rows = []
     rates = []
-    cpus = len(os.sched_getaffinity(0))
-    for threads in (1,) if args.quick else (1, cpus):
+    for threads in thread_counts()[:1] if args.quick else thread_counts():
         results = run_ranks(
             _rank, WORLD, free_port(), free_port(), rounds, count, numel, threads,
             timeout=90 if args.quick else 600,
@@ -94,10 +102,9 @@ def main() -> None:
             for side in ("ours", "peer")
         }
         ours, peer = median(per["ours"]), median(per["peer"])
-        how = "" if threads == 1 else f", {threads} torch threads per rank (torch's default)"
         what = (
             f"PyNcclCommunicator weight sync, {label} in {count} f32 tensors, 1 -> {WORLD - 1} "
-            f"ranks + barrier (via {results[0]['transport']}){how}"
+            f"ranks + barrier (via {results[0]['transport']}){threads_label(threads)}"
         )
         rows.append(time_row(BENCH, what, ours, peer, "gloo broadcasts", faster_by=2.0))
         rates.append(f"{size / ours / 2**30:.2f} GiB/s vs {size / peer / 2**30:.2f} GiB/s")
