@@ -124,7 +124,7 @@ defmodule Bench.Calls do
         [
           {:getter, fn n -> getter_batch(group, n) end},
           {:method_args, fn n -> method_args_batch(group, n) end},
-          {:method_kwargs, fn n -> method_kwargs_batch(group, n) end},
+          {:method_kwargs, fn n -> method_args_batch(group, n, timeout: 5.0) end},
           {:function, fn n -> function_batch(n) end},
           {:ping, fn n -> ping_batch(n) end},
           {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
@@ -254,19 +254,9 @@ defmodule Bench.Calls do
     end
   end
 
-  defp method_args_batch(group, n) do
+  defp method_args_batch(group, n, opts \\ []) do
     for i <- 1..n do
-      {us, result} = Bench.tc(fn -> StatelessProcessGroup.broadcast_obj(group, i, 0) end)
-      Bench.check!(result == {:ok, i}, "broadcast_obj returned #{inspect(result)}")
-      us
-    end
-  end
-
-  defp method_kwargs_batch(group, n) do
-    for i <- 1..n do
-      {us, result} =
-        Bench.tc(fn -> StatelessProcessGroup.broadcast_obj(group, i, 0, timeout: 5.0) end)
-
+      {us, result} = Bench.tc(fn -> StatelessProcessGroup.broadcast_obj(group, i, 0, opts) end)
       Bench.check!(result == {:ok, i}, "broadcast_obj returned #{inspect(result)}")
       us
     end
