@@ -49,6 +49,12 @@ def shapes(dispatcher: Dispatcher) -> dict[str, pb.Operation]:
         ),
         "value (getter)": pb.GetAttribute(counter.handle, "value"),
         "echo(1) (function)": pb.CallFunction("echo", args=one),
+        "open_gate(<ref>) (function, a ref argument)": pb.CallFunction(
+            "open_gate", args=PLAIN.encode([counter])
+        ),
+        "echo(<ref>) (function, a ref argument and result)": pb.CallFunction(
+            "echo", args=PLAIN.encode([counter])
+        ),
     }
 
 

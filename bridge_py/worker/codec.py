@@ -259,6 +259,10 @@ class Codec:
         # One msgpack Packer per thread (a Packer is not thread-safe, and making one
         # per call costs more than packing a small value).
         self._local = threading.local()
+        # The types whose objects this codec has held as refs: the next object of one
+        # is held at once, without the type tests of _default (which depend on the
+        # type alone, for a type without ``item``). At most _MAX_HELD types.
+        self._held_types: set[type] = set()
 
     # -- encoding -------------------------------------------------------------------
 
@@ -321,6 +325,11 @@ class Codec:
             raise CodecError(f"integer out of the 64-bit range: {exc}") from None
 
     def _default(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in self._held_types:
+            return self._hold(obj)
+        if isinstance(obj, RefValue):  # (a constructor's result: early)
+            return msgpack.ExtType(EXT_REF, obj.to_payload())
         if isinstance(obj, Atom):
             return msgpack.ExtType(EXT_ATOM, str(obj).encode())
         if isinstance(obj, tuple):
@@ -331,8 +340,6 @@ class Codec:
             return self._default(dtype_to_term(obj))
         if isinstance(obj, torch.device):
             return str(obj)
-        if isinstance(obj, RefValue):
-            return msgpack.ExtType(EXT_REF, obj.to_payload())
         # Subclasses of plain types (strict_types sends them here): encode as the base type.
         if isinstance(obj, bool):
             return bool(obj)
@@ -352,10 +359,20 @@ class Codec:
             return list(obj)
         if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # numpy scalars
             return obj.item()
-        if self._resolver is not None:
-            handle, class_name = self._resolver.register(obj)
-            return msgpack.ExtType(EXT_REF, RefValue(handle, class_name).to_payload())
-        raise CodecError(f"a value of type {type(obj).__qualname__} cannot cross the bridge")
+        # Held from now on without the tests above, which the type alone decides (not
+        # for a type with ``item``: the numpy test looks at the object's ``ndim``).
+        held = self._held_types
+        if self._resolver is not None and not hasattr(kind, "item") and len(held) < _MAX_HELD:
+            held.add(kind)
+        return self._hold(obj)
+
+    def _hold(self, obj: Any) -> msgpack.ExtType:
+        """A ref to ``obj``, which the resolver holds (under the handle it has, if any);
+        without a resolver an object cannot cross."""
+        if self._resolver is None:
+            raise CodecError(f"a value of type {type(obj).__qualname__} cannot cross the bridge")
+        handle, class_name = self._resolver.register(obj)
+        return msgpack.ExtType(EXT_REF, _HANDLE.pack(handle) + class_name.encode())
 
     # -- decoding -------------------------------------------------------------------
 
@@ -535,6 +552,8 @@ the same limit (``VllmBridge.Msgpack.max_depth/0``).
 """
 
 _NIL = b"\xc0"
+_HANDLE = struct.Struct(">Q")  # a ref's handle, at the start of its ext-2 payload
+_MAX_HELD = 256
 # A thread's Packer starts small (msgpack's default is 256 KiB, for every thread)
 # and is dropped after packing anything past _KEEP_PACKER_BELOW, so an idle thread
 # holds little memory.
@@ -609,15 +628,14 @@ class RefValue:
 
     def to_payload(self) -> bytes:
         """The ext-2 payload: handle as u64 big-endian, then the class name."""
-        return struct.pack(">Q", self.handle) + self.class_name.encode()
+        return _HANDLE.pack(self.handle) + self.class_name.encode()
 
     @classmethod
     def from_payload(cls, payload: bytes) -> RefValue:
         """Parse an ext-2 payload."""
         if len(payload) < 8:
             raise CodecError("ref payload shorter than its handle")
-        (handle,) = struct.unpack_from(">Q", payload)
-        return cls(handle, payload[8:].decode("utf-8"))
+        return cls(_HANDLE.unpack_from(payload)[0], payload[8:].decode("utf-8"))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RefValue) and (self.handle, self.class_name) == (

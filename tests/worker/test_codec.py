@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bridge_py.worker.codec import PLAIN, Atom, Codec, CodecError, RefValue, decode_tensor
+from bridge_py.worker.registry import HandleRegistry, SessionResolver
 
 DTYPES = [
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -144,6 +145,58 @@ def test_unencodable_results_become_refs_and_resolve_back() -> None:
     ref = PLAIN.decode(data)["x"]
     assert ref == RefValue(1, "object")
     assert codec.decode(PLAIN.encode(ref)) is thing
+
+
+class _ArrayLike:
+    """Like a numpy value: a 0-d one is a scalar (its item), any other an object."""
+
+    def __init__(self, ndim: int) -> None:
+        self.ndim = ndim
+
+    def item(self) -> int:
+        return 7
+
+
+def test_objects_are_held_by_what_each_one_is_after_their_type_was_held() -> None:
+    # The codec remembers the types it has held, so the next object of one is held
+    # without the type tests: every later value must still go the way it went before.
+    registry = HandleRegistry()
+    codec = Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+
+    class Thing:
+        pass
+
+    class Number(int):
+        pass
+
+    first, second = Thing(), Thing()
+    for _ in range(2):
+        refs = PLAIN.decode(codec.encode([first, second, first]))
+        assert [type(r) for r in refs] == [RefValue] * 3
+        assert refs[0] == refs[2] != refs[1]  # one handle per object, kept
+        assert codec.decode(PLAIN.encode(refs)) == [first, second, first]
+        # a plain type's subclass is still its value, an array-like value is decided by
+        # its own dimensions, a ref is sent as it is, each time and in any order
+        ref = RefValue(99, "Other")
+        assert PLAIN.decode(codec.encode([Number(3), _ArrayLike(0), ref])) == [3, 7, ref]
+        held = PLAIN.decode(codec.encode([_ArrayLike(1), _ArrayLike(0)]))
+        assert type(held[0]) is RefValue and held[1] == 7
+    assert len(registry) == 4  # first, second and the two 1-d array-likes
+    # without a registry, objects are refused every time
+    for _ in range(2):
+        with pytest.raises(CodecError, match="Thing cannot cross the bridge"):
+            PLAIN.encode(first)
+
+
+def test_many_types_of_objects_are_all_held() -> None:
+    registry = HandleRegistry()
+    codec = Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+    objects = [type(f"Kind{i}", (), {})() for i in range(300)]  # more than the codec notes
+    for _ in range(2):
+        refs = PLAIN.decode(codec.encode(objects))
+        assert [r.class_name for r in refs] == [f"Kind{i}" for i in range(300)]
+        assert codec.decode(PLAIN.encode(refs)) == objects
+    assert len(registry) == 300
 
 
 def test_one_codec_encodes_from_many_threads_at_once() -> None:
