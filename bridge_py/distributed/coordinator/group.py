@@ -265,8 +265,9 @@ class GroupCoordinator:
         all-reduce operation.
 
         Returns the sum of every rank's ``input_`` as a new tensor and leaves ``input_``
-        unchanged, as vLLM's (which is always out of place); in a group of one it returns
-        ``input_`` itself, as vLLM's does. ``bool`` tensors sum to the logical OR.
+        unchanged (vLLM's is out of place on CUDA and sums into ``input_`` on CPU: use
+        the result either way); in a group of one it returns ``input_`` itself, as vLLM's
+        does. ``bool`` tensors sum to the logical OR.
 
         Raises:
             TypeError: ``input_`` is not a tensor, or its dtype cannot be summed.
@@ -275,9 +276,10 @@ class GroupCoordinator:
                 bad arguments (with argument checks on, the default on CPU: then every
                 rank raises, before any data moves).
         """
-        # vLLM's is out of place because it runs as a torch custom op, which may not both
-        # mutate and return (Dynamo cannot pass ``self`` to a custom op, hence vLLM's
-        # lookup by group name). There is no custom op here; the result is new all the same.
+        # vLLM's is out of place on CUDA because it runs as a torch custom op, which may not
+        # both mutate and return (Dynamo cannot pass ``self`` to a custom op, hence vLLM's
+        # lookup by group name); its CPU communicator sums in place. There is no custom op
+        # here; the result is new on every device, so ``input_`` can be used again.
         if self.world_size == 1:
             return input_
         return self._all_reduce_out_place(input_)

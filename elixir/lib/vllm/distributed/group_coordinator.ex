@@ -120,8 +120,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   all-reduce operation.
 
   Returns the sum of every rank's `input_` as a new tensor and leaves `input_`
-  unchanged, as vLLM's (which is always out of place); in a group of one it returns
-  `input_` itself, as vLLM's does. `bool` tensors sum to the logical OR.
+  unchanged (vLLM's is out of place on CUDA and sums into `input_` on CPU: use
+  the result either way); in a group of one it returns `input_` itself, as vLLM's
+  does. `bool` tensors sum to the logical OR.
 
   ## Parameters
 
