@@ -269,6 +269,12 @@ def _errors(rank: int, port: int) -> str:
             comm.broadcast(torch.zeros(1), 2)
         with _raises(ValueError, f"rank {rank}", "tensor must be contiguous"):
             comm.broadcast(torch.zeros(3, 4).t(), 0)
+        # a conjugate view (its memory is not its values) on rank 1 only: refused there,
+        # and rank 0 is told, instead of waiting for a rank that never sends
+        z = torch.zeros(3, dtype=torch.complex64)
+        kind = ValueError if rank == 1 else CollectiveMismatchError
+        with _raises(kind, "broadcast", "rank 1", "conjugate or negative view"):
+            comm.broadcast(z.conj() if rank == 1 else z, 0)
         with _raises(TypeError, "all_reduce", "not defined", "torch.int64"):
             comm.all_reduce(torch.zeros(2, dtype=torch.int64), op=ReduceOp.AVG)
         with _raises(ValueError, "send", rf"dst \({rank}\) is this rank itself"):

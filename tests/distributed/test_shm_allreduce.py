@@ -286,6 +286,49 @@ def test_ranks_use_torch_threads_only_where_they_have_cpus_of_their_own(world_si
         ]
 
 
+# ------------------------------------------------- conjugate and negative views
+
+
+def _lazy_views(rank: int, port: int) -> list[str]:
+    """Each collective given tensors whose elements are not their values: a conjugate
+    view (``z.conj()``) and a negative one (``z.conj().imag``), on shared memory and on
+    gloo, with tensors past a piece (100,000 elements) and small ones."""
+    torch.set_num_threads(1)
+    _init(rank, port, 2)
+    failures = []
+    for name, comm in (("shm", _communicator({})), ("gloo", _communicator({ENABLE_ENV: "0"}))):
+        assert (comm.shm is not None) == (name == "shm")
+        for n in (5, 100_000):
+            ramp = torch.arange(n, dtype=torch.float32)
+            z = [torch.complex(ramp + r, ramp * (r + 2)) for r in range(2)]
+            received = torch.zeros(n, dtype=torch.complex64)  # rank 1: into its conjugate
+            conj, neg = z[rank].conj(), z[rank].conj().imag
+            into = z[0].clone() if rank == 0 else received.conj()
+            cases = [
+                ("all_reduce of a conjugate view", "all_reduce", (conj,), (z[0] + z[1]).conj()),
+                ("all_reduce of a negative view", "all_reduce", (neg,), -(z[0] + z[1]).imag),
+                ("all_gather of a conjugate view", "all_gather", (conj, 0), torch.cat(z).conj()),
+                ("broadcast into a conjugate view", "broadcast", (into, 0), z[0]),
+            ]
+            for what, op, args, expected in cases:
+                try:
+                    got = getattr(comm, op)(*args)
+                except Exception as exc:  # the failure is the finding: report it
+                    failures.append(f"{name} {what} x{n}: {type(exc).__name__}: {exc}")
+                    continue
+                if not torch.equal(got.resolve_conj().resolve_neg(), expected.resolve_conj()):
+                    failures.append(f"{name} {what} x{n}: wrong values")
+            if rank == 1 and not torch.equal(received.conj(), z[0]):
+                failures.append(f"{name} broadcast x{n}: the view's memory holds the wrong values")
+        comm.destroy()
+    dist.destroy_process_group()
+    return failures
+
+
+def test_conjugate_and_negative_views_travel_as_their_values() -> None:
+    assert run_ranks(_lazy_views, 2, free_port(), timeout=90) == [[], []]
+
+
 # ------------------------------------------------------------ fallback and mismatches
 
 

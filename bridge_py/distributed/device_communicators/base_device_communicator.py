@@ -447,8 +447,8 @@ class DeviceCommunicatorBase(CommunicatorChecks):
             wire, src=self.ranks[src], group=self.device_group, async_op=True
         )
         self._finish(work, "broadcast")
-        if self.rank_in_group != src and not input_.is_contiguous():
-            input_.copy_(restore(wire).reshape(input_.shape))
+        if self.rank_in_group != src and wire.data_ptr() != input_.data_ptr():
+            input_.copy_(restore(wire).reshape(input_.shape))  # (received into a copy)
         return input_
 
     # ------------------------------------------------------------------ point to point

@@ -61,7 +61,7 @@ class CommunicatorChecks:
     ) -> None:
         """``tensor`` (the parameter ``name``) is a tensor of this communicator's device
         type; summable with ``reduce``, of ``like``'s dtype when given, and with ``strict``
-        contiguous and on this very device."""
+        contiguous, on this very device and not a conjugate or negative view."""
         if not isinstance(tensor, torch.Tensor):
             kind = type(tensor).__name__
             raise self._error(op, f"{name}: expected a torch.Tensor, got {kind}", TypeError)
@@ -72,6 +72,12 @@ class CommunicatorChecks:
             )
         if strict and not tensor.is_contiguous():
             raise self._error(op, f"{name} must be contiguous (shape {tuple(tensor.shape)})")
+        if strict and (tensor.is_conj() or tensor.is_neg()):
+            raise self._error(
+                op,
+                f"{name} is a conjugate or negative view, whose memory does not hold its "
+                "values: pass tensor.resolve_conj().resolve_neg()",
+            )
         if like is not None and tensor.dtype != like.dtype:
             raise self._error(op, f"{name} is {tensor.dtype} but the input is {like.dtype}")
         if reduce and not reducible(tensor.dtype, self.backend):

@@ -27,7 +27,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
-from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
+from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, plain
 
 __all__ = ["CpuCommunicator"]
 
@@ -109,7 +109,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if error is not None or input_.numel() == 0:
             self.agreement.check(signature, error)  # raises on every rank if anyone failed
             return input_
-        data = input_.contiguous()
+        data = plain(input_).contiguous()
         shm.broadcast(data.view(-1).view(torch.uint8), src, *self.agreement.step(signature))
         if data.data_ptr() != input_.data_ptr():
             input_.copy_(data)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["for_reduction", "for_transport", "reducible", "supported_reduction"]
+__all__ = ["for_reduction", "for_transport", "plain", "reducible", "supported_reduction"]
 
 Restore = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,14 +64,21 @@ def reducible(dtype: torch.dtype, backend: str) -> bool:
     return dtype in _native(backend) or dtype in _WIDER or dtype.is_complex
 
 
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of its values where it is a conjugate or negative view
+    (``z.conj()``, ``z.conj().imag``), whose memory does not hold its values."""
+    return tensor.resolve_conj().resolve_neg()
+
+
 def for_transport(tensor: torch.Tensor, backend: str) -> tuple[torch.Tensor, Restore]:
     """A flat, contiguous tensor the backend can move, and how to read moved data back.
 
     The wire tensor is ``tensor`` flattened, or its raw bytes (``uint8``) for a dtype the
-    backend cannot move. ``restore`` takes a flat wire tensor holding any number of such
-    payloads and returns them as a flat tensor of ``tensor``'s dtype; the caller reshapes.
+    backend cannot move; a copy where ``tensor`` is not contiguous or not :func:`plain`.
+    ``restore`` takes a flat wire tensor holding any number of such payloads and returns
+    them as a flat tensor of ``tensor``'s dtype; the caller reshapes.
     """
-    flat = tensor.contiguous().reshape(-1)
+    flat = plain(tensor).contiguous().reshape(-1)
     if tensor.dtype in _native(backend):
         return flat, lambda wire: wire
     dtype = tensor.dtype
@@ -83,6 +90,7 @@ def for_reduction(tensor: torch.Tensor, backend: str) -> tuple[torch.Tensor, Res
 
     Raises TypeError for a dtype that cannot be summed at all.
     """
+    tensor = plain(tensor)
     dtype = tensor.dtype
     if dtype in _native(backend) and dtype != torch.bool:
         return tensor.contiguous(), lambda wire: wire
