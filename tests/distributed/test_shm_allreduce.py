@@ -259,7 +259,7 @@ def _pieces(rank: int, port: int, world_size: int) -> list[tuple[str, int, bool]
         assert comm.shm is not None
         for threads in (len(cpus) + 1, 1):
             torch.set_num_threads(threads)
-            seen.append((where, threads, comm.shm._piece(big) == big.numel()))
+            seen.append((where, threads, comm.shm.elementwise.piece(big) == big.numel()))
             assert torch.equal(comm.all_reduce(big + rank), torch.full_like(big, total))
         comm.destroy()
     dist.destroy_process_group()

@@ -89,6 +89,7 @@ from torch.distributed import ProcessGroup
 
 from bridge_py.deadline import clamp_until
 from bridge_py.distributed.device_communicators.agreement import ROW_BYTES, Judge
+from bridge_py.distributed.device_communicators.shm_elementwise import Elementwise
 from bridge_py.distributed.errors import (
     CollectiveTimeout,
     DistributedError,
@@ -127,10 +128,6 @@ MIN_SLOT_BYTES = 64 << 10
 # A chunk up to this size is summed whole by every rank (one phase); larger ones are
 # reduce-scattered then all-gathered (two phases, each rank adds 1/world_size of it).
 DIRECT_BYTES = 256 << 10
-THREADS_ENV = "VLLM_BRIDGE_CPU_SHM_THREADS"
-_PIECE = 32768  # torch's grain size: smaller elementwise ops stay on the calling thread
-_PARALLEL_BYTES = 1 << 20  # ops at least this long may use torch's intra-op threads (_piece)
-_THREADS = os.environ.get(THREADS_ENV, "").strip()
 
 _HEADER = Header(b"VBAR", 1, "2xIQ16s")  # world_size, slot_bytes, token
 _HEADER_BYTES = 256
@@ -249,57 +246,15 @@ class ShmCollectives:
             ("agreement", "all_reduce", "all_gather", "reduce_scatter", "broadcast"), 0
         )
         self._finalizer = weakref.finalize(self, _release, mapping, self._views)
-        # The CPUs this rank may run on, and how many of the group's ranks may run on some
-        # of them (itself included; a rank whose CPUs are not known counts): the ranks its
-        # intra-op threads would compete with (see _piece).
-        self._cpus = len(os.sched_getaffinity(0))
+        # How many of the group's ranks may run on some of this rank's CPUs (itself
+        # included; a rank whose CPUs are not known counts): those its intra-op threads
+        # would compete with (shm_elementwise).
         mine = _cpu_mask(self._buf, rank)
-        self._sharing = sum(
+        sharing = sum(
             1 for r in range(world_size) if not (other := _cpu_mask(self._buf, r)) or other & mine
         )
-
-    def _piece(self, tensor: torch.Tensor) -> int:
-        """How many elements of ``tensor`` one torch op may cover in the shared-memory ops.
-
-        torch runs an op of more than 32768 elements on its intra-op (OpenMP) threads. Ranks
-        sharing a node already use its cores: where this rank's threads would take CPUs from
-        the others (more threads, times the ranks that may run on the same CPUs, than this
-        rank's CPUs: the default whenever no thread count is set), the woken threads mostly
-        compete with the ranks the group waits for (a 4 MiB all-reduce of 2 ranks on 2 CPUs
-        took 12 ms with 2 threads each, 1 ms without; 500 all-reduces of 40-280 KB took 50 s
-        instead of 1 s). So ops are cut into pieces that stay on the calling thread, unless
-        they are at least ``_PARALLEL_BYTES`` long and the threads have CPUs of their own (or
-        there is one).
-        ``VLLM_BRIDGE_CPU_SHM_THREADS`` = ``0`` always cuts, ``1`` never does.
-        """
-        n = tensor.numel()
-        if _THREADS == "1" or (
-            _THREADS != "0"
-            and n * tensor.element_size() >= _PARALLEL_BYTES
-            and ((threads := torch.get_num_threads()) == 1 or threads * self._sharing <= self._cpus)
-        ):
-            return max(n, 1)  # (one thread: nothing to cut it for)
-        return _PIECE
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` for 1-D tensors (see :meth:`_piece`)."""
-        step = self._piece(dst)
-        for a in range(0, dst.numel(), step):
-            dst[a : a + step].copy_(src[a : a + step])
-
-    def _ordered_sum(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        """``out = ((parts[0] + parts[1]) + parts[2]) + ...``, each partial sum in out's dtype
-        (1-D tensors; see :meth:`_piece`)."""
-        if len(parts) == 1:
-            self._copy(out, parts[0])
-            return
-        step = self._piece(out)
-        for a in range(0, out.numel(), step):
-            b = a + step
-            piece = out[a:b]
-            torch.add(parts[0][a:b], parts[1][a:b], out=piece)
-            for part in parts[2:]:
-                piece.add_(part[a:b])
+        self.elementwise = Elementwise(len(os.sched_getaffinity(0)), sharing)
+        self._copy, self._ordered_sum = self.elementwise.copy, self.elementwise.ordered_sum
 
     # ------------------------------------------------------------------------ set-up
 
