@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from bridge_py.distributed.device_communicators import CollectiveMismatchError
 from bridge_py.distributed.parallel_state import GroupCoordinator
 from tests.distributed.harness import free_port, join_gloo, run_ranks
 
@@ -168,3 +169,50 @@ def test_collectives_two_ranks() -> None:
 
 def test_collectives_four_ranks() -> None:
     assert run_ranks(_collectives, 4, free_port(), 4, timeout=90) == ["ok"] * 4
+
+
+def _undense_dicts(rank: int, port: int) -> list[str]:
+    g = _init(rank, port, 2)
+    got = []
+    if rank == 0:
+        for bad in (torch.arange(4.0).to_sparse(), torch.nested.nested_tensor([torch.ones(2)])):
+            for send in (
+                lambda d: g.broadcast_tensor_dict(d, src=0),
+                lambda d: g.send_tensor_dict(d, dst=1),
+            ):
+                try:
+                    send({"x": bad, "step": 1})
+                except TypeError as exc:
+                    got.append(str(exc))
+        g.broadcast_tensor_dict({"x": torch.arange(3.0), "step": 2}, src=0)
+        g.send_tensor_dict({"x": torch.arange(2.0), "step": 3}, dst=1)
+    else:
+        # every rank hears of a refused broadcast; nothing of the refused dictionaries was
+        # sent: the next ones are the first heard
+        for _ in range(2):
+            try:
+                g.broadcast_tensor_dict(src=0)
+            except CollectiveMismatchError as exc:
+                got.append("refused: " + str(exc).split(": ", 1)[1])
+        for received in (g.broadcast_tensor_dict(src=0), g.recv_tensor_dict(src=0)):
+            assert received is not None
+            got.append(f"{received['step']} {received['x'].tolist()}")
+    g.destroy()
+    dist.destroy_process_group()
+    return got
+
+
+def test_a_tensor_dict_with_a_tensor_that_is_not_dense_is_refused_before_it_is_sent() -> None:
+    sender, receiver = run_ranks(_undense_dicts, 2, free_port(), timeout=60)
+    where = "broadcast_tensor_dict on rank 0 (global 0) of group 'tp:0' (global ranks [0, 1])"
+    sparse, nested = (
+        f"tensor_dict['x'] is a {kind} tensor: only dense ones travel"
+        for kind in ("sparse_coo", "nested")
+    )
+    assert sender == [f"{where}: {sparse}", sparse, f"{where}: {nested}", nested]
+    assert receiver == [
+        f"refused: rank 0 (global 0): {where}: {sparse}",
+        f"refused: rank 0 (global 0): {where}: {nested}",
+        "2 [0.0, 1.0, 2.0]",
+        "3 [0.0, 1.0]",
+    ]

@@ -329,6 +329,60 @@ def test_conjugate_and_negative_views_travel_as_their_values() -> None:
     assert run_ranks(_lazy_views, 2, free_port(), timeout=90) == [[], []]
 
 
+def _odd_tensors(rank: int, port: int) -> list[str]:
+    """Tensors that are not plain dense values, on rank 1 only: a sparse or a nested one
+    is refused on every rank at once (rank 0 is told, and does not wait), a tensor that
+    requires grad is summed by its values, an expanded one (elements sharing memory) is
+    sent but not written into; the group goes on after each."""
+    torch.set_num_threads(1)
+    _init(rank, port, 2)
+    seen = []
+    for name, comm in (("shm", _communicator({})), ("gloo", _communicator({ENABLE_ENV: "0"}))):
+        plain = torch.arange(8.0)
+        odd = {
+            "sparse": plain.to_sparse(),
+            "nested": torch.nested.nested_tensor([plain, plain]),
+            "grad": plain.clone().requires_grad_(),
+            "expanded": torch.ones(1).expand(8),
+        }
+        for kind, tensor in odd.items():
+            mine = tensor if rank == 1 else plain
+            for op in ("all_reduce", "all_gather", "broadcast"):
+                try:
+                    got = getattr(comm, op)(*((mine,) if op == "all_reduce" else (mine, 0)))
+                    seen.append(f"{name} {kind} {op}: {got.tolist()}")
+                except (ValueError, CollectiveMismatchError) as exc:
+                    seen.append(f"{name} {kind} {op}: {type(exc).__name__}: {exc}")
+                assert torch.equal(comm.all_reduce(plain), 2 * plain), "the group went on"
+        comm.destroy()
+    dist.destroy_process_group()
+    return seen
+
+
+def test_tensors_that_are_not_dense_values_are_refused_on_every_rank() -> None:
+    ranks = run_ranks(_odd_tensors, 2, free_port(), timeout=90)
+    plain, doubled = list(range(8)), [2.0 * i for i in range(8)]
+    for rank, seen in enumerate(ranks):
+        lines = {line.split(":")[0]: line for line in seen}
+        for name in ("shm", "gloo"):
+            for kind in ("sparse", "nested"):
+                for op in ("all_reduce", "all_gather", "broadcast"):
+                    line = lines[f"{name} {kind} {op}"]
+                    if rank == 1:
+                        assert f"ValueError: {op} on rank 1" in line, line
+                        assert f"input_ is a {kind if kind == 'nested' else 'sparse_coo'}" in line
+                    else:
+                        assert "CollectiveMismatchError" in line and "rank 1" in line, line
+            assert lines[f"{name} grad all_reduce"].endswith(str(doubled)), lines
+            assert lines[f"{name} grad broadcast"].endswith(str([float(i) for i in plain]))
+            assert lines[f"{name} expanded all_reduce"].endswith(str([i + 1.0 for i in plain]))
+            broadcast = lines[f"{name} expanded broadcast"]
+            if rank == 1:
+                assert "input_ cannot be written" in broadcast and "expand()" in broadcast
+            else:
+                assert "CollectiveMismatchError" in broadcast, broadcast
+
+
 # ------------------------------------------------------------ fallback and mismatches
 
 

@@ -465,16 +465,16 @@ class GroupCoordinator:
         if not dist.is_initialized() or self.world_size == 1:
             return tensor_dict
         error = None
-        if self.rank_in_group == src and not isinstance(tensor_dict, dict):
-            error = self._comm._error(
-                "broadcast_tensor_dict",
-                f"expecting a dictionary, got {type(tensor_dict)}",
-                TypeError,
-            )
+        if self.rank_in_group == src:
+            try:  # (every rank hears of a dictionary that cannot be sent)
+                if not isinstance(tensor_dict, dict):
+                    raise TypeError(f"expecting a dictionary, got {type(tensor_dict)}")
+                metadata_list, tensor_list = split_tensor_dict(tensor_dict)
+            except TypeError as exc:
+                error = self._comm._error("broadcast_tensor_dict", str(exc), TypeError)
         self._agree_on_root("broadcast_tensor_dict", "src", src, error)
         if self.rank_in_group == src:
             assert isinstance(tensor_dict, dict)
-            metadata_list, tensor_list = split_tensor_dict(tensor_dict)
             self._broadcast_object(metadata_list, src=src)
             self._tensors.broadcast(tensor_list, src)
             return tensor_dict

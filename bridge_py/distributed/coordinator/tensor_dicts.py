@@ -29,11 +29,18 @@ TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
 def split_tensor_dict(
     tensor_dict: dict[str, Any],
 ) -> tuple[list[tuple[str, Any]], list[torch.Tensor]]:
-    """Split a tensor dictionary into (key, value-or-TensorMetadata) pairs and its tensors."""
+    """Split a tensor dictionary into (key, value-or-TensorMetadata) pairs and its tensors.
+
+    Raises TypeError for a tensor that is not dense (sparse, nested), before anything is
+    sent: it has no one block of memory to send.
+    """
     metadata_list: list[tuple[str, Any]] = []
     tensor_list: list[torch.Tensor] = []
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
+            if value.is_nested or value.layout != torch.strided:
+                kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+                raise TypeError(f"tensor_dict[{key!r}] is a {kind} tensor: only dense ones travel")
             # Only the device type: the receiver places the tensor on its own device index.
             metadata_list.append(
                 (key, TensorMetadata(value.device.type, value.dtype, value.size()))

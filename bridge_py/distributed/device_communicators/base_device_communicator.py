@@ -190,18 +190,19 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         names: tuple[str, ...] = (),
         reduce: bool = False,
         name: str = "input_",
+        written: bool = False,
     ) -> tuple[int, ...]:
         """Validate this rank's arguments, then agree on them with the other ranks.
 
-        ``tensor`` (the parameter ``name``) is checked first (a tensor of this device,
-        summable with ``reduce``);
+        ``tensor`` (the parameter ``name``) is checked first (a dense tensor of this
+        device, summable with ``reduce``, writable with ``written``);
         then ``check`` returns the parameters (named by ``names``) that every rank must
         pass alike, raising TypeError/ValueError for bad ones. Every rank raises unless all
         ranks passed valid, matching arguments; returns the parameters.
         """
 
         def validate() -> tuple[int, ...]:
-            self._check_tensor(op, tensor, reduce, name=name)
+            self._check_tensor(op, tensor, reduce, name=name, written=written)
             return () if check is None else check()
 
         params, error = self._validated(validate)
@@ -217,7 +218,7 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         names: tuple[str, ...] = (),
         shape: tuple[int, ...] | None = None,
     ) -> Signature:
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.is_nested:  # (no one shape)
             return Signature(op, None, None, params, names)
         return Signature(op, tensor.dtype, shape or tuple(tensor.shape), params, names)
 
@@ -439,6 +440,7 @@ class DeviceCommunicatorBase(CommunicatorChecks):
             input_,
             lambda: (self._check_peer("broadcast", "src", src, True),),
             ("src",),
+            written=True,
         )
         if input_.numel() == 0:
             return input_

@@ -58,10 +58,13 @@ class CommunicatorChecks:
         name: str = "input_",
         like: torch.Tensor | None = None,
         strict: bool = False,
+        written: bool = False,
     ) -> None:
-        """``tensor`` (the parameter ``name``) is a tensor of this communicator's device
-        type; summable with ``reduce``, of ``like``'s dtype when given, and with ``strict``
-        contiguous, on this very device and not a conjugate or negative view."""
+        """``tensor`` (the parameter ``name``) is a dense tensor of this communicator's
+        device type; summable with ``reduce``, of ``like``'s dtype when given, with
+        ``written`` (the collective writes into it) without elements that share memory, and
+        with ``strict`` contiguous, on this very device and not a conjugate or negative
+        view."""
         if not isinstance(tensor, torch.Tensor):
             kind = type(tensor).__name__
             raise self._error(op, f"{name}: expected a torch.Tensor, got {kind}", TypeError)
@@ -69,6 +72,17 @@ class CommunicatorChecks:
             serves = self.device if strict else self.device.type
             raise self._error(
                 op, f"{name} is on {tensor.device} but this communicator serves {serves} tensors"
+            )
+        if tensor.is_nested or tensor.layout != torch.strided:
+            kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+            raise self._error(op, f"{name} is a {kind} tensor: collectives take dense tensors")
+        if written and any(
+            s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape, strict=True)
+        ):
+            raise self._error(
+                op,
+                f"{name} cannot be written: elements of it share memory (a stride of 0, as "
+                "after expand()); pass a tensor of its own",
             )
         if strict and not tensor.is_contiguous():
             raise self._error(op, f"{name} must be contiguous (shape {tuple(tensor.shape)})")

@@ -101,7 +101,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         op = "broadcast"
 
         def check() -> tuple[int]:
-            self._check_tensor(op, input_)
+            self._check_tensor(op, input_, written=True)
             return (self._check_peer(op, "src", src, True),)
 
         params, error = self._validated(check)

@@ -65,9 +65,10 @@ def reducible(dtype: torch.dtype, backend: str) -> bool:
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a copy of its values where it is a conjugate or negative view
-    (``z.conj()``, ``z.conj().imag``), whose memory does not hold its values."""
-    return tensor.resolve_conj().resolve_neg()
+    """``tensor`` out of autograd's sight (as c10d's collectives see it), or a copy of its
+    values where it is a conjugate or negative view (``z.conj()``, ``z.conj().imag``),
+    whose memory does not hold its values."""
+    return tensor.detach().resolve_conj().resolve_neg()
 
 
 def for_transport(tensor: torch.Tensor, backend: str) -> tuple[torch.Tensor, Restore]:
