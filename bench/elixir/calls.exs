@@ -126,6 +126,7 @@ defmodule Bench.Calls do
           {:method_args, fn n -> method_args_batch(group, n) end},
           {:method_kwargs, fn n -> method_args_batch(group, n, timeout: 5.0) end},
           {:function, fn n -> function_batch(n) end},
+          {:refs, fn n -> refs_batch(counters.ours, n) end},
           {:ping, fn n -> ping_batch(n) end},
           {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
           {:spin_echo, fn n -> echo_batch(spin_echo, ctx.frame, n) end},
@@ -182,6 +183,13 @@ defmodule Bench.Calls do
         p50.echo,
         echo_name,
         at_most: 2
+      ),
+      Bench.time_row(
+        @bench,
+        "echo(counter) (a function taking and returning a ref), p50",
+        p50.refs,
+        p50.echo,
+        echo_name
       ),
       Bench.time_row(@bench, "#{what}, p50", p50.ours, p50.grpc, "gRPC unary (bridge_py.client)",
         faster_by: 10
@@ -268,6 +276,22 @@ defmodule Bench.Calls do
     for _ <- 1..n do
       {us, result} = Bench.tc(fn -> Vllm.Distributed.model_parallel_is_initialized(rt) end)
       Bench.check!(result == {:ok, false}, "model_parallel_is_initialized: #{inspect(result)}")
+      us
+    end
+  end
+
+  # The sample's echo gives back the object it is given: the worker holds it already,
+  # so the ref that comes back names it again (nothing new is held).
+  defp refs_batch(counter, n) do
+    for _ <- 1..n do
+      {us, result} =
+        Bench.tc(fn -> Runtime.call_function("echo", [counter], __runtime__: [pool: @pool]) end)
+
+      Bench.check!(
+        match?({:ok, %{id: id}} when id == counter.id, result),
+        "echo: #{inspect(result)}"
+      )
+
       us
     end
   end

@@ -56,6 +56,15 @@ defmodule Bench.PerCall do
        fn _ -> Runtime.ping(nil, __runtime__: [pool: @pool]) == {:ok, nil} end},
       {"Runtime.call_method(counter, \"incr\", [])", worker,
        fn _ -> match?({:ok, _}, Runtime.call_method(counter, "incr", [])) end},
+      {"Runtime.call_function(\"echo\", [counter]) (a ref in and out)", worker,
+       fn _ ->
+         match?(
+           {:ok, %{id: id}} when id == counter.id,
+           Runtime.call_function("echo", [counter], __runtime__: [pool: @pool])
+         )
+       end},
+      {"Runtime.call_function(\"echo\", [1])", worker,
+       fn _ -> Runtime.call_function("echo", [1], __runtime__: [pool: @pool]) == {:ok, 1} end},
       {"StatelessProcessGroup.rank(group) (getter)", dist_worker,
        fn _ -> StatelessProcessGroup.rank(group) == {:ok, 0} end},
       {"StatelessProcessGroup.broadcast_obj(group, i, 0) (method, args)", dist_worker,
