@@ -49,6 +49,9 @@ class HandleRegistry:
 
         An object this session already holds keeps its handle.
         """
+        known = self._by_object.get((session, id(obj)))  # (one dict read: no lock)
+        if known is not None:
+            return known
         with self._lock:
             known = self._by_object.get((session, id(obj)))
             if known is not None:
