@@ -58,10 +58,23 @@ _DTYPES = {
 }
 
 
-def checked(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, if it is one: TypeError before anything is sent or received otherwise."""
+def checked(tensor: torch.Tensor, *, into: bool = False) -> torch.Tensor:
+    """``tensor``, if it is a dense tensor with elements to send (``into``: a tensor to
+    receive into, whose elements do not share memory): TypeError before anything is sent
+    or received otherwise."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    use = "received into" if into else "sent"
+    if tensor.is_nested or tensor.layout != torch.strided:
+        kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise TypeError(f"a {kind} tensor cannot be {use}: only dense tensors travel")
+    if not into and tensor.is_meta:
+        raise TypeError("a meta tensor cannot be sent: it has no elements")
+    if into and any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise TypeError(
+            f"a tensor whose elements share memory (a stride of 0, as after expand()) cannot "
+            f"be {use}: pass a tensor of its own"
+        )
     return tensor
 
 

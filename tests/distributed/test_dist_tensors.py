@@ -452,3 +452,48 @@ def test_tensors_on_a_gpu_go_through_the_cpu(pair) -> None:
     result = rank0.all_reduce(sent)
     other.join()
     assert result.device == sent.device and torch.equal(result, sent + 1)
+
+
+def _not_dense(rank: int, port: int) -> list[str]:
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=30)
+    refused = []
+
+    def refuse(call) -> None:
+        try:
+            call()
+        except TypeError as exc:
+            refused.append(str(exc))
+        else:
+            raise AssertionError("expected a TypeError")
+
+    if rank == 0:
+        refuse(lambda: group.send(torch.arange(3.0).to_sparse(), dst=1))
+        refuse(lambda: group.send(torch.empty(3, device="meta"), dst=1))
+        group.send(torch.ones(3), dst=1)
+        group.broadcast(torch.full((2,), 7.0), src=0)
+        got = []
+    else:
+        refuse(lambda: group.recv(torch.zeros(3).to_sparse(), src=0))
+        refuse(lambda: group.recv(torch.zeros(1).expand(3), src=0))
+        refuse(lambda: group.broadcast(torch.nested.nested_tensor([torch.zeros(2)]), src=0))
+        # nothing was sent by the refused sends, nothing consumed by the refused receives
+        got = [group.recv(torch.empty(3), src=0, timeout=30).tolist()]
+        got.append(group.broadcast(torch.empty(2), src=0, timeout=30).tolist())
+    group.barrier(timeout=30)
+    return refused + [str(g) for g in got]
+
+
+def test_tensors_that_are_not_dense_are_refused_before_anything_moves() -> None:
+    sender, receiver = run_ranks(_not_dense, 2, free_port(), timeout=60)
+    assert sender == [
+        "a sparse_coo tensor cannot be sent: only dense tensors travel",
+        "a meta tensor cannot be sent: it has no elements",
+    ]
+    assert receiver == [
+        "a sparse_coo tensor cannot be received into: only dense tensors travel",
+        "a tensor whose elements share memory (a stride of 0, as after expand()) cannot be "
+        "received into: pass a tensor of its own",
+        "a nested tensor cannot be received into: only dense tensors travel",
+        "[1.0, 1.0, 1.0]",
+        "[7.0, 7.0]",
+    ]

@@ -355,7 +355,7 @@ class StatelessProcessGroup:
         if self.rank == src:
             self.broadcast_obj(tensors.Encoded(tensor), src)
             return tensor
-        like = tensor_codec.checked(tensor)  # before anything is received
+        like = tensor_codec.checked(tensor, into=True)  # before anything is received
         return tensors.fill(tensor, self._broadcast_recv(src, timeout, like))
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -377,7 +377,7 @@ class StatelessProcessGroup:
         consumed either way, so the next call receives the next one. Waits and raises
         as ``recv_obj`` does (its errors name that operation).
         """
-        like = tensor_codec.checked(tensor)  # before anything is received
+        like = tensor_codec.checked(tensor, into=True)  # before anything is received
         return tensors.fill(tensor, self._recv(src, timeout, like))
 
     def all_reduce(
