@@ -224,7 +224,7 @@ def test_expire_data_deletes_old_keys() -> None:
         before = result["before"]
         if rank == 1:
             # Rank 0 leaves a barrier last, once every rank's deferred deletes are done; rank 1
-            # may look before rank 0's own are (create's node cards, when rank 0 read them last).
+            # may look before rank 0's own are (create's node cards, which rank 0 deletes).
             before = [key for key in before if not key.startswith("node/")]
         assert before == join_keys + unreceived
         assert result["after"] == join_keys

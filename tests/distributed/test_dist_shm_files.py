@@ -10,12 +10,16 @@ node and the board to open) is refused before the group acts on it.
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
@@ -222,10 +226,17 @@ def _forged_card(board: spg_board.Board) -> bytes:
     return spg_shm.node_identity() + b"\n" + board.name.encode()
 
 
+def _play_rank1(group: StatelessProcessGroup, card: bytes) -> None:
+    """Store ``card`` as rank 1's node card and say that rank 1 has read the cards, as
+    rank 1's create would (rank 0 waits for that before it returns)."""
+    group.store.set("node/1", card)
+    group.store.set("node/read/1", b"1")
+
+
 def test_a_forged_node_card_is_refused(keyed_rank0) -> None:
     foreign = spg_board.Board(1, 2)  # a real board: the card would be believed and opened
     try:
-        keyed_rank0.store.set("node/1", _forged_card(foreign))
+        _play_rank1(keyed_rank0, _forged_card(foreign))
         with pytest.raises(AuthenticationError) as info:
             keyed_rank0._choose_transport()
         assert "the node card 'node/1' of rank 1" in str(info.value)
@@ -237,7 +248,7 @@ def test_a_forged_node_card_is_refused(keyed_rank0) -> None:
 def test_sealed_node_cards_are_believed(keyed_rank0) -> None:
     peer = spg_board.Board(1, 2)
     try:
-        keyed_rank0.store.set("node/1", auth.sign(KEY, "spg/node/1", _forged_card(peer)))
+        _play_rank1(keyed_rank0, auth.sign(KEY, "spg/node/1", _forged_card(peer)))
         keyed_rank0._choose_transport()
         assert transport_of(keyed_rank0) == "shm"  # both boards open, values sealed on them
     finally:
@@ -260,7 +271,7 @@ def test_a_group_refuses_a_board_others_may_write(plain_rank0) -> None:
     path = SHM / peer.name
     path.chmod(0o666)
     try:
-        plain_rank0.store.set("node/1", _forged_card(peer))
+        _play_rank1(plain_rank0, _forged_card(peer))
         with pytest.raises(spg_board.BoardError) as info:
             plain_rank0._choose_transport()
         message = str(info.value)
@@ -356,3 +367,26 @@ def test_an_all_reduce_segment_of_another_layout_is_unusable() -> None:
     finally:
         shm.close()
         posix.unlink(shm)
+
+
+def test_rank_0_leaves_create_only_once_every_rank_has_read_the_node_cards(
+    plain_rank0,
+) -> None:
+    # Rank 0 serves the store: had it returned while rank 1 was still reading the cards,
+    # and exited (a short program), rank 1's create would have lost the store.
+    # rank 1's own connection to the store, on another machine
+    rank1 = TCPStore("127.0.0.1", plain_rank0.store.port, is_master=False,
+                     timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    rank1.set("node/1", spg_shm.NOT_LOCAL)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (plain_rank0._choose_transport(), done.set()))
+    worker.start()
+    try:
+        time.sleep(0.5)
+        assert not done.is_set(), "rank 0 left before rank 1 said it had read the cards"
+        rank1.set("node/read/1", b"1")
+        assert done.wait(10), "rank 0 did not leave once rank 1 had read the cards"
+    finally:
+        rank1.set("node/read/1", b"1")
+        worker.join(15)
+    assert transport_of(plain_rank0) == "store"

@@ -51,7 +51,6 @@ from bridge_py.distributed.spg.board import Board, BoardError
 from bridge_py.distributed.spg.shm_transport import ShmTransport, queue_flusher
 from bridge_py.distributed.spg.store_transport import StoreTransport
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
-from bridge_py.distributed.store.requests import StoreRequest
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -186,14 +185,16 @@ class StatelessProcessGroup:
             for key, data, src in zip(wanted, got, others, strict=True)
         ]
         cards.insert(self.rank, card)
-        # The last rank to have read every card deletes them: the store keeps nothing of it.
-        with StoreRequest(op, self.rank, "node/read", "counting in"):
-            read = self.store.add("node/read", 1)
-        if read == self.world_size:
-            self._store_transport.discard(
-                [f"node/{r}" for r in range(self.world_size)] + ["node/read"]
-            )
-            self._store_transport.flush()
+        # Rank 0 serves the store: it returns only once every rank has read the cards (a
+        # rank still reading would lose the store if rank 0 exited right after create),
+        # and then deletes them: the store keeps nothing of it.
+        if self.rank != 0:
+            self._store_transport.put(op, f"node/read/{self.rank}", b"1")
+            return cards
+        read = [f"node/read/{r}" for r in others]
+        self._store_transport.gather(read, others, op)
+        self._store_transport.discard(wanted + read + [name])
+        self._store_transport.flush()
         return cards
 
     # --- point to point -----------------------------------------------------------------
