@@ -457,7 +457,8 @@ class StatelessProcessGroup:
         ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds saying how many
         ranks joined, that the port is in use, or which address could not be reached. When
         all ranks run on one machine, the group then passes objects through shared memory
-        instead of the store.
+        instead of the store. Rank 0 returns last, once every rank is done with the store
+        in ``create``, so that it may exit at once without failing another rank's ``create``.
 
         ``auth_key`` (bytes, or a str taken as UTF-8; None: ``$VLLM_BRIDGE_AUTH_KEY``, if
         set) authenticates every value the group stores: all ranks must give the same key.
