@@ -25,7 +25,18 @@ import torch
 
 from bridge_py.distributed.errors import CollectiveMismatchError
 
-__all__ = ["MAGIC", "checked", "decode", "encode", "is_tensor", "on_cpu", "parts"]
+__all__ = [
+    "MAGIC",
+    "checked",
+    "decode",
+    "encode",
+    "is_tensor",
+    "non_dense",
+    "on_cpu",
+    "overlapping",
+    "parts",
+    "plain",
+]
 
 MAGIC = b"\x00VBT1"
 # The dtypes a payload may name (any other name is refused before torch sees it).
@@ -58,6 +69,27 @@ _DTYPES = {
 }
 
 
+def non_dense(tensor: torch.Tensor) -> str | None:
+    """What kind of tensor ``tensor`` is when it is not dense ("sparse_coo", "nested"...),
+    which no collective moves; None for a dense one."""
+    if tensor.is_nested:
+        return "nested"
+    return None if tensor.layout == torch.strided else str(tensor.layout).removeprefix("torch.")
+
+
+def overlapping(tensor: torch.Tensor) -> bool:
+    """Whether elements of the dense ``tensor`` share memory (a stride of 0 over more than
+    one element, as after ``expand()``), so that it cannot be written element by element."""
+    return any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape, strict=True))
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` out of autograd's sight (as c10d's collectives see it), or a copy of its
+    values where it is a conjugate or negative view (``z.conj()``, ``z.conj().imag``),
+    whose memory does not hold its values."""
+    return tensor.detach().resolve_conj().resolve_neg()
+
+
 def checked(tensor: torch.Tensor, *, into: bool = False) -> torch.Tensor:
     """``tensor``, if it is a dense tensor with elements to send (``into``: a tensor to
     receive into, whose elements do not share memory): TypeError before anything is sent
@@ -65,12 +97,12 @@ def checked(tensor: torch.Tensor, *, into: bool = False) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     use = "received into" if into else "sent"
-    if tensor.is_nested or tensor.layout != torch.strided:
-        kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+    kind = non_dense(tensor)
+    if kind is not None:
         raise TypeError(f"a {kind} tensor cannot be {use}: only dense tensors travel")
     if not into and tensor.is_meta:
         raise TypeError("a meta tensor cannot be sent: it has no elements")
-    if into and any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape, strict=True)):
+    if into and overlapping(tensor):
         raise TypeError(
             f"a tensor whose elements share memory (a stride of 0, as after expand()) cannot "
             f"be {use}: pass a tensor of its own"
@@ -80,7 +112,7 @@ def checked(tensor: torch.Tensor, *, into: bool = False) -> torch.Tensor:
 
 def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values as a contiguous CPU tensor (``tensor`` itself when it is one)."""
-    return checked(tensor).detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    return plain(checked(tensor)).to("cpu").contiguous()
 
 
 def parts(tensor: torch.Tensor) -> tuple[bytes, Any]:

@@ -165,7 +165,11 @@ def _tensor_header(ndim: int) -> struct.Struct:
 
 def encode_tensor(tensor: torch.Tensor) -> bytes:
     """The ext-1 payload of a tensor: header, then its elements little-endian, row-major."""
-    header, data = tensor_pieces(tensor)
+    return _joined(*tensor_pieces(tensor))
+
+
+def _joined(header: bytes, data: memoryview | None) -> bytes:
+    """The payload that :func:`tensor_pieces` gave in pieces, in one."""
     return header if data is None else b"".join((header, data))
 
 
@@ -304,8 +308,7 @@ class Codec:
             return self.encode(value)  # (the type test first: isinstance on Tensor is slow)
         header, data = tensor_pieces(value)
         if data is None or len(header) + len(data) < _PIECES_FROM:  # small: in one piece
-            payload = header if data is None else header + data
-            return self.encode(msgpack.ExtType(EXT_TENSOR, payload))
+            return self.encode(msgpack.ExtType(EXT_TENSOR, _joined(header, data)))
         return [struct.pack(">BIb", 0xC9, len(header) + len(data), EXT_TENSOR) + header, data]
 
     def _packer(self) -> msgpack.Packer:

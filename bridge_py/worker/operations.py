@@ -68,22 +68,10 @@ class Operations:
         }
         # ... and every operation, run: those with plans make their call and make it.
         self._ops: dict[type, Callable[[Any, str, Codec], Any]] = {
-            pb.CallMethod: lambda op, session, codec: self._method_call(op, session, codec)(
-                op.args, op.kwargs
-            ),
-            pb.CreateInstance: lambda op, session, codec: self._construction(op, session, codec)(
-                op.args, op.kwargs
-            ),
-            pb.CallFunction: lambda op, session, codec: self._function_call(op, session, codec)(
-                op.args, op.kwargs
-            ),
-            pb.GetAttribute: lambda op, session, codec: self._attribute_read(op, session, codec)(
-                b"", b""
-            ),
+            **{kind: _made_and_run(make) for kind, make in self._calls.items()},
             pb.ReleaseHandles: self._release,
             pb.ReleaseSession: self._release_session,
             pb.Describe: self._describe,
-            pb.Ping: lambda op, session, codec: self._ping(op, session, codec)(op.payload, b""),
         }
 
     def codec(self, session: str) -> Codec:
@@ -180,6 +168,18 @@ class Operations:
 
 EXPECTED = (Failure, HandleNotFound, NotExported)
 """What an operation raises when it fails in a way its caller is told about."""
+
+
+def _made_and_run(make: Callable[[Any, str, Codec], Run]) -> Callable[[Any, str, Codec], Any]:
+    """The full way of an operation with a plan: make its call (``make``) and make it with
+    the operation's own argument bytes, as a plan is run with the request's."""
+
+    def run(op: Any, session: str, codec: Codec) -> Any:
+        if type(op) is pb.Ping:
+            return make(op, session, codec)(op.payload, b"")
+        return make(op, session, codec)(getattr(op, "args", b""), getattr(op, "kwargs", b""))
+
+    return run
 
 
 def as_failure(exc: Failure | HandleNotFound | NotExported) -> Failure:

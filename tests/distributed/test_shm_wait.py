@@ -71,7 +71,7 @@ def test_a_long_nap_ends_at_the_deadline() -> None:
     assert naps and max(naps) <= 0.05  # not DOORBELL's nap of a second
 
 
-def test_the_liveness_check_first_runs_once_its_period_has_passed() -> None:
+def test_the_liveness_check_does_not_run_before_its_period() -> None:
     # Sleeping from the first miss (no spin): the check still waits for its period.
     looks = iter(range(30))
     calls: list[int] = []

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
 from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.tensor_codec import non_dense
 
 __all__ = ["TensorMetadata", "TensorWire", "own_slice", "split_tensor_dict", "use_all_gather"]
 
@@ -38,8 +39,8 @@ def split_tensor_dict(
     tensor_list: list[torch.Tensor] = []
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
-            if value.is_nested or value.layout != torch.strided:
-                kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+            kind = non_dense(value)
+            if kind is not None:
                 raise TypeError(f"tensor_dict[{key!r}] is a {kind} tensor: only dense ones travel")
             # Only the device type: the receiver places the tensor on its own device index.
             metadata_list.append(

@@ -29,6 +29,7 @@ from bridge_py.distributed.device_communicators.agreement import (
 )
 from bridge_py.distributed.device_communicators.wire_dtypes import reducible
 from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.tensor_codec import non_dense, overlapping
 
 __all__ = ["CommunicatorChecks"]
 
@@ -73,12 +74,10 @@ class CommunicatorChecks:
             raise self._error(
                 op, f"{name} is on {tensor.device} but this communicator serves {serves} tensors"
             )
-        if tensor.is_nested or tensor.layout != torch.strided:
-            kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
-            raise self._error(op, f"{name} is a {kind} tensor: collectives take dense tensors")
-        if written and any(
-            s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape, strict=True)
-        ):
+        layout = non_dense(tensor)
+        if layout is not None:
+            raise self._error(op, f"{name} is a {layout} tensor: collectives take dense tensors")
+        if written and overlapping(tensor):
             raise self._error(
                 op,
                 f"{name} cannot be written: elements of it share memory (a stride of 0, as "

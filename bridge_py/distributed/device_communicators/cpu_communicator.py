@@ -27,7 +27,8 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     DeviceCommunicatorBase,
 )
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
-from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, plain
+from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
+from bridge_py.distributed.tensor_codec import plain
 
 __all__ = ["CpuCommunicator"]
 

@@ -30,14 +30,12 @@ THREADS_ENV = "VLLM_BRIDGE_CPU_SHM_THREADS"
 PARALLEL_BYTES = 1 << 20  # ops at least this long may run on torch's intra-op threads
 _PIECE = 32768  # torch's grain size: an op this long stays on the calling thread
 _THREADS = os.environ.get(THREADS_ENV, "").strip()
-# numpy's view of a tensor's elements, as integers of their size (numpy has no bfloat16,
-# and a copy moves bytes, whatever they mean); complex128 is viewed as it is.
-_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class Elementwise:
-    """Copies and rank-ordered sums of 1-D CPU tensors for a rank that may run on ``cpus``
-    CPUs, some of which ``sharing`` ranks of its group (itself included) may run on."""
+    """Copies and rank-ordered sums of contiguous 1-D CPU tensors for a rank that may run
+    on ``cpus`` CPUs, some of which ``sharing`` ranks of its group (itself included) may
+    run on."""
 
     def __init__(self, cpus: int, sharing: int) -> None:
         self.cpus = cpus
@@ -61,7 +59,7 @@ class Elementwise:
         if self.piece(dst) >= dst.numel():
             dst.copy_(src)
         else:  # (torch's copy in single-thread pieces took twice as long)
-            numpy.copyto(_elements(dst), _elements(src))
+            numpy.copyto(_bytes(dst), _bytes(src))
 
     def ordered_sum(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         """``out = ((parts[0] + parts[1]) + parts[2]) + ...``, each partial sum rounded to
@@ -78,8 +76,7 @@ class Elementwise:
                 piece.add_(part[a:b])
 
 
-def _elements(tensor: torch.Tensor) -> Any:
-    """The elements of a CPU tensor as a numpy array over the same memory."""
-    tensor = tensor.detach()
-    kind = _SAME_SIZE.get(tensor.element_size())
-    return (tensor if kind is None else tensor.view(kind)).numpy()
+def _bytes(tensor: torch.Tensor) -> Any:
+    """The memory of a contiguous 1-D CPU tensor as a numpy array of bytes (numpy has no
+    bfloat16; a copy moves bytes, whatever they mean)."""
+    return tensor.detach().view(torch.uint8).numpy()

@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["for_reduction", "for_transport", "plain", "reducible", "supported_reduction"]
+from bridge_py.distributed.tensor_codec import plain
+
+__all__ = ["for_reduction", "for_transport", "reducible", "supported_reduction"]
 
 Restore = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,18 +66,12 @@ def reducible(dtype: torch.dtype, backend: str) -> bool:
     return dtype in _native(backend) or dtype in _WIDER or dtype.is_complex
 
 
-def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` out of autograd's sight (as c10d's collectives see it), or a copy of its
-    values where it is a conjugate or negative view (``z.conj()``, ``z.conj().imag``),
-    whose memory does not hold its values."""
-    return tensor.detach().resolve_conj().resolve_neg()
-
-
 def for_transport(tensor: torch.Tensor, backend: str) -> tuple[torch.Tensor, Restore]:
     """A flat, contiguous tensor the backend can move, and how to read moved data back.
 
     The wire tensor is ``tensor`` flattened, or its raw bytes (``uint8``) for a dtype the
-    backend cannot move; a copy where ``tensor`` is not contiguous or not :func:`plain`.
+    backend cannot move; a copy where ``tensor`` is not contiguous or not
+    ``tensor_codec.plain``.
     ``restore`` takes a flat wire tensor holding any number of such payloads and returns
     them as a flat tensor of ``tensor``'s dtype; the caller reshapes.
     """
