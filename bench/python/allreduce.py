@@ -52,7 +52,7 @@ def _rank(rank: int, ws: int, port: int, rounds: int, reps: dict, threads: int) 
     for label, n in SIZES.items():  # wrong results fail the benchmark
         x = torch.arange(n, dtype=torch.float32) % 97 + rank
         expected = sum(torch.arange(n, dtype=torch.float32) % 97 + r for r in range(ws))
-        if not torch.equal(g.all_reduce(x), expected):
+        if not torch.equal(g.all_reduce(x.clone()), expected):  # (summed into its input)
             raise AssertionError(f"rank {rank}: GroupCoordinator.all_reduce {label} is wrong")
         y = x.clone()
         dist.all_reduce(y)

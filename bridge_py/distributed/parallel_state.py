@@ -15,7 +15,6 @@ Differences from vLLM (no config system, no custom ops, no torch.compile registr
 * a group without a device communicator (the world group, or ``use_device_communicator=
   False``) still runs every collective, through a plain torch.distributed communicator,
   where vLLM raises "No device communicator found";
-* ``all_reduce`` never modifies its input;
 * bad arguments raise clear errors on every rank before data moves (see
   ``device_communicators.agreement``);
 * :func:`initialize_model_parallel` takes ``data_parallel_size`` as an argument (vLLM reads

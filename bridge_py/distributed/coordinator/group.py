@@ -264,10 +264,12 @@ class GroupCoordinator:
         User-facing all-reduce function before we actually call the
         all-reduce operation.
 
-        Returns the sum of every rank's ``input_`` as a new tensor and leaves ``input_``
-        unchanged (vLLM's is out of place on CUDA and sums into ``input_`` on CPU: use
-        the result either way); in a group of one it returns ``input_`` itself, as vLLM's
-        does. ``bool`` tensors sum to the logical OR.
+        Returns the sum of every rank's ``input_``. As vLLM's, it may be summed into
+        ``input_``: always use the result, and assume ``input_`` changed. On CPU a
+        contiguous ``input_`` whose dtype is summed as it is gets the sum and is returned
+        (as vLLM's CPU communicator does); any other, and any on CUDA, gets a new tensor.
+        In a group of one it returns ``input_`` itself. ``bool`` tensors sum to the
+        logical OR.
 
         Raises:
             TypeError: ``input_`` is not a tensor, or its dtype cannot be summed.
@@ -278,14 +280,15 @@ class GroupCoordinator:
         """
         # vLLM's is out of place on CUDA because it runs as a torch custom op, which may not
         # both mutate and return (Dynamo cannot pass ``self`` to a custom op, hence vLLM's
-        # lookup by group name); its CPU communicator sums in place. There is no custom op
-        # here; the result is new on every device, so ``input_`` can be used again.
+        # lookup by group name); its CPU communicator sums in place, and so does ours: a
+        # new result would land on fresh pages whenever malloc maps it anew.
         if self.world_size == 1:
             return input_
         return self._all_reduce_out_place(input_)
 
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
-        """The sum of ``input_`` over the group, as a new tensor."""
+        """The sum of ``input_`` over the group, by the device communicator (on CPU, into
+        ``input_`` where it can hold it)."""
         return self._comm.all_reduce(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -7,7 +7,6 @@ differences, all in the caller's favour:
   (uneven sizes, any dim) are implemented instead of raising NotImplementedError, and
   dtypes the backend lacks (``int16`` on gloo, ``bool`` sums) are adapted
   (see ``wire_dtypes``);
-* ``all_reduce`` is out of place: the input is never modified;
 * arguments are validated, and with checks on (the default on CPU, see ``agreement``) all
   ranks agree on them before any data moves, so bad input raises a clear error on every
   rank instead of aborting the process or hanging, and the group keeps working;
@@ -236,19 +235,22 @@ class DeviceCommunicatorBase(CommunicatorChecks):
     # --------------------------------------------------------------------- collectives
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        """Sum ``input_`` over the group; returns a new tensor (the input is not modified).
+        """Sum ``input_`` over the group, into ``input_`` where it can hold the sum.
 
+        As vLLM's: a contiguous ``input_`` whose dtype the backend sums as it is gets the
+        sum and is returned; any other (``bool``, a dtype widened for the backend, a
+        non-contiguous view) gets a new tensor and is left unchanged. Use the result.
         ``bool`` tensors come back as the logical OR over the ranks.
         """
         self._agree("all_reduce", input_, reduce=True)
         if input_.numel() == 0:
             return input_.clone()
         wire, restore = for_reduction(input_, self.backend)
-        if wire.data_ptr() == input_.data_ptr():
-            wire = wire.clone()
         self._finish(
             self.dist_module.all_reduce(wire, group=self.device_group, async_op=True), "all_reduce"
         )
+        if wire.data_ptr() == input_.data_ptr():
+            return input_  # summed into it, as vLLM's
         return restore(wire).reshape(input_.shape)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

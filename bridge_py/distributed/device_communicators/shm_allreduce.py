@@ -546,9 +546,10 @@ class ShmCollectives:
         direct = DIRECT_BYTES // input_.element_size()
         # In a reduce-scatter step this rank sums its own slice with its own input read
         # where it is, so that slice is not copied into the segment (nobody else reads it):
-        # a fifth less memory traffic at 2 ranks. Not when ``out`` is ``input_``: the sum
-        # would overwrite its own addend.
-        own_input = out.data_ptr() != input_.data_ptr()
+        # a fifth less memory traffic at 2 ranks. When ``out`` is ``input_``, only where this
+        # rank's addend is one of the first two: the sum's first step reads both before it
+        # writes, elementwise; a later step would add an addend already overwritten.
+        own_input = out.data_ptr() != input_.data_ptr() or rank < 2
 
         def fill(half: torch.Tensor, start: int, k: int) -> None:
             mine, source = half[rank, :k], input_[start : start + k]

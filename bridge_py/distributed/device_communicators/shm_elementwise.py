@@ -63,7 +63,7 @@ class Elementwise:
 
     def ordered_sum(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         """``out = ((parts[0] + parts[1]) + parts[2]) + ...``, each partial sum rounded to
-        out's dtype."""
+        out's dtype; ``out`` may be ``parts[0]`` or ``parts[1]`` (not a later part)."""
         if len(parts) == 1:
             self.copy(out, parts[0])
             return

@@ -92,12 +92,18 @@ def for_reduction(tensor: torch.Tensor, backend: str) -> tuple[torch.Tensor, Res
     if dtype in _native(backend) and dtype != torch.bool:
         return tensor.contiguous(), lambda wire: wire
     if dtype == torch.bool:
-        return tensor.to(torch.int32), lambda wire: wire != 0
+        return _contiguous(tensor, torch.int32), lambda wire: wire != 0
     if dtype in _WIDER:
         wide = _WIDER[dtype]
         if wide.itemsize == dtype.itemsize:
             return tensor.contiguous().view(wide), lambda wire: wire.view(dtype)
-        return tensor.to(wide), lambda wire: wire.to(dtype)
+        return _contiguous(tensor, wide), lambda wire: wire.to(dtype)
     if dtype.is_complex:
         return torch.view_as_real(tensor.contiguous()), torch.view_as_complex
     raise TypeError(f"dtype {dtype} cannot be summed across ranks")
+
+
+def _contiguous(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` converted to ``dtype``, contiguous (``to`` keeps a view's strides, and
+    the wire is read and written flat)."""
+    return tensor.to(dtype, memory_format=torch.contiguous_format)

@@ -57,8 +57,11 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   end
 
   @doc ~S"""
-  Sum `input_` over the group; returns a new tensor (the input is not modified).
+  Sum `input_` over the group, into `input_` where it can hold the sum.
 
+  As vLLM's: a contiguous `input_` whose dtype the backend sums as it is gets the
+  sum and is returned; any other (`bool`, a dtype widened for the backend, a
+  non-contiguous view) gets a new tensor and is left unchanged. Use the result.
   `bool` tensors come back as the logical OR over the ranks.
 
   ## Parameters

@@ -34,7 +34,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  The sum of `input_` over the group, as a new tensor.
+  The sum of `input_` over the group, by the device communicator (on CPU, into
+  `input_` where it can hold it).
 
   ## Parameters
 
@@ -119,10 +120,12 @@ defmodule Vllm.Distributed.GroupCoordinator do
   User-facing all-reduce function before we actually call the
   all-reduce operation.
 
-  Returns the sum of every rank's `input_` as a new tensor and leaves `input_`
-  unchanged (vLLM's is out of place on CUDA and sums into `input_` on CPU: use
-  the result either way); in a group of one it returns `input_` itself, as vLLM's
-  does. `bool` tensors sum to the logical OR.
+  Returns the sum of every rank's `input_`. As vLLM's, it may be summed into
+  `input_`: always use the result, and assume `input_` changed. On CPU a
+  contiguous `input_` whose dtype is summed as it is gets the sum and is returned
+  (as vLLM's CPU communicator does); any other, and any on CUDA, gets a new tensor.
+  In a group of one it returns `input_` itself. `bool` tensors sum to the
+  logical OR.
 
   ## Parameters
 
