@@ -110,6 +110,7 @@ def _cuda(rank: int, port: int) -> str:
     assert isinstance(g.device_communicator, CudaCommunicator)
     x = torch.full((4,), float(rank + 1), device=g.device)
     assert torch.equal(g.all_reduce(x).cpu(), torch.full((4,), 3.0))
+    assert torch.equal(x.cpu(), torch.full((4,), float(rank + 1))), "out of place, as vLLM's"
     assert g.all_gather(x, 0).shape == (8,)
     assert torch.equal(g.reduce_scatter(x, 0).cpu(), torch.full((2,), 3.0))
     got = g.all_gatherv(torch.ones(rank + 1, 2, device=g.device), 0, [1, 2])

@@ -128,6 +128,10 @@ class DeviceCommunicatorBase(CommunicatorChecks):
     communication backend), the `device_group` will also be given.
     """
 
+    # Whether all_reduce sums into its input where it can hold the sum: vLLM's base and
+    # CPU communicators do; its CUDA one (pynccl, custom kernels) returns a new tensor.
+    sums_in_place = True
+
     def __init__(
         self,
         cpu_group: ProcessGroup,
@@ -240,12 +244,15 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         As vLLM's: a contiguous ``input_`` whose dtype the backend sums as it is gets the
         sum and is returned; any other (``bool``, a dtype widened for the backend, a
         non-contiguous view) gets a new tensor and is left unchanged. Use the result.
-        ``bool`` tensors come back as the logical OR over the ranks.
+        (The CUDA communicator always returns a new tensor, as vLLM's does.) ``bool``
+        tensors come back as the logical OR over the ranks.
         """
         self._agree("all_reduce", input_, reduce=True)
         if input_.numel() == 0:
             return input_.clone()
         wire, restore = for_reduction(input_, self.backend)
+        if not self.sums_in_place and wire.data_ptr() == input_.data_ptr():
+            wire = wire.clone()
         self._finish(
             self.dist_module.all_reduce(wire, group=self.device_group, async_op=True), "all_reduce"
         )

@@ -22,6 +22,8 @@ __all__ = ["CudaCommunicator"]
 class CudaCommunicator(DeviceCommunicatorBase):
     """Device communicator for CUDA tensors (NCCL)."""
 
+    sums_in_place = False  # all_reduce returns a new tensor, as vLLM's CUDA one does
+
     def __init__(
         self,
         cpu_group: ProcessGroup,

@@ -62,7 +62,8 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   As vLLM's: a contiguous `input_` whose dtype the backend sums as it is gets the
   sum and is returned; any other (`bool`, a dtype widened for the backend, a
   non-contiguous view) gets a new tensor and is left unchanged. Use the result.
-  `bool` tensors come back as the logical OR over the ranks.
+  (The CUDA communicator always returns a new tensor, as vLLM's does.) `bool`
+  tensors come back as the logical OR over the ranks.
 
   ## Parameters
 
