@@ -318,8 +318,10 @@ def _fits_keywords(plan: _Plan, args: list[Any], kwargs: dict[str, Any]) -> bool
                 return False
         elif at < given:
             return False  # given twice: by position and by name
-    must_name = plan.must_name
-    return not must_name or all(at < given or key in kwargs for key, at in must_name)
+    for key, at in plan.must_name:  # (a loop: a generator costs more than these checks)
+        if at >= given and key not in kwargs:
+            return False
+    return True
 
 
 def accepts_no_arguments(fn: Callable[..., Any]) -> bool:
