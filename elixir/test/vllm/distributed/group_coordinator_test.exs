@@ -90,6 +90,32 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
     end
   end
 
+  test "a 1 MiB all_reduce, twice with the same value: the sum each time", %{tp: groups} do
+    # Large enough that the worker reads the tensor where its frame landed and sums into
+    # it (as vLLM's CPU all_reduce does): neither the caller's value nor the next call sees it.
+    n = 262_144
+    value = fn r, i -> (rem(i, 97) + r) * 1.0 end
+    expected = for i <- [0, 1, 96, 97, n - 1], do: value.(0, i) + value.(1, i)
+
+    results =
+      both(fn r ->
+        g = Enum.at(groups, r)
+        data = for i <- 0..(n - 1), into: <<>>, do: <<value.(r, i)::float-32-little>>
+        {:ok, x} = Tensor.new({:f, 32}, {n}, data)
+        {ok!(GroupCoordinator.all_reduce(g, x)), ok!(GroupCoordinator.all_reduce(g, x)), x}
+      end)
+
+    for {{a, b, x}, r} <- Enum.with_index(results) do
+      for s <- [a, b] do
+        assert s.shape == {n}
+        assert for(i <- [0, 1, 96, 97, n - 1], do: Enum.at(Tensor.to_list(s), i)) == expected
+      end
+
+      assert a.data == b.data
+      assert Tensor.to_list(x) |> Enum.take(2) == [value.(r, 0), value.(r, 1)]
+    end
+  end
+
   test "all_gather on dims 0 and -1, and all_gatherv with uneven sizes", %{tp: groups} do
     results =
       both(fn r ->
