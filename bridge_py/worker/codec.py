@@ -267,6 +267,9 @@ class Codec:
         # is held at once, without the type tests of _default (which depend on the
         # type alone, for a type without ``item``). At most _MAX_HELD types.
         self._held_types: set[type] = set()
+        # The ext of each handle this codec has sent (handles are never reused, so an
+        # entry is never wrong, only unused once released); at most _MAX_REFS.
+        self._refs: dict[int, msgpack.ExtType] = {}
 
     # -- encoding -------------------------------------------------------------------
 
@@ -375,7 +378,14 @@ class Codec:
         if self._resolver is None:
             raise CodecError(f"a value of type {type(obj).__qualname__} cannot cross the bridge")
         handle, class_name = self._resolver.register(obj)
-        return msgpack.ExtType(EXT_REF, _HANDLE.pack(handle) + class_name.encode())
+        ext = self._refs.get(handle)
+        if ext is None:  # (making an ExtType is most of a ref's encoding)
+            if len(self._refs) >= _MAX_REFS:
+                self._refs.clear()
+            ext = self._refs[handle] = msgpack.ExtType(
+                EXT_REF, _HANDLE.pack(handle) + class_name.encode()
+            )
+        return ext
 
     # -- decoding -------------------------------------------------------------------
 
@@ -557,6 +567,7 @@ the same limit (``VllmBridge.Msgpack.max_depth/0``).
 _NIL = b"\xc0"
 _HANDLE = struct.Struct(">Q")  # a ref's handle, at the start of its ext-2 payload
 _MAX_HELD = 256
+_MAX_REFS = 4096  # refs remembered per codec (see Codec._hold)
 # A thread's Packer starts small (msgpack's default is 256 KiB, for every thread)
 # and is dropped after packing anything past _KEEP_PACKER_BELOW, so an idle thread
 # holds little memory.

@@ -230,3 +230,21 @@ def test_encode_pieces_are_the_encoded_bytes_in_pieces(shape: tuple[int, ...]) -
         data = pieces[-1]
         assert len(data) == t.numel() * 4
         assert data.obj.__array_interface__["data"][0] == t.data_ptr()
+
+
+def test_an_object_held_again_after_its_release_comes_back_under_its_new_handle() -> None:
+    # The codec remembers the ref it sent for each handle: a released handle must never
+    # be sent again, also for the same object held anew, and past what it remembers.
+    registry = HandleRegistry()
+    codec = Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+    thing = object()
+    first = PLAIN.decode(codec.encode(thing))
+    assert PLAIN.decode(codec.encode(thing)) == first
+    assert registry.release([first.handle], "s") == 1
+    again = PLAIN.decode(codec.encode(thing))
+    assert again.handle != first.handle and codec.decode(PLAIN.encode(again)) is thing
+    objects = [object() for _ in range(5000)]  # more than the codec remembers
+    for _ in range(2):
+        refs = PLAIN.decode(codec.encode(objects))
+        assert len({r.handle for r in refs}) == 5000
+        assert codec.decode(PLAIN.encode(refs)) == objects
