@@ -382,9 +382,7 @@ class Codec:
         if ext is None:  # (making an ExtType is most of a ref's encoding)
             if len(self._refs) >= _MAX_REFS:
                 self._refs.clear()
-            ext = self._refs[handle] = msgpack.ExtType(
-                EXT_REF, _HANDLE.pack(handle) + class_name.encode()
-            )
+            ext = self._refs[handle] = msgpack.ExtType(EXT_REF, _ref_payload(handle, class_name))
         return ext
 
     # -- decoding -------------------------------------------------------------------
@@ -566,6 +564,7 @@ the same limit (``VllmBridge.Msgpack.max_depth/0``).
 
 _NIL = b"\xc0"
 _HANDLE = struct.Struct(">Q")  # a ref's handle, at the start of its ext-2 payload
+
 _MAX_HELD = 256
 _MAX_REFS = 4096  # refs remembered per codec (see Codec._hold)
 # A thread's Packer starts small (msgpack's default is 256 KiB, for every thread)
@@ -631,6 +630,11 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _ref_payload(handle: int, class_name: str) -> bytes:
+    """The ext-2 payload of a ref: the handle as u64 big-endian, then the class name."""
+    return _HANDLE.pack(handle) + class_name.encode()
+
+
 class RefValue:
     """A ref as plain data: the handle id and class name (used where no registry is)."""
 
@@ -642,7 +646,7 @@ class RefValue:
 
     def to_payload(self) -> bytes:
         """The ext-2 payload: handle as u64 big-endian, then the class name."""
-        return _HANDLE.pack(self.handle) + self.class_name.encode()
+        return _ref_payload(self.handle, self.class_name)
 
     @classmethod
     def from_payload(cls, payload: bytes) -> RefValue:

@@ -147,6 +147,12 @@ def test_unencodable_results_become_refs_and_resolve_back() -> None:
     assert codec.decode(PLAIN.encode(ref)) is thing
 
 
+def _holding_codec() -> tuple[HandleRegistry, Codec]:
+    """A registry, and a codec that holds what it cannot encode there (session "s")."""
+    registry = HandleRegistry()
+    return registry, Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+
+
 class _ArrayLike:
     """Like a numpy value: a 0-d one is a scalar (its item), any other an object."""
 
@@ -160,8 +166,7 @@ class _ArrayLike:
 def test_objects_are_held_by_what_each_one_is_after_their_type_was_held() -> None:
     # The codec remembers the types it has held, so the next object of one is held
     # without the type tests: every later value must still go the way it went before.
-    registry = HandleRegistry()
-    codec = Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+    registry, codec = _holding_codec()
 
     class Thing:
         pass
@@ -189,8 +194,7 @@ def test_objects_are_held_by_what_each_one_is_after_their_type_was_held() -> Non
 
 
 def test_many_types_of_objects_are_all_held() -> None:
-    registry = HandleRegistry()
-    codec = Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+    registry, codec = _holding_codec()
     objects = [type(f"Kind{i}", (), {})() for i in range(300)]  # more than the codec notes
     for _ in range(2):
         refs = PLAIN.decode(codec.encode(objects))
@@ -235,8 +239,7 @@ def test_encode_pieces_are_the_encoded_bytes_in_pieces(shape: tuple[int, ...]) -
 def test_an_object_held_again_after_its_release_comes_back_under_its_new_handle() -> None:
     # The codec remembers the ref it sent for each handle: a released handle must never
     # be sent again, also for the same object held anew, and past what it remembers.
-    registry = HandleRegistry()
-    codec = Codec(SessionResolver(registry, "s", lambda kind: kind.__name__))
+    registry, codec = _holding_codec()
     thing = object()
     first = PLAIN.decode(codec.encode(thing))
     assert PLAIN.decode(codec.encode(thing)) == first
