@@ -209,44 +209,42 @@ class Dispatcher:
         kwargs: bytes,
     ) -> list[bytes | memoryview]:
         """The reply to a planned call: the one the full way would give. A method call
-        runs in its turn ``number`` on ``plan.sequencer``; all run under ``deadline``; if
-        a release has made the plan stale, the request takes the full way instead."""
-        try:
-            sequencer = plan.sequencer
-            if sequencer is None:
-                return self._call_planned(plan, frame, id_end, deadline, args, kwargs)
-            call = self._call_planned
-            return sequencer.run_turn(number, call, plan, frame, id_end, deadline, args, kwargs)
-        except BaseException as exc:  # one reply per request, whatever happened
-            return _error_chunks(frame, internal_failure(exc))
-
-    def _call_planned(
-        self, plan: CallPlan, frame: bytes, id_end: int, deadline: float, args: bytes, kwargs: bytes
-    ) -> list[bytes | memoryview]:
-        """The reply to the planned call (in its turn, if it takes one): its result, or
-        the error when it failed, its deadline had passed or the plan has gone stale
-        (then the full way's reply)."""
-        if plan.epoch != self.registry.epoch:
-            answer = self._answer(pb.decode_request(frame), None, deadline)
-            return pb.encode_reply_chunks(answer)
+        runs in its turn ``number`` on ``plan.sequencer`` (and always leaves it); all run
+        under ``deadline``, and not at all once it has passed; if a release has made the
+        plan stale, the request takes the full way instead."""
+        # One function on purpose: this is the hot path of every planned call, and each
+        # Python call level costs about a tenth of a microsecond.
+        sequencer = plan.sequencer
         current = CURRENT
         before = current.at
-        if deadline:
-            late = time.monotonic() - deadline
-            if late >= 0:
-                return _error_chunks(frame, expired_failure(late))
-            current.at = deadline
         try:
-            value = plan.run(args, kwargs)
-        except EXPECTED as exc:
-            return _error_chunks(frame, as_failure(exc))
-        finally:
-            current.at = before
-        try:
-            data = plan.codec.encode_pieces(value)
-        except Exception as exc:  # CodecError, or what a result's own methods raised
-            return _error_chunks(frame, encode_failure(exc))
-        return pb.value_reply_chunks(frame[:id_end], data)
+            if sequencer is not None and sequencer.serving != number:
+                sequencer.wait_for(number)
+            try:
+                if plan.epoch != self.registry.epoch:
+                    answer = self._answer(pb.decode_request(frame), None, deadline)
+                    return pb.encode_reply_chunks(answer)
+                if deadline:
+                    late = time.monotonic() - deadline
+                    if late >= 0:
+                        return _error_chunks(frame, expired_failure(late))
+                    current.at = deadline
+                try:
+                    value = plan.run(args, kwargs)
+                except EXPECTED as exc:
+                    return _error_chunks(frame, as_failure(exc))
+                finally:
+                    current.at = before
+                try:
+                    data = plan.codec.encode_pieces(value)
+                except Exception as exc:  # CodecError, or what a result's own methods raised
+                    return _error_chunks(frame, encode_failure(exc))
+                return pb.value_reply_chunks(frame[:id_end], data)
+            finally:
+                if sequencer is not None:
+                    sequencer.done()
+        except BaseException as exc:  # one reply per request, whatever happened
+            return _error_chunks(frame, internal_failure(exc))
 
     def _learn(self, frame: bytes, req: pb.Request) -> None:
         """Make a plan for ``req``, which has just succeeded, if its frame is in the layout

@@ -19,42 +19,32 @@ import itertools
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
-
-_R = TypeVar("_R")
 
 
 class Sequencer:
     """Hands out turns in order and lets them run one at a time, in that order."""
 
-    __slots__ = ("_cond", "_numbers", "_serving", "_sleepers", "take")
+    __slots__ = ("_cond", "_numbers", "_sleepers", "serving", "take")
 
     def __init__(self) -> None:
         self._cond: threading.Condition | None = None  # made by the first turn that waits
         self._numbers = itertools.count()  # the numbers turns get, in order
-        self._serving = 0  # the number whose turn it is; only its holder moves it on
+        # The number whose turn it is (read-only outside: only its holder moves it on).
+        self.serving = 0
         self._sleepers = 0  # turns waiting on the condition (changed under its lock)
-        # The next turn's number, for :meth:`run_turn`: a turn without a Turn object
-        # (on the hot path of call plans), one C call. It must be run exactly once.
+        # The next turn's number: a turn without a Turn object (on the hot path of call
+        # plans), one C call. Its holder waits for it (``serving == number``, else
+        # :meth:`wait_for`) and leaves it (:meth:`done`) exactly once.
         self.take: Callable[[], int] = self._numbers.__next__
 
     def turn(self) -> Turn:
         """The next turn. It must be entered and left exactly once (``with turn:``)."""
         return Turn(self, next(self._numbers))
 
-    def run_turn(self, number: int, fn: Callable[..., _R], /, *args: Any) -> _R:
-        """Wait for the turn ``number`` (from :attr:`take`) and run ``fn(*args)`` in it:
-        what ``with turn: fn(*args)`` does for a :class:`Turn`."""
-        if self._serving != number:
-            self._wait_for(number)
-        try:
-            return fn(*args)
-        finally:
-            self._done()
-
-    def _wait_for(self, number: int) -> None:
-        # A sleeper counts itself before it looks at _serving, and _done moves _serving
-        # on before it looks at the count: either this sees the new number, or _done
+    def wait_for(self, number: int) -> None:
+        """Sleep until it is turn ``number``'s (from :attr:`take`) turn."""
+        # A sleeper counts itself before it looks at serving, and done moves serving
+        # on before it looks at the count: either this sees the new number, or done
         # sees the sleeper and wakes it (under the lock, so not before it waits).
         cond = self._cond
         if cond is None:
@@ -65,13 +55,14 @@ class Sequencer:
         with cond:
             self._sleepers += 1
             try:
-                while self._serving != number:
+                while self.serving != number:
                     cond.wait()
             finally:
                 self._sleepers -= 1
 
-    def _done(self) -> None:
-        self._serving += 1
+    def done(self) -> None:
+        """Leave the turn being served: the next one's may run."""
+        self.serving += 1
         if self._sleepers:  # a sleeper made the condition before it counted itself
             cond = self._cond
             assert cond is not None
@@ -93,8 +84,8 @@ class Turn:
 
     def __enter__(self) -> Turn:
         sequencer = self._sequencer
-        if sequencer._serving != self._number:
-            sequencer._wait_for(self._number)
+        if sequencer.serving != self._number:
+            sequencer.wait_for(self._number)
         return self
 
     def __exit__(
@@ -103,4 +94,4 @@ class Turn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._sequencer._done()
+        self._sequencer.done()
