@@ -1,7 +1,7 @@
 """Where the worker's time goes for each shape of call: its stages timed in one process.
 
 A planned request (one the worker has seen before, see bridge_py/worker/call_plans.py)
-goes through three stages in the dispatcher: ``envelope.split_call`` (its id, deadline
+goes through three stages in the dispatcher: ``call_plans.split_call`` (its id, deadline
 and argument bytes sliced out, the rest is the plan's key), the plan's ``run`` (the
 arguments decoded and checked, the call made) and the result's encoding; admit + run is
 all of it, with the dictionary lookup, the turn on the object and the reply's framing.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from report import cpu_model  # noqa: E402  (this folder is on the path: a script)
 
 from bridge_py.worker import envelope as pb  # noqa: E402
-from bridge_py.worker.call_plans import CallPlan  # noqa: E402
+from bridge_py.worker.call_plans import CallPlan, split_call  # noqa: E402
 from bridge_py.worker.codec import PLAIN  # noqa: E402
 from bridge_py.worker.dispatcher import Dispatcher  # noqa: E402
 from tests.worker.sample_exports import table  # noqa: E402
@@ -78,7 +78,7 @@ def stages(dispatcher: Dispatcher, name: str, op: pb.Operation, calls: int, repe
     def whole() -> None:
         dispatcher.run(dispatcher.admit(frame))
 
-    split = best(lambda: pb.split_call(frame), calls, repeats)
+    split = best(lambda: split_call(frame), calls, repeats)
     run = best(lambda: plan.run(args, kwargs), calls, repeats)
     encode = best(lambda: plan.codec.encode_pieces(value), calls, repeats)
     total = best(whole, calls, repeats)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from bridge_py.deadline import CURRENT
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
+from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans, split_call
 from bridge_py.worker.exports import ExportTable
 from bridge_py.worker.operations import (
     DEFAULT_SESSION,
@@ -92,7 +92,7 @@ class Dispatcher:
         """What one request frame is (see the module docstring); a method call takes its
         turn now. Never raises, unless ``gate`` does (then nothing was taken)."""
         if type(frame) is bytes and len(frame) <= MAX_PLANNED_BYTES:
-            split = pb.split_call(frame)
+            split = split_call(frame)
             if split is not None:
                 end, key, deadline_ms, args, kwargs = split
                 plan = self._plan_for(key)
@@ -253,7 +253,7 @@ class Dispatcher:
         nothing: splitting and re-encoding it would copy its (large) arguments twice."""
         if len(frame) > MAX_PLANNED_BYTES:
             return
-        split = pb.split_call(frame)
+        split = split_call(frame)
         op = req.op
         if split is None or op is None:
             return

@@ -294,7 +294,9 @@ VIEW_THRESHOLD = 1 << 16
 """``bytes`` fields at least this long decode to memoryviews of the frame, not copies."""
 
 
-def _read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+def read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` of ``buf`` (which ends at ``end``) and where it ends; raises
+    :class:`EnvelopeError` when it is cut short or longer than 64 bits."""
     if pos + 3 <= end:  # up to three bytes (below 2^21: ids, deadlines) unrolled
         first = buf[pos]
         if first < 0x80:
@@ -350,7 +352,7 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
     while pos < end:
         key = buf[pos]
         if key & 0x80:
-            key, pos = _read_varint(buf, pos, end)
+            key, pos = read_varint(buf, pos, end)
         else:
             pos += 1
         spec = by_key.get(key)
@@ -362,7 +364,7 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
             raise EnvelopeError(f"{cls.__name__}.{name} is truncated")
         size = buf[pos]
         if size & 0x80:
-            size, pos = _read_varint(buf, pos, end)
+            size, pos = read_varint(buf, pos, end)
         else:
             pos += 1
         if kind is _UINT64:
@@ -381,7 +383,7 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
         elif kind is _PACKED_UINT64:
             items = values.setdefault(name, [])
             while pos < stop:
-                item, pos = _read_varint(buf, pos, stop)
+                item, pos = read_varint(buf, pos, stop)
                 items.append(item)
         else:  # a nested message
             values[name] = _decode_message(kind, buf, pos, stop)
@@ -408,9 +410,9 @@ def _skip(cls: type, key: int, buf: Buffer, pos: int, end: int) -> int:
         expected = _WIRE_VARINT if kind is _UINT64 else _WIRE_LEN
         raise _wire_error(f"{cls.__name__}.{name}", wire, expected)
     if wire == _WIRE_VARINT:
-        return _read_varint(buf, pos, end)[1]
+        return read_varint(buf, pos, end)[1]
     if wire == _WIRE_LEN:
-        size, pos = _read_varint(buf, pos, end)
+        size, pos = read_varint(buf, pos, end)
         pos += size
     elif wire == _WIRE_I64:
         pos += 8
@@ -480,172 +482,13 @@ def decode_reply(data: bytes | bytearray | memoryview) -> Reply:
     return _decode_message(Reply, buf, 0, len(buf))
 
 
-def id_field_end(frame: bytes) -> int:
-    """Where a Request's id field ends when it is the frame's first field, else 0.
-
-    Every encoder writes the id first (``08`` and a varint; docs/protocol.md), so for
-    the requests they write ``frame[:end]`` is the id field exactly as it arrived, which
-    is also the id field of the request's reply, and ``frame[end:]`` is the rest of the
-    request (its session and operation), the same for every request that makes the
-    same call. Ids of up to 63 bits (a varint of at most 9 bytes) are found; longer
-    ones, an id of another field, or a frame too short for one, give 0.
-
-    A few byte tests, unrolled for ids of one to four bytes (below 2^28): the Elixir
-    runtime's ids count up from 1, one per request in its VM.
-    """
-    try:
-        if frame[0] != 0x08:
-            return 0
-        if frame[1] < 0x80:
-            return 2
-        if frame[2] < 0x80:
-            return 3
-        if frame[3] < 0x80:
-            return 4
-        if frame[4] < 0x80:
-            return 5
-        for end in range(6, 11):
-            if frame[end - 1] < 0x80:
-                return end
-    except IndexError:  # the frame ends inside the varint
-        pass
-    return 0
-
-
-Split = tuple[int, bytes, int, bytes, bytes]
-"""What :func:`split_call` finds in a request: where its id field ends, the key of its
-call, its ``deadline_ms`` (0: none), and its argument bytes (args, kwargs; a ping's
-payload and b"")."""
-
-
-def split_call(frame: bytes) -> Split | None:
-    """A request laid out the way every encoder writes one, split into what varies from
-    one call of the same thing to the next and the key that names that thing; or None.
-
-    The layout: the id first (see :func:`id_field_end`), maybe a session (shorter than
-    128 bytes), maybe a ``deadline_ms``, then a method call, a function call or a
-    constructor, an attribute read or a ping to the end, each field once and in order,
-    none empty. The key is the session field, the operation's field key and the fields
-    that name the target (handle and method, function or class, handle and attribute):
-    two requests with the same key call the same thing in the same session. Anything
-    else returns None (the general decoder reads it, or says what is wrong with it); no
-    text is decoded here, so a frame with invalid text may be split (its key is then no
-    valid frame's key).
-
-    On the hot path of every planned call: the operation's length, the handle, the
-    name's length and the args' length read inline when they take one byte, and the
-    deadline when it takes up to three (a call to :func:`_read_varint` costs a fifth of the
-    whole split), everything else by :func:`_read_varint`.
-    """
-    n = len(frame)
-    try:
-        pos = id_field_end(frame)
-        if not pos:
-            return None
-        end = pos
-        byte = frame[pos]
-        if byte == 0x12:  # the session: its length, then its bytes
-            size = frame[pos + 1]
-            if size & 0x80:
-                return None
-            pos += 2 + size
-            byte = frame[pos]
-        session_end = pos
-        deadline = 0
-        if byte == 0x18:  # a deadline: its varint read inline up to three bytes (34 min;
-            deadline = frame[pos + 1]  # the Elixir runtime's default is 120,000 ms)
-            if deadline < 0x80:
-                pos += 2
-            elif frame[pos + 2] < 0x80:
-                deadline = deadline & 0x7F | frame[pos + 2] << 7
-                pos += 3
-            elif frame[pos + 3] < 0x80:
-                deadline = deadline & 0x7F | (frame[pos + 2] & 0x7F) << 7 | frame[pos + 3] << 14
-                pos += 4
-            else:
-                deadline, pos = _read_varint(frame, pos + 1, n)
-            byte = frame[pos]
-        op_at = pos
-        if byte == 0x52:  # a constructor (field 10): laid out as a function call (12)
-            byte = 0x62
-        if byte == 0x8A:  # ping, field 17: two bytes
-            if frame[pos + 1] != 0x01:
-                return None
-            pos += 1
-        elif byte != 0x5A and byte != 0x62 and byte != 0x6A:
-            return None
-        op_end = pos + 1
-        size = frame[op_end]
-        if size < 0x80:
-            body = op_end + 1
-        else:
-            size, body = _read_varint(frame, op_end, n)
-        if body + size != n:
-            return None
-        pos = body
-        # The fields that name the target: a handle (call, get_attr), then a name.
-        if byte == 0x5A or byte == 0x6A:
-            if frame[pos] != 0x08:
-                return None
-            handle = frame[pos + 1]
-            if handle < 0x80:
-                pos += 2
-            else:
-                handle, pos = _read_varint(frame, pos + 1, n)
-            if not handle:
-                return None
-            if frame[pos] != 0x12:
-                return None
-        elif byte == 0x62 and frame[pos] != 0x0A:
-            return None
-        if byte != 0x8A:
-            size = frame[pos + 1]
-            if size < 0x80:
-                pos += 2 + size
-            else:
-                size, pos = _read_varint(frame, pos + 1, n)
-                pos += size
-            if not size:
-                return None
-        named = pos
-        # The fields that carry arguments, each maybe: (args, kwargs) or (payload,).
-        args = kwargs = b""
-        if pos < n:
-            if byte == 0x6A:
-                return None
-            first = 0x1A if byte == 0x5A else 0x12 if byte == 0x62 else 0x0A
-            if frame[pos] == first:
-                size = frame[pos + 1]
-                if size < 0x80:
-                    pos += 2
-                else:
-                    size, pos = _read_varint(frame, pos + 1, n)
-                args = frame[pos : pos + size]
-                pos += size
-            if pos < n and frame[pos] == first + 8 and byte != 0x8A:
-                size, pos = _read_varint(frame, pos + 1, n)
-                kwargs = frame[pos : pos + size]
-                pos += size
-    except (IndexError, EnvelopeError):
-        return None
-    if pos != n:
-        return None
-    return (
-        end,
-        frame[end:session_end] + frame[op_at:op_end] + frame[body:named],
-        deadline,
-        args,
-        kwargs,
-    )
-
-
 def peek_request_id(data: bytes | bytearray | memoryview) -> int:
     """The id of a Request that failed to decode, if its first field is readable, else 0."""
     buf = memoryview(data).cast("B")
     try:
-        key, pos = _read_varint(buf, 0, len(buf))
+        key, pos = read_varint(buf, 0, len(buf))
         if key == (1 << 3) | _WIRE_VARINT:
-            return _read_varint(buf, pos, len(buf))[0]
+            return read_varint(buf, pos, len(buf))[0]
     except EnvelopeError:
         pass
     return 0
@@ -691,9 +534,8 @@ __all__ = [
     "encode_reply",
     "encode_reply_chunks",
     "encode_request",
-    "id_field_end",
     "op_name",
     "peek_request_id",
-    "split_call",
+    "read_varint",
     "value_reply_chunks",
 ]

@@ -19,8 +19,9 @@ import weakref
 import pytest
 import torch
 
+from bridge_py.worker import dispatcher
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans
+from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans, split_call
 from bridge_py.worker.codec import PLAIN, RefValue
 from bridge_py.worker.dispatcher import Dispatcher, Job
 from bridge_py.worker.transports.frames import FrameReader
@@ -332,9 +333,9 @@ def test_frames_with_long_arguments_take_the_full_way(monkeypatch: pytest.Monkey
     big = PLAIN.encode([b"x" * MAX_PLANNED_BYTES])
     frames = [_request(i, pb.CallFunction("echo", big)) for i in range(2, 4)]
     looked_at: list[int] = []
-    for name in ("split_call", "encode_request"):
-        original = getattr(pb, name)
-        monkeypatch.setattr(pb, name, lambda x, f=original: looked_at.append(1) or f(x))
+    for module, name in ((dispatcher, "split_call"), (pb, "encode_request")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda x, f=original: looked_at.append(1) or f(x))
     for frame in frames:
         assert len(frame) > MAX_PLANNED_BYTES
         assert len(PLAIN.decode(_full(d, frame).value)) == MAX_PLANNED_BYTES
@@ -350,11 +351,11 @@ def test_plans_are_bounded() -> None:
     plans = CallPlans(limit=2)
     plan = CallPlan(lambda a, k: None, None, None, 0)  # type: ignore[arg-type]
     for handle in range(1, 6):
-        split = pb.split_call(_frame(1, handle, "incr"))
+        split = split_call(_frame(1, handle, "incr"))
         assert split is not None
         plans.learn(split[1], plan)
         assert len(plans) <= 2
-    split = pb.split_call(_frame(9, 5, "incr", PLAIN.encode([1])))
+    split = split_call(_frame(9, 5, "incr", PLAIN.encode([1])))
     assert split is not None and plans.get(split[1]) is plan
 
 

@@ -16,6 +16,7 @@ from types import ModuleType
 import pytest
 
 from bridge_py.worker import envelope as pb
+from bridge_py.worker.call_plans import id_field_end, split_call
 from tests.vectors.cases import envelope_cases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +116,7 @@ def test_peek_request_id() -> None:
 def test_id_field_end_finds_the_id_field_every_encoder_writes(request_id: int) -> None:
     for session in ("", "grpc-" + "ab" * 32):
         frame = pb.encode_request(pb.Request(request_id, session, pb.CallMethod(3, "incr")))
-        end = pb.id_field_end(frame)
+        end = id_field_end(frame)
         assert pb.decode_reply(frame[:end]).id == request_id  # also its reply's id field
         assert frame[end:] == pb.encode_request(pb.Request(0, session, pb.CallMethod(3, "incr")))
 
@@ -135,7 +136,7 @@ def test_id_field_end_finds_the_id_field_every_encoder_writes(request_id: int) -
     ],
 )
 def test_id_field_end_is_0_without_an_id_field_up_front(frame: bytes) -> None:
-    assert pb.id_field_end(frame) == 0
+    assert id_field_end(frame) == 0
 
 
 def test_id_field_end_agrees_with_the_decoder_on_mutated_frames() -> None:
@@ -143,7 +144,7 @@ def test_id_field_end_agrees_with_the_decoder_on_mutated_frames() -> None:
     for request_id in (9, 1000, 2**30):
         frame = pb.encode_request(pb.Request(request_id, "s", pb.CallMethod(3, "incr")))
         for data in _mutations(frame, rng):
-            end = pb.id_field_end(data)
+            end = id_field_end(data)
             if end:  # a field 1 varint up front, of at most 9 bytes, ending at end
                 assert data[0] == 0x08 and all(b & 0x80 for b in data[1 : end - 1])
                 assert not data[end - 1] & 0x80 and end <= 10
@@ -222,7 +223,7 @@ def test_split_call_agrees_with_the_general_decoder() -> None:
         req = _random_request(rng)
         data = pb.encode_request(req)
         for candidate in [data, *_mutations(data, rng)]:
-            split = pb.split_call(candidate)
+            split = split_call(candidate)
             if split is None:
                 continue
             splits += 1
@@ -247,7 +248,7 @@ def test_split_call_leaves_the_id_deadline_and_arguments_out_of_the_key(session:
         for args in (b"", b"\x91\x01", b"\xdc\x00\x7c" + b"\x00" * 124, b"\x91" + b"\x00" * 300):
             call = pb.CallMethod(3, "incr", args, b"\x80")
             frame = pb.encode_request(pb.Request(300, session, call, deadline_ms))
-            split = pb.split_call(frame)
+            split = split_call(frame)
             assert split is not None
             assert split[0] == 3 and split[2:] == (deadline_ms, args, b"\x80")
             keys.add(split[1])
@@ -255,5 +256,5 @@ def test_split_call_leaves_the_id_deadline_and_arguments_out_of_the_key(session:
     # A truncated deadline, or one that ends the frame, is not split.
     for deadline_ms in (200, 2**20):
         frame = pb.encode_request(pb.Request(300, session, deadline_ms=deadline_ms))
-        assert pb.split_call(frame[:-1]) is None
-        assert pb.split_call(frame) is None
+        assert split_call(frame[:-1]) is None
+        assert split_call(frame) is None
