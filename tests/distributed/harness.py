@@ -20,13 +20,16 @@ import multiprocessing
 import os
 import queue
 import random
+import shutil
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "run_with_small_dev_shm"]
 
 _PRELOAD = ["torch.distributed", "bridge_py.distributed"]
 
@@ -151,6 +154,28 @@ def run_ranks(
         with contextlib.suppress(Exception):
             results.close()
     return [done[rank] for rank in ranks]
+
+
+def run_with_small_dev_shm(
+    script: str, size: str, timeout: float = 90.0
+) -> subprocess.CompletedProcess[str]:
+    """Run the Python ``script`` (from the repository's root) in a mount namespace of its
+    own whose ``/dev/shm`` is an empty tmpfs of ``size`` (as ``mount -o size=`` takes it:
+    a container's small /dev/shm); killed after ``timeout`` seconds. Skips the test where
+    this machine cannot make one (``unshare`` and ``mount`` need root)."""
+    import pytest  # (the harness is imported by children too, which need no pytest)
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root, to give a process a small /dev/shm of its own")
+    shell = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell]
+    probe = subprocess.run([*command, "pass"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small /dev/shm here: {probe.stderr.strip()}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run(
+        [*command, script], capture_output=True, text=True, timeout=timeout, cwd=root
+    )
 
 
 def late_barrier(group: Any, late: bool, delay: float, timeout: float) -> dict:

@@ -293,7 +293,7 @@ class ShmCollectives:
                 shm, token = cls._create_segment(world_size, slot_bytes)
                 text = (shm.name + ":" + token.hex()).encode()
                 name[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-            except (OSError, ValueError) as exc:
+            except (OSError, SharedMemoryError, ValueError) as exc:  # e.g. /dev/shm is full
                 why = f"cannot create a shared-memory segment: {exc}"
         where = f"rank {rank} of {label}"
         finish(cpu_group.broadcast(name, 0), "shared-memory set-up", where, group=cpu_group)
@@ -344,10 +344,8 @@ class ShmCollectives:
     def _create_segment(world_size: int, slot_bytes: int) -> tuple[posix.Segment, bytes]:
         _, size = _layout(world_size, slot_bytes)
         token = secrets.token_bytes(16)
-        shm = posix.create(NAME_PREFIX + secrets.token_hex(8), size)
+        shm = posix.create(NAME_PREFIX + secrets.token_hex(8), size)  # its memory taken
         try:
-            # Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS later.
-            os.posix_fallocate(shm.fileno(), 0, size)
             _HEADER.pack_into(posix.view(shm), world_size, slot_bytes, token)
             fence()
         except BaseException:

@@ -20,7 +20,10 @@ it does better in these ways:
 * clear errors: a rank that is not a reader, a local handle used on another host, a reader
   slot held twice, a writer or reader used the wrong way round;
 * :meth:`MessageQueue.close` (and garbage collection, and interpreter exit) unlinks the
-  segment; segment names carry a random token; readers never unlink.
+  segment; segment names carry a random token; readers never unlink;
+* a ``/dev/shm`` too small for a message (a container's 64 MiB default) is a
+  SharedMemoryError from ``enqueue``, with nothing sent, not a SIGBUS that kills the
+  writer's process.
 
 Messages are pickled (``auth.seal_object``): connect only processes that trust each other,
 or give the writer and every reader the same ``auth_key`` (or ``$VLLM_BRIDGE_AUTH_KEY``): each
@@ -343,8 +346,10 @@ class MessageQueue:
         never torn) and ``obj`` was not sent if the interrupted message was an earlier one.
         Raises PeerGoneError when a reader it waits for has exited or closed its end,
         WaitCancelled ("cancelled") when it has to wait after :meth:`shutdown` (within
-        10 ms for a wait under way), and StateError on a reader's end, or before
-        :meth:`wait_until_ready` when there are remote readers.
+        10 ms for a wait under way), StateError on a reader's end, or before
+        :meth:`wait_until_ready` when there are remote readers, and SharedMemoryError when
+        ``/dev/shm`` has no room for the message (nothing of it is sent, and the queue goes
+        on: a smaller message may fit).
         """
         if not self._is_writer:
             raise StateError("Only writers can enqueue")
@@ -356,6 +361,8 @@ class MessageQueue:
                 raise StateError(_CLOSED)
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
+            if self.buffer is not None:
+                self.buffer.reserve(len(payload))  # a full /dev/shm: an error, nothing sent
             self._sent += 1
             self._outgoing = (memoryview(payload), 0)
             self._flush(deadline)

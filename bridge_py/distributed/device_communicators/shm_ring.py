@@ -24,11 +24,14 @@ Segment layout (all integers little-endian, regions aligned to 64 bytes)::
   part) and the part's bytes, so a message larger than a chunk spans consecutive chunks.
   Remote readers get the same chunks over TCP (``shm_remote``).
 
-The writer creates the segment and alone unlinks it: on :meth:`ShmRingBuffer.close`, when
-garbage-collected, or at interpreter exit. Its name follows ``shm.segments``'
-(``vbspg_<pid namespace>_<writer pid>_<token>_mq``), so a killed writer's segment is removed
-by ``segments.remove_orphans`` (and by multiprocessing's resource tracker). Readers attach
-through ``shm.posix.attach`` (checked, and never the tracker's) and never unlink it.
+The writer takes the memory of the header, the reader slots and the flags when it creates
+the segment, and that of each chunk before a message first needs it (:meth:`reserve`), so
+that a full ``/dev/shm`` is an error and not a SIGBUS. It alone unlinks the segment: on
+:meth:`ShmRingBuffer.close`, when garbage-collected, or at interpreter exit. Its name
+follows ``shm.segments``' (``vbspg_<pid namespace>_<writer pid>_<token>_mq``), so a killed
+writer's segment is removed by ``segments.remove_orphans`` (and by multiprocessing's resource
+tracker). Readers attach through ``shm.posix.attach`` (checked, and never the tracker's)
+and never unlink it.
 """
 
 from __future__ import annotations
@@ -129,13 +132,18 @@ class ShmRingBuffer:
         self.ranks = list(range(n_reader)) if ranks is None else ranks
         self.reader = -1  # this process's reader index, once attached
         self.current_idx = 0
+        self._reserved = [0] * max_chunks  # writer: the bytes of each chunk with memory taken
         self._namespace = pid_namespace()
         self.is_creator = name is None
         self.shared_memory: posix.Segment
         if name is None:
             self.token = secrets.token_bytes(16)
             name = f"{NAME_PREFIX}{self._namespace}_{os.getpid()}_{self.token[:6].hex()}"
-            self.shared_memory = posix.create(name + NAME_SUFFIX, self.total_bytes_of_buffer)
+            # The memory of the header, the reader slots and the flags is taken now; that of
+            # the chunks as messages need it (reserve): a ring is mostly never written.
+            self.shared_memory = posix.create(
+                name + NAME_SUFFIX, self.total_bytes_of_buffer, reserve=self.data_offset
+            )
             # A new segment is zero-filled: no chunk written, no reader attached, not ready.
             _HEADER.pack_into(
                 posix.view(self.shared_memory), n_reader, max_chunks, max_chunk_bytes,
@@ -211,6 +219,25 @@ class ShmRingBuffer:
         if self._buf[at] == 0:
             return []
         return [i for i in range(self.n_reader) if self._buf[at + 1 + i] == 0]
+
+    def reserve(self, total: int) -> None:
+        """Writer: take the memory of the chunks that a message of ``total`` bytes fills,
+        from the next chunk on (memory taken once stays), before any of it is written.
+
+        A store through the mapping into memory that /dev/shm cannot give kills the process
+        (SIGBUS). Raises SharedMemoryError naming the segment when /dev/shm has no room:
+        nothing of the message has been written then, and the ring is as it was.
+        """
+        part_bytes = self.max_chunk_bytes - CHUNK_HEADER_BYTES
+        reserved = self._reserved
+        for j in range(min(-(-total // part_bytes) or 1, self.max_chunks)):
+            idx = (self.current_idx + j) % self.max_chunks
+            need = CHUNK_HEADER_BYTES + min(part_bytes, total - j * part_bytes)
+            if need > reserved[idx]:
+                start = self.data_offset + idx * self.max_chunk_bytes
+                what = f"part {j} ({need} bytes) of a {total}-byte message"
+                posix.reserve_memory(self.shared_memory, start, need, what)
+                reserved[idx] = need
 
     def write_chunk(self, idx: int, total: int, part: int, payload: memoryview) -> None:
         """Fill free chunk ``idx`` with one part of a message and publish it to the readers."""

@@ -36,7 +36,7 @@ def same_node_as(group: ObjectGroup, src: int) -> list[bool]:
         token = secrets.token_bytes(16)
         try:
             probe = posix.create(PROBE_PREFIX + secrets.token_hex(8), _PROBE.size)
-        except OSError:  # no shared memory here: nobody shares it with this rank
+        except (OSError, SharedMemoryError):  # no (room in) shared memory: nobody shares it
             group.broadcast_obj(None, src)
             return [bool(x) for x in group.all_gather_obj(True)]
         try:

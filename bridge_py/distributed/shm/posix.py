@@ -10,7 +10,10 @@ unlinks it when the process exits, and before Python 3.13 it does so for a segme
 process only *opened* too (python/cpython#82300), so a reader that exits would remove the
 writer's segment from under everyone else.
 
-* :func:`create` makes a new segment (``0o600``, never over an existing name).
+* :func:`create` makes a new segment (``0o600``, never over an existing name) and takes
+  its memory (all of it, or what ``reserve`` says; :func:`reserve_memory` takes more
+  later): a store through a mapping into memory a full /dev/shm cannot give is a SIGBUS
+  that kills the process, while taking it first fails as a SharedMemoryError.
   ``tracked=True`` registers it with the tracker, so that a creator killed before it
   removes its segment still leaves nothing behind (for segments only their creator
   removes); ``tracked=False`` is for segments another process removes.
@@ -30,7 +33,7 @@ from multiprocessing import resource_tracker
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR, open_peer_file
 
-__all__ = ["Attached", "Segment", "attach", "create", "fileno", "unlink", "view"]
+__all__ = ["Attached", "Segment", "attach", "create", "fileno", "reserve_memory", "unlink", "view"]
 
 
 class Segment:
@@ -73,14 +76,29 @@ class Segment:
 Attached = Segment  # the name segments opened by attach() had
 
 
-def create(name: str, size: int, *, tracked: bool = True) -> Segment:
-    """A new segment ``name`` of ``size`` bytes (FileExistsError if the name is taken)."""
+def create(name: str, size: int, *, tracked: bool = True, reserve: int | None = None) -> Segment:
+    """A new segment ``name`` of ``size`` bytes (FileExistsError if the name is taken),
+    with the memory of its first ``reserve`` bytes (None: all of it) taken now.
+
+    A store through the mapping into memory /dev/shm cannot give kills the process
+    (SIGBUS), so whatever is written that way must be reserved first (:func:`reserve`).
+    Raises SharedMemoryError naming the segment when /dev/shm has no room for it.
+    """
     path = f"{SHM_DIR}/{name}"
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, 0o600)
     try:
-        os.ftruncate(fd, size)
-        segment = Segment(name, fd)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        segment = Segment(name, fd)  # (which closes fd if it fails)
+        try:
+            reserve_memory(segment, 0, size if reserve is None else reserve)
+        except BaseException:
+            segment.close()
+            raise
     except BaseException:
         os.unlink(path)
         raise
@@ -96,6 +114,25 @@ def attach(name: str) -> Segment:
     this user's own regular file, or others may write it, or it is a link."""
     name = name.lstrip("/")
     return Segment(name, open_peer_file(f"{SHM_DIR}/{name}", os.O_RDWR))  # checked
+
+
+def reserve_memory(segment: Segment, offset: int, length: int, what: str = "") -> None:
+    """Take the memory of ``length`` bytes of ``segment`` from ``offset`` on, so that stores
+    through the mapping there cannot fail (memory taken once stays until the segment goes).
+
+    Raises SharedMemoryError naming the segment and ``what`` did not fit (default: the
+    bytes) when /dev/shm has no room (ENOSPC: it is full, or smaller than it must be).
+    """
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(segment.fileno(), offset, length)
+    except OSError as exc:
+        raise SharedMemoryError(
+            f"shared-memory segment {segment.name!r}: no room on {SHM_DIR} for "
+            f"{what or f'{length} bytes'} ({exc.strerror}); give {SHM_DIR} more space "
+            "(docker run --shm-size) or use smaller buffers"
+        ) from None
 
 
 def fileno(segment: Segment) -> int:
