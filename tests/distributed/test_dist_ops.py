@@ -320,3 +320,46 @@ def test_all_gather_times_out_within_the_store_timeout_naming_the_missing_rank(
     assert "all_gather_obj on rank 0 timed out" in error and "ranks [1]" in error, error
     assert results[0]["elapsed"] < 2 * 2, results[0]  # one wait of the store timeout, not two
     assert results[1]["after"] == "after"
+
+
+def _too_large_for_the_store(rank: int, port: int) -> dict:
+    group = _create(rank, port, 2, "store")
+    huge = b"x" * (9 << 20)  # torch's TCPStore takes at most 8 MiB in one request
+    out: dict = {}
+    if rank == 0:
+        calls = {
+            "broadcast_obj": lambda: group.broadcast_obj(huge, 0),
+            "send_obj": lambda: group.send_obj(huge, 1),
+            "all_gather_obj": lambda: group.all_gather_obj(huge),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                out[name] = "sent"
+            except ValueError as exc:
+                out[name] = str(exc)
+    # Nothing was sent, and the group goes on as if those calls had not been made.
+    out["broadcast"] = group.broadcast_obj("small" if rank == 0 else None, 0)
+    if rank == 0:
+        group.send_obj("hi", 1)
+    else:
+        out["recv"] = group.recv_obj(0)
+    out["gather"] = group.all_gather_obj(rank)
+    group.barrier()
+    return out
+
+
+def test_a_value_too_large_for_the_store_is_refused_and_the_group_goes_on() -> None:
+    # Sent, it made torch's server drop this rank's connection: every later request of
+    # the rank failed ("Connection reset by peer"), its group dead.
+    first, second = run_ranks(_too_large_for_the_store, 2, free_port(), timeout=60)
+    for op, key in (
+        ("broadcast_obj", "bcast/0/0"),
+        ("send_obj", "p2p/0/1/0"),
+        ("all_gather_obj", "bcast/0/0"),
+    ):
+        assert first[op].startswith(f"{op} on rank 0: the value for {key!r} is 9,437,"), first
+        assert "more than the 8,388,608 a TCPStore takes in one request" in first[op]
+    assert first["broadcast"] == second["broadcast"] == "small"
+    assert second["recv"] == "hi"
+    assert first["gather"] == second["gather"] == [0, 1]

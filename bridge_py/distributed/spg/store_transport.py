@@ -53,7 +53,7 @@ from bridge_py.distributed.spg.values import SharedValue, Values
 from bridge_py.distributed.store.client import first_line
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.reaper import KeyReaper
-from bridge_py.distributed.store.requests import StoreRequest
+from bridge_py.distributed.store.requests import StoreRequest, check_value
 from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
 from bridge_py.distributed.store.waiting import BoundedWaiter, pop_before
 
@@ -163,9 +163,12 @@ class StoreTransport:
         self.push(dst, seq, self.values.pack(name, obj, [dst] if local else None)[0], name)
 
     def push(self, dst: int, seq: int, value: bytes, name: str) -> None:
-        """Push the packed message ``seq`` (named ``name``) on the queue to ``dst``."""
+        """Push the packed message ``seq`` (named ``name``) on the queue to ``dst``
+        (ValueError, nothing sent, when it is longer than the store takes)."""
+        item = p2p.frame(seq, value)
+        check_value("send_obj", self.rank, name, len(item))
         with StoreRequest("send_obj", self.rank, name):
-            self.store.queue_push(self._outbox[dst], p2p.frame(seq, value))
+            self.store.queue_push(self._outbox[dst], item)
         self.entries.append((name, time.time()))
         self.flush()
 
@@ -207,7 +210,9 @@ class StoreTransport:
         self.flush()
 
     def put(self, op: str, key: str, value: bytes) -> None:
-        """Set ``key`` to ``value`` for ``op`` (a StoreError if the store is lost)."""
+        """Set ``key`` to ``value`` for ``op`` (a StoreError if the store is lost; ValueError,
+        nothing sent, when ``value`` is longer than the store takes)."""
+        check_value(op, self.rank, key, len(value))
         with StoreRequest(op, self.rank, key):
             set_bytes(self.store, key, value)
 

@@ -20,7 +20,23 @@ from bridge_py.distributed.errors import DistributedError, StoreError
 from bridge_py.distributed.store.client import first_line
 from bridge_py.distributed.store.quiet import QUIET
 
-__all__ = ["StoreRequest"]
+__all__ = ["MAX_VALUE_BYTES", "StoreRequest", "check_value"]
+
+MAX_VALUE_BYTES = 8 << 20
+"""The most bytes one request may carry in a value to a TCPStore: torch's server (on
+libuv, its default) refuses a longer one by dropping the client's connection, after which
+every request of that client fails (its group is dead), and logs why only on its own side."""
+
+
+def check_value(op: str, rank: int, key: str, size: int) -> None:
+    """Raise ValueError, naming ``op``, ``rank``, ``key`` and the sizes, when a value of
+    ``size`` bytes is longer than one request to the store may carry (nothing is sent)."""
+    if size > MAX_VALUE_BYTES:
+        raise ValueError(
+            f"{op} on rank {rank}: the value for {key!r} is {size:,} bytes, more than the "
+            f"{MAX_VALUE_BYTES:,} a TCPStore takes in one request; nothing was sent. Send "
+            "data this large as tensors (a device communicator), not as an object"
+        )
 
 
 class StoreRequest:
