@@ -33,7 +33,7 @@ from bridge_py.distributed.distribute.shm import ShmChannel, segment_name
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.wait import pid_namespace
-from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.harness import free_port, run_ranks, run_with_small_dev_shm
 
 SHM = Path("/dev/shm")
 TIMEOUT = 20.0  # barrier timeout of the gathers (StatelessProcessGroup) in the happy paths
@@ -459,3 +459,37 @@ def test_a_hostile_segment_is_refused_unread(kind: str, tmp_path: Path) -> None:
     assert re.match(expected, reader, re.DOTALL), reader
     # The reader unlinks what it read, and leaves alone a file it must not trust.
     assert writer == f"left: {kind == 'shared'}"
+
+
+def _no_room_job(rank: int, port: int) -> tuple[str, list[float]]:
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank=rank, world_size=2)
+    try:
+        with get_tensors_parallel(torch.full((1 << 20,), float(rank)), [0, 1], group) as got:
+            first = str([float(t[0]) for t in got])
+    except SharedMemoryError as exc:
+        first = str(exc)
+    with get_tensors_parallel(torch.full((4,), float(rank)), [0, 1], group) as got:
+        after = [float(t[0]) for t in got]
+    return first, after
+
+
+_NO_ROOM = """
+import json
+from tests.distributed.harness import free_port, run_ranks, run_with_small_dev_shm
+from tests.distributed.test_distribute import _no_room_job
+print(json.dumps(run_ranks(_no_room_job, 2, free_port(), timeout=60)))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_value_with_no_room_on_dev_shm_fails_clearly_and_the_next_gather_works() -> None:
+    # A 4 MiB tensor on a 3 MiB /dev/shm: the writer says which segment did not fit and
+    # why (it raised a bare "[Errno 28] No space left on device"), the reader that the
+    # value is missing; neither waits in vain, and the next gather (that fits) works.
+    done = run_with_small_dev_shm(_NO_ROOM, "3m", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (reader, after0), (writer, after1) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "of rank 1 is missing: its writer exited, or could not write it" in reader, reader
+    assert re.search(r"gather[0-9a-f]+r1': cannot write 41943\d\d bytes on /dev/shm", writer)
+    assert "No space left on device" in writer, writer
+    assert (after0, after1) == ([0.0, 1.0], [])

@@ -120,16 +120,18 @@ def open_value(
     ``take``: unlink the name once it is open, before anything is read (its one reader).
 
     Raises SharedMemoryError naming the segment (and ``whose`` it is, as " of rank 1") when
-    it cannot be opened (gone: did its writer exit?), is not a file of this user's that only
-    it may write (``shm.files``: refused before anything is read, and never unlinked), its
-    header is not a segment's (too short, another magic or layout version) or says it holds
-    another value, or the file is shorter than the value.
+    it cannot be opened (gone: its writer exited, or could not write it), is not a file of
+    this user's that only it may write (``shm.files``: refused before anything is read, and
+    never unlinked), its header is not a segment's (too short, another magic or layout
+    version) or says it holds another value, or the file is shorter than the value.
     """
     label = f"shared-memory segment {name!r}{whose}"
     try:
         fd = open_peer_file(os.path.join(SHM_DIR, name), os.O_RDWR)
     except FileNotFoundError:
-        raise SharedMemoryError(f"{label} is missing: did its writer exit?") from None
+        raise SharedMemoryError(
+            f"{label} is missing: its writer exited, or could not write it (is /dev/shm full?)"
+        ) from None
     except UntrustedFileError as exc:
         raise SharedMemoryError(f"{label} is refused: {exc.strerror}") from None
     except OSError as exc:
@@ -363,7 +365,9 @@ def write_once(name: str, parts: Sequence[Any]) -> None:
     objects) one after the other, for one reader that knows the name (:func:`read_once`).
 
     Closed on return: it lives on under its name until its reader (or :func:`remove`)
-    unlinks it. FileExistsError if the name is taken; on any other failure it is unlinked.
+    unlinks it. FileExistsError if the name is taken; on any other failure it is unlinked,
+    and a failure to write it (ENOSPC: ``/dev/shm`` has no room) is a SharedMemoryError
+    naming the segment and the size.
     """
     segment = create(name)
     try:
@@ -371,6 +375,13 @@ def write_once(name: str, parts: Sequence[Any]) -> None:
         for part in parts:
             at = write_at(segment.fd, memoryview(part).cast("B"), at)
         os.pwrite(segment.fd, _header(0, 0, at - start), 0)  # last: a reader sees it whole
+    except OSError as exc:
+        unlink(name)
+        size = sum(memoryview(part).nbytes for part in parts)
+        raise SharedMemoryError(
+            f"shared-memory segment {name!r}: cannot write {size} bytes on {SHM_DIR} "
+            f"({exc.strerror}); give {SHM_DIR} more space (docker run --shm-size)"
+        ) from exc
     except BaseException:
         unlink(name)
         raise
