@@ -176,8 +176,10 @@ defmodule Vllm.Distributed.MessageQueue do
   never torn) and `obj` was not sent if the interrupted message was an earlier one.
   Raises PeerGoneError when a reader it waits for has exited or closed its end,
   WaitCancelled ("cancelled") when it has to wait after `shutdown/2` (within
-  10 ms for a wait under way), and StateError on a reader's end, or before
-  `wait_until_ready/3` when there are remote readers.
+  10 ms for a wait under way), StateError on a reader's end, or before
+  `wait_until_ready/3` when there are remote readers, and SharedMemoryError when
+  `/dev/shm` has no room for the message (nothing of it is sent, and the queue goes
+  on: a smaller message may fit).
 
   ## Parameters
 
