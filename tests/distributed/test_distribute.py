@@ -493,3 +493,38 @@ def test_a_value_with_no_room_on_dev_shm_fails_clearly_and_the_next_gather_works
     assert re.search(r"gather[0-9a-f]+r1': cannot write 41943\d\d bytes on /dev/shm", writer)
     assert "No space left on device" in writer, writer
     assert (after0, after1) == ([0.0, 1.0], [])
+
+
+def _full_workspace_job(rank: int, port: int) -> tuple[str, list[int]]:
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank=rank, world_size=2)
+    config = {"rank": rank, "pad": "x" * (3 << 20)}
+    try:
+        with get_configs_parallel(config, [0, 1], group, "/dev/shm/ws") as got:
+            first = str([c["rank"] for c in got])
+    except (OSError, DistributedError) as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    with get_configs_parallel({"rank": rank}, [0, 1], group, "/dev/shm/ws") as got:
+        after = [c["rank"] for c in got]
+    return first, after
+
+
+_FULL_WORKSPACE = """
+import json
+from tests.distributed.harness import free_port, run_ranks
+from tests.distributed.test_distribute import _full_workspace_job
+print(json.dumps(run_ranks(_full_workspace_job, 2, free_port(), timeout=60)))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_full_workspace_names_the_file_that_did_not_fit() -> None:
+    # The workspace on a 2 MiB file system (here the namespace's own /dev/shm): the writer's
+    # OSError names its state file (it said only "No space left on device"), the reader's
+    # error that rank 1 left none; the next gather works.
+    done = run_with_small_dev_shm(_FULL_WORKSPACE, "2m", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (reader, after0), (writer, after1) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert reader.startswith("DistributedError: rank 1 left no state file in /dev/shm/ws/")
+    state_file = r"'/dev/shm/ws/bp[0-9a-f]+/rank_1_state.pth'"
+    assert re.fullmatch(r"OSError: \[Errno 28\] No space left on device: " + state_file, writer)
+    assert (after0, after1) == ([0, 1], [])

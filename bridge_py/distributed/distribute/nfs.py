@@ -55,7 +55,8 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Replace ``path`` by what ``write`` writes: readers see the old file or the new one,
-    whole (a temporary file in the same folder, fsynced, then renamed over ``path``)."""
+    whole (a temporary file in the same folder, fsynced, then renamed over ``path``).
+    An OSError names ``path`` (a full disk's says only "No space left on device")."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
@@ -63,9 +64,11 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     _fsync_dir(path.parent)
 
