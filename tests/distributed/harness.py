@@ -16,6 +16,7 @@ must be picklable: module-level functions of a test module.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import queue
@@ -29,7 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["free_port", "run_ranks", "run_with_small_dev_shm"]
+__all__ = ["free_port", "run_ranks", "run_ranks_with_small_dev_shm", "run_with_small_dev_shm"]
 
 _PRELOAD = ["torch.distributed", "bridge_py.distributed"]
 
@@ -176,6 +177,23 @@ def run_with_small_dev_shm(
     return subprocess.run(
         [*command, script], capture_output=True, text=True, timeout=timeout, cwd=root
     )
+
+
+def run_ranks_with_small_dev_shm(
+    target: Callable[..., Any], world_size: int, size: str, timeout: float = 120.0
+) -> list[Any]:
+    """:func:`run_ranks` of ``target(rank, port)`` (a module-level function of a test
+    module, whose results are JSON) inside :func:`run_with_small_dev_shm`: the ranks'
+    results, in rank order (the test fails with the output if the run does)."""
+    script = (
+        "import json\n"
+        "from tests.distributed.harness import free_port, run_ranks\n"
+        f"from {target.__module__} import {target.__name__} as target\n"
+        f"print(json.dumps(run_ranks(target, {world_size}, free_port(), timeout={timeout / 2})))"
+    )
+    done = run_with_small_dev_shm(script, size, timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def late_barrier(group: Any, late: bool, delay: float, timeout: float) -> dict:

@@ -33,7 +33,7 @@ from bridge_py.distributed.distribute.shm import ShmChannel, segment_name
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.wait import pid_namespace
-from tests.distributed.harness import free_port, run_ranks, run_with_small_dev_shm
+from tests.distributed.harness import free_port, run_ranks, run_ranks_with_small_dev_shm
 
 SHM = Path("/dev/shm")
 TIMEOUT = 20.0  # barrier timeout of the gathers (StatelessProcessGroup) in the happy paths
@@ -473,22 +473,12 @@ def _no_room_job(rank: int, port: int) -> tuple[str, list[float]]:
     return first, after
 
 
-_NO_ROOM = """
-import json
-from tests.distributed.harness import free_port, run_ranks, run_with_small_dev_shm
-from tests.distributed.test_distribute import _no_room_job
-print(json.dumps(run_ranks(_no_room_job, 2, free_port(), timeout=60)))
-"""
-
-
 @pytest.mark.timeout(150)
 def test_a_value_with_no_room_on_dev_shm_fails_clearly_and_the_next_gather_works() -> None:
     # A 4 MiB tensor on a 3 MiB /dev/shm: the writer says which segment did not fit and
     # why (it raised a bare "[Errno 28] No space left on device"), the reader that the
     # value is missing; neither waits in vain, and the next gather (that fits) works.
-    done = run_with_small_dev_shm(_NO_ROOM, "3m", timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (reader, after0), (writer, after1) = json.loads(done.stdout.strip().splitlines()[-1])
+    (reader, after0), (writer, after1) = run_ranks_with_small_dev_shm(_no_room_job, 2, "3m")
     assert "of rank 1 is missing: its writer exited, or could not write it" in reader, reader
     assert re.search(r"gather[0-9a-f]+r1': cannot write 41943\d\d bytes on /dev/shm", writer)
     assert "No space left on device" in writer, writer
@@ -508,22 +498,12 @@ def _full_workspace_job(rank: int, port: int) -> tuple[str, list[int]]:
     return first, after
 
 
-_FULL_WORKSPACE = """
-import json
-from tests.distributed.harness import free_port, run_ranks
-from tests.distributed.test_distribute import _full_workspace_job
-print(json.dumps(run_ranks(_full_workspace_job, 2, free_port(), timeout=60)))
-"""
-
-
 @pytest.mark.timeout(150)
 def test_a_full_workspace_names_the_file_that_did_not_fit() -> None:
     # The workspace on a 2 MiB file system (here the namespace's own /dev/shm): the writer's
     # OSError names its state file (it said only "No space left on device"), the reader's
     # error that rank 1 left none; the next gather works.
-    done = run_with_small_dev_shm(_FULL_WORKSPACE, "2m", timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (reader, after0), (writer, after1) = json.loads(done.stdout.strip().splitlines()[-1])
+    (reader, after0), (writer, after1) = run_ranks_with_small_dev_shm(_full_workspace_job, 2, "2m")
     assert reader.startswith("DistributedError: rank 1 left no state file in /dev/shm/ws/")
     state_file = r"'/dev/shm/ws/bp[0-9a-f]+/rank_1_state.pth'"
     assert re.fullmatch(r"OSError: \[Errno 28\] No space left on device: " + state_file, writer)
