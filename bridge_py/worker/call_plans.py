@@ -7,10 +7,10 @@ and looking up the method cost more than the rest of a small call, all to get th
 answer as last time. So once a call has gone the full way and succeeded, the dispatcher
 keeps a plan for it under the key :func:`split_call` finds in the request's bytes (its
 session, its operation and what it names: a handle and a method, a function, a handle
-and an attribute). The next request with the same key is
-read as that key, its id, its deadline and its argument bytes, and a dictionary lookup
-(``Dispatcher.admit``); the plan's ``run`` decodes and checks the arguments as the full
-way does, and makes the call. Its reply starts with the request's own id field.
+and an attribute). The next request with the same key is read as that key, its id, its
+deadline and its argument bytes, and a dictionary lookup (``Dispatcher.admit``); the
+plan's ``run`` decodes and checks the arguments as the full way does, and makes the
+call. Its reply starts with the request's own id field.
 
 A plan is only as good as the registry it was made from: every release moves the
 registry's ``epoch``, and a plan made under another epoch is not used (the call takes

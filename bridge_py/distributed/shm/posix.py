@@ -81,7 +81,7 @@ def create(name: str, size: int, *, tracked: bool = True, reserve: int | None = 
     with the memory of its first ``reserve`` bytes (None: all of it) taken now.
 
     A store through the mapping into memory /dev/shm cannot give kills the process
-    (SIGBUS), so whatever is written that way must be reserved first (:func:`reserve`).
+    (SIGBUS), so whatever is written that way must be taken first (:func:`reserve_memory`).
     Raises SharedMemoryError naming the segment when /dev/shm has no room for it.
     """
     path = f"{SHM_DIR}/{name}"
