@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
+import resource
 import time
 from collections import deque
 
@@ -11,6 +15,7 @@ import torch
 from torch.distributed import HashStore
 
 from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.errors import GroupTimeout
 from bridge_py.distributed.spg import keys
 from tests.distributed.harness import (
     TRANSPORTS,
@@ -363,3 +368,32 @@ def test_a_value_too_large_for_the_store_is_refused_and_the_group_goes_on() -> N
     assert first["broadcast"] == second["broadcast"] == "small"
     assert second["recv"] == "hi"
     assert first["gather"] == second["gather"] == [0, 1]
+
+
+def _out_of_descriptors(rank: int, port: int) -> str:
+    group = _create(rank, port, 2, "shm")
+    message = ""
+    if rank == 0:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+        filler = []
+        with contextlib.suppress(OSError):
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        try:
+            group.recv_obj(1, timeout=0.5)
+        except GroupTimeout as exc:
+            message = str(exc)
+        for fd in filler:
+            os.close(fd)
+    group.barrier(timeout=30)  # the group goes on
+    return message
+
+
+def test_a_wait_that_times_out_says_when_the_process_is_out_of_descriptors() -> None:
+    # Out of file descriptors, rank 0's store server cannot accept the other ranks, and a
+    # rank cannot connect: that looked like ranks that never came, and said nothing more.
+    message = run_ranks(_out_of_descriptors, 2, free_port(), timeout=60)[0]
+    assert message.startswith("recv_obj on rank 0 timed out after"), message
+    assert re.search(r"this process has (\d+) of its 256 file descriptors open", message)

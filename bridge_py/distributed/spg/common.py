@@ -9,6 +9,9 @@ went away). Each names the operation, this rank, the rank(s) waited for and what
 
 from __future__ import annotations
 
+import errno
+import os
+import resource
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -34,7 +37,26 @@ def timed_out(
         awaited = f"the values of ranks {src} ({what}): they did not call {op} (did they exit"
     return GroupTimeout(
         f"{op} on rank {rank} timed out after {time.monotonic() - start:.1f} s (timeout "
-        f"{limit:g} s) waiting for {awaited}, or call something else?)"
+        f"{limit:g} s) waiting for {awaited}, or call something else?){_descriptors()}"
+    )
+
+
+def _descriptors() -> str:
+    """What to add to a wait's error when this process is out of file descriptors (or all
+    but out): a store server (rank 0's) that cannot accept looks like ranks that never came,
+    and a rank that cannot connect like a store that is gone. Empty otherwise."""
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1  # (less the listing's own)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            return ""  # no /proc: nothing to say
+        used = soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or used < soft - 8:
+        return ""
+    return (
+        f"; this process has {used} of its {soft} file descriptors open (RLIMIT_NOFILE), "
+        "so it may not be able to accept or open the connections its group needs"
     )
 
 
@@ -53,7 +75,7 @@ def lost(op: str, rank: int, what: str, src: int, start: float, exc: Exception) 
     return StoreError(
         f"{op} on rank {rank} lost the store after {time.monotonic() - start:.1f} s while "
         f"waiting for {what}{source} (did rank 0, which serves the store, exit?): "
-        f"{first_line(exc)}"
+        f"{first_line(exc)}{_descriptors()}"
     )
 
 
