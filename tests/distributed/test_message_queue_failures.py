@@ -512,6 +512,16 @@ out["intact"] = [reader.dequeue(timeout=10) == m for m in messages[:sent]]
 writer.enqueue("small", timeout=10)
 writer.enqueue(b"x" * 1000, timeout=10)
 out["after"] = [reader.dequeue(timeout=10) == "small", reader.dequeue(timeout=10) == b"x" * 1000]
+# vLLM's raw API of the ring: the writer's chunk views and writes take memory first too.
+ring = writer.buffer
+for name, call in (
+    ("write_chunk", lambda: ring.write_chunk(9, 900_000, 0, memoryview(bytes(900_000)))),
+    ("get_data", lambda: ring.get_data(8).__enter__()),
+):
+    try:
+        call()
+    except SharedMemoryError as exc:
+        out[name] = str(exc)
 reader.close()
 writer.close()
 print(json.dumps(out))
@@ -530,6 +540,8 @@ def test_a_full_dev_shm_is_an_error_and_the_queue_goes_on() -> None:
     assert "no room on /dev/shm for part 0" in out["enqueue"], out
     assert 0 < out["sent"] < 9 and out["intact"] == [True] * out["sent"], out
     assert out["after"] == [True, True], out
+    assert "no room on /dev/shm for a 900000-byte part" in out["write_chunk"], out
+    assert "no room on /dev/shm for a whole chunk" in out["get_data"], out
 
 
 _FULL_SHM_PROBE = """

@@ -188,7 +188,10 @@ class ShmRingBuffer:
 
     @contextlib.contextmanager
     def get_data(self, current_idx: int) -> Iterator[memoryview]:
-        """A view of chunk ``current_idx`` (its 16-byte part header included)."""
+        """A view of chunk ``current_idx`` (its 16-byte part header included); the writer's
+        has its memory taken first (SharedMemoryError when ``/dev/shm`` has no room)."""
+        if self.is_creator:
+            self._take_memory(current_idx, self.max_chunk_bytes, "a whole chunk")
         start = self.data_offset + current_idx * self.max_chunk_bytes
         with self._buf[start : start + self.max_chunk_bytes] as view:
             yield view
@@ -234,13 +237,22 @@ class ShmRingBuffer:
             idx = (self.current_idx + j) % self.max_chunks
             need = CHUNK_HEADER_BYTES + min(part_bytes, total - j * part_bytes)
             if need > reserved[idx]:
-                start = self.data_offset + idx * self.max_chunk_bytes
-                what = f"part {j} ({need} bytes) of a {total}-byte message"
-                posix.reserve_memory(self.shared_memory, start, need, what)
-                reserved[idx] = need
+                self._take_memory(idx, need, f"part {j} ({need} bytes) of a {total}-byte message")
+
+    def _take_memory(self, idx: int, need: int, what: str) -> None:
+        """Take the memory of the first ``need`` bytes of chunk ``idx`` (``what`` they are
+        for, in the error), unless taken already."""
+        if need > self._reserved[idx]:
+            start = self.data_offset + idx * self.max_chunk_bytes
+            posix.reserve_memory(self.shared_memory, start, need, what)
+            self._reserved[idx] = need
 
     def write_chunk(self, idx: int, total: int, part: int, payload: memoryview) -> None:
-        """Fill free chunk ``idx`` with one part of a message and publish it to the readers."""
+        """Fill free chunk ``idx`` with one part of a message and publish it to the readers
+        (its memory taken first, if :meth:`reserve` has not: SharedMemoryError when
+        ``/dev/shm`` has no room, and the chunk is left as it was)."""
+        if CHUNK_HEADER_BYTES + len(payload) > self._reserved[idx]:
+            self._take_memory(idx, CHUNK_HEADER_BYTES + len(payload), f"a {len(payload)}-byte part")
         at = self._flags(idx)
         buf = self._buf
         buf[at] = 0  # not written while we fill it
