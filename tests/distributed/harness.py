@@ -16,6 +16,7 @@ must be picklable: module-level functions of a test module.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["free_port", "run_ranks", "run_ranks_with_small_dev_shm", "run_with_small_dev_shm"]
+__all__ = ["call_with_small_dev_shm", "free_port", "run_ranks", "run_ranks_with_small_dev_shm"]
 
 _PRELOAD = ["torch.distributed", "bridge_py.distributed"]
 
@@ -157,13 +158,15 @@ def run_ranks(
     return [done[rank] for rank in ranks]
 
 
-def run_with_small_dev_shm(
-    script: str, size: str, timeout: float = 90.0
-) -> subprocess.CompletedProcess[str]:
-    """Run the Python ``script`` (from the repository's root) in a mount namespace of its
-    own whose ``/dev/shm`` is an empty tmpfs of ``size`` (as ``mount -o size=`` takes it:
-    a container's small /dev/shm); killed after ``timeout`` seconds. Skips the test where
-    this machine cannot make one (``unshare`` and ``mount`` need root)."""
+def call_with_small_dev_shm(
+    size: str, target: Callable[..., Any], *args: Any, timeout: float = 120.0
+) -> Any:
+    """``target(*args)`` (a module-level function of a test module; arguments and result
+    JSON) in a fresh Python process, in a mount namespace of its own whose ``/dev/shm`` is
+    an empty tmpfs of ``size`` (as ``mount -o size=`` takes it: a container's small
+    /dev/shm); killed after ``timeout`` seconds. The test fails with the process's output
+    if it does not print a result, and is skipped where this machine cannot make such a
+    namespace (``unshare`` and ``mount`` need root)."""
     import pytest  # (the harness is imported by children too, which need no pytest)
 
     if shutil.which("unshare") is None or os.geteuid() != 0:
@@ -173,27 +176,32 @@ def run_with_small_dev_shm(
     probe = subprocess.run([*command, "pass"], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a small /dev/shm here: {probe.stderr.strip()}")
+    script = (
+        "import json\n"
+        f"from {target.__module__} import {target.__name__} as target\n"
+        f"print(json.dumps(target(*json.loads({json.dumps(json.dumps(args))}))))"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return subprocess.run(
+    done = subprocess.run(
         [*command, script], capture_output=True, text=True, timeout=timeout, cwd=root
     )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_ranks_with_small_dev_shm(
     target: Callable[..., Any], world_size: int, size: str, timeout: float = 120.0
 ) -> list[Any]:
-    """:func:`run_ranks` of ``target(rank, port)`` (a module-level function of a test
-    module, whose results are JSON) inside :func:`run_with_small_dev_shm`: the ranks'
-    results, in rank order (the test fails with the output if the run does)."""
-    script = (
-        "import json\n"
-        "from tests.distributed.harness import free_port, run_ranks\n"
-        f"from {target.__module__} import {target.__name__} as target\n"
-        f"print(json.dumps(run_ranks(target, {world_size}, free_port(), timeout={timeout / 2})))"
-    )
-    done = run_with_small_dev_shm(script, size, timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """:func:`run_ranks` of ``target(rank, port)`` (module-level; JSON results) inside
+    :func:`call_with_small_dev_shm`: the ranks' results, in rank order."""
+    where = (target.__module__, target.__name__, world_size, timeout / 2)
+    return call_with_small_dev_shm(size, _ranks_here, *where, timeout=timeout)
+
+
+def _ranks_here(module: str, name: str, world_size: int, timeout: float) -> list[Any]:
+    """:func:`run_ranks` of ``module.name`` on a port free in this process's namespace."""
+    target = getattr(importlib.import_module(module), name)
+    return run_ranks(target, world_size, free_port(), timeout=timeout)
 
 
 def late_barrier(group: Any, late: bool, delay: float, timeout: float) -> dict:

@@ -70,8 +70,10 @@ def _check_dtype(g: GroupCoordinator, dtype: torch.dtype) -> None:
     given = mine.clone()
     summed = g.all_reduce(given)
     same(summed, total(inputs), f"all_reduce {dtype}")
-    if summed is not given:  # a dtype summed in a wider one: the input is left alone
-        assert dtype in (torch.bool, torch.int16), f"all_reduce {dtype}: not in place"
+    # into the input, but for a dtype summed in a wider one (whose input is left alone)
+    widened = dtype in (torch.bool, torch.int16)
+    assert (summed is given) != widened, f"all_reduce {dtype}: in place is {not widened}"
+    if widened:
         assert torch.equal(given, mine), f"all_reduce {dtype}: the input was modified"
     # a view that is not contiguous gets a new tensor and keeps its values
     view = mine.clone().t()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import multiprocessing
 import os
@@ -34,7 +33,7 @@ from bridge_py.distributed.device_communicators.shm_ring import CHUNK
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.shm import segments, wait
-from tests.distributed.harness import free_port, run_ranks, run_with_small_dev_shm
+from tests.distributed.harness import call_with_small_dev_shm, free_port, run_ranks
 from tests.distributed.test_message_queue import orphaned_segments
 
 TIMEOUT = 30.0
@@ -482,50 +481,50 @@ def test_a_writer_that_sends_no_handle_is_reported() -> None:
     )
 
 
-# Run in a mount namespace of its own, over a 6 MiB /dev/shm: a MessageQueue's ring of ten
-# 1 MiB chunks does not fit in it, and its header region (4,000,000 chunks' flags) neither.
-_SMALL_SHM_SCRIPT = """
-import json
-from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-from bridge_py.distributed.errors import SharedMemoryError
-
-out = {}
-try:
-    MessageQueue(1, 1, max_chunk_bytes=64, max_chunks=4_000_000)
-except SharedMemoryError as exc:
-    out["create"] = str(exc)
-writer = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=10)
-reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
-writer.wait_until_ready(10)
-reader.wait_until_ready(10)
-messages = [bytes([i]) * 900_000 for i in range(9)]
-sent = 0
-try:
-    for message in messages:
-        writer.enqueue(message, timeout=10)
-        sent += 1
-except SharedMemoryError as exc:
-    out["enqueue"] = str(exc)
-out["sent"] = sent
-out["intact"] = [reader.dequeue(timeout=10) == m for m in messages[:sent]]
-# The queue goes on with messages that fit.
-writer.enqueue("small", timeout=10)
-writer.enqueue(b"x" * 1000, timeout=10)
-out["after"] = [reader.dequeue(timeout=10) == "small", reader.dequeue(timeout=10) == b"x" * 1000]
-# vLLM's raw API of the ring: the writer's chunk views and writes take memory first too.
-ring = writer.buffer
-for name, call in (
-    ("write_chunk", lambda: ring.write_chunk(9, 900_000, 0, memoryview(bytes(900_000)))),
-    ("get_data", lambda: ring.get_data(8).__enter__()),
-):
+def _queue_on_a_small_dev_shm() -> dict:
+    """In a 6 MiB /dev/shm: a queue whose header region (4,000,000 chunks' flags) does not
+    fit, then one whose ring of ten 1 MiB chunks does not."""
+    out: dict = {}
     try:
-        call()
+        MessageQueue(1, 1, max_chunk_bytes=64, max_chunks=4_000_000)
     except SharedMemoryError as exc:
-        out[name] = str(exc)
-reader.close()
-writer.close()
-print(json.dumps(out))
-"""
+        out["create"] = str(exc)
+    writer = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=10)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready(10)
+    reader.wait_until_ready(10)
+    messages = [bytes([i]) * 900_000 for i in range(9)]
+    sent = 0
+    try:
+        for message in messages:
+            writer.enqueue(message, timeout=10)
+            sent += 1
+    except SharedMemoryError as exc:
+        out["enqueue"] = str(exc)
+    out["sent"] = sent
+    out["intact"] = [reader.dequeue(timeout=10) == m for m in messages[:sent]]
+    # The queue goes on with messages that fit.
+    writer.enqueue("small", timeout=10)
+    writer.enqueue(b"x" * 1000, timeout=10)
+    out["after"] = [
+        reader.dequeue(timeout=10) == "small",
+        reader.dequeue(timeout=10) == b"x" * 1000,
+    ]
+    # vLLM's raw API of the ring: the writer's chunk writes and views take memory first too.
+    ring = writer.buffer
+    assert ring is not None
+    try:
+        ring.write_chunk(9, 900_000, 0, memoryview(bytes(900_000)))
+    except SharedMemoryError as exc:
+        out["write_chunk"] = str(exc)
+    try:
+        with ring.get_data(8):
+            pass
+    except SharedMemoryError as exc:
+        out["get_data"] = str(exc)
+    reader.close()
+    writer.close()
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -533,9 +532,7 @@ def test_a_full_dev_shm_is_an_error_and_the_queue_goes_on() -> None:
     # Without its memory taken first, the fifth message's store into the mapping is a
     # SIGBUS that kills the process (a container's 64 MiB /dev/shm against vLLM's 240 MiB
     # ring): here it is a SharedMemoryError, with nothing of that message sent.
-    done = run_with_small_dev_shm(_SMALL_SHM_SCRIPT, "6m")
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = call_with_small_dev_shm("6m", _queue_on_a_small_dev_shm)
     assert "no room on /dev/shm" in out["create"], out
     assert "no room on /dev/shm for part 0" in out["enqueue"], out
     assert 0 < out["sent"] < 9 and out["intact"] == [True] * out["sent"], out
@@ -544,29 +541,16 @@ def test_a_full_dev_shm_is_an_error_and_the_queue_goes_on() -> None:
     assert "no room on /dev/shm for a whole chunk" in out["get_data"], out
 
 
-_FULL_SHM_PROBE = """
-import json, socket
-from bridge_py.distributed import StatelessProcessGroup
-from bridge_py.distributed.groups.node import same_node_as
-
-with open("/dev/shm/filler", "wb", buffering=0) as filler:  # /dev/shm full
-    try:
+def _probe_on_a_full_dev_shm() -> list[bool]:
+    # /dev/shm full
+    with open("/dev/shm/filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
         while True:
             filler.write(bytes(65536))
-    except OSError:
-        pass
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-port = s.getsockname()[1]
-s.close()
-print(json.dumps(same_node_as(StatelessProcessGroup.create("127.0.0.1", port, 0, 1), 0)))
-"""
+    return same_node_as(StatelessProcessGroup.create("127.0.0.1", free_port(), 0, 1), 0)
 
 
 @pytest.mark.timeout(120)
 def test_the_same_node_probe_answers_on_a_full_dev_shm() -> None:
     # The probe a MessageQueue (and GroupCoordinator) asks before it makes a ring: with no
     # room for it, the rank that makes it shares memory with nobody but itself.
-    done = run_with_small_dev_shm(_FULL_SHM_PROBE, "1m")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True]
+    assert call_with_small_dev_shm("1m", _probe_on_a_full_dev_shm) == [True]

@@ -33,7 +33,17 @@ from multiprocessing import resource_tracker
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR, open_peer_file
 
-__all__ = ["Attached", "Segment", "attach", "create", "fileno", "reserve_memory", "unlink", "view"]
+__all__ = [
+    "Attached",
+    "Segment",
+    "attach",
+    "create",
+    "fileno",
+    "no_room",
+    "reserve_memory",
+    "unlink",
+    "view",
+]
 
 
 class Segment:
@@ -128,11 +138,17 @@ def reserve_memory(segment: Segment, offset: int, length: int, what: str = "") -
     try:
         os.posix_fallocate(segment.fileno(), offset, length)
     except OSError as exc:
-        raise SharedMemoryError(
-            f"shared-memory segment {segment.name!r}: no room on {SHM_DIR} for "
-            f"{what or f'{length} bytes'} ({exc.strerror}); give {SHM_DIR} more space "
-            "(docker run --shm-size) or use smaller buffers"
-        ) from None
+        what = f"no room on {SHM_DIR} for {what or f'{length} bytes'}"
+        raise no_room(segment.name, what, exc) from None
+
+
+def no_room(name: str, what: str, exc: OSError) -> SharedMemoryError:
+    """The error of segment ``name`` for which ``/dev/shm`` had no room: ``what`` failed
+    (and ``exc``, the system's error, says how), with what the user can do about it."""
+    return SharedMemoryError(
+        f"shared-memory segment {name!r}: {what} ({exc.strerror}); give {SHM_DIR} more "
+        "space (docker run --shm-size) or use smaller buffers"
+    )
 
 
 def fileno(segment: Segment) -> int:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge_py.distributed.errors import SharedMemoryError
+from bridge_py.distributed.shm import posix
 from bridge_py.distributed.shm.files import SHM_DIR, UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.wait import pid_namespace, process_alive
@@ -378,10 +379,7 @@ def write_once(name: str, parts: Sequence[Any]) -> None:
     except OSError as exc:
         unlink(name)
         size = sum(memoryview(part).nbytes for part in parts)
-        raise SharedMemoryError(
-            f"shared-memory segment {name!r}: cannot write {size} bytes on {SHM_DIR} "
-            f"({exc.strerror}); give {SHM_DIR} more space (docker run --shm-size)"
-        ) from exc
+        raise posix.no_room(name, f"cannot write {size} bytes on {SHM_DIR}", exc) from exc
     except BaseException:
         unlink(name)
         raise
