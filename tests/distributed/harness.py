@@ -16,6 +16,7 @@ must be picklable: module-level functions of a test module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import multiprocessing
@@ -169,13 +170,11 @@ def call_with_small_dev_shm(
     namespace (``unshare`` and ``mount`` need root)."""
     import pytest  # (the harness is imported by children too, which need no pytest)
 
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs unshare and root, to give a process a small /dev/shm of its own")
+    why_not = _no_small_dev_shm()
+    if why_not:
+        pytest.skip(why_not)
     shell = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c "$0"'
     command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell]
-    probe = subprocess.run([*command, "pass"], capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a small /dev/shm here: {probe.stderr.strip()}")
     script = (
         "import json\n"
         f"from {target.__module__} import {target.__name__} as target\n"
@@ -187,6 +186,20 @@ def call_with_small_dev_shm(
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def _no_small_dev_shm() -> str:
+    """Why this machine cannot give a process a small /dev/shm of its own ("" if it can);
+    asked once per test session."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return "needs unshare and root, to give a process a small /dev/shm of its own"
+    mount = "mount -t tmpfs -o size=1m tmpfs /dev/shm"
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+    probe = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"cannot mount a small /dev/shm here: {probe.stderr.strip()}"
+    return ""
 
 
 def run_ranks_with_small_dev_shm(

@@ -12,12 +12,20 @@ from bridge_py.worker.transports.polling_input import PollingInput
 from bridge_py.worker.transports.spin_policy import SpinPolicy
 
 
-def _run(policy: SpinPolicy, waits: int, spin_wait: float, sleep_wait: float) -> int:
-    """Feed ``waits`` waits, each as long as the current mode takes; count those spent spinning."""
+def _run(
+    policy: SpinPolicy, waits: int, spin_wait: float, sleep_wait: float, pause_every: int = 0
+) -> int:
+    """Feed ``waits`` waits, each as long as the current mode takes (but every
+    ``pause_every``-th spinning one, a pause of the caller of 0.6 ms, under IDLE); count
+    those spent spinning."""
     spun = 0
     for _ in range(waits):
-        spun += policy.spinning
-        policy.record(spin_wait if policy.spinning else sleep_wait)
+        if policy.spinning:
+            spun += 1
+            paused = pause_every and spun % pause_every == 0
+            policy.record(0.6e-3 if paused else spin_wait)
+        else:
+            policy.record(sleep_wait)
     return spun
 
 
@@ -66,13 +74,7 @@ def test_short_pauses_of_the_caller_do_not_decide() -> None:
     # land in whichever mode's window is being measured; two of 0.6 ms in a window of 32
     # turnarounds of 15 us would triple its mean, and make sleeping (40 us) look faster.
     policy = SpinPolicy()
-    spun = 0
-    for _ in range(100_000):
-        if policy.spinning:
-            spun += 1
-            policy.record(0.6e-3 if spun % 16 == 0 else 15e-6)
-        else:
-            policy.record(40e-6)
+    spun = _run(policy, 100_000, spin_wait=15e-6, sleep_wait=40e-6, pause_every=16)
     assert policy.spinning
     assert policy.estimates == {True: pytest.approx(15e-6), False: pytest.approx(40e-6)}
     assert 100_000 - spun < 100_000 / 200

@@ -26,6 +26,7 @@ writer's segment from under everyone else.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from multiprocessing import resource_tracker
@@ -131,13 +132,16 @@ def reserve_memory(segment: Segment, offset: int, length: int, what: str = "") -
     through the mapping there cannot fail (memory taken once stays until the segment goes).
 
     Raises SharedMemoryError naming the segment and ``what`` did not fit (default: the
-    bytes) when /dev/shm has no room (ENOSPC: it is full, or smaller than it must be).
+    bytes) when /dev/shm has no room (ENOSPC: it is full, or smaller than it must be);
+    any other OSError as it is.
     """
     if length <= 0:
         return
     try:
         os.posix_fallocate(segment.fileno(), offset, length)
     except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
         what = f"no room on {SHM_DIR} for {what or f'{length} bytes'}"
         raise no_room(segment.name, what, exc) from None
 

@@ -44,6 +44,7 @@ before anything is read from it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -378,6 +379,8 @@ def write_once(name: str, parts: Sequence[Any]) -> None:
         os.pwrite(segment.fd, _header(0, 0, at - start), 0)  # last: a reader sees it whole
     except OSError as exc:
         unlink(name)
+        if exc.errno != errno.ENOSPC:
+            raise
         size = sum(memoryview(part).nbytes for part in parts)
         raise posix.no_room(name, f"cannot write {size} bytes on {SHM_DIR}", exc) from exc
     except BaseException:
