@@ -45,6 +45,7 @@ defmodule Bench.Calls do
   @pool Bench.CallsPool
   @no_spin_pool Bench.CallsPoolNoSpin
   @always_spin_pool Bench.CallsPoolAlwaysSpin
+  @caller_sleeps_pool Bench.CallsPoolCallerSleeps
   @dist_pool Bench.CallsPoolDistributed
 
   def run do
@@ -60,6 +61,9 @@ defmodule Bench.Calls do
           # between.
           pool_spec(@no_spin_pool, sample ++ ["--spin-us", "0"]),
           pool_spec(@always_spin_pool, sample ++ ["--spin-us", "200"]),
+          # The default worker, its callers sleeping at once in `receive` (no
+          # :reply_spin_us): what the caller's look for its reply is worth.
+          pool_spec(@caller_sleeps_pool, sample, reply_spin_us: 0),
           # The shipped export table, called through the generated modules.
           pool_spec(@dist_pool, [])
         ],
@@ -67,7 +71,13 @@ defmodule Bench.Calls do
       )
 
     counters =
-      Map.new([ours: @pool, no_spin: @no_spin_pool, always_spin: @always_spin_pool], fn {k, pool} ->
+      [
+        ours: @pool,
+        no_spin: @no_spin_pool,
+        always_spin: @always_spin_pool,
+        caller_sleeps: @caller_sleeps_pool
+      ]
+      |> Map.new(fn {k, pool} ->
         {:ok, counter} = Runtime.call_class("Counter", [], __runtime__: [pool: pool])
         {k, counter}
       end)
@@ -106,8 +116,8 @@ defmodule Bench.Calls do
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
   end
 
-  defp pool_spec(name, args) do
-    Supervisor.child_spec({Pool, name: name, size: 1, args: args}, id: name)
+  defp pool_spec(name, args, opts \\ []) do
+    Supervisor.child_spec({Pool, [name: name, size: 1, args: args] ++ opts}, id: name)
   end
 
   ## 1. sequential latency --------------------------------------------------------
@@ -119,7 +129,7 @@ defmodule Bench.Calls do
   defp latency(quick, ctx) do
     {rounds, n} = if quick, do: {2, 5}, else: {20, 250}
     %{counters: counters, group: group, echo: echo, spin_echo: spin_echo} = ctx
-    spin_kinds = [:ours, :no_spin, :always_spin]
+    spin_kinds = [:ours, :no_spin, :always_spin, :caller_sleeps]
 
     steps = fn ->
       Enum.map(spin_kinds, fn k -> {k, fn n -> ours_batch(counters[k], n) end} end) ++
@@ -131,6 +141,7 @@ defmodule Bench.Calls do
           {:refs, fn n -> refs_batch(counters.ours, n) end},
           {:ping, fn n -> ping_batch(n) end},
           {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
+          {:looking_echo, fn n -> echo_batch(echo, ctx.frame, n, 50) end},
           {:spin_echo, fn n -> echo_batch(spin_echo, ctx.frame, n) end},
           {:hop, fn n -> hop_batch(ctx.router, ctx.frame, n) end},
           {:bare, fn n -> bare_batch(ctx.bare, n) end},
@@ -216,6 +227,20 @@ defmodule Bench.Calls do
         p50.always_spin,
         "the same call, worker that always spins (--spin-us 200)",
         at_most: 1.05
+      ),
+      Bench.time_row(
+        @bench,
+        "#{what}, p50",
+        p50.ours,
+        p50.caller_sleeps,
+        "the same call, callers that sleep at once (reply_spin_us: 0)"
+      ),
+      Bench.time_row(
+        @bench,
+        "#{what}, p50",
+        p50.ours,
+        p50.looking_echo,
+        "raw port echo, its caller looking for the reply for 50 us as ours do"
       ),
       Bench.time_row(
         @bench,
@@ -310,9 +335,9 @@ defmodule Bench.Calls do
     end
   end
 
-  defp echo_batch(echo, frame, n) do
+  defp echo_batch(echo, frame, n, spin_us \\ 0) do
     for _ <- 1..n do
-      {us, data} = Bench.tc(fn -> Bench.echo(echo, frame) end)
+      {us, data} = Bench.tc(fn -> Bench.echo(echo, frame, 60_000, spin_us) end)
       Bench.check!(data == frame, "the echo differs")
       us
     end

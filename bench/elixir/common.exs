@@ -189,14 +189,35 @@ defmodule Bench do
   @doc "The raw peer: a Port to bench/python/echo_port.py, owned by the caller."
   def open_echo, do: open_python(["bench/python/echo_port.py"])
 
-  def echo(port, frame, timeout \\ 60_000) do
+  @doc """
+  Writes `frame` to `port` and waits for the frame it sends back. With `spin_us`,
+  the caller first looks for it for that many microseconds, yielding in between,
+  as a runtime caller does (`:reply_spin_us`, "Waiting for a reply" in
+  `VllmBridge.Worker`).
+  """
+  def echo(port, frame, timeout \\ 60_000, spin_us \\ 0) do
     Port.command(port, frame)
+    until = if spin_us > 0, do: :erlang.monotonic_time(:microsecond) + spin_us
+    await_echo(port, timeout, until)
+  end
 
+  defp await_echo(port, timeout, until) do
     receive do
       {^port, {:data, data}} -> data
       {^port, {:exit_status, s}} -> raise "echo_port.py exited with status #{s}"
     after
-      timeout -> raise "no echo within #{timeout} ms"
+      if(until, do: 0, else: timeout) ->
+        cond do
+          until == nil ->
+            raise "no echo within #{timeout} ms"
+
+          :erlang.monotonic_time(:microsecond) < until ->
+            :erlang.yield()
+            await_echo(port, timeout, until)
+
+          true ->
+            await_echo(port, timeout, nil)
+        end
     end
   end
 

@@ -104,6 +104,10 @@ defmodule VllmBridge.Pool do
     * `:backoff_min`, `:backoff_max` - ms before a worker starts Python again
       after a failed start, doubled per failure in a row (defaults 500 and
       30_000)
+    * `:reply_spin_us` - how long, in microseconds, a caller keeps looking
+      for its reply before it sleeps, while its call is the only one in
+      flight on its worker (default 50, at most 1000; `0`: never; see "Waiting for a reply"
+      in `VllmBridge.Worker`)
     * `:startup_timeout` - ms `start_link/1` waits for every worker's Python
       to answer (default `#{@startup_timeout}`; `:infinity` allowed)
 
@@ -136,6 +140,9 @@ defmodule VllmBridge.Pool do
 
       (lifecycle = Worker.check_lifecycle_options(opts)) != :ok ->
         lifecycle
+
+      (calls = Worker.check_call_options(opts)) != :ok ->
+        calls
 
       not startup_timeout?(startup) ->
         {:error,
@@ -228,7 +235,8 @@ defmodule VllmBridge.Pool do
         :max_calls,
         :max_memory_mb,
         :backoff_min,
-        :backoff_max
+        :backoff_max,
+        :reply_spin_us
       ])
 
     workers =

@@ -33,6 +33,26 @@ defmodule VllmBridge.Worker do
   runs on its own thread while later requests are answered), so any number of
   requests can be in flight on one worker, and each caller gets its own reply.
 
+  ## Waiting for a reply
+
+  A caller that writes to the channel, while its call is the only one in
+  flight on this worker, looks for its reply for up to `:reply_spin_us`
+  microseconds (default 50), letting every other process of its scheduler
+  run in between, before it sleeps in `receive`. The reason is the VM's: a
+  port that is read often is watched by the schedulers themselves
+  (scheduler polling), and measured on OTP 25, a reply that lands more than
+  a microsecond or two after its caller went to sleep reaches it about
+  10 us later than one that lands sooner. Python takes longer than that
+  to answer even a small call, so without the spin nearly every sequential
+  call pays it; with it, a small sequential call costs about what a raw
+  port echo does. The spin costs CPU only while a call is in flight, at
+  most `:reply_spin_us` per call (which is also the most a call's timeout
+  can be overrun by), and none while other calls are in flight
+  on the worker (their replies keep the VM awake, and the callers would only
+  take turns with the process that delivers them). `reply_spin_us: 0` turns
+  it off. Starting the VM with `+IOs false` (no scheduler polling) also
+  removes the wait, at the cost of throughput under many callers.
+
   ## Timeouts
 
   `request/4` returns `{:error, %VllmBridge.Error{category: :timeout}}` at the
@@ -158,7 +178,7 @@ defmodule VllmBridge.Worker do
   requests to the port themselves (see "Two ways in"). Take it from
   `VllmBridge.Pool.route/3`; do not build one.
   """
-  @opaque channel :: {:channel, pid(), port(), :ets.tid()}
+  @opaque channel :: {:channel, pid(), port(), :ets.tid(), non_neg_integer()}
 
   @typedoc "Options for `start_link/1`."
   @type option ::
@@ -176,6 +196,7 @@ defmodule VllmBridge.Worker do
           | {:max_memory_mb, pos_integer() | nil}
           | {:backoff_min, pos_integer()}
           | {:backoff_max, pos_integer()}
+          | {:reply_spin_us, non_neg_integer()}
 
   @doc """
   Returns a child specification; `opts` as in `start_link/1`.
@@ -216,6 +237,10 @@ defmodule VllmBridge.Worker do
       again after a failed start: `:backoff_min` (default `#{@defaults[:backoff_min]}`),
       doubled for each failure in a row, at most `:backoff_max` (default
       `#{@defaults[:backoff_max]}`); see "Start-up"
+    * `:reply_spin_us` - how long, in microseconds, a caller that writes to
+      the channel keeps looking for its reply before it sleeps, while its call
+      is the only one in flight here (default `#{@defaults[:reply_spin_us]}`,
+      at most 1000; `0`: never; see "Waiting for a reply")
 
   The worker starts at once; its Python process starts in the background
   (`await_started/2` waits for it). Invalid options are
@@ -224,7 +249,8 @@ defmodule VllmBridge.Worker do
   @spec start_link([option()]) :: GenServer.on_start() | {:error, Error.t()}
   def start_link(opts) when is_list(opts) do
     with :ok <- check_health_options(opts),
-         :ok <- check_lifecycle_options(opts) do
+         :ok <- check_lifecycle_options(opts),
+         :ok <- check_call_options(opts) do
       case Keyword.fetch(opts, :name) do
         {:ok, name} -> GenServer.start_link(Server, opts, name: name)
         :error -> GenServer.start_link(Server, opts)
@@ -265,6 +291,22 @@ defmodule VllmBridge.Worker do
   """
   @spec check_lifecycle_options(keyword()) :: :ok | {:error, Error.t()}
   def check_lifecycle_options(opts) when is_list(opts), do: Options.check_lifecycle(opts)
+
+  @doc """
+  Checks the `:reply_spin_us` option of `opts` (the others are ignored):
+  `:ok` or a `:bad_args` error naming the option.
+
+  ## Examples
+
+      iex> VllmBridge.Worker.check_call_options(reply_spin_us: 0)
+      :ok
+
+      iex> {:error, error} = VllmBridge.Worker.check_call_options(reply_spin_us: 2.5)
+      iex> error.details
+      %{reply_spin_us: 2.5}
+  """
+  @spec check_call_options(keyword()) :: :ok | {:error, Error.t()}
+  def check_call_options(opts) when is_list(opts), do: Options.check_calls(opts)
 
   @doc """
   Waits until the worker's Python process has answered its start handshake.
@@ -310,8 +352,8 @@ defmodule VllmBridge.Worker do
   """
   @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
-  def request({:channel, pid, port, table}, id, frame, timeout) do
-    Call.through_channel(pid, port, table, id, frame, timeout)
+  def request({:channel, pid, port, table, spin_us}, id, frame, timeout) do
+    Call.through_channel(pid, port, table, spin_us, id, frame, timeout)
   end
 
   def request(worker, id, frame, timeout) do

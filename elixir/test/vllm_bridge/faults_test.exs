@@ -175,7 +175,7 @@ defmodule VllmBridge.FaultsTest do
     :ok = Worker.await_started(worker)
 
     {:ok, os_pid} = Worker.os_pid(worker)
-    assert [{:channel, ^worker, port, _} = channel] = Registry.values(registry, 0, worker)
+    assert [{:channel, ^worker, port, _, _} = channel] = Registry.values(registry, 0, worker)
 
     # Python dies and its port closes while the worker cannot act on it; the
     # request then finds a closed port, and hears from the worker once it can

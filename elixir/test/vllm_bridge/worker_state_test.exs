@@ -27,7 +27,8 @@ defmodule VllmBridge.WorkerStateTest do
                max_calls: nil,
                max_memory_mb: nil,
                backoff_min: 500,
-               backoff_max: 30_000
+               backoff_max: 30_000,
+               reply_spin_us: 50
              } = state
     end
 
@@ -52,7 +53,8 @@ defmodule VllmBridge.WorkerStateTest do
         max_calls: 3,
         max_memory_mb: 100,
         backoff_min: 1,
-        backoff_max: 2
+        backoff_max: 2,
+        reply_spin_us: 0
       ]
 
       state = State.new(opts, table)
@@ -60,9 +62,9 @@ defmodule VllmBridge.WorkerStateTest do
       assert state.spawn == [args: ["--exports", "m:t"], env: %{"A" => "1"}, cd: "/tmp"]
       assert state.registry == {:reg, 0}
 
-      assert {false, 7, 3, 100, 1, 2} ==
+      assert {false, 7, 3, 100, 1, 2, 0} ==
                {state.health_interval, state.health_timeout, state.max_calls, state.max_memory_mb,
-                state.backoff_min, state.backoff_max}
+                state.backoff_min, state.backoff_max, state.reply_spin_us}
     end
   end
 

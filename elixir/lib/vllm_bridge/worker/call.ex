@@ -14,17 +14,25 @@ defmodule VllmBridge.Worker.Call do
   alias VllmBridge.Error
   alias VllmBridge.Worker.Pending
 
-  # One call's steps, compiled into through_channel/6 rather than called.
-  @compile {:inline, enter: 3, command: 7, await_reply: 5}
+  # One call's steps, compiled into through_channel/7 rather than called.
+  @compile {:inline, enter: 3, command: 8, await_reply: 6}
 
   @doc """
   Makes a call through a worker's channel: `pid` is the worker, `port` its
-  port and `table` its pending calls. Results as for
-  `VllmBridge.Worker.request/4`.
+  port, `table` its pending calls and `spin_us` how long to look for the
+  reply before sleeping (see "Waiting for a reply" in `VllmBridge.Worker`).
+  Results as for `VllmBridge.Worker.request/4`.
   """
-  @spec through_channel(pid(), port(), Pending.t(), pos_integer(), iodata(), timeout()) ::
-          {:ok, binary()} | {:error, Error.t()}
-  def through_channel(pid, port, table, id, frame, timeout) do
+  @spec through_channel(
+          pid(),
+          port(),
+          Pending.t(),
+          non_neg_integer(),
+          pos_integer(),
+          iodata(),
+          timeout()
+        ) :: {:ok, binary()} | {:error, Error.t()}
+  def through_channel(pid, port, table, spin_us, id, frame, timeout) do
     # The monitor's alias is the reply address: it stops taking messages when
     # the monitor goes (alias: :demonitor), so a reply that comes after the
     # deadline is dropped, as it is for GenServer.call.
@@ -32,7 +40,7 @@ defmodule VllmBridge.Worker.Call do
 
     case enter(table, id, tag) do
       :ok ->
-        command(port, frame, table, id, tag, pid, timeout)
+        command(port, frame, table, id, tag, pid, spin_us, timeout)
 
       {:error, _} = error ->
         # a frame that is not iodata is named first
@@ -49,9 +57,9 @@ defmodule VllmBridge.Worker.Call do
 
   # Port.command/2 refuses a frame that is not iodata as it refuses a closed
   # port (ArgumentError): the frame is measured only then, to tell which.
-  defp command(port, frame, table, id, tag, pid, timeout) do
+  defp command(port, frame, table, id, tag, pid, spin_us, timeout) do
     Port.command(port, frame)
-    await_reply(tag, table, id, pid, timeout)
+    await_reply(tag, table, id, pid, spin_us, timeout)
   rescue
     ArgumentError ->
       case check_frame(frame) do
@@ -59,7 +67,7 @@ defmodule VllmBridge.Worker.Call do
         # way (or, for a Python that failed to start, the worker answers the
         # entry on its next health tick or start: see "Start-up").
         :ok ->
-          await_reply(tag, table, id, pid, timeout)
+          await_reply(tag, table, id, pid, 0, timeout)
 
         {:error, _} = error ->
           Pending.delete(table, id)
@@ -67,7 +75,24 @@ defmodule VllmBridge.Worker.Call do
       end
   end
 
-  defp await_reply(tag, table, id, pid, timeout) do
+  # While this is the worker's only call in flight, look for the reply for up
+  # to spin_us before sleeping in `receive`: a scheduler that runs out of work
+  # checks the port's pipe only before it starts to busy-wait, so a reply
+  # that lands a few microseconds later would wait for the busy-wait to end
+  # (see "Waiting for a reply" in VllmBridge.Worker). Other calls in flight
+  # keep the VM busy with their replies, and their callers would only take
+  # turns with the Worker process that delivers them.
+  defp await_reply(tag, table, id, pid, spin_us, timeout) do
+    until =
+      if spin_us > 0 and :ets.info(table, :size) == 1,
+        do: :erlang.monotonic_time(:microsecond) + spin_us
+
+    wait(tag, table, id, pid, timeout, until)
+  end
+
+  # `until`: while looking, the monotonic microsecond when the look ends;
+  # nil once asleep in `receive`.
+  defp wait(tag, table, id, pid, timeout, until) do
     receive do
       {^tag, result} ->
         Process.demonitor(tag, [:flush])
@@ -76,11 +101,23 @@ defmodule VllmBridge.Worker.Call do
       {:DOWN, ^tag, :process, _, reason} ->
         {:error, not_running(pid, reason)}
     after
-      timeout ->
-        Pending.delete(table, id)
+      if(until, do: 0, else: timeout) ->
+        cond do
+          until == nil ->
+            Pending.delete(table, id)
 
-        # A reply sent before the alias went is kept: it is the answer.
-        forget(tag, {:error, timed_out(pid, id, timeout)})
+            # A reply sent before the alias went is kept: it is the answer.
+            forget(tag, {:error, timed_out(pid, id, timeout)})
+
+          :erlang.monotonic_time(:microsecond) < until ->
+            # Any other process of this scheduler (the Worker delivering the
+            # reply, for one) runs first.
+            :erlang.yield()
+            wait(tag, table, id, pid, timeout, until)
+
+          true ->
+            wait(tag, table, id, pid, timeout, nil)
+        end
     end
   end
 

@@ -1,8 +1,8 @@
 defmodule VllmBridge.Worker.Options do
   @moduledoc """
   Checks of the options of `VllmBridge.Worker.start_link/1` that must be
-  valid before a worker starts: the health-check timings and the lifecycle
-  limits, and the defaults of those that have one. Each check looks only at
+  valid before a worker starts: the health-check timings, the lifecycle
+  limits and how callers wait for replies, and the defaults of those that have one. Each check looks only at
   the options it names, and only when they are given (a missing one takes
   its valid default, `defaults/0`).
 
@@ -18,7 +18,9 @@ defmodule VllmBridge.Worker.Options do
     health_timeout: 5_000,
     # the back-off between failed starts of a Python process (ms)
     backoff_min: 500,
-    backoff_max: 30_000
+    backoff_max: 30_000,
+    # how long a caller looks for its reply before it sleeps in `receive` (us)
+    reply_spin_us: 50
   ]
 
   @doc """
@@ -28,7 +30,7 @@ defmodule VllmBridge.Worker.Options do
   ## Examples
 
       iex> VllmBridge.Worker.Options.defaults()
-      [health_interval: 5000, health_timeout: 5000, backoff_min: 500, backoff_max: 30000]
+      [health_interval: 5000, health_timeout: 5000, backoff_min: 500, backoff_max: 30000, reply_spin_us: 50]
   """
   @spec defaults() :: keyword(pos_integer())
   def defaults, do: @defaults
@@ -65,6 +67,24 @@ defmodule VllmBridge.Worker.Options do
       max_memory_mb: {"a positive integer (MB) or nil", &(&1 == nil or positive?(&1))},
       backoff_min: {"a positive integer (ms)", &positive?/1},
       backoff_max: {"a positive integer (ms)", &positive?/1}
+    )
+  end
+
+  @doc """
+  Checks `:reply_spin_us`.
+
+  ## Examples
+
+      iex> {:error, error} = VllmBridge.Worker.Options.check_calls(reply_spin_us: -1)
+      iex> error.message
+      ":reply_spin_us must be a non-negative integer (us), at most 1000, got -1"
+  """
+  @spec check_calls(keyword()) :: :ok | {:error, Error.t()}
+  def check_calls(opts) do
+    check(opts,
+      reply_spin_us:
+        {"a non-negative integer (us), at most 1000",
+         &(is_integer(&1) and &1 >= 0 and &1 <= 1_000)}
     )
   end
 

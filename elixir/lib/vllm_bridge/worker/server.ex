@@ -77,7 +77,7 @@ defmodule VllmBridge.Worker.Server do
       id = Worker.new_id()
       Pending.enter_own(state.table, id, :handshake)
       OSProcess.write(port, Health.ping_frame(id))
-      publish(state.registry, {:channel, self(), port, state.table})
+      publish(state.registry, {:channel, self(), port, state.table, state.reply_spin_us})
       Startup.spawned(state, port, os_pid, executable)
     rescue
       error in [ErlangError, ArgumentError] ->

@@ -39,6 +39,8 @@ defmodule VllmBridge.Worker.State do
           max_memory_mb: pos_integer() | nil,
           backoff_min: pos_integer(),
           backoff_max: pos_integer(),
+          # published in the channel: how long its callers look for a reply (us)
+          reply_spin_us: non_neg_integer(),
           # the calls in flight; outlives the Python processes of failed starts
           table: Pending.t(),
           # the Python process, while one runs
@@ -78,6 +80,7 @@ defmodule VllmBridge.Worker.State do
             max_memory_mb: nil,
             backoff_min: nil,
             backoff_max: nil,
+            reply_spin_us: nil,
             table: nil,
             port: nil,
             os_pid: nil,
@@ -116,7 +119,8 @@ defmodule VllmBridge.Worker.State do
       max_calls: Keyword.get(opts, :max_calls),
       max_memory_mb: Keyword.get(opts, :max_memory_mb),
       backoff_min: Keyword.get(opts, :backoff_min, defaults[:backoff_min]),
-      backoff_max: Keyword.get(opts, :backoff_max, defaults[:backoff_max])
+      backoff_max: Keyword.get(opts, :backoff_max, defaults[:backoff_max]),
+      reply_spin_us: Keyword.get(opts, :reply_spin_us, defaults[:reply_spin_us])
     }
   end
 

@@ -1,0 +1,105 @@
+Code.require_file("support/test_python.exs", __DIR__)
+
+defmodule VllmBridge.ReplyWaitTest do
+  # How a caller waits for its reply (`:reply_spin_us`, "Waiting for a reply"
+  # in VllmBridge.Worker), seen from the outside: a spinning caller is
+  # scheduled out once per look (it yields between looks), a sleeping one once
+  # for the whole wait. Counted with the VM's `:running` trace, not timed.
+  use ExUnit.Case, async: true
+
+  import VllmBridge.PoolHelpers
+
+  alias VllmBridge.{Error, Pool, Runtime, Worker}
+
+  @moduletag timeout: 90_000
+
+  # Times the caller was scheduled out while it made `call` (a function of no
+  # arguments), and the call's result.
+  defp schedule_outs(call) do
+    me = self()
+    tracer = spawn_link(fn -> collect(me, 0) end)
+    :erlang.trace(me, true, [:running, {:tracer, tracer}])
+    result = call.()
+    :erlang.trace(me, false, [:running])
+    send(tracer, {:done, me})
+
+    receive do
+      {:outs, outs} -> {outs, result}
+    end
+  end
+
+  defp collect(owner, outs) do
+    receive do
+      {:trace, ^owner, :out, _} -> collect(owner, outs + 1)
+      {:trace, ^owner, :in, _} -> collect(owner, outs)
+      {:done, ^owner} -> send(owner, {:outs, outs})
+    end
+  end
+
+  test "a lone call looks for its reply for :reply_spin_us before it sleeps", %{test: test} do
+    spinning = start_pool!(:"#{test}_spin", 1, reply_spin_us: 1_000)
+    sleeping = start_pool!(:"#{test}_sleep", 1, reply_spin_us: 0)
+
+    # A call that takes 20 ms in Python: the spinning caller yields between
+    # looks for the whole millisecond of its spin, then sleeps; the other
+    # sleeps at once.
+    sleep = fn pool -> Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool]) end
+
+    {outs, result} = schedule_outs(fn -> sleep.(spinning) end)
+    assert {:ok, 0.02} = result
+    assert outs >= 5, "a spinning caller was scheduled out #{outs} times"
+
+    {outs, result} = schedule_outs(fn -> sleep.(sleeping) end)
+    assert {:ok, 0.02} = result
+    assert outs <= 2, "a sleeping caller was scheduled out #{outs} times"
+  end
+
+  test "a call with others in flight on its worker sleeps at once", %{test: test} do
+    pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
+    rt = [__runtime__: [pool: pool]]
+
+    other = Task.async(fn -> Runtime.call_function("sleep", [1.0], rt) end)
+    # the other call is in the worker's table of pending calls
+    {:ok, worker} = Pool.worker(pool, 0)
+    wait_until(fn -> Worker.info(worker) |> elem(1) |> Map.fetch!(:pending) == 1 end)
+
+    {outs, result} = schedule_outs(fn -> Runtime.call_function("sleep", [0.02], rt) end)
+    assert {:ok, 0.02} = result
+    assert outs <= 2, "a caller with company was scheduled out #{outs} times"
+    assert {:ok, 1.0} = Task.await(other, 10_000)
+  end
+
+  @tag :capture_log
+  test "a spinning caller still gets its timeout and the worker's exit", %{test: test} do
+    pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
+    rt = fn opts -> [__runtime__: [pool: pool] ++ opts] end
+
+    assert {:error, %Error{category: :timeout}} =
+             Runtime.call_function("sleep", [1.0], rt.(timeout: 5))
+
+    {:ok, worker} = Pool.worker(pool, 0)
+    {:ok, os_pid} = Worker.os_pid(worker)
+    call = Task.async(fn -> Runtime.call_function("sleep", [30.0], rt.([])) end)
+    wait_until(fn -> Worker.info(worker) |> elem(1) |> Map.fetch!(:pending) >= 1 end)
+    System.cmd("kill", ["-9", Integer.to_string(os_pid)])
+    assert {:error, %Error{category: :worker}} = Task.await(call, 10_000)
+  end
+
+  test ":reply_spin_us is checked by the pool and the worker" do
+    for bad <- [-1, 1_001, 2.5, :fast] do
+      assert {:error, %Error{category: :bad_args, details: %{reply_spin_us: ^bad}}} =
+               Pool.start_link(name: :reply_spin_pool, reply_spin_us: bad)
+
+      assert {:error, %Error{category: :bad_args, details: %{reply_spin_us: ^bad}}} =
+               Worker.start_link(reply_spin_us: bad)
+    end
+  end
+
+  defp wait_until(check, tries \\ 500) do
+    cond do
+      check.() -> :ok
+      tries == 0 -> flunk("the condition did not hold within 5 s")
+      true -> Process.sleep(10) && wait_until(check, tries - 1)
+    end
+  end
+end
