@@ -79,6 +79,7 @@ def test_a_polling_input_sleeps_while_no_request_comes() -> None:
     assert used and used[0] < 0.3, f"the idle reader used {used} s of CPU in 1 s"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a reader with one CPU never spins")
 def test_a_polling_input_stops_spinning_while_requests_are_sparse() -> None:
     # After a wait longer than the spin, the next wait sleeps at once (no CPU spent);
     # a wait shorter than the spin turns spinning back on.
@@ -129,6 +130,25 @@ def test_a_polling_input_reads_a_file_blocking(tmp_path: Path) -> None:
         assert reader.read() is None
     finally:
         os.close(fd)
+
+
+def test_a_polling_input_on_one_cpu_never_spins() -> None:
+    # The process that would write the next request cannot run on the one CPU while
+    # this one spins on it: a spin there only delays the request.
+    allowed = os.sched_getaffinity(0)
+    r, w = os.pipe()
+    try:
+        if len(allowed) < 2:
+            pytest.skip("this machine gives the test one CPU: nothing to compare with")
+        assert PollingInput(r, spin=1e-3).spinning
+        os.sched_setaffinity(0, {min(allowed)})
+        try:
+            assert not PollingInput(r, spin=1e-3).spinning
+        finally:
+            os.sched_setaffinity(0, allowed)
+    finally:
+        os.close(w)
+        os.close(r)
 
 
 def test_a_negative_spin_is_refused() -> None:

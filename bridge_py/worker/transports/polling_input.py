@@ -42,8 +42,9 @@ class PollingInput:
     Offers the reads :class:`~bridge_py.worker.transports.frames.FrameReader` uses,
     ``read1`` and ``readinto``, with a buffered file's semantics: they wait for at least
     one byte and return ``b""``/0 only at end of input. A pipe or socket is made
-    non-blocking; anything else (a terminal, a file) is read blocking, with no spin. The
-    caller keeps ownership of the descriptor. One thread reads at a time. With
+    non-blocking; anything else (a terminal, a file) is read blocking, with no spin. A
+    process that may run on one CPU only never spins either. The caller keeps ownership
+    of the descriptor. One thread reads at a time. With
     ``measured=False`` it spins whenever requests come back to back, on any machine.
     """
 
@@ -56,6 +57,10 @@ class PollingInput:
         else:
             # A terminal or a file: its open file may be a shell's too, which must not be
             # left non-blocking. Read it blocking, without a spin.
+            spin = 0.0
+        if len(os.sched_getaffinity(0)) < 2:
+            # One CPU: the writer cannot run while this process spins on it, so a
+            # spin only delays the next request (by up to ``spin``, measured).
             spin = 0.0
         self._fd = fd
         self._spin = spin

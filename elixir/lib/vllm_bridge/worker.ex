@@ -36,7 +36,8 @@ defmodule VllmBridge.Worker do
   ## Waiting for a reply
 
   A caller that writes to the channel, while its call is the only one in
-  flight on this worker, looks for its reply for up to `:reply_spin_us`
+  flight on this worker and the VM has more than one scheduler online, looks
+  for its reply for up to `:reply_spin_us`
   microseconds (default 50), letting every other process of its scheduler
   run in between, before it sleeps in `receive`. The reason is the VM's: a
   port that is read often is watched by the schedulers themselves

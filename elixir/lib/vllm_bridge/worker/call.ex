@@ -76,16 +76,18 @@ defmodule VllmBridge.Worker.Call do
   end
 
   # While this is the worker's only call in flight, look for the reply for up
-  # to spin_us before sleeping in `receive`: a scheduler that runs out of work
-  # checks the port's pipe only before it starts to busy-wait, so a reply
-  # that lands a few microseconds later would wait for the busy-wait to end
-  # (see "Waiting for a reply" in VllmBridge.Worker). Other calls in flight
-  # keep the VM busy with their replies, and their callers would only take
-  # turns with the Worker process that delivers them.
+  # to spin_us before sleeping in `receive` (see "Waiting for a reply" in
+  # VllmBridge.Worker: measured, a reply that lands more than a microsecond or
+  # two after its caller went to sleep reaches it ~10 us later). Not while
+  # other calls are in flight (their replies keep the VM busy, and the
+  # callers would only take turns with the Worker process that delivers
+  # them), nor with one scheduler (the look would hold the only CPU the VM
+  # has while Python needs one: 2 us slower per call, measured).
   defp await_reply(tag, table, id, pid, spin_us, timeout) do
     until =
-      if spin_us > 0 and :ets.info(table, :size) == 1,
-        do: :erlang.monotonic_time(:microsecond) + spin_us
+      if spin_us > 0 and :ets.info(table, :size) == 1 and
+           :erlang.system_info(:schedulers_online) > 1,
+         do: :erlang.monotonic_time(:microsecond) + spin_us
 
     wait(tag, table, id, pid, timeout, until)
   end
