@@ -103,3 +103,44 @@ defmodule VllmBridge.ReplyWaitTest do
     end
   end
 end
+
+defmodule VllmBridge.ReplyWaitOneSchedulerTest do
+  # With one scheduler online the look would hold the VM's only CPU while
+  # Python needs one, so a caller sleeps at once. Not async: it takes the
+  # VM's other schedulers offline for the duration.
+  use ExUnit.Case, async: false
+
+  import VllmBridge.PoolHelpers
+
+  alias VllmBridge.Runtime
+
+  @moduletag timeout: 90_000
+
+  test "a caller on a VM with one scheduler online sleeps at once", %{test: test} do
+    pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
+    online = :erlang.system_info(:schedulers_online)
+
+    try do
+      :erlang.system_flag(:schedulers_online, 1)
+      me = self()
+      tracer = spawn_link(fn -> count_outs(me, 0) end)
+      :erlang.trace(me, true, [:running, {:tracer, tracer}])
+      result = Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool])
+      :erlang.trace(me, false, [:running])
+      send(tracer, {:done, me})
+      assert {:ok, 0.02} = result
+      assert_receive {:outs, outs}, 5_000
+      assert outs <= 2, "a caller with one scheduler was scheduled out #{outs} times"
+    after
+      :erlang.system_flag(:schedulers_online, online)
+    end
+  end
+
+  defp count_outs(owner, outs) do
+    receive do
+      {:trace, ^owner, :out, _} -> count_outs(owner, outs + 1)
+      {:trace, ^owner, :in, _} -> count_outs(owner, outs)
+      {:done, ^owner} -> send(owner, {:outs, outs})
+    end
+  end
+end
