@@ -48,7 +48,8 @@ defmodule VllmBridge.Worker do
   call pays it; with it, a small sequential call costs about what a raw
   port echo does. The spin costs CPU only while a call is in flight, at
   most `:reply_spin_us` per call (which is also the most a call's timeout
-  can be overrun by), and none while other calls are in flight
+  can be overrun by), and none while other calls are in flight (a look ends
+  as soon as another call is entered)
   on the worker (their replies keep the VM awake, and the callers would only
   take turns with the process that delivers them). `reply_spin_us: 0` turns
   it off. Starting the VM with `+IOs false` (no scheduler polling) also

@@ -79,7 +79,7 @@ defmodule VllmBridge.Worker.Call do
   # to spin_us before sleeping in `receive` (see "Waiting for a reply" in
   # VllmBridge.Worker: measured, a reply that lands more than a microsecond or
   # two after its caller went to sleep reaches it ~10 us later). Not while
-  # other calls are in flight (their replies keep the VM busy, and the
+  # other calls are in flight, nor once one is entered (their replies keep the VM busy, and the
   # callers would only take turns with the Worker process that delivers
   # them), nor with one scheduler (the look would hold the only CPU the VM
   # has while Python needs one: 2 us slower per call, measured).
@@ -111,7 +111,7 @@ defmodule VllmBridge.Worker.Call do
             # A reply sent before the alias went is kept: it is the answer.
             forget(tag, {:error, timed_out(pid, id, timeout)})
 
-          :erlang.monotonic_time(:microsecond) < until ->
+          :erlang.monotonic_time(:microsecond) < until and :ets.info(table, :size) == 1 ->
             # Any other process of this scheduler (the Worker delivering the
             # reply, for one) runs first.
             :erlang.yield()
