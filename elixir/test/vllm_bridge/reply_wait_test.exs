@@ -13,9 +13,11 @@ defmodule VllmBridge.ReplyWaitTest do
 
   @moduletag timeout: 90_000
 
-  # Times the caller was scheduled out while it made `call` (a function of no
-  # arguments), and the call's result.
-  defp schedule_outs(call) do
+  @doc """
+  Times the caller was scheduled out while it made `call` (a function of no
+  arguments), and the call's result.
+  """
+  def schedule_outs(call) do
     me = self()
     tracer = spawn_link(fn -> collect(me, 0) end)
     :erlang.trace(me, true, [:running, {:tracer, tracer}])
@@ -122,25 +124,16 @@ defmodule VllmBridge.ReplyWaitOneSchedulerTest do
 
     try do
       :erlang.system_flag(:schedulers_online, 1)
-      me = self()
-      tracer = spawn_link(fn -> count_outs(me, 0) end)
-      :erlang.trace(me, true, [:running, {:tracer, tracer}])
-      result = Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool])
-      :erlang.trace(me, false, [:running])
-      send(tracer, {:done, me})
+
+      {outs, result} =
+        VllmBridge.ReplyWaitTest.schedule_outs(fn ->
+          Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool])
+        end)
+
       assert {:ok, 0.02} = result
-      assert_receive {:outs, outs}, 5_000
       assert outs <= 2, "a caller with one scheduler was scheduled out #{outs} times"
     after
       :erlang.system_flag(:schedulers_online, online)
-    end
-  end
-
-  defp count_outs(owner, outs) do
-    receive do
-      {:trace, ^owner, :out, _} -> count_outs(owner, outs + 1)
-      {:trace, ^owner, :in, _} -> count_outs(owner, outs)
-      {:done, ^owner} -> send(owner, {:outs, outs})
     end
   end
 end
