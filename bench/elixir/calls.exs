@@ -47,6 +47,8 @@ defmodule Bench.Calls do
   @always_spin_pool Bench.CallsPoolAlwaysSpin
   @caller_sleeps_pool Bench.CallsPoolCallerSleeps
   @dist_pool Bench.CallsPoolDistributed
+  # how long a runtime caller looks for its reply by default (the looking echo's too)
+  @reply_spin_us VllmBridge.Worker.Options.defaults()[:reply_spin_us]
 
   def run do
     quick = Bench.quick?()
@@ -141,7 +143,7 @@ defmodule Bench.Calls do
           {:refs, fn n -> refs_batch(counters.ours, n) end},
           {:ping, fn n -> ping_batch(n) end},
           {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
-          {:looking_echo, fn n -> echo_batch(echo, ctx.frame, n, 50) end},
+          {:looking_echo, fn n -> echo_batch(echo, ctx.frame, n, @reply_spin_us) end},
           {:spin_echo, fn n -> echo_batch(spin_echo, ctx.frame, n) end},
           {:hop, fn n -> hop_batch(ctx.router, ctx.frame, n) end},
           {:bare, fn n -> bare_batch(ctx.bare, n) end},
@@ -240,7 +242,7 @@ defmodule Bench.Calls do
         "#{what}, p50",
         p50.ours,
         p50.looking_echo,
-        "raw port echo, its caller looking for the reply for 50 us as ours do"
+        "raw port echo, its caller looking for the reply for #{@reply_spin_us} us as ours do"
       ),
       Bench.time_row(
         @bench,

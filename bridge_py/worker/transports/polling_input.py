@@ -44,8 +44,8 @@ class PollingInput:
     one byte and return ``b""``/0 only at end of input. A pipe or socket is made
     non-blocking; anything else (a terminal, a file) is read blocking, with no spin. A
     process that may run on one CPU only never spins either. The caller keeps ownership
-    of the descriptor. One thread reads at a time. With
-    ``measured=False`` it spins whenever requests come back to back, on any machine.
+    of the descriptor. One thread reads at a time. With ``measured=False`` it spins
+    whenever requests come back to back, on any machine with more than one CPU.
     """
 
     def __init__(self, fd: int, spin: float = DEFAULT_SPIN, *, measured: bool = True) -> None:

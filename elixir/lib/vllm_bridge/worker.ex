@@ -37,23 +37,23 @@ defmodule VllmBridge.Worker do
 
   A caller that writes to the channel, while its call is the only one in
   flight on this worker and the VM has more than one scheduler online, looks
-  for its reply for up to `:reply_spin_us`
-  microseconds (default 50), letting every other process of its scheduler
-  run in between, before it sleeps in `receive`. The reason is the VM's: a
-  port that is read often is watched by the schedulers themselves
-  (scheduler polling), and measured on OTP 25, a reply that lands more than
-  a microsecond or two after its caller went to sleep reaches it about
-  10 us later than one that lands sooner. Python takes longer than that
-  to answer even a small call, so without the spin nearly every sequential
-  call pays it; with it, a small sequential call costs about what a raw
-  port echo does. The spin costs CPU only while a call is in flight, at
-  most `:reply_spin_us` per call (which is also the most a call's timeout
-  can be overrun by), and none while other calls are in flight (a look ends
-  as soon as another call is entered)
-  on the worker (their replies keep the VM awake, and the callers would only
-  take turns with the process that delivers them). `reply_spin_us: 0` turns
-  it off. Starting the VM with `+IOs false` (no scheduler polling) also
-  removes the wait, at the cost of throughput under many callers.
+  for its reply for up to `:reply_spin_us` microseconds (default 50),
+  letting every other process of its scheduler run in between, before it
+  sleeps in `receive`. The reason is the VM's: a port that is read often is
+  watched by the schedulers themselves (scheduler polling), and measured on
+  OTP 25, a reply that lands more than a microsecond or two after its caller
+  went to sleep reaches it about 10 us later than one that lands sooner.
+  Python takes longer than that to answer even a small call, so without the
+  look nearly every sequential call pays it; with it, a small sequential call
+  costs about what a raw port echo does.
+
+  The look costs CPU only while a call is in flight, at most
+  `:reply_spin_us` per call (which is also the most a call's timeout can be
+  overrun by). It ends as soon as another call is entered on the worker:
+  their replies keep the VM awake, and looking callers would only take turns
+  with the process that delivers them. `reply_spin_us: 0` turns it off.
+  Starting the VM with `+IOs false` (no scheduler polling) also removes the
+  wait, at the cost of throughput under many callers.
 
   ## Timeouts
 

@@ -1,4 +1,5 @@
 Code.require_file("support/test_python.exs", __DIR__)
+Code.require_file("support/fault_helpers.exs", __DIR__)
 
 defmodule VllmBridge.ReplyWaitTest do
   # How a caller waits for its reply (`:reply_spin_us`, "Waiting for a reply"
@@ -8,6 +9,7 @@ defmodule VllmBridge.ReplyWaitTest do
   use ExUnit.Case, async: true
 
   import VllmBridge.PoolHelpers
+  import VllmBridge.FaultHelpers, only: [kill9: 1, pending: 1]
 
   alias VllmBridge.{Error, Pool, Runtime, Worker}
 
@@ -63,7 +65,7 @@ defmodule VllmBridge.ReplyWaitTest do
     other = Task.async(fn -> Runtime.call_function("sleep", [1.0], rt) end)
     # the other call is in the worker's table of pending calls
     {:ok, worker} = Pool.worker(pool, 0)
-    wait_until(fn -> Worker.info(worker) |> elem(1) |> Map.fetch!(:pending) == 1 end)
+    eventually(fn -> pending(worker) == 1 end)
 
     {outs, result} = schedule_outs(fn -> Runtime.call_function("sleep", [0.02], rt) end)
     assert {:ok, 0.02} = result
@@ -82,8 +84,8 @@ defmodule VllmBridge.ReplyWaitTest do
     {:ok, worker} = Pool.worker(pool, 0)
     {:ok, os_pid} = Worker.os_pid(worker)
     call = Task.async(fn -> Runtime.call_function("sleep", [30.0], rt.([])) end)
-    wait_until(fn -> Worker.info(worker) |> elem(1) |> Map.fetch!(:pending) >= 1 end)
-    System.cmd("kill", ["-9", Integer.to_string(os_pid)])
+    eventually(fn -> pending(worker) == 1 end)
+    kill9(os_pid)
     assert {:error, %Error{category: :worker}} = Task.await(call, 10_000)
   end
 
@@ -94,14 +96,6 @@ defmodule VllmBridge.ReplyWaitTest do
 
       assert {:error, %Error{category: :bad_args, details: %{reply_spin_us: ^bad}}} =
                Worker.start_link(reply_spin_us: bad)
-    end
-  end
-
-  defp wait_until(check, tries \\ 500) do
-    cond do
-      check.() -> :ok
-      tries == 0 -> flunk("the condition did not hold within 5 s")
-      true -> Process.sleep(10) && wait_until(check, tries - 1)
     end
   end
 end
