@@ -80,6 +80,52 @@ def test_short_pauses_of_the_caller_do_not_decide() -> None:
     assert 100_000 - spun < 100_000 / 200
 
 
+def test_a_spin_lasts_no_longer_than_a_sleeping_wait() -> None:
+    policy = SpinPolicy()
+    assert policy.spin_time(200e-6) == 200e-6  # nothing measured yet
+    _run(policy, 5 * SpinPolicy.WINDOW, spin_wait=5e-6, sleep_wait=17e-6)
+    assert policy.spinning
+    assert policy.spin_time(200e-6) == pytest.approx(17e-6)
+    assert policy.spin_time(10e-6) == 10e-6  # never beyond the reader's own bound
+    slow = SpinPolicy()  # where a sleeping wait outlasts the bound, the bound holds
+    _run(slow, 5 * SpinPolicy.WINDOW, spin_wait=15e-6, sleep_wait=500e-6)
+    assert slow.spin_time(200e-6) == 200e-6
+
+
+def test_spins_that_delay_the_request_do_not_lengthen_the_spin() -> None:
+    # A spin that holds the CPU the caller's side needs makes the request come only
+    # once the spin gives up: those waits are long because of the spin. They must not
+    # make the next spin longer, only, when they are most waits, sleeping the choice.
+    policy = SpinPolicy()
+    _run(policy, 5 * SpinPolicy.WINDOW, spin_wait=5e-6, sleep_wait=17e-6)
+    _run(policy, 2 * SpinPolicy.FIRST_RUN + 4 * SpinPolicy.WINDOW, 90e-6, 17e-6)
+    assert policy.spin_time(200e-6) == pytest.approx(17e-6)
+    assert not policy.spinning
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a reader with one CPU never spins")
+def test_the_reader_spins_no_longer_than_its_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reader allowed to spin 2 s whose measured sleeping waits take 2 ms: a request
+    # that comes 0.4 s later costs it about 2 ms of CPU, not 0.4 s of spinning.
+    monkeypatch.setattr(SpinPolicy, "IDLE", 10.0)
+    r, w = os.pipe()
+    try:
+        reader = PollingInput(r, 2.0)
+        assert reader.policy is not None
+        _run(reader.policy, 4 * SpinPolicy.WINDOW, spin_wait=1e-3, sleep_wait=2e-3)
+        assert reader.spinning and reader.policy.spin_time(2.0) == pytest.approx(2e-3)
+        writer = threading.Timer(0.4, os.write, (w, b"x"))
+        writer.start()
+        cpu = time.thread_time()
+        assert reader.read1(1) == b"x"
+        cpu = time.thread_time() - cpu
+        writer.join(10)
+        assert cpu < 0.2, f"the reader spun for {cpu:.3f} s of CPU"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a reader with one CPU never spins")
 def test_the_reader_records_each_wait_and_a_fixed_spin_measures_nothing(
     monkeypatch: pytest.MonkeyPatch,

@@ -11,7 +11,9 @@ schedulers busy-wait before sleeping for the same reason), and only then sleeps 
 Whether to spin at all is measured (``measured=True``, the worker's default): where
 wake-ups are fast, a spinning worker only takes a CPU from the BEAM and every call gets
 slower, so :class:`~bridge_py.worker.transports.spin_policy.SpinPolicy` times the waits
-in both modes and keeps the faster. Either way the spin is skipped after a wait that
+in both modes and keeps the faster; it also ends each spin once it has lasted as long
+as a sleeping wait usually does, since a longer spin gains nothing and can hold the CPU
+the BEAM needs to write the request. Either way the spin is skipped after a wait that
 outlasted it (requests are sparse, so spinning would only burn a CPU) and resumes after
 a wait shorter than it (requests are coming back to back again). An idle worker
 therefore never spins, and a busy one spends at most ``spin`` seconds of one CPU per
@@ -102,7 +104,9 @@ class PollingInput:
         """Retry ``attempt`` (which found nothing) until it gets input, spinning first
         if :attr:`spinning`; then learn from how long that took."""
         start = time.perf_counter()
-        spin = self._spin if self.spinning else 0.0
+        spin = 0.0
+        if self.spinning:
+            spin = self._spin if self._policy is None else self._policy.spin_time(self._spin)
         while True:
             # Retry at once while spinning; otherwise sleep until input comes.
             if not (spin and time.perf_counter() - start < spin):
