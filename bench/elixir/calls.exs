@@ -112,7 +112,7 @@ defmodule Bench.Calls do
 
     rows =
       latency(quick, ctx) ++
-        reductions(quick, counters.ours, echo, frame) ++
+        reductions(quick, counters.caller_sleeps, echo, frame) ++
         throughput(quick, counters.ours, router, frame) ++ tensor(quick, echo)
 
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
@@ -402,10 +402,12 @@ defmodule Bench.Calls do
 
   # BEAM work per call, counted in reductions (function calls and BIFs): unlike
   # time, the count does not move with the VM's scheduling, so it shows changes
-  # to the Elixir side of a call that latency cannot resolve here.
+  # to the Elixir side of a call that latency cannot resolve here. Counted on
+  # the pool whose callers sleep at once: a look for the reply is charged a
+  # whole time slice (see VllmBridge.Worker.Call), which is waiting, not work.
   defp reductions(quick, counter, echo, frame) do
     n = if quick, do: 50, else: 5000
-    {:ok, worker} = Pool.worker(@pool, 0)
+    {:ok, worker} = Pool.worker(@caller_sleeps_pool, 0)
     {:ok, start} = Runtime.call_method(counter, "incr", [])
 
     # (results are checked without building a message each time: that would count)

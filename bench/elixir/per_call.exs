@@ -4,13 +4,15 @@
 #   mix run bench/elixir/per_call.exs [--quick] [--top N] [--detail]
 #
 # For each shape, after a warm-up: reductions per call of the calling process and of
-# the Worker process (`Process.info(pid, :reductions)` over N calls), and Erlang
-# function calls per call counted by `:cprof` (every process; BIFs are not counted),
-# with the modules that make most of them (--top, default 8). The raw port echo of
-# the same request bytes (bench/python/echo_port.py, the caller owns the port) is
-# the reference row. --detail lists, per shape, every function called at least once
-# a call. Part of `make bench` (its table is printed, not written to RESULTS.md); it
-# fails only on a wrong result.
+# the Worker process (`Process.info(pid, :reductions)` over N calls; the pools' callers
+# sleep at once in `receive`, `reply_spin_us: 0`, so that the counts are work, not
+# waiting for the reply), and Erlang function calls per call counted by `:cprof`
+# (every process; BIFs are not counted), with the modules that make most of them
+# (--top, default 8). The raw port echo of the same request bytes
+# (bench/python/echo_port.py, the caller owns the port) is the reference row.
+# --detail lists, per shape, every function called at least once a call. Part of
+# `make bench` (its table is printed, not written to RESULTS.md); it fails only on a
+# wrong result.
 Code.require_file("common.exs", __DIR__)
 
 defmodule Bench.PerCall do
@@ -28,8 +30,14 @@ defmodule Bench.PerCall do
     {:ok, _} =
       Supervisor.start_link(
         [
-          Supervisor.child_spec({Pool, name: @pool, size: 1, args: sample}, id: @pool),
-          Supervisor.child_spec({Pool, name: @dist_pool, size: 1, args: []}, id: @dist_pool)
+          # Callers that sleep at once: a look for the reply is charged a whole
+          # time slice per look (VllmBridge.Worker.Call), waiting that is not work.
+          Supervisor.child_spec({Pool, name: @pool, size: 1, args: sample, reply_spin_us: 0},
+            id: @pool
+          ),
+          Supervisor.child_spec({Pool, name: @dist_pool, size: 1, args: [], reply_spin_us: 0},
+            id: @dist_pool
+          )
         ],
         strategy: :one_for_one
       )

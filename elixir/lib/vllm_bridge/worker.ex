@@ -38,14 +38,19 @@ defmodule VllmBridge.Worker do
   A caller that writes to the channel, while its call is the only one in
   flight on this worker and the VM has more than one scheduler online, looks
   for its reply for up to `:reply_spin_us` microseconds (default 50),
-  letting every other process of its scheduler run in between, before it
+  giving up a whole time slice in between (so every other process of its
+  scheduler runs, and the scheduler checks its ports for input), before it
   sleeps in `receive`. The reason is the VM's: a port that is read often is
   watched by the schedulers themselves (scheduler polling), and measured on
   OTP 25, a reply that lands more than a microsecond or two after its caller
   went to sleep reaches it about 10 us later than one that lands sooner.
   Python takes longer than that to answer even a small call, so without the
   look nearly every sequential call pays it; with it, a small sequential call
-  costs about what a raw port echo does.
+  costs about what a raw port echo does. A look that only yielded was seen
+  by the scheduler as little work, and it checked for input only every ~20
+  looks: a call's time then rose in steps of ~6 us with its Python time,
+  which is why each look is charged a full slice (it shows in the caller's
+  `:reductions`).
 
   The look costs CPU only while a call is in flight, at most
   `:reply_spin_us` per call (which is also the most a call's timeout can be

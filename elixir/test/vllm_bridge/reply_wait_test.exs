@@ -58,6 +58,28 @@ defmodule VllmBridge.ReplyWaitTest do
     assert outs <= 2, "a sleeping caller was scheduled out #{outs} times"
   end
 
+  test "each look gives up a whole time slice, so the scheduler polls for the reply",
+       %{test: test} do
+    # A scheduler checks its ports for input once enough reductions have run
+    # since the last check; a bare yield counts as few, and a reply was then
+    # seen only every ~20 looks. Each look is charged a time slice (4,000
+    # reductions) instead.
+    pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
+    reductions = fn -> self() |> Process.info(:reductions) |> elem(1) end
+
+    before = reductions.()
+
+    {outs, result} =
+      schedule_outs(fn ->
+        Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool])
+      end)
+
+    used = reductions.() - before
+    assert {:ok, 0.02} = result
+    assert outs >= 5, "the caller was scheduled out #{outs} times"
+    assert used >= 4_000 * (outs - 2), "#{outs} looks were charged #{used} reductions"
+  end
+
   test "a call with others in flight on its worker sleeps at once", %{test: test} do
     pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
     rt = [__runtime__: [pool: pool]]

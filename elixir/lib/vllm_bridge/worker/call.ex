@@ -85,6 +85,9 @@ defmodule VllmBridge.Worker.Call do
   # pass cost 8 callers 7-9% of their calls per second). Not with one
   # scheduler: the look would hold the VM's only CPU while Python needs one
   # (2 us slower per call, measured).
+  # What one look is charged: the VM's time slice (CONTEXT_REDS), see wait/6.
+  @look_reductions 4000
+
   defp await_reply(tag, table, id, pid, spin_us, timeout) do
     until =
       if spin_us > 0 and :ets.info(table, :size) == 1 and
@@ -115,7 +118,13 @@ defmodule VllmBridge.Worker.Call do
 
           :erlang.monotonic_time(:microsecond) < until and :ets.info(table, :size) == 1 ->
             # Any other process of this scheduler (the Worker delivering the
-            # reply, for one) runs first.
+            # reply, for one) runs first. The look is charged a full time
+            # slice: a scheduler polls its ports for input once enough
+            # reductions have run, and a bare yield counts as few, so the
+            # reply used to be seen only every ~20 looks (every ~5.7 us,
+            # measured: a call's time rose in steps of that size with its
+            # Python time); charged, it is seen on the next look.
+            :erlang.bump_reductions(@look_reductions)
             :erlang.yield()
             wait(tag, table, id, pid, timeout, until)
 
