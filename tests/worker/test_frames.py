@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import random
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge_py.worker.transports.frames import FrameReader, FrameTooLarge, FrameWriter
+from bridge_py.worker.transports.frames import WIDE_PIPE, FrameReader, FrameTooLarge, FrameWriter
 from bridge_py.worker.transports.polling_input import PollingInput
 
 
@@ -225,3 +226,54 @@ def test_frames_written_from_many_threads_never_interleave() -> None:
     for k, sent in payloads.items():
         assert [f for f in got if f[:1] == bytes([k])] == sent
     assert len(got) == sum(len(v) for v in payloads.values())
+
+
+def _capacity(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+
+
+def _drain(fd: int, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        got += os.read(fd, n - len(got))
+    return bytes(got)
+
+
+@pytest.mark.skipif(not hasattr(fcntl, "F_GETPIPE_SZ"), reason="no pipe sizes here")
+@pytest.mark.parametrize("side", ["reader", "writer"])
+def test_the_first_frame_larger_than_a_pipe_widens_it_and_small_ones_do_not(side: str) -> None:
+    # A 64 KiB pipe hands a 64 MiB frame over a thousand times; a worker that only makes
+    # small calls keeps the default (a user's pipe pages are limited). Each side widens
+    # the pipe it uses; the other end here is plain reads and writes.
+    default = 1 << 16
+    r, w = os.pipe()
+    try:
+        if _capacity(r) != default:
+            pytest.skip(f"pipes here hold {_capacity(r)} bytes by default")
+        out = FrameWriter(w)
+        # (a PollingInput makes its descriptor non-blocking: only on the reader's side)
+        reader = FrameReader(PollingInput(r, 0.0), max_frame=1 << 22) if side == "reader" else None
+
+        def through(payload: bytes) -> bytes:
+            framed = struct.pack(">I", len(payload)) + payload
+            got: list[bytes] = []
+            if reader is not None:  # raw writes in, frames out
+                sending = threading.Thread(target=os.write, args=(w, framed))
+                sending.start()
+                got.append(bytes(reader.read() or b""))
+            else:  # frames in, raw reads out
+                sending = threading.Thread(target=out.write, args=([payload],))
+                sending.start()
+                got.append(_drain(r, len(framed))[4:])
+            sending.join(30)
+            return got[0]
+
+        for small in (b"x", b"y" * 60_000):
+            assert through(small) == small
+        assert _capacity(r) == default
+        large = os.urandom(3 << 20)
+        assert through(large) == large
+        assert _capacity(r) == WIDE_PIPE
+    finally:
+        os.close(r)
+        os.close(w)

@@ -3,10 +3,18 @@
 That is what Erlang's ``{:packet, 4}`` writes and reads. :class:`FrameReader` takes
 frames from a byte stream, several from one read when they are there; :class:`FrameWriter`
 writes whole frames from any thread without interleaving them.
+
+A pipe holds 64 KiB by default, so a frame of 64 MiB crosses it in a thousand pieces,
+each a hand-over between the two processes (a wake-up each, where the other side
+slept). The first frame larger than that widens the pipe it crosses to 1 MiB
+(:func:`widen_pipe`): a worker that only makes small calls keeps the default, since
+the pages a user's pipes may hold are limited (``/proc/sys/fs/pipe-user-pages-soft``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import struct
@@ -20,10 +28,22 @@ _SMALL_FRAME = 1 << 16  # frames up to this size are gathered from buffered read
 _JOIN_BELOW = 1 << 16  # a one-piece frame shorter than this is written as one buffer
 _PLACE_PREFIX = 1 << 12  # bytes of a large frame a Placement sees
 _ALIGN = 64  # where a Placement says, a large frame's memory is aligned this far
+WIDE_PIPE = 1 << 20  # a pipe's capacity once a frame has not fit in it (the usual maximum)
 
 Placement = Callable[[bytes, int], int]
 """Given the first bytes of a large frame and its size, the offset in the frame that
 should lie on an aligned address (0: the frame's start)."""
+
+
+def widen_pipe(fd: int) -> None:
+    """Let the pipe behind ``fd`` hold :data:`WIDE_PIPE` bytes; nothing if ``fd`` is
+    not a pipe, or the system refuses (a user over its pipe pages, a platform
+    without ``F_SETPIPE_SZ``): frames cross it either way."""
+    setpipe = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if setpipe is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, setpipe, WIDE_PIPE)
 
 
 class ByteSource(Protocol):
@@ -42,6 +62,10 @@ class ByteSource(Protocol):
         """Fill some of ``buffer``; 0 at end of input."""
         ...
 
+    def fileno(self) -> int:
+        """The file descriptor read (OSError where there is none)."""
+        ...
+
 
 class FrameWriter:
     """Writes whole frames to a file descriptor; safe to call from any thread."""
@@ -49,6 +73,7 @@ class FrameWriter:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._lock = threading.Lock()
+        self._widened = False
 
     def write(self, payload: bytes | memoryview | list[bytes | memoryview]) -> None:
         """Write one frame (length prefix and payload, whole or in pieces) without
@@ -77,6 +102,9 @@ class FrameWriter:
     def _write_pieces(self, pieces: list[bytes | memoryview]) -> None:
         size = sum(len(p) for p in pieces)
         chunks = [memoryview(_HEADER.pack(size)), *(memoryview(p) for p in pieces if p)]
+        if size > _SMALL_FRAME and not self._widened:
+            self._widened = True
+            widen_pipe(self._fd)
         with self._lock:
             self._write_all(chunks)
 
@@ -108,6 +136,7 @@ class FrameReader:
         self._place = place
         self._buf = b""  # bytes read and not yet handed out, from self._pos on
         self._pos = 0
+        self._widened = False
 
     def read(self) -> bytes | memoryview | None:
         """The next frame's payload; None at end of input.
@@ -142,6 +171,9 @@ class FrameReader:
         if size <= _SMALL_FRAME:
             return self._take(size)
         # A large frame: what is buffered, then the rest read in place.
+        if not self._widened:
+            self._widened = True
+            self._widen()
         shift = 0
         if self._place is not None:
             seen = min(size, _PLACE_PREFIX)
@@ -160,6 +192,13 @@ class FrameReader:
                 return None
             got += k
         return view
+
+    def _widen(self) -> None:
+        try:
+            fd = self._stream.fileno()
+        except (OSError, ValueError):  # a stream with no descriptor
+            return
+        widen_pipe(fd)
 
     def _take(self, n: int) -> bytes | None:
         """``n`` bytes, reading as needed; None if the input ends first."""

@@ -81,6 +81,10 @@ class PollingInput:
         """The measurement that decides whether to spin (None when the choice is fixed)."""
         return self._policy
 
+    def fileno(self) -> int:
+        """The descriptor read."""
+        return self._fd
+
     def read1(self, size: int) -> bytes:
         """Up to ``size`` bytes, as soon as there are any; ``b""`` at end of input."""
         return self._read(os.read, size)
