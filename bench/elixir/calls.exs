@@ -141,6 +141,7 @@ defmodule Bench.Calls do
           {:method_kwargs, fn n -> method_args_batch(group, n, timeout: 5.0) end},
           {:function, fn n -> function_batch(n) end},
           {:refs, fn n -> refs_batch(counters.ours, n) end},
+          {:release, fn n -> release_batch(n) end},
           {:ping, fn n -> ping_batch(n) end},
           {:echo, fn n -> echo_batch(echo, ctx.frame, n) end},
           {:looking_echo, fn n -> echo_batch(echo, ctx.frame, n, @reply_spin_us) end},
@@ -207,6 +208,13 @@ defmodule Bench.Calls do
         @bench,
         "echo(counter) (a function taking and returning a ref), p50",
         p50.refs,
+        p50.echo,
+        echo_name
+      ),
+      Bench.time_row(
+        @bench,
+        "Runtime.release(ref) (one object), p50",
+        p50.release,
         p50.echo,
         echo_name
       ),
@@ -325,6 +333,17 @@ defmodule Bench.Calls do
         "echo: #{inspect(result)}"
       )
 
+      us
+    end
+  end
+
+  # The objects are made first, untimed: only their release is timed.
+  defp release_batch(n) do
+    rt = [__runtime__: [pool: @pool]]
+
+    for {:ok, counter} <- for(_ <- 1..n, do: Runtime.call_class("Counter", [], rt)) do
+      {us, result} = Bench.tc(fn -> Runtime.release(counter) end)
+      Bench.check!(result == {:ok, 1}, "release: #{inspect(result)}")
       us
     end
   end

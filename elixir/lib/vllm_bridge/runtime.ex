@@ -685,7 +685,11 @@ defmodule VllmBridge.Runtime do
     end
   end
 
-  # Requests to several workers, in flight together; sums integer results.
+  # Requests to several workers, in flight together; sums integer results. A
+  # single request to a worker with a channel goes the way every call does
+  # (written by the caller, no hop through the Worker process).
+  defp run_many([{%{via: _} = target, ctx, op}]), do: sum(run(target, ctx, op), {:ok, 0})
+
   defp run_many(jobs) do
     jobs
     |> Enum.map(fn
@@ -713,13 +717,13 @@ defmodule VllmBridge.Runtime do
         result = request |> Worker.await(timeout) |> finish(target, session, id)
         if span, do: Telemetry.call_stop(start, span, result), else: result
     end)
-    |> Enum.reduce({:ok, 0}, fn
-      {:ok, count}, {:ok, total} when is_integer(count) -> {:ok, total + count}
-      {:ok, _other}, acc -> acc
-      {:error, _} = error, {:ok, _} -> error
-      _, error -> error
-    end)
+    |> Enum.reduce({:ok, 0}, &sum/2)
   end
+
+  defp sum({:ok, count}, {:ok, total}) when is_integer(count), do: {:ok, total + count}
+  defp sum({:ok, _other}, acc), do: acc
+  defp sum({:error, _} = error, {:ok, _}), do: error
+  defp sum(_, error), do: error
 
   defp prepare(target, ctx, op) do
     session = ctx.session || target.session || ""

@@ -175,6 +175,19 @@ defmodule VllmBridge.PoolTest do
                Worker.request(worker, Worker.new_id(), [:nope], 5_000)
     end
 
+    test "releasing the refs of one worker goes through its channel", %{test: test} do
+      pool = start_pool!(:"#{test}", 1)
+      {:ok, worker} = Pool.worker(pool, 0)
+      {:ok, counter} = Runtime.call_class("Counter", [], __runtime__: [pool: pool])
+      :erlang.trace(worker, true, [:receive])
+      assert {:ok, 1} = Runtime.release(counter)
+      :erlang.trace(worker, false, [:receive])
+      # written by the caller: the Worker process saw only the reply
+      refute_received {:trace, ^worker, :receive, {:"$gen_call", _, _}}
+      assert_received {:trace, ^worker, :receive, {_port, {:data, _reply}}}
+      assert {:ok, 0} = Runtime.release(counter)
+    end
+
     test "the channel: requests written to the port by the caller, with the same results",
          %{test: test} do
       pool = start_pool!(:"#{test}", 1)
