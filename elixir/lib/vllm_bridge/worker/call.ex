@@ -17,6 +17,10 @@ defmodule VllmBridge.Worker.Call do
   # One call's steps, compiled into through_channel/7 rather than called.
   @compile {:inline, enter: 3, command: 8, await_reply: 6}
 
+  # What one look for a reply is charged: the VM's time slice (CONTEXT_REDS),
+  # see wait/6.
+  @look_reductions 4000
+
   @doc """
   Makes a call through a worker's channel: `pid` is the worker, `port` its
   port, `table` its pending calls and `spin_us` how long to look for the
@@ -85,9 +89,6 @@ defmodule VllmBridge.Worker.Call do
   # pass cost 8 callers 7-9% of their calls per second). Not with one
   # scheduler: the look would hold the VM's only CPU while Python needs one
   # (2 us slower per call, measured).
-  # What one look is charged: the VM's time slice (CONTEXT_REDS), see wait/6.
-  @look_reductions 4000
-
   defp await_reply(tag, table, id, pid, spin_us, timeout) do
     until =
       if spin_us > 0 and :ets.info(table, :size) == 1 and
