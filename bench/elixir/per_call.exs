@@ -57,6 +57,7 @@ defmodule Bench.PerCall do
     frame = IO.iodata_to_binary(frame)
     echo = Bench.open_echo()
     rt = [__runtime__: [pool: @dist_pool]]
+    text = String.duplicate("façade, 中文 ", 64)
 
     shapes = [
       {"raw port echo (caller-owned port)", worker, fn _ -> Bench.echo(echo, frame) == frame end},
@@ -73,6 +74,10 @@ defmodule Bench.PerCall do
        end},
       {"Runtime.call_function(\"echo\", [1])", worker,
        fn _ -> Runtime.call_function("echo", [1], __runtime__: [pool: @pool]) == {:ok, 1} end},
+      {"Runtime.call_function(\"echo\", [text]) (1 KiB of UTF-8 text, not ASCII)", worker,
+       fn _ ->
+         Runtime.call_function("echo", [text], __runtime__: [pool: @pool]) == {:ok, text}
+       end},
       {"StatelessProcessGroup.rank(group) (getter)", dist_worker,
        fn _ -> StatelessProcessGroup.rank(group) == {:ok, 0} end},
       {"StatelessProcessGroup.broadcast_obj(group, i, 0) (method, args)", dist_worker,

@@ -88,6 +88,26 @@ defmodule VllmBridge.MsgpackTest do
       assert roundtrip(<<0, 1, 2, 255>>) == <<0, 1, 2, 255>>
     end
 
+    test "str or bin exactly as String.valid?/1 says, for random and mutated text" do
+      :rand.seed(:exsss, {7, 11, 2026})
+      text = "ascii, é, ß, 中文, 😀, \u{FFFF}, \u{10FFFF}"
+
+      mutated =
+        for _ <- 1..2_000 do
+          at = :rand.uniform(byte_size(text)) - 1
+          <<head::binary-size(at), _, tail::binary>> = text
+          head <> <<:rand.uniform(256) - 1>> <> tail
+        end
+
+      random = for n <- 1..1_000, do: :crypto.strong_rand_bytes(rem(n, 40))
+
+      for bin <- [text | mutated ++ random] do
+        <<type, _::binary>> = bin |> Msgpack.encode!() |> IO.iodata_to_binary()
+        str? = type in [0xD9, 0xDA, 0xDB] or type >>> 5 == 0b101
+        assert str? == String.valid?(bin), inspect(bin)
+      end
+    end
+
     test "lists and maps" do
       assert hex([]) == "90"
       assert hex([1, [2]]) == "920191" <> "02"
