@@ -12,23 +12,28 @@ deadline and its argument bytes, and a dictionary lookup (``Dispatcher.admit``);
 plan's ``run`` decodes and checks the arguments as the full way does, and makes the
 call. Its reply starts with the request's own id field.
 
-A plan is only as good as the registry it was made from: every release moves the
-registry's ``epoch``, and a plan made under another epoch is not used (the call takes
-the full way, which says what became of the handle); the dispatcher also drops all plans
-when it releases anything, so that no plan keeps a released object alive. A plan also
-says what the request is (its operation and session) so that a transport's own checks
-(``Dispatcher.admit``'s ``gate``) see a planned request as they see a decoded one.
+A plan is only as good as what it was worked out from: the object it calls (a method
+call, an attribute read) or, for the others, the session. Each has a
+:class:`~bridge_py.worker.registry.Lifetime`, marked when it is released; a plan whose
+lifetime is over is not used (the call takes the full way, which says what became of
+the handle). A release of some handles drops the plans of those handles alone, so that
+no plan keeps a released object alive while the calls on every other object stay
+planned; a session's release drops them all. A plan also says what the request is (its
+operation and session) so that a transport's own checks (``Dispatcher.admit``'s
+``gate``) see a planned request as they see a decoded one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, final
 
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import Codec
 from bridge_py.worker.envelope import EnvelopeError, read_varint
+from bridge_py.worker.registry import Lifetime
 from bridge_py.worker.sequencer import Sequencer
 
 MAX_PLANS = 1024  # a worker serving more distinct calls starts over rather than grow
@@ -50,34 +55,58 @@ class CallPlan:
     run: Run
     sequencer: Sequencer | None  # the object's, for a method call: it still takes its turn
     codec: Codec  # the session's, for the result
-    epoch: int  # the registry's epoch when the plan was made
+    lifetime: Lifetime  # the object's (a method call, an attribute read), else the session's
     session: str = ""  # the session as the request names it ("" for the default one)
     op: type[pb.Operation] = pb.CallMethod  # the request's operation
+    handle: int = 0  # the object's handle, for a method call or an attribute read
 
 
 class CallPlans:
     """Plans by their key (:func:`split_call`); bounded, safe to share by threads.
 
-    Lookups and stores are single dictionary operations, atomic under the GIL; two
-    threads learning the same call store equal plans.
+    A lookup is one dictionary operation, atomic under the GIL; the rest (learning,
+    forgetting) takes a lock. Two threads learning the same call store equal plans.
     """
 
     def __init__(self, limit: int = MAX_PLANS) -> None:
         self._plans: dict[bytes, CallPlan] = {}
+        self._keys_of: dict[int, set[bytes]] = {}  # the keys of each handle's plans
         self._limit = limit
+        self._lock = threading.Lock()
         # The plan for a key, or None: the dictionary's own ``get``, one C call on the hot
         # path. (``clear`` empties this same dictionary, so the bound method stays good.)
         self.get: Callable[[bytes], CallPlan | None] = self._plans.get
 
     def learn(self, key: bytes, plan: CallPlan) -> None:
-        """Keep ``plan`` for requests whose key is ``key``."""
-        if len(self._plans) >= self._limit:
-            self._plans.clear()
-        self._plans[key] = plan
+        """Keep ``plan`` for requests whose key is ``key``; not one whose lifetime is
+        already over (checked once it is kept: a release that marked it before it was
+        kept may have looked for it to drop too soon)."""
+        with self._lock:
+            if len(self._plans) >= self._limit:
+                self._clear()
+            self._plans[key] = plan
+            if plan.handle:
+                self._keys_of.setdefault(plan.handle, set()).add(key)
+        if plan.lifetime.released:
+            with self._lock:
+                if self._plans.get(key) is plan:
+                    del self._plans[key]
+
+    def forget(self, handles: Iterable[int]) -> None:
+        """Drop the plans of ``handles`` (released: a plan holds its object alive)."""
+        with self._lock:
+            for handle in handles:
+                for key in self._keys_of.pop(handle, ()):
+                    self._plans.pop(key, None)
 
     def clear(self) -> None:
         """Forget every plan (they hold their objects alive)."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
         self._plans.clear()
+        self._keys_of.clear()
 
     def __len__(self) -> int:
         return len(self._plans)

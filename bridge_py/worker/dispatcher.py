@@ -79,8 +79,8 @@ class Dispatcher:
         self.registry = registry if registry is not None else HandleRegistry()
         # Calls seen before, by what they name (call_plans).
         self.plans = CallPlans()
-        # A release drops every plan: they hold their objects alive.
-        self.operations = Operations(exports, self.registry, on_release=self.plans.clear)
+        # A release drops the plans of what it released: they hold their objects alive.
+        self.operations = Operations(exports, self.registry, on_release=self._released)
         self._plan_for = self.plans.get
         # Methods that some class lets run out of turn (``ExportedClass.unordered``): only
         # a call of one of these names needs its object looked up before it takes a turn.
@@ -221,7 +221,7 @@ class Dispatcher:
             if sequencer is not None and sequencer.serving != number:
                 sequencer.wait_for(number)
             try:
-                if plan.epoch != self.registry.epoch:
+                if plan.lifetime.released:
                     answer = self._answer(pb.decode_request(frame), None, deadline)
                     return pb.encode_reply_chunks(answer)
                 if deadline:
@@ -258,8 +258,14 @@ class Dispatcher:
         if split is None or op is None:
             return
         session = req.session or DEFAULT_SESSION
-        epoch = self.registry.epoch  # read first: a release from here on voids the plan
+        # What the plan is worked out from, read first: a release from here on voids it.
+        handle = op.handle if isinstance(op, (pb.CallMethod, pb.GetAttribute)) else 0
         try:
+            lifetime = (
+                self.registry.lifetime(handle, session)
+                if handle
+                else self.registry.session_lifetime(session)
+            )
             run = self.operations.plan(req)
             sequencer = (
                 self.registry.sequencer(op.handle, session)
@@ -271,8 +277,15 @@ class Dispatcher:
         if run is None or pb.encode_request(req) != frame:
             return  # not an operation with plans, or not its canonical bytes
         codec = self.operations.codec(session)
-        plan = CallPlan(run, sequencer, codec, epoch, req.session, type(op))
+        plan = CallPlan(run, sequencer, codec, lifetime, req.session, type(op), handle)
         self.plans.learn(split[1], plan)
+
+    def _released(self, handles: list[int] | None) -> None:
+        """Drop the plans of released ``handles``; all of them for a whole session."""
+        if handles is None:
+            self.plans.clear()
+        else:
+            self.plans.forget(handles)
 
 
 def _error_chunks(frame: bytes, failure: Failure) -> list[bytes | memoryview]:

@@ -42,14 +42,15 @@ class Failure(Exception):
 
 class Operations:
     """Runs decoded requests; one codec per session and the wire name of each exported
-    method, worked out once. ``on_release`` is called after every release (handles or a
-    session), so that whatever holds objects on the side (call plans) lets them go."""
+    method, worked out once. ``on_release`` is called after every release, with the
+    handles released (None for a whole session), so that whatever holds objects on the
+    side (call plans) lets them go."""
 
     def __init__(
         self,
         exports: ExportTable,
         registry: HandleRegistry,
-        on_release: Callable[[], None] = lambda: None,
+        on_release: Callable[[list[int] | None], None] = lambda handles: None,
     ) -> None:
         self.exports = exports
         self.registry = registry
@@ -152,14 +153,15 @@ class Operations:
     # -- the other operations ---------------------------------------------------------
 
     def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
-        freed = self.registry.release(list(op.handles), session)
-        self._on_release()
+        handles = list(op.handles)
+        freed = self.registry.release(handles, session)
+        self._on_release(handles)
         return freed
 
     def _release_session(self, op: pb.ReleaseSession, session: str, codec: Codec) -> int:
         self._codecs.pop(session, None)
         freed = self.registry.release_session(session)
-        self._on_release()
+        self._on_release(None)
         return freed
 
     def _describe(self, op: pb.Describe, session: str, codec: Codec) -> dict[str, Any]:

@@ -19,6 +19,17 @@ class HandleNotFound(LookupError):
     """A handle that is unknown, released, or owned by another session."""
 
 
+class Lifetime:
+    """Whether something the registry held has been released: an object (its handle), or
+    a session as a whole. What was worked out from it (a call plan) checks this before
+    it is used again."""
+
+    __slots__ = ("released",)
+
+    def __init__(self) -> None:
+        self.released = False
+
+
 @dataclass(slots=True)
 class _Entry:
     obj: Any
@@ -26,6 +37,7 @@ class _Entry:
     class_name: str
     # Method calls on this object run one at a time, in arrival order.
     sequencer: Sequencer = field(default_factory=Sequencer)
+    lifetime: Lifetime = field(default_factory=Lifetime)
 
 
 class HandleRegistry:
@@ -40,9 +52,7 @@ class HandleRegistry:
         # cannot be reused while it is here).
         self._by_object: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
-        # Counts releases: whatever was worked out from entries (call plans) while it
-        # had another value may name an object that is gone.
-        self.epoch = 0
+        self._session_lifetimes: dict[str, Lifetime] = {}
 
     def register(self, obj: Any, session: str, class_name: str) -> int:
         """Hold ``obj`` for ``session``; return its handle (never 0).
@@ -63,8 +73,8 @@ class HandleRegistry:
             return handle
 
     def _forget(self, handle: int) -> None:
-        self.epoch += 1
         entry = self._entries.pop(handle)
+        entry.lifetime.released = True
         self._by_object.pop((entry.session, id(entry.obj)), None)
 
     def _entry(self, handle: int, session: str) -> _Entry:
@@ -88,6 +98,18 @@ class HandleRegistry:
     def turn(self, handle: int, session: str) -> Turn:
         """The next turn to call a method of ``handle`` (see :mod:`sequencer`)."""
         return self.sequencer(handle, session).turn()
+
+    def lifetime(self, handle: int, session: str) -> Lifetime:
+        """Whether ``handle`` has been released since (raises if it already is)."""
+        entry = self._entries.get(handle)
+        if entry is None or entry.session != session:
+            entry = self._entry(handle, session)  # raises, saying which
+        return entry.lifetime
+
+    def session_lifetime(self, session: str) -> Lifetime:
+        """Whether ``session`` has been released as a whole since this call."""
+        with self._lock:
+            return self._session_lifetimes.setdefault(session, Lifetime())
 
     def sequencer(self, handle: int, session: str) -> Sequencer:
         """What hands out the turns of ``handle``'s method calls (see :mod:`sequencer`)."""
@@ -116,7 +138,9 @@ class HandleRegistry:
             handles = self._sessions.pop(session, set())
             for handle in handles:
                 self._forget(handle)
-            self.epoch += 1  # the session's codec goes too
+            gone = self._session_lifetimes.pop(session, None)
+            if gone is not None:
+                gone.released = True  # the session's codec goes too
         return len(handles)
 
     def __len__(self) -> int:

@@ -24,6 +24,7 @@ from bridge_py.worker import envelope as pb
 from bridge_py.worker.call_plans import MAX_PLANNED_BYTES, CallPlan, CallPlans, split_call
 from bridge_py.worker.codec import PLAIN, RefValue
 from bridge_py.worker.dispatcher import Dispatcher, Job
+from bridge_py.worker.registry import Lifetime
 from bridge_py.worker.transports.frames import FrameReader
 from bridge_py.worker.transports.port import PortTransport
 from tests.worker.sample_exports import table
@@ -233,7 +234,11 @@ def test_a_planned_call_resolves_refs_in_its_arguments_each_time() -> None:
     assert _planned(d, open_gate(second)).error is None  # the plan's ref is not reused
     assert d.registry.get(second, "default")._gate.is_set()
     d.dispatch(pb.Request(4, "", pb.ReleaseHandles([first])))
-    assert _full(d, open_gate(first)).error.category == "not_found"  # plans dropped
+    # The function's plan holds no object, so it stays: the released ref in its
+    # arguments is refused as the full way refuses it.
+    planned = _planned(d, open_gate(first)).error
+    assert planned is not None and planned.category == "not_found"
+    assert str(first) in planned.message
 
 
 def test_calls_that_fail_and_odd_layouts_get_no_plan() -> None:
@@ -286,6 +291,32 @@ def test_a_release_makes_plans_stale(release: str) -> None:
     assert (reply.id, reply.error.category) == (4, "not_found")
     assert str(handle) in reply.error.message
     assert not _is_planned(d.admit(_frame(5, handle, "incr")))
+
+
+def test_a_release_leaves_the_plans_of_everything_else() -> None:
+    # Objects made and released all the time (one per request, say) must not cost every
+    # other call its plan: only the released object's plans go.
+    d = Dispatcher(table())
+    kept, released = _counter(d), _counter(d)
+    calls = [
+        _frame(2, kept, "incr"),
+        _request(3, pb.GetAttribute(kept, "value")),
+        _request(4, pb.CallFunction("echo", PLAIN.encode([1]))),
+        _request(5, pb.CreateInstance("Counter")),
+    ]
+    for frame in [*calls, _frame(6, released, "incr")]:
+        _full(d, frame)
+    assert len(d.plans) == 5
+    d.dispatch(pb.Request(7, "", pb.ReleaseHandles([released])))
+    assert len(d.plans) == 4
+    for frame in calls:
+        assert _planned(d, frame).error is None
+    gone = d.admit(_frame(8, released, "incr"))
+    assert not _is_planned(gone)
+    assert _reply(d, gone).error.category == "not_found"
+    # A session's release still drops every plan of the worker (its codec goes).
+    d.dispatch(pb.Request(9, "", pb.ReleaseSession()))
+    assert len(d.plans) == 0
 
 
 def test_a_released_object_is_not_kept_alive_by_its_plan() -> None:
@@ -349,7 +380,7 @@ def test_frames_with_long_arguments_take_the_full_way(monkeypatch: pytest.Monkey
 
 def test_plans_are_bounded() -> None:
     plans = CallPlans(limit=2)
-    plan = CallPlan(lambda a, k: None, None, None, 0)  # type: ignore[arg-type]
+    plan = CallPlan(lambda a, k: None, None, None, Lifetime())  # type: ignore[arg-type]
     for handle in range(1, 6):
         split = split_call(_frame(1, handle, "incr"))
         assert split is not None
