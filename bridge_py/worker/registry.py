@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ class Lifetime:
     a session as a whole. What was worked out from it (a call plan) checks this before
     it is used again."""
 
-    __slots__ = ("released",)
+    __slots__ = ("__weakref__", "released")
 
     def __init__(self) -> None:
         self.released = False
@@ -52,7 +53,11 @@ class HandleRegistry:
         # cannot be reused while it is here).
         self._by_object: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
-        self._session_lifetimes: dict[str, Lifetime] = {}
+        # Held only as long as something (a plan) holds them: session names are the
+        # client's, and many may come and go without a release.
+        self._session_lifetimes: weakref.WeakValueDictionary[str, Lifetime] = (
+            weakref.WeakValueDictionary()
+        )
 
     def register(self, obj: Any, session: str, class_name: str) -> int:
         """Hold ``obj`` for ``session``; return its handle (never 0).
@@ -109,7 +114,10 @@ class HandleRegistry:
     def session_lifetime(self, session: str) -> Lifetime:
         """Whether ``session`` has been released as a whole since this call."""
         with self._lock:
-            return self._session_lifetimes.setdefault(session, Lifetime())
+            lifetime = self._session_lifetimes.get(session)
+            if lifetime is None:
+                lifetime = self._session_lifetimes[session] = Lifetime()
+            return lifetime
 
     def sequencer(self, handle: int, session: str) -> Sequencer:
         """What hands out the turns of ``handle``'s method calls (see :mod:`sequencer`)."""

@@ -319,6 +319,18 @@ def test_a_release_leaves_the_plans_of_everything_else() -> None:
     assert len(d.plans) == 0
 
 
+def test_sessions_leave_nothing_behind_once_their_plans_are_gone() -> None:
+    # A plan holds its session's lifetime; the registry keeps it no longer (session
+    # names are the client's, and may come and go without a release).
+    d = Dispatcher(table())
+    for i in range(50):
+        _full(d, _request(i + 1, pb.CallFunction("echo", PLAIN.encode([1])), f"s{i}"))
+    assert len(d.registry._session_lifetimes) == 50
+    d.plans.clear()
+    gc.collect()
+    assert len(d.registry._session_lifetimes) == 0
+
+
 def test_a_released_object_is_not_kept_alive_by_its_plan() -> None:
     d = Dispatcher(table())
     handle = _counter(d)
