@@ -18,7 +18,7 @@ call, an attribute read) or, for the others, the session. Each has a
 lifetime is over is not used (the call takes the full way, which says what became of
 the handle). A release of some handles drops the plans of those handles alone, so that
 no plan keeps a released object alive while the calls on every other object stay
-planned; a session's release drops them all. A plan also says what the request is (its
+planned; a session's release drops that session's plans. A plan also says what the request is (its
 operation and session) so that a transport's own checks (``Dispatcher.admit``'s
 ``gate``) see a planned request as they see a decoded one.
 """
@@ -98,6 +98,16 @@ class CallPlans:
             for handle in handles:
                 for key in self._keys_of.pop(handle, ()):
                     self._plans.pop(key, None)
+
+    def forget_if(self, released: Callable[[CallPlan], bool]) -> None:
+        """Drop every plan for which ``released(plan)`` is true (a session's: one pass over
+        all plans, for what is rare)."""
+        with self._lock:
+            for key, plan in list(self._plans.items()):
+                if released(plan):
+                    del self._plans[key]
+                    if plan.handle:
+                        self._keys_of.get(plan.handle, set()).discard(key)
 
     def clear(self) -> None:
         """Forget every plan (they hold their objects alive)."""

@@ -280,10 +280,10 @@ class Dispatcher:
         plan = CallPlan(run, sequencer, codec, lifetime, req.session, type(op), handle)
         self.plans.learn(split[1], plan)
 
-    def _released(self, handles: list[int] | None) -> None:
-        """Drop the plans of released ``handles``; all of them for a whole session."""
+    def _released(self, handles: list[int] | None, session: str) -> None:
+        """Drop the plans of released ``handles``, or of all ``session`` (None)."""
         if handles is None:
-            self.plans.clear()
+            self.plans.forget_if(lambda plan: (plan.session or DEFAULT_SESSION) == session)
         else:
             self.plans.forget(handles)
 

@@ -43,14 +43,14 @@ class Failure(Exception):
 class Operations:
     """Runs decoded requests; one codec per session and the wire name of each exported
     method, worked out once. ``on_release`` is called after every release, with the
-    handles released (None for a whole session), so that whatever holds objects on the
-    side (call plans) lets them go."""
+    handles released (None for a whole session) and the session, so that whatever holds
+    objects on the side (call plans) lets them go."""
 
     def __init__(
         self,
         exports: ExportTable,
         registry: HandleRegistry,
-        on_release: Callable[[list[int] | None], None] = lambda handles: None,
+        on_release: Callable[[list[int] | None, str], None] = lambda handles, session: None,
     ) -> None:
         self.exports = exports
         self.registry = registry
@@ -155,13 +155,13 @@ class Operations:
     def _release(self, op: pb.ReleaseHandles, session: str, codec: Codec) -> int:
         handles = list(op.handles)
         freed = self.registry.release(handles, session)
-        self._on_release(handles)
+        self._on_release(handles, session)
         return freed
 
     def _release_session(self, op: pb.ReleaseSession, session: str, codec: Codec) -> int:
         self._codecs.pop(session, None)
         freed = self.registry.release_session(session)
-        self._on_release(None)
+        self._on_release(None, session)
         return freed
 
     def _describe(self, op: pb.Describe, session: str, codec: Codec) -> dict[str, Any]:

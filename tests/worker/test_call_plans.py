@@ -314,9 +314,14 @@ def test_a_release_leaves_the_plans_of_everything_else() -> None:
     gone = d.admit(_frame(8, released, "incr"))
     assert not _is_planned(gone)
     assert _reply(d, gone).error.category == "not_found"
-    # A session's release still drops every plan of the worker (its codec goes).
-    d.dispatch(pb.Request(9, "", pb.ReleaseSession()))
-    assert len(d.plans) == 0
+    # A session's release drops that session's plans (its codec goes too), not others'.
+    _full(d, _request(9, pb.CallFunction("echo", PLAIN.encode([1])), "other"))
+    assert len(d.plans) == 5
+    d.dispatch(pb.Request(10, "", pb.ReleaseSession()))
+    assert len(d.plans) == 1
+    assert (
+        _planned(d, _request(11, pb.CallFunction("echo", PLAIN.encode([2])), "other")).error is None
+    )
 
 
 def test_sessions_leave_nothing_behind_once_their_plans_are_gone() -> None:
