@@ -18,9 +18,9 @@ call, an attribute read) or, for the others, the session. Each has a
 lifetime is over is not used (the call takes the full way, which says what became of
 the handle). A release of some handles drops the plans of those handles alone, so that
 no plan keeps a released object alive while the calls on every other object stay
-planned; a session's release drops that session's plans. A plan also says what the request is (its
-operation and session) so that a transport's own checks (``Dispatcher.admit``'s
-``gate``) see a planned request as they see a decoded one.
+planned; a session's release drops that session's plans. A plan also says what the
+request is (its operation and session) so that a transport's own checks
+(``Dispatcher.admit``'s ``gate``) see a planned request as they see a decoded one.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class CallPlans:
             with self._lock:
                 if self._plans.get(key) is plan:
                     del self._plans[key]
+                    self._keys_of.pop(plan.handle, None)
 
     def forget(self, handles: Iterable[int]) -> None:
         """Drop the plans of ``handles`` (released: a plan holds its object alive)."""
