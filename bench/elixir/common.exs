@@ -192,8 +192,8 @@ defmodule Bench do
   @doc """
   Writes `frame` to `port` and waits for the frame it sends back. With `spin_us`,
   the caller first looks for it for that many microseconds, yielding a whole
-  time slice in between, as a runtime caller does (`:reply_spin_us`, "Waiting for a reply" in
-  `VllmBridge.Worker`).
+  time slice in between, as a runtime caller does (`:reply_spin_us`, "Waiting
+  for a reply" in `VllmBridge.Worker`).
   """
   def echo(port, frame, timeout \\ 60_000, spin_us \\ 0) do
     Port.command(port, frame)

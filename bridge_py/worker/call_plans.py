@@ -107,8 +107,11 @@ class CallPlans:
             for key, plan in list(self._plans.items()):
                 if released(plan):
                     del self._plans[key]
-                    if plan.handle:
-                        self._keys_of.get(plan.handle, set()).discard(key)
+                    keys = self._keys_of.get(plan.handle)
+                    if keys is not None:
+                        keys.discard(key)
+                        if not keys:  # (handles are never reused: nothing may stay)
+                            del self._keys_of[plan.handle]
 
     def clear(self) -> None:
         """Forget every plan (they hold their objects alive)."""

@@ -319,6 +319,7 @@ def test_a_release_leaves_the_plans_of_everything_else() -> None:
     assert len(d.plans) == 5
     d.dispatch(pb.Request(10, "", pb.ReleaseSession()))
     assert len(d.plans) == 1
+    assert not d.plans._keys_of  # nothing stays behind for the session's objects either
     assert (
         _planned(d, _request(11, pb.CallFunction("echo", PLAIN.encode([2])), "other")).error is None
     )

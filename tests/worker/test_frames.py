@@ -256,17 +256,16 @@ def test_the_first_frame_larger_than_a_pipe_widens_it_and_small_ones_do_not(side
 
         def through(payload: bytes) -> bytes:
             framed = struct.pack(">I", len(payload)) + payload
-            got: list[bytes] = []
             if reader is not None:  # raw writes in, frames out
                 sending = threading.Thread(target=os.write, args=(w, framed))
                 sending.start()
-                got.append(bytes(reader.read() or b""))
+                got = bytes(reader.read() or b"")
             else:  # frames in, raw reads out
                 sending = threading.Thread(target=out.write, args=([payload],))
                 sending.start()
-                got.append(_drain(r, len(framed))[4:])
+                got = _drain(r, len(framed))[4:]
             sending.join(30)
-            return got[0]
+            return got
 
         for small in (b"x", b"y" * 60_000):
             assert through(small) == small

@@ -106,8 +106,8 @@ defmodule VllmBridge.Pool do
       30_000)
     * `:reply_spin_us` - how long, in microseconds, a caller keeps looking
       for its reply before it sleeps, while its call is the only one in
-      flight on its worker (default 50, at most 1000; `0`: never; see "Waiting for a reply"
-      in `VllmBridge.Worker`)
+      flight on its worker (default 50, at most 1000; `0`: never; see
+      "Waiting for a reply" in `VllmBridge.Worker`)
     * `:startup_timeout` - ms `start_link/1` waits for every worker's Python
       to answer (default `#{@startup_timeout}`; `:infinity` allowed)
 

@@ -40,44 +40,31 @@ defmodule VllmBridge.ReplyWaitTest do
     end
   end
 
-  test "a lone call looks for its reply for :reply_spin_us before it sleeps", %{test: test} do
+  test "a lone call looks for its reply for :reply_spin_us, a time slice per look, then sleeps",
+       %{test: test} do
     spinning = start_pool!(:"#{test}_spin", 1, reply_spin_us: 1_000)
     sleeping = start_pool!(:"#{test}_sleep", 1, reply_spin_us: 0)
+    reductions = fn -> self() |> Process.info(:reductions) |> elem(1) end
 
     # A call that takes 20 ms in Python: the spinning caller yields between
     # looks for the whole millisecond of its spin, then sleeps; the other
     # sleeps at once.
     sleep = fn pool -> Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool]) end
 
+    before = reductions.()
     {outs, result} = schedule_outs(fn -> sleep.(spinning) end)
+    used = reductions.() - before
     assert {:ok, 0.02} = result
     assert outs >= 5, "a spinning caller was scheduled out #{outs} times"
-
-    {outs, result} = schedule_outs(fn -> sleep.(sleeping) end)
-    assert {:ok, 0.02} = result
-    assert outs <= 2, "a sleeping caller was scheduled out #{outs} times"
-  end
-
-  test "each look gives up a whole time slice, so the scheduler polls for the reply",
-       %{test: test} do
     # A scheduler checks its ports for input once enough reductions have run
     # since the last check; a bare yield counts as few, and a reply was then
     # seen only every ~20 looks. Each look is charged a time slice (4,000
     # reductions) instead.
-    pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
-    reductions = fn -> self() |> Process.info(:reductions) |> elem(1) end
-
-    before = reductions.()
-
-    {outs, result} =
-      schedule_outs(fn ->
-        Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool])
-      end)
-
-    used = reductions.() - before
-    assert {:ok, 0.02} = result
-    assert outs >= 5, "the caller was scheduled out #{outs} times"
     assert used >= 4_000 * (outs - 2), "#{outs} looks were charged #{used} reductions"
+
+    {outs, result} = schedule_outs(fn -> sleep.(sleeping) end)
+    assert {:ok, 0.02} = result
+    assert outs <= 2, "a sleeping caller was scheduled out #{outs} times"
   end
 
   test "a call with others in flight on its worker sleeps at once", %{test: test} do
