@@ -16,6 +16,8 @@ defmodule VllmBridge.Application do
 
   @impl true
   def start(_type, _args) do
+    VllmBridge.Worker.LookGate.install()
+
     children =
       case Application.get_env(:vllm_bridge, :default_pool) do
         opts when is_list(opts) ->

@@ -12,6 +12,7 @@ defmodule VllmBridge.ReplyWaitTest do
   import VllmBridge.FaultHelpers, only: [kill9: 1, pending: 1]
 
   alias VllmBridge.{Error, Pool, Runtime, Worker}
+  alias VllmBridge.Worker.LookGate
 
   @moduletag timeout: 90_000
 
@@ -51,9 +52,26 @@ defmodule VllmBridge.ReplyWaitTest do
     # sleeps at once.
     sleep = fn pool -> Runtime.call_function("sleep", [0.02], __runtime__: [pool: pool]) end
 
-    before = reductions.()
-    {outs, result} = schedule_outs(fn -> sleep.(spinning) end)
-    used = reductions.() - before
+    look = fn ->
+      before = reductions.()
+      {outs, result} = schedule_outs(fn -> sleep.(spinning) end)
+      {outs, reductions.() - before, result}
+    end
+
+    # A look ends early where something else holds its CPU (see the look gate
+    # below), as it may on a test VM running other tests: up to five tries.
+    {outs, used, result} =
+      Enum.reduce_while(1..5, nil, fn _, _ ->
+        case look.() do
+          {outs, _, _} = tried when outs >= 5 ->
+            {:halt, tried}
+
+          tried ->
+            Process.sleep(60)
+            {:cont, tried}
+        end
+      end)
+
     assert {:ok, 0.02} = result
     assert outs >= 5, "a spinning caller was scheduled out #{outs} times"
     # A scheduler checks its ports for input once enough reductions have run
@@ -65,6 +83,36 @@ defmodule VllmBridge.ReplyWaitTest do
     {outs, result} = schedule_outs(fn -> sleep.(sleeping) end)
     assert {:ok, 0.02} = result
     assert outs <= 2, "a sleeping caller was scheduled out #{outs} times"
+  end
+
+  test "looks that find their CPU taken close the gate, for longer as they go on",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
+    rt = [__runtime__: [pool: pool]]
+    assert gate = LookGate.global(), "the application made no look gate"
+
+    # Two processes per scheduler that never wait: each turn of theirs lasts
+    # ~50 us here (a 1,000-element tuple per reduction), so a caller that
+    # yields between looks is away longer than a look may be.
+    busy =
+      for _ <- 1..(2 * :erlang.system_info(:schedulers_online)),
+          do: spawn(fn -> keep_busy() end)
+
+    try do
+      # Each call that looks closes the gate at its first look, for twice as
+      # long as the last time while no look in between was calm.
+      for _ <- 1..50, do: assert({:ok, +0.0} = Runtime.call_function("sleep", [0.0], rt))
+
+      refute LookGate.open?(gate, :erlang.monotonic_time(:microsecond)),
+             "the look gate is open after 50 calls beside busy processes"
+    after
+      Enum.each(busy, &Process.exit(&1, :kill))
+    end
+  end
+
+  defp keep_busy do
+    _ = :erlang.make_tuple(1_000, 0)
+    keep_busy()
   end
 
   test "a call with others in flight on its worker sleeps at once", %{test: test} do
@@ -138,5 +186,50 @@ defmodule VllmBridge.ReplyWaitOneSchedulerTest do
     after
       :erlang.system_flag(:schedulers_online, online)
     end
+  end
+end
+
+defmodule VllmBridge.LookGateTest do
+  # The look gate's bookkeeping, with the times given: when it closes, for how
+  # long, and when it forgets.
+  use ExUnit.Case, async: true
+
+  alias VllmBridge.Worker.LookGate
+
+  doctest LookGate
+
+  test "a look away more than 20 us is away" do
+    refute LookGate.away?(1_000, 1_020)
+    assert LookGate.away?(1_000, 1_021)
+  end
+
+  test "closings with no calm between double, up to 50 ms; 64 calm looks bring back 200 us" do
+    gate = LookGate.new()
+    assert LookGate.open?(gate, -5_000_000)
+
+    closed_for = fn now ->
+      :ok = LookGate.close(gate, now)
+
+      Enum.find([200, 400, 800, 1_600, 3_200, 6_400, 12_800, 25_600, 50_000], fn us ->
+        not LookGate.open?(gate, now + us - 1) and LookGate.open?(gate, now + us)
+      end)
+    end
+
+    assert Enum.map(1..11, &closed_for.(&1 * 1_000_000)) ==
+             [200, 400, 800, 1_600, 3_200, 6_400, 12_800, 25_600, 50_000, 50_000, 50_000]
+
+    # 63 looks in a row that were not away are not yet a calm
+    for _ <- 1..63, do: :ok = LookGate.calm(gate)
+    assert closed_for.(20_000_000) == 50_000
+
+    for _ <- 1..64, do: :ok = LookGate.calm(gate)
+    assert closed_for.(30_000_000) == 200
+    assert closed_for.(31_000_000) == 400
+  end
+
+  test "without a gate (the application not started) every look may start" do
+    assert LookGate.open?(nil, 0)
+    assert :ok = LookGate.close(nil, 0)
+    assert :ok = LookGate.calm(nil)
   end
 end

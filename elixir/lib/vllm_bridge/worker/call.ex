@@ -12,7 +12,7 @@ defmodule VllmBridge.Worker.Call do
   """
 
   alias VllmBridge.Error
-  alias VllmBridge.Worker.Pending
+  alias VllmBridge.Worker.{LookGate, Pending}
 
   # One call's steps, compiled into through_channel/7 rather than called.
   @compile {:inline, enter: 3, command: 8, await_reply: 6}
@@ -89,20 +89,26 @@ defmodule VllmBridge.Worker.Call do
   # pass cost 8 callers 7-9% of their calls per second). Not with one
   # scheduler: the look would hold the VM's only CPU while Python needs one
   # (2 us slower per call, measured).
+  # And only while the VM's look gate is open: a look that was away from its
+  # CPU too long closes it for a while (VllmBridge.Worker.LookGate).
   defp await_reply(tag, table, id, pid, spin_us, timeout) do
     until =
       if spin_us > 0 and :ets.info(table, :size) == 1 and
-           :erlang.system_info(:schedulers_online) > 1,
-         do: :erlang.monotonic_time(:microsecond) + spin_us
+           :erlang.system_info(:schedulers_online) > 1 do
+        now = :erlang.monotonic_time(:microsecond)
+        if LookGate.open?(LookGate.global(), now), do: now + spin_us
+      end
 
-    wait(tag, table, id, pid, timeout, until)
+    wait(tag, table, id, pid, timeout, until, until && until - spin_us)
   end
 
   # `until`: while looking, the monotonic microsecond when the look ends;
-  # nil once asleep in `receive`.
-  defp wait(tag, table, id, pid, timeout, until) do
+  # nil once asleep in `receive`. `last`: while looking, when the look last
+  # had its turn.
+  defp wait(tag, table, id, pid, timeout, until, last) do
     receive do
       {^tag, result} ->
+        if until, do: look_ended(last, :erlang.monotonic_time(:microsecond))
         Process.demonitor(tag, [:flush])
         result
 
@@ -110,6 +116,8 @@ defmodule VllmBridge.Worker.Call do
         {:error, not_running(pid, reason)}
     after
       if(until, do: 0, else: timeout) ->
+        now = if until, do: :erlang.monotonic_time(:microsecond), else: 0
+
         cond do
           until == nil ->
             Pending.delete(table, id)
@@ -117,7 +125,7 @@ defmodule VllmBridge.Worker.Call do
             # A reply sent before the alias went is kept: it is the answer.
             forget(tag, {:error, timed_out(pid, id, timeout)})
 
-          :erlang.monotonic_time(:microsecond) < until and :ets.info(table, :size) == 1 ->
+          now < until and :ets.info(table, :size) == 1 and not LookGate.away?(last, now) ->
             # Any other process of this scheduler (the Worker delivering the
             # reply, for one) runs first. The look is charged a full time
             # slice: a scheduler polls its ports for input once enough
@@ -127,12 +135,21 @@ defmodule VllmBridge.Worker.Call do
             # Python time); charged, it is seen on the next look.
             :erlang.bump_reductions(@look_reductions)
             :erlang.yield()
-            wait(tag, table, id, pid, timeout, until)
+            wait(tag, table, id, pid, timeout, until, now)
 
           true ->
-            wait(tag, table, id, pid, timeout, nil)
+            look_ended(last, now)
+            wait(tag, table, id, pid, timeout, nil, now)
         end
     end
+  end
+
+  # A look ended at `now`, its last turn having been at `last`: tell the
+  # VM's look gate whether it was away.
+  defp look_ended(last, now) do
+    if LookGate.away?(last, now),
+      do: LookGate.close(LookGate.global(), now),
+      else: LookGate.calm(LookGate.global())
   end
 
   defp forget(tag, error) do
