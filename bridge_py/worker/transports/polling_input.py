@@ -19,15 +19,6 @@ a wait shorter than it (requests are coming back to back again). An idle worker
 therefore never spins, and a busy one spends at most ``spin`` seconds of one CPU per
 request. ``spin=0`` always sleeps at once, as a plain blocking read does. Each attempt
 releases the GIL, so other threads' calls run meanwhile.
-
-A spin also needs a CPU that nothing else wants. Where the kernel says (Linux's
-``/proc/loadavg``, whose fourth field counts the tasks running or ready to run) that
-at least as many other tasks as this process has CPUs are running or waiting for one,
-the wait sleeps at once: the spin would only take a CPU from another worker, a thread
-of the BEAM, or whatever else runs there. With four callers on four workers on two
-CPUs, spinning workers made 0.76x of the calls per second of workers that never spin;
-with this check, 0.90-1.06x (five runs), and a lone worker still spins (bench/README.md,
-"Many callers on many workers").
 """
 
 from __future__ import annotations
@@ -69,13 +60,11 @@ class PollingInput:
             # A terminal or a file: its open file may be a shell's too, which must not be
             # left non-blocking. Read it blocking, without a spin.
             spin = 0.0
-        cpus = len(os.sched_getaffinity(0))
-        if cpus < 2:
+        if len(os.sched_getaffinity(0)) < 2:
             # One CPU: the writer cannot run while this process spins on it, so a
             # spin only delays the next request (by up to ``spin``, measured).
             spin = 0.0
         self._fd = fd
-        self._cpus = cpus
         self._spin = spin
         self._spinning = spin > 0
         self._policy = SpinPolicy() if measured and spin > 0 else None
@@ -120,11 +109,8 @@ class PollingInput:
         if :attr:`spinning`; then learn from how long that took."""
         start = time.perf_counter()
         spin = 0.0
-        crowded = False  # a spin was due, but no CPU is free for it
         if self.spinning:
-            crowded = others_runnable() >= self._cpus
-            if not crowded:
-                spin = self._spin if self._policy is None else self._policy.spin_time(self._spin)
+            spin = self._spin if self._policy is None else self._policy.spin_time(self._spin)
         while True:
             # Retry at once while spinning; otherwise sleep until input comes.
             if not (spin and time.perf_counter() - start < spin):
@@ -136,38 +122,9 @@ class PollingInput:
             # Spin next time only if this wait was short enough for a spin to catch.
             waited = time.perf_counter() - start
             self._spinning = self._spin > 0 and waited < self._spin
-            # A wait that could not spin says nothing about spinning.
-            if self._policy is not None and not crowded:
+            if self._policy is not None:
                 self._policy.record(waited)
             return got
-
-
-_LOADAVG = "/proc/loadavg"
-_loadavg_fd: int | None = None  # opened at the first use; -1 where there is none
-
-
-def others_runnable() -> int:
-    """How many tasks other than the caller the kernel has running or ready to run,
-    machine-wide (0 where it does not say: no ``/proc/loadavg``, or a field unread).
-    A process allowed fewer CPUs than the machine has compares this with its own count,
-    so it spins less than it could, never more.
-
-    Read from the fourth field of ``/proc/loadavg`` (``running/total``), which counts
-    the caller too. About 1.5 us: a ``pread`` of a file kept open.
-    """
-    global _loadavg_fd
-    if _loadavg_fd is None:
-        try:
-            _loadavg_fd = os.open(_LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            _loadavg_fd = -1
-    if _loadavg_fd < 0:
-        return 0
-    try:
-        fields = os.pread(_loadavg_fd, 128, 0).split()
-        return max(0, int(fields[3].split(b"/")[0]) - 1)
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def _readv_into(fd: int, view: memoryview) -> int:
