@@ -16,7 +16,7 @@ defmodule VllmBridge.Worker.LookGate do
   Such a look ends, and the gate closes for 200 microseconds, twice as long
   each time it closes again before 64 looks in a row have ended without
   being away (up to 50,000), and 200 again after such a calm. On a machine
-  with a free CPU a look is seldom away that long (one call in 300-1,500 with
+  with a free CPU a look is seldom away that long (one call in 280-1,700 with
   one caller, measured), so the gate is open nearly all the time; where every
   CPU is taken (a quarter of the looks away), it stays closed but for a look
   now and then.
