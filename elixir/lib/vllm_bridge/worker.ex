@@ -57,6 +57,8 @@ defmodule VllmBridge.Worker do
   overrun by). It ends as soon as another call is entered on the worker:
   their replies keep the VM awake, and looking callers would only take turns
   with the process that delivers them. `reply_spin_us: 0` turns it off.
+  Starting the VM with `+IOs false` (no scheduler polling) also removes the
+  wait, at the cost of throughput under many callers.
 
   A look pays only while a CPU is free for it. One that was away from its
   CPU for more than 20 us between two turns (other processes of its
@@ -65,8 +67,6 @@ defmodule VllmBridge.Worker do
   being away, up to 50 ms (`VllmBridge.Worker.LookGate`). With four callers
   on four workers on two CPUs, callers that looked made 0.86x of the calls
   per second of callers that sleep at once; with the gate, 0.88-0.98x.
-  Starting the VM with `+IOs false` (no scheduler polling) also removes the
-  wait, at the cost of throughput under many callers.
 
   ## Timeouts
 

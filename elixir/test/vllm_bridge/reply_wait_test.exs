@@ -85,8 +85,7 @@ defmodule VllmBridge.ReplyWaitTest do
     assert outs <= 2, "a sleeping caller was scheduled out #{outs} times"
   end
 
-  test "looks that find their CPU taken close the gate, for longer as they go on",
-       %{test: test} do
+  test "looks that find their CPU taken close the look gate", %{test: test} do
     pool = start_pool!(:"#{test}", 1, reply_spin_us: 1_000)
     rt = [__runtime__: [pool: pool]]
     assert gate = LookGate.global(), "the application made no look gate"
@@ -99,8 +98,8 @@ defmodule VllmBridge.ReplyWaitTest do
           do: spawn(fn -> keep_busy() end)
 
     try do
-      # Each call that looks closes the gate at its first look, for twice as
-      # long as the last time while no look in between was calm.
+      # Each call that looks closes the gate at its first look (for how long:
+      # VllmBridge.LookGateTest below).
       for _ <- 1..50, do: assert({:ok, +0.0} = Runtime.call_function("sleep", [0.0], rt))
 
       refute LookGate.open?(gate, :erlang.monotonic_time(:microsecond)),
