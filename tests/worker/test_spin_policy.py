@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -101,6 +103,93 @@ def test_spins_that_delay_the_request_do_not_lengthen_the_spin() -> None:
     _run(policy, 2 * SpinPolicy.FIRST_RUN + 4 * SpinPolicy.WINDOW, 90e-6, 17e-6)
     assert policy.spin_time(200e-6) == pytest.approx(17e-6)
     assert not policy.spinning
+
+
+def test_where_every_cpu_is_taken_it_sleeps_however_fast_spinning_looks() -> None:
+    policy = SpinPolicy()
+    _run(policy, 10_000, spin_wait=15e-6, sleep_wait=120e-6)
+    assert policy.spinning
+    for _ in range(SpinPolicy.CROWDED_SHARES - 1):  # a burst of the machine's other work
+        policy.crowding(0.3)
+    policy.crowding(0.01)
+    policy.crowding(0.3)
+    assert policy.spinning and not policy.crowded
+    for _ in range(SpinPolicy.CROWDED_SHARES - 1):  # in a row: believed
+        policy.crowding(0.3)
+    assert policy.crowded and not policy.spinning
+    # While crowded it measures spinning no more, however much faster it was.
+    spun = _run(policy, 10 * SpinPolicy.LONGEST_RUN, spin_wait=15e-6, sleep_wait=120e-6)
+    assert spun == 0 and not policy.spinning
+    # Once a share is under CROWDED, spinning is measured again, and chosen if faster.
+    policy.crowding(SpinPolicy.CROWDED / 2)
+    assert not policy.crowded
+    _run(policy, 2 * SpinPolicy.FIRST_RUN + 4 * SpinPolicy.WINDOW, 15e-6, 120e-6)
+    assert policy.spinning
+
+
+def test_a_crowded_policy_still_measuring_the_modes_sleeps_from_then_on() -> None:
+    policy = SpinPolicy()  # still measuring: its first window spins
+    for _ in range(SpinPolicy.WINDOW // 2):
+        policy.record(15e-6)
+    for _ in range(SpinPolicy.CROWDED_SHARES):
+        policy.crowding(0.5)
+    assert not policy.spinning
+    assert policy.estimates == {}  # the crowded window's spins were dropped
+    spun = _run(policy, 4 * SpinPolicy.FIRST_RUN, spin_wait=15e-6, sleep_wait=120e-6)
+    assert spun == 0
+    # Crowded while measuring sleeping, before spinning had been chosen or not: the same.
+    policy = SpinPolicy()
+    _run(policy, SpinPolicy.WINDOW + 1, spin_wait=15e-6, sleep_wait=120e-6)
+    assert not policy.spinning
+    for _ in range(SpinPolicy.CROWDED_SHARES):
+        policy.crowding(0.5)
+    spun = _run(policy, 4 * SpinPolicy.FIRST_RUN, spin_wait=15e-6, sleep_wait=120e-6)
+    assert spun == 0
+
+
+# Writes a byte to fd argv[2] for each byte it reads from fd argv[1], at once.
+_ECHO = """
+import os, sys
+go, out = int(sys.argv[1]), int(sys.argv[2])
+while os.read(go, 1):
+    os.write(out, b"x")
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a reader with one CPU never spins")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel does not say"
+)
+def test_the_reader_stops_spinning_where_every_cpu_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One busy process more than there are CPUs, and a sequential "caller" in another
+    # process: the reader, which would spin (a 2 s spin, and slow wake-ups), finds
+    # itself waiting for a CPU, and sleeps from then on.
+    monkeypatch.setattr(SpinPolicy, "IDLE", 10.0)  # a loaded machine's waits count too
+    cpus = len(os.sched_getaffinity(0))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus + 1)]
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    caller = subprocess.Popen([sys.executable, "-c", _ECHO, str(go_r), str(w)], pass_fds=(go_r, w))
+    try:
+        reader = PollingInput(r, 2.0)
+        assert reader.policy is not None and reader.spinning
+        deadline = time.monotonic() + 20
+        while not reader.policy.crowded and time.monotonic() < deadline:
+            os.write(go_w, b"g")
+            assert reader.read1(1) == b"x"
+        assert reader.policy.crowded, "20 s beside busy processes never showed a crowd"
+        assert not reader.spinning
+    finally:
+        os.close(go_w)
+        caller.wait(10)
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait(10)
+        for fd in (r, w, go_r):
+            os.close(fd)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a reader with one CPU never spins")

@@ -13,12 +13,14 @@ wake-ups are fast, a spinning worker only takes a CPU from the BEAM and every ca
 slower, so :class:`~bridge_py.worker.transports.spin_policy.SpinPolicy` times the waits
 in both modes and keeps the faster; it also ends each spin once it has lasted as long
 as a sleeping wait usually does, since a longer spin gains nothing and can hold the CPU
-the BEAM needs to write the request. Either way the spin is skipped after a wait that
-outlasted it (requests are sparse, so spinning would only burn a CPU) and resumes after
-a wait shorter than it (requests are coming back to back again). An idle worker
-therefore never spins, and a busy one spends at most ``spin`` seconds of one CPU per
-request. ``spin=0`` always sleeps at once, as a plain blocking read does. Each attempt
-releases the GIL, so other threads' calls run meanwhile.
+the BEAM needs to write the request. And it sleeps while the reader itself keeps
+waiting for a CPU (:class:`~bridge_py.worker.transports.run_delay.RunDelay`): every CPU
+is taken then, so a spin takes one from a process with work to do. Either way the spin
+is skipped after a wait that outlasted it (requests are sparse, so spinning would only
+burn a CPU) and resumes after a wait shorter than it (requests are coming back to back
+again). An idle worker therefore never spins, and a busy one spends at most ``spin``
+seconds of one CPU per request. ``spin=0`` always sleeps at once, as a plain blocking
+read does. Each attempt releases the GIL, so other threads' calls run meanwhile.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from bridge_py.worker.transports.run_delay import RunDelay
 from bridge_py.worker.transports.spin_policy import SpinPolicy
 
 _A = TypeVar("_A")
@@ -68,6 +71,7 @@ class PollingInput:
         self._spin = spin
         self._spinning = spin > 0
         self._policy = SpinPolicy() if measured and spin > 0 else None
+        self._run_delay = RunDelay()
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
@@ -122,8 +126,10 @@ class PollingInput:
             # Spin next time only if this wait was short enough for a spin to catch.
             waited = time.perf_counter() - start
             self._spinning = self._spin > 0 and waited < self._spin
-            if self._policy is not None:
-                self._policy.record(waited)
+            if self._policy is not None and self._policy.record(waited):
+                share = self._run_delay.share()
+                if share is not None:
+                    self._policy.crowding(share)
             return got
 
 

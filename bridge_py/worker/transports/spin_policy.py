@@ -28,6 +28,17 @@ and then the request comes only once the spin gives up. With a fixed spin of 200
 waits because those cannot be delayed that way; a bound from spinning waits would grow
 with the very delays it should cut.
 
+A spin also needs a CPU that nobody else is waiting for. Where all of them are taken
+(more workers and callers than CPUs, all busy), every microsecond spent spinning is
+taken from a process with work to do, and a worker that gets its requests sooner by
+spinning gets them at the others' expense: four callers on four workers on two CPUs made
+0.8x the calls per second of workers that sleep at once, though half of the workers
+measured their own waits shorter when spinning. So the reader also tells the policy how
+much of the time it spent ready to run but without a CPU
+(:class:`~bridge_py.worker.transports.run_delay.RunDelay`, about every 10 ms); after a
+few such shares in a row above ``CROWDED`` the policy sleeps, and measures spinning
+again only once that share has fallen (:meth:`SpinPolicy.crowding`).
+
 This module is pure bookkeeping: it reads no clock and does no I/O.
 """
 
@@ -48,8 +59,18 @@ class SpinPolicy:
     LONGEST_RUN = 32768
     IDLE = 1e-3  # seconds: a longer wait is the caller pausing, not its turnaround
     MARGIN = 0.05  # spinning is kept only when its median wait is this much shorter
+    CROWDED = 0.05  # share of the time waiting for a CPU above which nobody should spin
+    CROWDED_SHARES = 3  # shares in a row above it before the policy believes it
 
-    __slots__ = ("_chosen", "_estimates", "_run", "_run_left", "_waits", "spinning")
+    __slots__ = (
+        "_chosen",
+        "_crowded_shares",
+        "_estimates",
+        "_run",
+        "_run_left",
+        "_waits",
+        "spinning",
+    )
 
     def __init__(self) -> None:
         self.spinning = True
@@ -58,6 +79,7 @@ class SpinPolicy:
         self._run = self.FIRST_RUN
         self._run_left = 0
         self._waits: list[float] = []  # the current window's
+        self._crowded_shares = 0  # shares in a row above CROWDED
 
     @property
     def estimates(self) -> dict[bool, float]:
@@ -69,28 +91,53 @@ class SpinPolicy:
         while sleeping, at most ``longest`` seconds (``longest`` until that is measured)."""
         return min(longest, self._estimates.get(False, longest))
 
-    def record(self, wait: float) -> None:
-        """Account for one wait of ``wait`` seconds spent in the current mode."""
+    @property
+    def crowded(self) -> bool:
+        """Whether the last ``CROWDED_SHARES`` shares of time spent waiting for a CPU were
+        all above ``CROWDED``."""
+        return self._crowded_shares >= self.CROWDED_SHARES
+
+    def crowding(self, share: float) -> None:
+        """Account for the share of the recent time that the reader was ready to run but
+        had no CPU. Once ``CROWDED_SHARES`` in a row were above ``CROWDED``, sleep (for at
+        least a run, however the modes compare) until one is not. One share alone does
+        not decide: a lone worker sees one now and then, when the machine's other work
+        comes in a burst."""
+        self._crowded_shares = self._crowded_shares + 1 if share > self.CROWDED else 0
+        if self.crowded and self.spinning:
+            self._waits.clear()  # this window's spins took a CPU someone was waiting for
+            self._chosen = False
+            self.spinning = False
+            self._run = self._run_left = self.FIRST_RUN
+
+    def record(self, wait: float) -> bool:
+        """Account for one wait of ``wait`` seconds spent in the current mode. True when
+        that completed a window of measurements (a moment to report :meth:`crowding`)."""
         if wait > self.IDLE:
-            return
+            return False
         waits = self._waits
         waits.append(wait)
         if len(waits) < self.WINDOW:
-            return
+            return False
         waits.sort()
         self._estimates[self.spinning] = waits[len(waits) // 2]
         waits.clear()
         if self.spinning == self._chosen:
             self._run_left -= self.WINDOW
             if self._run_left <= 0:
-                self.spinning = not self._chosen  # measure the other mode again
+                if self.crowded:
+                    self._run_left = self._run  # no CPU to spin on: sleep on
+                else:
+                    self.spinning = not self._chosen  # measure the other mode again
         elif len(self._estimates) < 2:
             self.spinning = not self.spinning  # the first measurement of the other mode
         else:
             self._choose()
+        return True
 
     def _choose(self) -> None:
         faster = self._estimates[True] < self._estimates[False] * (1.0 - self.MARGIN)
+        faster = faster and not self.crowded
         if faster == self._chosen:
             self._run = min(2 * self._run, self.LONGEST_RUN)
         else:
