@@ -120,8 +120,14 @@ def test_where_every_cpu_is_taken_it_sleeps_however_fast_spinning_looks() -> Non
     # While crowded it measures spinning no more, however much faster it was.
     spun = _run(policy, 10 * SpinPolicy.LONGEST_RUN, spin_wait=15e-6, sleep_wait=120e-6)
     assert spun == 0 and not policy.spinning
-    # Once a share is under CROWDED, spinning is measured again, and chosen if faster.
-    policy.crowding(SpinPolicy.CROWDED / 2)
+    # A free moment does not change its mind either; as many shares in a row under
+    # CROWDED do: spinning is measured again, and chosen if faster.
+    for _ in range(SpinPolicy.CROWDED_SHARES - 1):
+        policy.crowding(SpinPolicy.CROWDED / 2)
+    policy.crowding(0.3)
+    assert policy.crowded
+    for _ in range(SpinPolicy.CROWDED_SHARES):
+        policy.crowding(SpinPolicy.CROWDED / 2)
     assert not policy.crowded
     _run(policy, 2 * SpinPolicy.FIRST_RUN + 4 * SpinPolicy.WINDOW, 15e-6, 120e-6)
     assert policy.spinning

@@ -37,7 +37,7 @@ measured their own waits shorter when spinning. So the reader also tells the pol
 much of the time it spent ready to run but without a CPU
 (:class:`~bridge_py.worker.transports.run_delay.RunDelay`, about every 10 ms); after a
 few such shares in a row above ``CROWDED`` the policy sleeps, and measures spinning
-again only once that share has fallen (:meth:`SpinPolicy.crowding`).
+again only after as many in a row below it (:meth:`SpinPolicy.crowding`).
 
 This module is pure bookkeeping: it reads no clock and does no I/O.
 """
@@ -60,11 +60,12 @@ class SpinPolicy:
     IDLE = 1e-3  # seconds: a longer wait is the caller pausing, not its turnaround
     MARGIN = 0.05  # spinning is kept only when its median wait is this much shorter
     CROWDED = 0.05  # share of the time waiting for a CPU above which nobody should spin
-    CROWDED_SHARES = 3  # shares in a row above it before the policy believes it
+    CROWDED_SHARES = 3  # shares in a row on the other side of it that change its mind
 
     __slots__ = (
         "_chosen",
-        "_crowded_shares",
+        "_crowded",
+        "_disagreeing",
         "_estimates",
         "_run",
         "_run_left",
@@ -79,7 +80,8 @@ class SpinPolicy:
         self._run = self.FIRST_RUN
         self._run_left = 0
         self._waits: list[float] = []  # the current window's
-        self._crowded_shares = 0  # shares in a row above CROWDED
+        self._crowded = False
+        self._disagreeing = 0  # shares in a row on the other side of CROWDED
 
     @property
     def estimates(self) -> dict[bool, float]:
@@ -93,17 +95,25 @@ class SpinPolicy:
 
     @property
     def crowded(self) -> bool:
-        """Whether the last ``CROWDED_SHARES`` shares of time spent waiting for a CPU were
-        all above ``CROWDED``."""
-        return self._crowded_shares >= self.CROWDED_SHARES
+        """Whether the policy holds that every CPU is taken: it does once
+        ``CROWDED_SHARES`` shares in a row were above ``CROWDED``, and no longer once as
+        many in a row were not."""
+        return self._crowded
 
     def crowding(self, share: float) -> None:
         """Account for the share of the recent time that the reader was ready to run but
-        had no CPU. Once ``CROWDED_SHARES`` in a row were above ``CROWDED``, sleep (for at
-        least a run, however the modes compare) until one is not. One share alone does
-        not decide: a lone worker sees one now and then, when the machine's other work
-        comes in a burst."""
-        self._crowded_shares = self._crowded_shares + 1 if share > self.CROWDED else 0
+        had no CPU. While :attr:`crowded`, sleep (for at least a run, however the modes
+        compare). One share alone does not change the policy's mind either way: a lone
+        worker sees a crowd now and then, when the machine's other work comes in a
+        burst, and a crowded one a free moment."""
+        if (share > self.CROWDED) == self._crowded:
+            self._disagreeing = 0
+            return
+        self._disagreeing += 1
+        if self._disagreeing < self.CROWDED_SHARES:
+            return
+        self._crowded = not self._crowded
+        self._disagreeing = 0
         if self.crowded and self.spinning:
             self._waits.clear()  # this window's spins took a CPU someone was waiting for
             self._chosen = False
