@@ -8,7 +8,9 @@
 #    Python gRPC unary call (bridge_py.client against `python -m
 #    bridge_py.worker --grpc`, bench/python/grpc_peer.py).
 # 2. Calls per second, one worker, 8 concurrent callers vs the same raw echo
-#    behind a GenServer that routes replies FIFO to 8 concurrent callers.
+#    behind a GenServer that routes replies FIFO to 8 concurrent callers; and
+#    4 callers, each on its own worker of a pool of 4, vs the same with workers
+#    that never spin (and with callers that never look either).
 # 3. A 64 MiB f32 tensor echoed through Python (sample `echo`) vs a raw Port
 #    echo of 64 MiB.
 Code.require_file("common.exs", __DIR__)
@@ -113,7 +115,8 @@ defmodule Bench.Calls do
     rows =
       latency(quick, ctx) ++
         reductions(quick, counters.caller_sleeps, echo, frame) ++
-        throughput(quick, counters.ours, router, frame) ++ tensor(quick, echo)
+        throughput(quick, counters.ours, router, frame) ++
+        many_on_many(quick, sample) ++ tensor(quick, echo)
 
     Bench.emit("Elixir -> Python -> Elixir calls vs raw port echo and gRPC", rows)
   end
@@ -516,6 +519,88 @@ defmodule Bench.Calls do
         "raw port echo (8 callers)",
         "calls/s",
         at_least: 20_000
+      )
+    ]
+  end
+
+  # More busy processes than CPUs on a small machine: where a worker's spin or a
+  # caller's look can only take a CPU from someone with work to do. Each caller calls
+  # its own counter on its own worker; the three pools run one at a time, in an order
+  # shuffled each round, and are stopped after.
+  defp many_on_many(quick, sample) do
+    {rounds, per_caller} = if quick, do: {1, 20}, else: {7, 2000}
+    n = 4
+    never_spin = sample ++ ["--spin-us", "0"]
+
+    pools = [
+      ours: [name: Bench.ManyOurs, args: sample],
+      no_spin: [name: Bench.ManyNoSpin, args: never_spin],
+      neither: [name: Bench.ManyNeither, args: never_spin, reply_spin_us: 0]
+    ]
+
+    specs =
+      for {name, opts} <- pools do
+        Supervisor.child_spec({Pool, [size: n] ++ opts}, id: name)
+      end
+
+    {:ok, sup} = Supervisor.start_link(specs, strategy: :one_for_one)
+
+    counters =
+      Map.new(pools, fn {name, opts} ->
+        {name,
+         for i <- 0..(n - 1) do
+           rt = [__runtime__: [pool: opts[:name], worker: i]]
+           {:ok, counter} = Runtime.call_class("Counter", [], rt)
+           counter
+         end}
+      end)
+
+    run = fn name ->
+      {us, _} =
+        Bench.tc(fn ->
+          counters[name]
+          |> Enum.map(fn c ->
+            Task.async(fn ->
+              for _ <- 1..per_caller, do: {:ok, _} = Runtime.call_method(c, "incr", [])
+            end)
+          end)
+          |> Task.await_many(300_000)
+        end)
+
+      n * per_caller / (us / 1.0e6)
+    end
+
+    names = Keyword.keys(pools)
+    Enum.each(names, run)
+    :rand.seed(:exsss, {7, 7, 7})
+
+    rates =
+      Enum.reduce(1..rounds, Map.new(names, &{&1, []}), fn _, acc ->
+        Enum.reduce(Enum.shuffle(names), acc, fn name, acc ->
+          Map.update!(acc, name, &[run.(name) | &1])
+        end)
+      end)
+
+    :ok = Supervisor.stop(sup)
+    ours = Bench.median(rates.ours)
+    what = "Counter.incr, #{n} callers on #{n} workers"
+
+    [
+      Bench.speed_row(
+        @bench,
+        what,
+        ours,
+        Bench.median(rates.neither),
+        "workers that never spin, callers that sleep at once",
+        "calls/s"
+      ),
+      Bench.speed_row(
+        @bench,
+        what,
+        ours,
+        Bench.median(rates.no_spin),
+        "workers that never spin (--spin-us 0)",
+        "calls/s"
       )
     ]
   end
