@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MICROSECONDS",
         help="port: keep reading for the next request this long before sleeping, on any "
-        "machine (default: up to 200, while measurement shows that spinning is faster)",
+        "machine (default: up to 200, while measurement shows that spinning is faster "
+        "and this process is not kept waiting for a CPU)",
     )
     parser.add_argument(
         "--max-threads",
