@@ -1,9 +1,10 @@
-"""Starting and stopping real worker subprocesses, for tests and benchmarks.
+"""Starting and stopping real subprocesses (workers, load beside them), for tests and benchmarks.
 
 One place knows how to launch ``python -m bridge_py.worker`` from this checkout
 (``PYTHONPATH`` and working directory), how to wait until a gRPC worker serves, and
 how to stop a worker for sure; ``PortClient``, the gRPC fixtures and the gRPC
-benchmark peer all use it.
+benchmark peer all use it. :func:`every_cpu_taken` makes a machine whose CPUs are all
+busy, for the tests of what the worker does then.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,3 +71,26 @@ def stop_worker(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     for stream in (proc.stdin, proc.stdout):
         if stream:
             stream.close()
+
+
+@contextmanager
+def every_cpu_taken(cpus: int = 2) -> Iterator[int]:
+    """Runs the block on ``cpus`` of this machine's CPUs (at most: the calling thread,
+    and what it starts, are pinned to them) beside one busy process more than that, so
+    that every one of them is taken. Yields how many CPUs that is. Pinning keeps the
+    load small on a machine with many CPUs."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(before)[:cpus])
+    busy: list[subprocess.Popen] = []
+    try:
+        taken = len(os.sched_getaffinity(0))
+        for _ in range(taken + 1):
+            busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        time.sleep(0.2)  # let them start
+        yield taken
+    finally:
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait(10)
+        os.sched_setaffinity(0, before)

@@ -12,6 +12,7 @@ import pytest
 
 from bridge_py.worker.transports.polling_input import PollingInput
 from bridge_py.worker.transports.spin_policy import SpinPolicy
+from tests.worker.processes import every_cpu_taken
 
 
 def _run(
@@ -173,27 +174,26 @@ def test_the_reader_stops_spinning_where_every_cpu_is_taken(
     # process: the reader, which would spin (a 2 s spin, and slow wake-ups), finds
     # itself waiting for a CPU, and sleeps from then on.
     monkeypatch.setattr(SpinPolicy, "IDLE", 10.0)  # a loaded machine's waits count too
-    cpus = len(os.sched_getaffinity(0))
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus + 1)]
     r, w = os.pipe()
     go_r, go_w = os.pipe()
-    caller = subprocess.Popen([sys.executable, "-c", _ECHO, str(go_r), str(w)], pass_fds=(go_r, w))
     try:
-        reader = PollingInput(r, 2.0)
-        assert reader.policy is not None and reader.spinning
-        deadline = time.monotonic() + 20
-        while not reader.policy.crowded and time.monotonic() < deadline:
-            os.write(go_w, b"g")
-            assert reader.read1(1) == b"x"
-        assert reader.policy.crowded, "20 s beside busy processes never showed a crowd"
-        assert not reader.spinning
+        with every_cpu_taken():
+            caller = subprocess.Popen(
+                [sys.executable, "-c", _ECHO, str(go_r), str(w)], pass_fds=(go_r, w)
+            )
+            try:
+                reader = PollingInput(r, 2.0)
+                assert reader.policy is not None and reader.spinning
+                deadline = time.monotonic() + 20
+                while not reader.policy.crowded and time.monotonic() < deadline:
+                    os.write(go_w, b"g")
+                    assert reader.read1(1) == b"x"
+                assert reader.policy.crowded, "20 s beside busy processes never showed a crowd"
+                assert not reader.spinning
+            finally:
+                os.close(go_w)
+                caller.wait(10)
     finally:
-        os.close(go_w)
-        caller.wait(10)
-        for process in busy:
-            process.kill()
-        for process in busy:
-            process.wait(10)
         for fd in (r, w, go_r):
             os.close(fd)
 
