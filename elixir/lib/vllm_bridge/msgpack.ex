@@ -273,6 +273,9 @@ defmodule VllmBridge.Msgpack do
     end
   end
 
+  defp enc(%Ref{} = forged, _left),
+    do: fail(forged, "not a well-formed ref: it has no :id or no :class field")
+
   defp enc(%struct{} = term, _left) do
     fail(
       term,

@@ -62,6 +62,36 @@ defmodule VllmBridge.Ref do
   end
 
   @doc """
+  Whether `term` is a ref as the runtime makes them: a `%VllmBridge.Ref{}`
+  with every field, each of its type. A map that only claims to be a ref
+  (its `__struct__` set by hand, a field missing or of another type) is not,
+  and the runtime refuses it with a `:bad_args` error wherever it meets one.
+
+  ## Examples
+
+      iex> VllmBridge.Ref.well_formed?(VllmBridge.Ref.new(7, "Store", session: "s1"))
+      true
+
+      iex> VllmBridge.Ref.well_formed?(%{__struct__: VllmBridge.Ref, id: 7})
+      false
+  """
+  @spec well_formed?(term()) :: boolean()
+  def well_formed?(%__MODULE__{
+        id: id,
+        class: class,
+        pool: pool,
+        worker: worker,
+        session: session,
+        index: index
+      })
+      when is_integer(id) and id >= 0 and id <= 0xFFFF_FFFF_FFFF_FFFF and is_binary(class) and
+             is_atom(pool) and (is_pid(worker) or is_nil(worker)) and is_binary(session) and
+             (is_nil(index) or (is_integer(index) and index >= 0)),
+      do: true
+
+  def well_formed?(_term), do: false
+
+  @doc """
   The node that holds the object: the node of the ref's worker, or `nil` for
   a ref that names no worker.
 

@@ -208,17 +208,22 @@ defmodule VllmBridge.Runtime do
   def call_static(nil, name, args, opts), do: call_function(name, args, opts)
 
   def call_static(%Ref{} = ref, name, args, opts) when is_list(opts) do
-    if Keyword.keyword?(opts) do
-      {runtime, opts} = Keyword.pop(opts, :__runtime__, [])
+    cond do
+      not Ref.well_formed?(ref) ->
+        not_a_ref(ref)
 
-      if Keyword.keyword?(runtime) do
-        runtime = Keyword.update(runtime, :worker, ref, &(&1 || ref))
-        call_function(name, args, [{:__runtime__, runtime} | opts])
-      else
-        bad(":__runtime__ must be a keyword list", runtime)
-      end
-    else
-      bad("options must be a keyword list", opts)
+      not Keyword.keyword?(opts) ->
+        bad("options must be a keyword list", opts)
+
+      true ->
+        {runtime, opts} = Keyword.pop(opts, :__runtime__, [])
+
+        if Keyword.keyword?(runtime) do
+          runtime = Keyword.update(runtime, :worker, ref, &(&1 || ref))
+          call_function(name, args, [{:__runtime__, runtime} | opts])
+        else
+          bad(":__runtime__ must be a keyword list", runtime)
+        end
     end
   end
 
@@ -386,8 +391,9 @@ defmodule VllmBridge.Runtime do
   defp check_name(name, what), do: bad("the #{what} must be a non-empty string", name)
 
   defp all_refs(refs) do
-    case Enum.reject(refs, &is_struct(&1, Ref)) do
+    case Enum.reject(refs, &Ref.well_formed?/1) do
       [] -> :ok
+      [%Ref{} = forged | _] -> not_a_ref(forged)
       [other | _] -> bad("release/2 needs refs", other)
     end
   end
@@ -447,10 +453,16 @@ defmodule VllmBridge.Runtime do
   defp find_ref([], [_ | rest]), do: find_ref([], rest)
   defp find_ref([], []), do: nil
 
-  defp ref_target(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
+  # A ref given as the call's object or placement: checked whole first, since a
+  # map that only claims to be a ref may lack any field read below.
+  defp ref_target(ref, ctx) do
+    if Ref.well_formed?(ref), do: locate(ref, ctx), else: not_a_ref(ref)
+  end
+
+  defp locate(%Ref{worker: pid}, ctx) when is_pid(pid) and node(pid) != node(),
     do: {:remote, node(pid), ctx.timeout}
 
-  defp ref_target(%Ref{worker: pid, pool: ref_pool, index: index} = ref, ctx)
+  defp locate(%Ref{worker: pid, pool: ref_pool, index: index} = ref, ctx)
        when is_pid(pid) do
     pool = ref_pool || ctx.pool
 
@@ -484,14 +496,22 @@ defmodule VllmBridge.Runtime do
     end
   end
 
-  defp ref_target(%Ref{} = ref, _ctx) do
+  defp locate(%Ref{} = ref, _ctx) do
     bad(
       "#{describe_ref(ref)} names no worker (refs come from the runtime; do not build them by hand)",
       ref
     )
   end
 
-  defp ref_target(other, _ctx), do: bad("expected a %VllmBridge.Ref{}", other)
+  defp not_a_ref(%Ref{} = ref) do
+    bad(
+      "not a well-formed %VllmBridge.Ref{}: a field is missing or of the wrong type " <>
+        "(refs come from the runtime; do not build them by hand)",
+      ref
+    )
+  end
+
+  defp not_a_ref(other), do: bad("expected a %VllmBridge.Ref{}", other)
 
   defp stale(ref, pool) do
     Error.new(
@@ -536,9 +556,24 @@ defmodule VllmBridge.Runtime do
 
   defp check_kwarg_list([], _target), do: :ok
 
-  defp check_ref(%Ref{worker: pid}, %{worker: pid}), do: :ok
-
   defp check_ref(%Ref{} = ref, target) do
+    cond do
+      not Ref.well_formed?(ref) -> not_a_ref(ref)
+      ref.worker == target.worker -> :ok
+      true -> foreign_ref(ref, target)
+    end
+  end
+
+  defp check_ref(%Tensor{}, _target), do: :ok
+  defp check_ref(%_{}, _target), do: :ok
+  defp check_ref([_ | _] = list, target), do: check_list(list, target)
+  defp check_ref(map, target) when is_map(map), do: check_list(Map.to_list(map), target)
+  defp check_ref(tuple, target) when is_tuple(tuple), do: check_list(Tuple.to_list(tuple), target)
+  defp check_ref(_other, _target), do: :ok
+
+  # A ref of another worker among the arguments: a mistake while that worker
+  # runs, a stale ref once it is gone.
+  defp foreign_ref(ref, target) do
     pool = ref.pool || target.pool
 
     if is_pid(ref.worker) and Pool.index_of(pool, ref.worker) != :error do
@@ -551,13 +586,6 @@ defmodule VllmBridge.Runtime do
       {:error, stale(ref, pool)}
     end
   end
-
-  defp check_ref(%Tensor{}, _target), do: :ok
-  defp check_ref(%_{}, _target), do: :ok
-  defp check_ref([_ | _] = list, target), do: check_list(list, target)
-  defp check_ref(map, target) when is_map(map), do: check_list(Map.to_list(map), target)
-  defp check_ref(tuple, target) when is_tuple(tuple), do: check_list(Tuple.to_list(tuple), target)
-  defp check_ref(_other, _target), do: :ok
 
   # release_session/2 runs where node: says.
   defp local_node(%{node: on} = ctx) when on != nil and on != node(),

@@ -154,4 +154,56 @@ defmodule VllmBridge.HostileInputTest do
     assert {:ok, 1} = Runtime.call_function("echo", [1], ctx.rt)
     still_serving!(ctx)
   end
+
+  test "refs forged by hand, at every way in: :bad_args, nothing sent, the worker serves on",
+       %{pool: pool, port: port, rt: rt} = ctx do
+    {:ok, counter} = Runtime.call_class("Counter", [], rt)
+
+    forged = [
+      %{__struct__: VllmBridge.Ref},
+      %{__struct__: VllmBridge.Ref, id: counter.id},
+      Map.delete(counter, :pool),
+      Map.delete(counter, :worker),
+      %{counter | id: -1},
+      %{counter | class: 5},
+      %{counter | worker: :not_a_pid},
+      %{counter | pool: "not an atom"},
+      %{counter | session: 7},
+      %{counter | index: :first}
+    ]
+
+    before = written(port)
+
+    for ref <- forged do
+      ways_in = [
+        call_method: fn -> Runtime.call_method(ref, "incr", [], rt) end,
+        get_attr: fn -> Runtime.get_attr(ref, "value", rt) end,
+        release: fn -> Runtime.release(ref, rt) end,
+        release_list: fn -> Runtime.release([counter, ref], rt) end,
+        argument: fn -> Runtime.call_function("echo", [[1, {ref}]], rt) end,
+        keyword: fn -> Runtime.call_function("echo", [1], [x: %{"k" => ref}] ++ rt) end,
+        placement: fn ->
+          Runtime.call_function("echo", [1], __runtime__: [pool: pool, worker: ref])
+        end,
+        static: fn -> Runtime.call_static(ref, "echo", [1], rt) end
+      ]
+
+      for {way, call} <- ways_in do
+        assert {:error, %Error{category: :bad_args, message: message}} = call.(),
+               "#{way} of #{inspect(ref, structs: false)}"
+
+        assert message =~ "not a well-formed %VllmBridge.Ref{}"
+      end
+    end
+
+    # a ping's term is a value, not a call's arguments: the encoder refuses it
+    assert {:error, %Error{category: :encode, message: message}} =
+             Runtime.ping(%{__struct__: VllmBridge.Ref, worker: self()}, rt)
+
+    assert message =~ "not a well-formed ref"
+    assert written(port) == before, "a call with a forged ref was sent"
+    # the real ref still names its object
+    assert {:ok, 1} = Runtime.call_method(counter, "incr", [], rt)
+    still_serving!(ctx)
+  end
 end
