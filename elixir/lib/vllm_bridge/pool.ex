@@ -132,8 +132,12 @@ defmodule VllmBridge.Pool do
         {:error,
          Error.new(:bad_args, "pool size must be a positive integer, got #{inspect(size)}")}
 
-      not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
-        {:error, Error.new(:bad_args, "timeout must be ms or :infinity, got #{inspect(timeout)}")}
+      not (Worker.Options.ms?(timeout, 0) or timeout == :infinity) ->
+        {:error,
+         Error.new(
+           :bad_args,
+           "timeout must be ms (at most 4294967295) or :infinity, got #{inspect(timeout)}"
+         )}
 
       (health = Worker.check_health_options(opts)) != :ok ->
         health
@@ -148,7 +152,8 @@ defmodule VllmBridge.Pool do
         {:error,
          Error.new(
            :bad_args,
-           ":startup_timeout must be a positive integer (ms) or :infinity, got #{inspect(startup)}"
+           ":startup_timeout must be a positive integer (ms, at most 4294967295) or " <>
+             ":infinity, got #{inspect(startup)}"
          )}
 
       true ->
@@ -216,7 +221,7 @@ defmodule VllmBridge.Pool do
 
   defp now, do: System.monotonic_time(:millisecond)
 
-  defp startup_timeout?(ms), do: (is_integer(ms) and ms > 0) or ms == :infinity
+  defp startup_timeout?(ms), do: Worker.Options.ms?(ms, 1) or ms == :infinity
 
   @impl true
   def init(opts) do

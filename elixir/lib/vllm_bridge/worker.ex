@@ -285,7 +285,7 @@ defmodule VllmBridge.Worker do
 
       iex> {:error, error} = VllmBridge.Worker.check_health_options(health_timeout: 0)
       iex> error.message
-      ":health_timeout must be a positive integer (ms), got 0"
+      ":health_timeout must be a positive integer (ms, at most 4294967295), got 0"
   """
   @spec check_health_options(keyword()) :: :ok | {:error, Error.t()}
   def check_health_options(opts) when is_list(opts), do: Options.check_health(opts)

@@ -41,6 +41,23 @@ defmodule VllmBridge.PoolTest do
 
     assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: :bad_pool, size: 0)
     assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: "x")
+
+    # times in ms past the longest wait the BEAM can time (4294967295 ms)
+    for {key, _} = opt <- [
+          timeout: 4_294_967_296,
+          startup_timeout: 4_294_967_296,
+          health_interval: 4_294_967_296,
+          health_timeout: 4_294_967_296,
+          backoff_min: 4_294_967_296,
+          backoff_max: 4_294_967_296
+        ] do
+      assert {:error, %Error{category: :bad_args, message: message}} =
+               Pool.start_link([opt, name: :bad_pool])
+
+      assert message =~ "#{key}" and message =~ "at most 4294967295"
+    end
+
+    refute Process.whereis(:bad_pool)
   end
 
   @tag :capture_log

@@ -1,5 +1,6 @@
 defmodule VllmBridge.Runtime.OptionsTest do
   use ExUnit.Case, async: true
+  import Bitwise
 
   alias VllmBridge.{Error, Ref}
   alias VllmBridge.Runtime.Options
@@ -128,11 +129,15 @@ defmodule VllmBridge.Runtime.OptionsTest do
     end
 
     test "timeout" do
-      for timeout <- [-1, 1.5, "1", :never] do
+      # (past 4294967295 ms no `receive ... after` can wait: it raised in the caller)
+      for timeout <- [-1, 1.5, "1", :never, 4_294_967_296, 1 <<< 64] do
         assert bad([], __runtime__: [timeout: timeout]) ==
-                 {":__runtime__ timeout must be a non-negative integer (ms) or :infinity",
-                  timeout}
+                 {":__runtime__ timeout must be a non-negative integer (ms, at most " <>
+                    "4294967295) or :infinity", timeout}
       end
+
+      assert {:ok, %{timeout: 4_294_967_295}} =
+               VllmBridge.Runtime.Options.parse([], __runtime__: [timeout: 4_294_967_295])
     end
 
     test "session" do

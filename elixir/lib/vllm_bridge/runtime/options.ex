@@ -14,6 +14,7 @@ defmodule VllmBridge.Runtime.Options do
   """
 
   alias VllmBridge.{Error, Pool, Ref}
+  alias VllmBridge.Worker.Options, as: WorkerOptions
 
   @runtime_keys [:pool, :node, :worker, :timeout, :session]
 
@@ -49,7 +50,7 @@ defmodule VllmBridge.Runtime.Options do
 
       iex> {:error, error} = VllmBridge.Runtime.Options.parse([], __runtime__: [timeout: -1])
       iex> error.message
-      ":__runtime__ timeout must be a non-negative integer (ms) or :infinity"
+      ":__runtime__ timeout must be a non-negative integer (ms, at most 4294967295) or :infinity"
   """
   @spec parse(list(), keyword()) :: {:ok, t()} | {:error, Error.t()}
   def parse(args, opts) when is_list(args) do
@@ -146,8 +147,12 @@ defmodule VllmBridge.Runtime.Options do
       pool != nil and not is_atom(pool) ->
         bad(":__runtime__ pool must be an atom or {pool, node}", pool)
 
-      timeout != nil and not ((is_integer(timeout) and timeout >= 0) or timeout == :infinity) ->
-        bad(":__runtime__ timeout must be a non-negative integer (ms) or :infinity", timeout)
+      timeout != nil and not (WorkerOptions.ms?(timeout, 0) or timeout == :infinity) ->
+        bad(
+          ":__runtime__ timeout must be a non-negative integer (ms, at most 4294967295) " <>
+            "or :infinity",
+          timeout
+        )
 
       session != nil and not is_binary(session) ->
         bad(":__runtime__ session must be a string", session)

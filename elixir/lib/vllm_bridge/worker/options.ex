@@ -23,6 +23,26 @@ defmodule VllmBridge.Worker.Options do
     reply_spin_us: 50
   ]
 
+  # The longest a `receive ... after` or a timer may wait: about 49.7 days.
+  @longest_ms 4_294_967_295
+
+  @doc """
+  Whether `value` is a wait the BEAM can time, in milliseconds: an integer
+  from `least` to #{@longest_ms} (about 49.7 days, the longest `receive ...
+  after`). Every option of this library that is a time in milliseconds is
+  checked with it (`:infinity` is allowed besides where an option says so).
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Options.ms?(120_000, 0)
+      true
+
+      iex> VllmBridge.Worker.Options.ms?(4_294_967_296, 0)
+      false
+  """
+  @spec ms?(term(), non_neg_integer()) :: boolean()
+  def ms?(value, least), do: is_integer(value) and value >= least and value <= @longest_ms
+
   @doc """
   The defaults of the options checked here that have one (`:max_calls` and
   `:max_memory_mb` default to `nil`, no limit).
@@ -46,8 +66,9 @@ defmodule VllmBridge.Worker.Options do
   @spec check_health(keyword()) :: :ok | {:error, Error.t()}
   def check_health(opts) do
     check(opts,
-      health_interval: {"a positive integer (ms) or false", &(positive?(&1) or &1 == false)},
-      health_timeout: {"a positive integer (ms)", &positive?/1}
+      health_interval:
+        {"a positive integer (ms, at most #{@longest_ms}) or false", &(ms?(&1, 1) or &1 == false)},
+      health_timeout: {"a positive integer (ms, at most #{@longest_ms})", &ms?(&1, 1)}
     )
   end
 
@@ -65,8 +86,8 @@ defmodule VllmBridge.Worker.Options do
     check(opts,
       max_calls: {"a positive integer or nil", &(&1 == nil or positive?(&1))},
       max_memory_mb: {"a positive integer (MB) or nil", &(&1 == nil or positive?(&1))},
-      backoff_min: {"a positive integer (ms)", &positive?/1},
-      backoff_max: {"a positive integer (ms)", &positive?/1}
+      backoff_min: {"a positive integer (ms, at most #{@longest_ms})", &ms?(&1, 1)},
+      backoff_max: {"a positive integer (ms, at most #{@longest_ms})", &ms?(&1, 1)}
     )
   end
 
