@@ -390,13 +390,16 @@ defmodule VllmBridge.Runtime do
   defp check_name(name, _what) when is_binary(name) and name != "", do: :ok
   defp check_name(name, what), do: bad("the #{what} must be a non-empty string", name)
 
-  defp all_refs(refs) do
-    case Enum.reject(refs, &Ref.well_formed?/1) do
-      [] -> :ok
-      [%Ref{} = forged | _] -> not_a_ref(forged)
-      [other | _] -> bad("release/2 needs refs", other)
+  defp all_refs([ref | rest]) do
+    cond do
+      Ref.well_formed?(ref) -> all_refs(rest)
+      is_struct(ref, Ref) -> not_a_ref(ref)
+      true -> bad("release/2 needs refs", ref)
     end
   end
+
+  defp all_refs([]), do: :ok
+  defp all_refs(tail), do: bad("release/2 needs a proper list of refs", tail)
 
   ## Placement -----------------------------------------------------------------
 

@@ -39,6 +39,10 @@ defmodule VllmBridge.Runtime.Options do
           session: String.t() | nil
         }
 
+  # A proper list (length/1 fails the guard on an improper one). Argument
+  # lists are short; an improper one is refused here, before anything walks it.
+  defguardp is_proper(list) when is_list(list) and length(list) >= 0
+
   @doc """
   Reads a call's positional arguments and options.
 
@@ -55,7 +59,7 @@ defmodule VllmBridge.Runtime.Options do
   @spec parse(list(), keyword()) :: {:ok, t()} | {:error, Error.t()}
   def parse(args, opts) when is_list(args) do
     case split(opts) do
-      {runtime, extra, kwargs} when is_list(extra) ->
+      {runtime, extra, kwargs} when is_proper(args) and is_proper(extra) ->
         with {:ok, pool, node, worker, timeout, session} <- runtime(runtime) do
           {:ok,
            %{
@@ -70,8 +74,11 @@ defmodule VllmBridge.Runtime.Options do
            }}
         end
 
-      {_runtime, extra, _kwargs} ->
+      {_runtime, extra, _kwargs} when is_proper(args) ->
         bad(":__args__ must be a list", extra)
+
+      {_runtime, _extra, _kwargs} ->
+        bad("positional arguments must be a proper list", args)
 
       :error ->
         bad("options must be a keyword list", opts)
