@@ -21,16 +21,7 @@ defmodule VllmBridge.ApiFuzzTest do
   @moduletag :fuzz
   @moduletag timeout: 1_800_000
 
-  setup %{test: test} do
-    unless VllmBridge.TestPython.worker_available?() do
-      raise "the Python worker (bridge_py.worker) is not available"
-    end
-
-    pool = start_pool!(:"#{test}", 1)
-    {:ok, worker} = Pool.worker(pool, 0)
-    {:ok, os_pid} = Worker.os_pid(worker)
-    %{pool: pool, os_pid: os_pid}
-  end
+  setup %{test: test}, do: one_worker_pool!(test)
 
   defp calls do
     frames = String.to_integer(System.get_env("VLLM_BRIDGE_FUZZ_FRAMES", "100000"))

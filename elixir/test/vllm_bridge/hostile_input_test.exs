@@ -19,13 +19,7 @@ defmodule VllmBridge.HostileInputTest do
   @huge_shape {0, 4_611_686_018_427_387_904, 4}
 
   setup %{test: test} do
-    unless VllmBridge.TestPython.worker_available?() do
-      raise "the Python worker (bridge_py.worker) is not available"
-    end
-
-    pool = start_pool!(:"#{test}", 1)
-    {:ok, worker} = Pool.worker(pool, 0)
-    {:ok, os_pid} = Worker.os_pid(worker)
+    %{pool: pool, worker: worker, os_pid: os_pid} = one_worker_pool!(test)
     # a worker these values wedge would not even exit when its stdin closes
     on_exit(fn -> if os_alive?(os_pid), do: kill9(os_pid) end)
     %{port: port} = :sys.get_state(worker)

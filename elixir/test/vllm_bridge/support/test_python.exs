@@ -56,6 +56,21 @@ defmodule VllmBridge.PoolHelpers do
 
   def sample_args, do: @sample_args
 
+  @doc """
+  A pool of one worker named after `test`, for tests that watch that worker:
+  %{pool: name, worker: pid, os_pid: its Python's OS pid}.
+  """
+  def one_worker_pool!(test) do
+    unless VllmBridge.TestPython.worker_available?() do
+      raise "the Python worker (bridge_py.worker) is not available"
+    end
+
+    pool = start_pool!(:"#{test}", 1)
+    {:ok, worker} = Pool.worker(pool, 0)
+    {:ok, os_pid} = VllmBridge.Worker.os_pid(worker)
+    %{pool: pool, worker: worker, os_pid: os_pid}
+  end
+
   @doc "Starts a pool under the test supervisor and waits until every worker answers."
   def start_pool!(name, size, opts \\ []) do
     opts = Keyword.merge([name: name, size: size, args: @sample_args, timeout: 60_000], opts)
