@@ -40,8 +40,9 @@ lint:
 	$(PY) -m mypy
 	mix format --check-formatted
 
-# The decoders of both sides fuzzed for longer than make test does (100,000 inputs
-# each there); VLLM_BRIDGE_FUZZ_SEED picks another seed.
+# The decoders of both sides, and the Elixir API (a fiftieth as many calls), fuzzed
+# for longer than make test does (100,000 inputs each there); VLLM_BRIDGE_FUZZ_SEED
+# picks another seed.
 FUZZ_FRAMES ?= 2000000
 fuzz: setup
 	VLLM_BRIDGE_FUZZ_FRAMES=$(FUZZ_FRAMES) $(PY) -m pytest -q tests/fuzz
