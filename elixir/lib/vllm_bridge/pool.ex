@@ -119,6 +119,14 @@ defmodule VllmBridge.Pool do
   """
   @spec start_link(keyword()) :: Supervisor.on_start()
   def start_link(opts \\ []) do
+    if Keyword.keyword?(opts),
+      do: start(opts),
+      else:
+        {:error,
+         Error.new(:bad_args, "pool options must be a keyword list, got #{inspect(opts)}")}
+  end
+
+  defp start(opts) do
     name = Keyword.get(opts, :name, @default_name)
     size = Keyword.get(opts, :size, 1)
     timeout = Keyword.get(opts, :timeout, @default_timeout)
@@ -147,6 +155,9 @@ defmodule VllmBridge.Pool do
 
       (calls = Worker.check_call_options(opts)) != :ok ->
         calls
+
+      (spawn = Worker.Options.check_spawn(opts)) != :ok ->
+        spawn
 
       not startup_timeout?(startup) ->
         {:error,

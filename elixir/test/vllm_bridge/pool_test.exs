@@ -57,6 +57,35 @@ defmodule VllmBridge.PoolTest do
       assert message =~ "#{key}" and message =~ "at most 4294967295"
     end
 
+    # what the Python process is started with: refused before anything starts
+    # (a bad :env or :python crashed the worker's init, and the caller with it)
+    for {key, _} = opt <- [
+          env: :debug,
+          env: "A=1",
+          env: [{"A=B", "1"}],
+          env: [{"", "1"}],
+          env: [{"A", "a\0b"}],
+          env: [:not_a_pair],
+          python: 5,
+          python: "",
+          args: :bad,
+          args: [1, 2],
+          args: ["--x" | "y"],
+          cd: 5
+        ] do
+      assert {:error, %Error{category: :bad_args, message: message}} =
+               Pool.start_link([opt, name: :bad_pool])
+
+      assert message =~ "#{inspect(key)} must be"
+      assert {:error, %Error{category: :bad_args}} = Worker.start_link([opt])
+    end
+
+    for opts <- [:not_a_list, [1, 2], [{:name, :bad_pool} | :tail]] do
+      assert {:error, %Error{category: :bad_args, message: message}} = Pool.start_link(opts)
+      assert message =~ "pool options must be a keyword list"
+      assert {:error, %Error{category: :bad_args}} = Worker.start_link(opts)
+    end
+
     refute Process.whereis(:bad_pool)
   end
 

@@ -2,8 +2,8 @@ defmodule VllmBridge.Worker.Options do
   @moduledoc """
   Checks of the options of `VllmBridge.Worker.start_link/1` that must be
   valid before a worker starts: the health-check timings, the lifecycle
-  limits and how callers wait for replies, and the defaults of those that
-  have one. Each check looks only at the options it names, and only when
+  limits, how callers wait for replies and what the Python process is
+  started with, and the defaults of those that have one. Each check looks only at the options it names, and only when
   they are given (a missing one takes its valid default, `defaults/0`).
 
   The results are `:ok` or `{:error, %VllmBridge.Error{category: :bad_args}}`
@@ -109,7 +109,83 @@ defmodule VllmBridge.Worker.Options do
     )
   end
 
+  @doc """
+  Checks `:python`, `:args`, `:env` and `:cd`, what the Python process is
+  started with: each a string the OS can take (a binary or charlist, no NUL
+  byte), `:args` a list of them, `:env` a list or map of `{name, value}`
+  (a name is not empty and has no `=`; a `nil` value unsets the variable).
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Options.check_spawn(args: ["--exports", "m:table"], env: %{"A" => nil})
+      :ok
+
+      iex> {:error, error} = VllmBridge.Worker.Options.check_spawn(env: :debug)
+      iex> error.message
+      ":env must be a list or map of {name, value} strings, got :debug"
+  """
+  @spec check_spawn(keyword()) :: :ok | {:error, Error.t()}
+  def check_spawn(opts) do
+    check(opts,
+      python:
+        {"a non-empty string (a path or a command name)", &(text?(&1) and &1 not in ["", []])},
+      args:
+        {"a list of strings",
+         &(is_list(&1) and proper?(&1) and Enum.all?(&1, fn a -> text?(a) end))},
+      env: {"a list or map of {name, value} strings", &env?/1},
+      cd: {"a string (a directory)", &text?/1}
+    )
+  end
+
   defp positive?(value), do: is_integer(value) and value > 0
+
+  # A string the OS can take: valid UTF-8 (or a charlist of characters), no NUL.
+  defp text?(value) when is_binary(value),
+    do: String.valid?(value) and not String.contains?(value, <<0>>)
+
+  defp text?(value) when is_list(value) do
+    case proper?(value) and :unicode.characters_to_binary(value) do
+      binary when is_binary(binary) -> text?(binary)
+      _ -> false
+    end
+  rescue
+    ArgumentError -> false
+  end
+
+  defp text?(_value), do: false
+
+  # (length/1 fails the guard, so the clause, on an improper list)
+  defp proper?(list) when is_list(list) and length(list) >= 0, do: true
+  defp proper?(_list), do: false
+
+  # What Worker.Command.env/1 takes: names and values go through to_string/1,
+  # so atoms and integers pass too; a name is not empty and has no "=".
+  defp env?(env) when is_map(env), do: env?(Map.to_list(env))
+
+  defp env?(env) when is_list(env) do
+    proper?(env) and
+      Enum.all?(env, fn
+        {name, value} -> env_name?(name) and (value == nil or env_text?(value))
+        _ -> false
+      end)
+  end
+
+  defp env?(_env), do: false
+
+  defp env_name?(name) do
+    if env_text?(name) do
+      text = to_string(name)
+      text != "" and not String.contains?(text, "=")
+    else
+      false
+    end
+  end
+
+  defp env_text?(value) when is_atom(value) and value not in [nil, true, false],
+    do: text?(Atom.to_string(value))
+
+  defp env_text?(value) when is_integer(value), do: true
+  defp env_text?(value), do: text?(value)
 
   # The first of `checks` (in their order) that a given option fails.
   defp check(opts, checks) do
