@@ -406,6 +406,8 @@ defmodule VllmBridge.Pool do
     ArgumentError -> {:error, no_pool(pool)}
   end
 
+  def route_at(pool, index), do: __MODULE__.worker(pool, index)
+
   @doc """
   Whether `pid` is the running worker at `index` of `pool`: `index_of/2` for a
   caller that knows the index, at the cost of one registry lookup instead of a
@@ -415,6 +417,8 @@ defmodule VllmBridge.Pool do
   def worker_at?(pool, index, pid) when is_integer(index) and is_pid(pid) do
     (node(pid) != node() or Process.alive?(pid)) and lookup(pool, index) == {:ok, pid}
   end
+
+  def worker_at?(_pool, _index, _pid), do: false
 
   @doc """
   Where a caller sends requests for the worker `pid` at `index`, and the
@@ -446,6 +450,8 @@ defmodule VllmBridge.Pool do
   rescue
     ArgumentError -> :error
   end
+
+  def route(_pool, _index, _pid), do: :error
 
   @doc "The number of workers of a pool."
   @spec size(name()) :: {:ok, pos_integer()} | {:error, Error.t()}
@@ -485,6 +491,8 @@ defmodule VllmBridge.Pool do
   rescue
     ArgumentError -> :error
   end
+
+  def index_of(_pool, _pid), do: :error
 
   defp lookup(pool, index) do
     case Registry.lookup(registry(pool), index) do
@@ -544,7 +552,9 @@ defmodule VllmBridge.Pool do
   defp registry(pool) do
     case settings(pool) do
       {registry, _size, _timeout, _counter} -> registry
-      nil -> Module.concat(pool, Registry)
+      nil when is_atom(pool) -> Module.concat(pool, Registry)
+      # (every caller turns an ArgumentError into its "no such pool" answer)
+      nil -> raise ArgumentError, "not a pool name: #{inspect(pool)}"
     end
   end
 end

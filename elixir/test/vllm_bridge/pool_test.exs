@@ -35,6 +35,15 @@ defmodule VllmBridge.PoolTest do
     assert {:error, %Error{category: :worker}} = Pool.worker(:no_such_pool, 0)
     assert {:error, %Error{category: :worker}} = Pool.next_worker(:no_such_pool)
     assert {:error, %Error{category: :worker}} = Pool.size("not an atom")
+    # the lookups the runtime places calls with answer wrong arguments, not raise
+    assert {:error, %Error{category: :bad_args}} = Pool.route_at(pool, :zero)
+    assert {:error, %Error{category: :worker}} = Pool.route_at(1.5, 0)
+    assert :error = Pool.route(pool, :zero, w0)
+    assert :error = Pool.route({:not, :a, :name}, 0, w0)
+    refute Pool.worker_at?(pool, 0, :not_a_pid)
+    refute Pool.worker_at?(self(), 0, w0)
+    assert :error = Pool.index_of(pool, :not_a_pid)
+    assert :error = Pool.index_of(1.5, w0)
 
     picks = for _ <- 1..4, do: elem(Pool.next_worker(pool), 1)
     assert Enum.frequencies(picks) == %{w0 => 2, w1 => 2}
