@@ -3,8 +3,9 @@ defmodule VllmBridge.Worker.Options do
   Checks of the options of `VllmBridge.Worker.start_link/1` that must be
   valid before a worker starts: the health-check timings, the lifecycle
   limits, how callers wait for replies and what the Python process is
-  started with, and the defaults of those that have one. Each check looks only at the options it names, and only when
-  they are given (a missing one takes its valid default, `defaults/0`).
+  started with, and the defaults of those that have one. Each check looks
+  only at the options it names, and only when they are given (a missing one
+  takes its valid default, `defaults/0`).
 
   The results are `:ok` or `{:error, %VllmBridge.Error{category: :bad_args}}`
   whose message names the option, the kind of value it takes and the value
