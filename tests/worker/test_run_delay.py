@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
 
 from bridge_py.worker.transports.run_delay import RunDelay
-from tests.worker.processes import every_cpu_taken
+from tests.worker.processes import every_cpu_taken, kernel_keeps_run_delay
 
 pytestmark = pytest.mark.skipif(
-    not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel does not say"
+    not kernel_keeps_run_delay(), reason="the kernel keeps no time waited for a CPU"
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from bridge_py.worker.transports.polling_input import PollingInput
 from bridge_py.worker.transports.spin_policy import SpinPolicy
-from tests.worker.processes import every_cpu_taken
+from tests.worker.processes import every_cpu_taken, kernel_keeps_run_delay
 
 
 def _run(
@@ -165,7 +165,7 @@ while os.read(go, 1):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a reader with one CPU never spins")
 @pytest.mark.skipif(
-    not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel does not say"
+    not kernel_keeps_run_delay(), reason="the kernel keeps no time waited for a CPU"
 )
 def test_the_reader_stops_spinning_where_every_cpu_is_taken(
     monkeypatch: pytest.MonkeyPatch,
