@@ -122,7 +122,7 @@ defmodule Bench.Calls do
   end
 
   defp pool_spec(name, args, opts \\ []) do
-    Supervisor.child_spec({Pool, [name: name, size: 1, args: args] ++ opts}, id: name)
+    Supervisor.child_spec({Pool, Keyword.merge([name: name, size: 1, args: args], opts)}, id: name)
   end
 
   ## 1. sequential latency --------------------------------------------------------
@@ -159,15 +159,10 @@ defmodule Bench.Calls do
     # measured both ways of waiting).
     for {_, f} <- steps.(), do: f.(if quick, do: 20, else: 200)
 
-    :rand.seed(:exsss, {17, 2026, 11})
-
     acc =
-      Enum.reduce(1..rounds, %{}, fn _round, acc ->
-        Enum.reduce(Enum.shuffle(steps.()), acc, fn {k, f}, acc ->
-          batch = f.(n)
-          Map.update(acc, k, batch, &(batch ++ &1))
-        end)
-      end)
+      rounds
+      |> shuffled_rounds({17, 2026, 11}, steps.(), fn f -> f.(n) end)
+      |> Map.new(fn {k, batches} -> {k, Enum.concat(batches)} end)
 
     [p50, p99] = for p <- [50, 99], do: Map.new(acc, fn {k, v} -> {k, Bench.percentile(v, p)} end)
     what = "Counter.incr (no-op method), sequential"
@@ -479,7 +474,7 @@ defmodule Bench.Calls do
 
           {us, _} =
             Bench.tc(fn ->
-              concurrently(callers, per_caller, fn ->
+              concurrently(callers, per_caller, fn _caller ->
                 {:ok, v} = Runtime.call_method(counter, "incr", [])
                 Bench.check!(is_integer(v), "Counter.incr returned #{inspect(v)}")
               end)
@@ -493,7 +488,7 @@ defmodule Bench.Calls do
         peer_fun = fn ->
           {us, _} =
             Bench.tc(fn ->
-              concurrently(callers, per_caller, fn ->
+              concurrently(callers, per_caller, fn _caller ->
                 Bench.check!(Bench.EchoRouter.echo(router, frame) == frame, "the echo differs")
               end)
             end)
@@ -533,54 +528,43 @@ defmodule Bench.Calls do
     never_spin = sample ++ ["--spin-us", "0"]
 
     pools = [
-      ours: [name: Bench.ManyOurs, args: sample],
-      no_spin: [name: Bench.ManyNoSpin, args: never_spin],
-      neither: [name: Bench.ManyNeither, args: never_spin, reply_spin_us: 0]
+      ours: {Bench.ManyOurs, sample, []},
+      no_spin: {Bench.ManyNoSpin, never_spin, []},
+      neither: {Bench.ManyNeither, never_spin, [reply_spin_us: 0]}
     ]
 
-    specs =
-      for {name, opts} <- pools do
-        Supervisor.child_spec({Pool, [size: n] ++ opts}, id: name)
-      end
-
+    specs = for {_, {pool, args, opts}} <- pools, do: pool_spec(pool, args, [size: n] ++ opts)
     {:ok, sup} = Supervisor.start_link(specs, strategy: :one_for_one)
 
     counters =
-      Map.new(pools, fn {name, opts} ->
+      Map.new(pools, fn {name, {pool, _, _}} ->
         {name,
-         for i <- 0..(n - 1) do
-           rt = [__runtime__: [pool: opts[:name], worker: i]]
-           {:ok, counter} = Runtime.call_class("Counter", [], rt)
-           counter
-         end}
+         List.to_tuple(
+           for i <- 0..(n - 1) do
+             {:ok, counter} =
+               Runtime.call_class("Counter", [], __runtime__: [pool: pool, worker: i])
+
+             counter
+           end
+         )}
       end)
 
     run = fn name ->
+      mine = counters[name]
+
       {us, _} =
         Bench.tc(fn ->
-          counters[name]
-          |> Enum.map(fn c ->
-            Task.async(fn ->
-              for _ <- 1..per_caller, do: {:ok, _} = Runtime.call_method(c, "incr", [])
-            end)
+          concurrently(n, per_caller, fn i ->
+            {:ok, _} = Runtime.call_method(elem(mine, i), "incr", [])
           end)
-          |> Task.await_many(300_000)
         end)
 
       n * per_caller / (us / 1.0e6)
     end
 
-    names = Keyword.keys(pools)
-    Enum.each(names, run)
-    :rand.seed(:exsss, {7, 7, 7})
-
-    rates =
-      Enum.reduce(1..rounds, Map.new(names, &{&1, []}), fn _, acc ->
-        Enum.reduce(Enum.shuffle(names), acc, fn name, acc ->
-          Map.update!(acc, name, &[run.(name) | &1])
-        end)
-      end)
-
+    steps = for {name, _} <- pools, do: {name, fn -> run.(name) end}
+    for {_, f} <- steps, do: f.()
+    rates = shuffled_rounds(rounds, {7, 7, 7}, steps, fn f -> f.() end)
     :ok = Supervisor.stop(sup)
     ours = Bench.median(rates.ours)
     what = "Counter.incr, #{n} callers on #{n} workers"
@@ -605,9 +589,23 @@ defmodule Bench.Calls do
     ]
   end
 
+  # Every step `{key, f}` run once per round, in an order shuffled anew each round
+  # from a fixed `seed` (so no step keeps one neighbour, and a run can be repeated):
+  # %{key => [run.(f) of each round]}.
+  defp shuffled_rounds(rounds, seed, steps, run) do
+    :rand.seed(:exsss, seed)
+
+    Enum.reduce(1..rounds, Map.new(steps, fn {k, _} -> {k, []} end), fn _round, acc ->
+      Enum.reduce(Enum.shuffle(steps), acc, fn {k, f}, acc ->
+        Map.update!(acc, k, &[run.(f) | &1])
+      end)
+    end)
+  end
+
+  # `callers` processes, caller `i` (from 0) calling `fun.(i)` `per_caller` times.
   defp concurrently(callers, per_caller, fun) do
-    1..callers
-    |> Enum.map(fn _ -> Task.async(fn -> for _ <- 1..per_caller, do: fun.() end) end)
+    0..(callers - 1)
+    |> Enum.map(fn i -> Task.async(fn -> for _ <- 1..per_caller, do: fun.(i) end) end)
     |> Task.await_many(300_000)
   end
 

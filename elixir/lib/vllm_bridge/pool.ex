@@ -119,11 +119,8 @@ defmodule VllmBridge.Pool do
   """
   @spec start_link(keyword()) :: Supervisor.on_start()
   def start_link(opts \\ []) do
-    if Keyword.keyword?(opts),
-      do: start(opts),
-      else:
-        {:error,
-         Error.new(:bad_args, "pool options must be a keyword list, got #{inspect(opts)}")}
+    # the workers' options first (a keyword list of them, each valid), then the pool's
+    with :ok <- Worker.Options.check_all(opts), do: start(opts)
   end
 
   defp start(opts) do
@@ -140,26 +137,14 @@ defmodule VllmBridge.Pool do
         {:error,
          Error.new(:bad_args, "pool size must be a positive integer, got #{inspect(size)}")}
 
-      not (Worker.Options.ms?(timeout, 0) or timeout == :infinity) ->
+      not Worker.Options.timeout?(timeout, 0) ->
         {:error,
          Error.new(
            :bad_args,
            "timeout must be ms (at most 4294967295) or :infinity, got #{inspect(timeout)}"
          )}
 
-      (health = Worker.check_health_options(opts)) != :ok ->
-        health
-
-      (lifecycle = Worker.check_lifecycle_options(opts)) != :ok ->
-        lifecycle
-
-      (calls = Worker.check_call_options(opts)) != :ok ->
-        calls
-
-      (spawn = Worker.Options.check_spawn(opts)) != :ok ->
-        spawn
-
-      not startup_timeout?(startup) ->
+      not Worker.Options.timeout?(startup, 1) ->
         {:error,
          Error.new(
            :bad_args,
@@ -231,8 +216,6 @@ defmodule VllmBridge.Pool do
   end
 
   defp now, do: System.monotonic_time(:millisecond)
-
-  defp startup_timeout?(ms), do: Worker.Options.ms?(ms, 1) or ms == :infinity
 
   @impl true
   def init(opts) do

@@ -263,24 +263,12 @@ defmodule VllmBridge.Worker do
   """
   @spec start_link([option()]) :: GenServer.on_start() | {:error, Error.t()}
   def start_link(opts) do
-    with :ok <- keyword_list(opts),
-         :ok <- check_health_options(opts),
-         :ok <- check_lifecycle_options(opts),
-         :ok <- check_call_options(opts),
-         :ok <- Options.check_spawn(opts) do
+    with :ok <- Options.check_all(opts) do
       case Keyword.fetch(opts, :name) do
         {:ok, name} -> GenServer.start_link(Server, opts, name: name)
         :error -> GenServer.start_link(Server, opts)
       end
     end
-  end
-
-  defp keyword_list(opts) do
-    if Keyword.keyword?(opts),
-      do: :ok,
-      else:
-        {:error,
-         Error.new(:bad_args, "worker options must be a keyword list, got #{inspect(opts)}")}
   end
 
   @doc """

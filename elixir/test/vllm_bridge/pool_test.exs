@@ -91,7 +91,7 @@ defmodule VllmBridge.PoolTest do
 
     for opts <- [:not_a_list, [1, 2], [{:name, :bad_pool} | :tail]] do
       assert {:error, %Error{category: :bad_args, message: message}} = Pool.start_link(opts)
-      assert message =~ "pool options must be a keyword list"
+      assert message =~ "options must be a keyword list"
       assert {:error, %Error{category: :bad_args}} = Worker.start_link(opts)
     end
 

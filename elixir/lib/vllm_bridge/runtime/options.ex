@@ -154,7 +154,7 @@ defmodule VllmBridge.Runtime.Options do
       pool != nil and not is_atom(pool) ->
         bad(":__runtime__ pool must be an atom or {pool, node}", pool)
 
-      timeout != nil and not (WorkerOptions.ms?(timeout, 0) or timeout == :infinity) ->
+      timeout != nil and not WorkerOptions.timeout?(timeout, 0) ->
         bad(
           ":__runtime__ timeout must be a non-negative integer (ms, at most 4294967295) " <>
             "or :infinity",

@@ -45,6 +45,45 @@ defmodule VllmBridge.Worker.Options do
   def ms?(value, least), do: is_integer(value) and value >= least and value <= @longest_ms
 
   @doc """
+  Whether `value` is a timeout: `:infinity`, or `ms?(value, least)`.
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Options.timeout?(:infinity, 1)
+      true
+  """
+  @spec timeout?(term(), non_neg_integer()) :: boolean()
+  def timeout?(value, least), do: value == :infinity or ms?(value, least)
+
+  @doc """
+  Runs every check of this module on `opts`, which must be a keyword list:
+  `:ok`, or the `:bad_args` error of the first option that fails.
+  `VllmBridge.Worker.start_link/1` and `VllmBridge.Pool.start_link/1` (whose
+  options reach its workers) both check with it.
+
+  ## Examples
+
+      iex> VllmBridge.Worker.Options.check_all(health_interval: false, args: ["-v"])
+      :ok
+
+      iex> {:error, error} = VllmBridge.Worker.Options.check_all(:verbose)
+      iex> error.message
+      "options must be a keyword list, got :verbose"
+  """
+  @spec check_all(term()) :: :ok | {:error, Error.t()}
+  def check_all(opts) do
+    if Keyword.keyword?(opts) do
+      Enum.find_value(
+        [&check_health/1, &check_lifecycle/1, &check_calls/1, &check_spawn/1],
+        :ok,
+        fn check -> with :ok <- check.(opts), do: nil end
+      )
+    else
+      {:error, Error.new(:bad_args, "options must be a keyword list, got #{inspect(opts)}")}
+    end
+  end
+
+  @doc """
   The defaults of the options checked here that have one (`:max_calls` and
   `:max_memory_mb` default to `nil`, no limit).
 
