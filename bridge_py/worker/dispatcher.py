@@ -82,6 +82,7 @@ class Dispatcher:
         # A release drops the plans of what it released: they hold their objects alive.
         self.operations = Operations(exports, self.registry, on_release=self._released)
         self._plan_for = self.plans.get
+        self._planned = self.operations.planned
         # Methods that some class lets run out of turn (``ExportedClass.unordered``): only
         # a call of one of these names needs its object looked up before it takes a turn.
         self._unordered = {name for entry in exports.classes.values() for name in entry.unordered}
@@ -130,7 +131,7 @@ class Dispatcher:
         req, turn, frame, deadline = job
         try:
             reply = self._answer(req, turn, deadline)  # uses the turn up, whatever happens
-            if reply.error is None and type(frame) is bytes:
+            if reply.error is None and type(frame) is bytes and type(req.op) in self._planned:
                 self._learn(frame, req)
             return pb.encode_reply_chunks(reply)
         except Exception as exc:  # a bug of ours: the caller still hears

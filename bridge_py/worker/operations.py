@@ -67,6 +67,8 @@ class Operations:
             pb.GetAttribute: self._attribute_read,
             pb.Ping: self._ping,
         }
+        self.planned = frozenset(self._calls)
+        """The operations that get plans (see :meth:`plan`)."""
         # ... and every operation, run: those with plans make their call and make it.
         self._ops: dict[type, Callable[[Any, str, Codec], Any]] = {
             **{kind: _made_and_run(make) for kind, make in self._calls.items()},
