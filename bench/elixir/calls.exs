@@ -6,7 +6,9 @@
 #    VllmBridge.Runtime.call_method) vs a raw Port echo of the same request
 #    bytes (bench/python/echo_port.py, the caller owns the port) and vs a
 #    Python gRPC unary call (bridge_py.client against `python -m
-#    bridge_py.worker --grpc`, bench/python/grpc_peer.py).
+#    bridge_py.worker --grpc`, bench/python/grpc_peer.py). The same call to
+#    workers that never spin and that always spin, on a quiet machine and with
+#    another program keeping a CPU busy.
 # 2. Calls per second, one worker, 8 concurrent callers vs the same raw echo
 #    behind a GenServer that routes replies FIFO to 8 concurrent callers; and
 #    4 callers, each on its own worker of a pool of 4, vs the same with workers
@@ -114,6 +116,7 @@ defmodule Bench.Calls do
 
     rows =
       latency(quick, ctx) ++
+        beside_busy_program(quick, ctx) ++
         reductions(quick, counters.caller_sleeps, echo, frame) ++
         throughput(quick, counters.ours, router, frame) ++
         many_on_many(quick, sample) ++ tensor(quick, echo)
@@ -278,6 +281,57 @@ defmodule Bench.Calls do
         p50.echo,
         echo_name
       )
+    ]
+  end
+
+  # The same sequential call while another program keeps a CPU busy: the machine
+  # behaviour where a worker that spins makes calls slower (here up to ~4x: the
+  # spinning worker, the BEAM and the busy program share two CPUs, and the kernel
+  # takes turns between them), as on the 2-core Intel Xeon of issue 17. The default
+  # worker must then read as the one that never spins. The busy program is a shell
+  # loop, killed after (also when the rows fail).
+  defp beside_busy_program(quick, ctx) do
+    {rounds, n, warm} = if quick, do: {2, 5, 20}, else: {12, 250, 2_000}
+    %{counters: counters, echo: echo, frame: frame} = ctx
+
+    steps =
+      for(k <- [:ours, :no_spin, :always_spin], do: {k, fn n -> ours_batch(counters[k], n) end}) ++
+        [echo: fn n -> echo_batch(echo, frame, n) end]
+
+    busy = Port.open({:spawn_executable, "/bin/sh"}, args: ["-c", "while :; do :; done"])
+    {:os_pid, busy_pid} = Port.info(busy, :os_pid)
+
+    p50 =
+      try do
+        # Long enough for the default worker to have found the CPUs crowded.
+        for {_, f} <- steps, do: f.(warm)
+
+        rounds
+        |> shuffled_rounds({5, 11, 2026}, steps, fn f -> f.(n) end)
+        |> Map.new(fn {k, batches} -> {k, Bench.median(Enum.concat(batches))} end)
+      after
+        _ = :os.cmd(~c"kill -9 #{busy_pid}")
+      end
+
+    what = "Counter.incr (no-op method), sequential, another program busy on a CPU, p50"
+
+    [
+      Bench.time_row(
+        @bench,
+        what,
+        p50.ours,
+        p50.no_spin,
+        "the same call, worker that never spins (--spin-us 0)",
+        at_most: 1.05
+      ),
+      Bench.time_row(
+        @bench,
+        what,
+        p50.ours,
+        p50.always_spin,
+        "the same call, worker that always spins (--spin-us 200)"
+      ),
+      Bench.time_row(@bench, what, p50.ours, p50.echo, "raw port echo")
     ]
   end
 
