@@ -289,7 +289,7 @@ defmodule Bench.Calls do
   # spinning worker, the BEAM and the busy program share two CPUs, and the kernel
   # takes turns between them), as on the 2-core Intel Xeon of issue 17. The default
   # worker must then read as the one that never spins. The busy program is a shell
-  # loop, killed after (also when the rows fail).
+  # loop, ended after (also when the rows fail, or the VM exits).
   defp beside_busy_program(quick, ctx) do
     {rounds, n, warm} = if quick, do: {2, 5, 20}, else: {12, 250, 2_000}
     %{counters: counters, echo: echo, frame: frame} = ctx
@@ -298,8 +298,10 @@ defmodule Bench.Calls do
       for(k <- [:ours, :no_spin, :always_spin], do: {k, fn n -> ours_batch(counters[k], n) end}) ++
         [echo: fn n -> echo_batch(echo, frame, n) end]
 
-    busy = Port.open({:spawn_executable, "/bin/sh"}, args: ["-c", "while :; do :; done"])
-    {:os_pid, busy_pid} = Port.info(busy, :os_pid)
+    # The loop runs in the background of a shell that waits on its stdin, the port:
+    # closing the port, or the VM's exit, ends both.
+    loop = "while :; do :; done & read -r line; kill $!"
+    busy = Port.open({:spawn_executable, "/bin/sh"}, args: ["-c", loop])
 
     p50 =
       try do
@@ -310,7 +312,7 @@ defmodule Bench.Calls do
         |> shuffled_rounds({5, 11, 2026}, steps, fn f -> f.(n) end)
         |> Map.new(fn {k, batches} -> {k, Bench.median(Enum.concat(batches))} end)
       after
-        _ = :os.cmd(~c"kill -9 #{busy_pid}")
+        Port.close(busy)
       end
 
     what = "Counter.incr (no-op method), sequential, another program busy on a CPU, p50"
