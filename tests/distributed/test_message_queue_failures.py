@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 
@@ -30,7 +31,7 @@ from bridge_py.distributed.device_communicators.shm_broadcast import (
 )
 from bridge_py.distributed.device_communicators.shm_remote import READY
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK
-from bridge_py.distributed.errors import DistributedError, SharedMemoryError
+from bridge_py.distributed.errors import DistributedError, GroupTimeout, SharedMemoryError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.shm import segments, wait
 from tests.distributed.harness import call_with_small_dev_shm, free_port, run_ranks
@@ -385,8 +386,18 @@ def _local_pair() -> tuple[MessageQueue, MessageQueue]:
         ([(10, 1, b"ab")], "local reader 0: chunk 0 of segment .* holds part 1 .* expected 0"),
         ([(10, 0, b"abcdefgh"), (10, 1, b"abcdefgh")], "chunk 1 of segment .* overflows its"),
         ([(2**20, 0, b"a" * 60)], "chunk 0 of segment .* is corrupt: it holds 60 bytes .* fit"),
+        (
+            [(10, 0, b"abc"), (12, 1, b"abc")],
+            "chunk 1 of segment .* holds part 1 of a 12-byte message, expected one of 10",
+        ),
     ],
-    ids=["longer than its message", "out of order", "overflowing", "longer than a chunk"],
+    ids=[
+        "longer than its message",
+        "out of order",
+        "overflowing",
+        "longer than a chunk",
+        "another length",
+    ],
 )
 def test_a_corrupt_chunk_is_a_shared_memory_error(
     chunks: list[tuple[int, int, bytes]], words: str
@@ -399,6 +410,29 @@ def test_a_corrupt_chunk_is_a_shared_memory_error(
             ring.write_chunk(idx, total, part, memoryview(payload))
         with pytest.raises(SharedMemoryError, match=words):
             reader.dequeue(timeout=TIMEOUT)
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_that_claims_a_huge_message_takes_no_memory_for_it() -> None:
+    # A corrupt length is checked against the parts that come, never allocated ahead: a
+    # reader that took it at its word allocated (and kept) that much, or raised a bare
+    # MemoryError, before any of the message existed.
+    writer, reader = _local_pair()
+    try:
+        ring = writer.buffer
+        assert ring is not None
+        ring.write_chunk(0, 2**39, 0, memoryview(b"a" * 40))
+        tracemalloc.start()
+        try:
+            with pytest.raises(GroupTimeout):
+                reader.dequeue(timeout=0.3)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"the reader allocated {peak} bytes for a 40-byte part"
     finally:
         reader.close()
         writer.close()

@@ -88,11 +88,13 @@ class Handle:
 
 @dataclasses.dataclass
 class _Incoming:
-    """A multi-chunk message being read; kept when a timeout interrupts it."""
+    """A multi-chunk message being read; kept when a timeout interrupts it. ``data`` grows
+    with the parts that came: the ``total`` a chunk claims is only checked against them,
+    never allocated ahead (a corrupt length would otherwise take that much memory)."""
 
-    data: bytearray
+    total: int
+    data: bytearray = dataclasses.field(default_factory=bytearray)
     part: int = 0
-    filled: int = 0
 
 
 def _handle_context(writer_rank: int) -> str:
@@ -435,16 +437,19 @@ class MessageQueue:
         if size > total or total > MAX_MESSAGE_BYTES:
             raise source.broken(f"is corrupt: it holds {size} bytes of a {total}-byte message")
         if incoming is None:
-            incoming = self._incoming = _Incoming(bytearray(total))
-        if incoming.filled + size > len(incoming.data):
+            incoming = self._incoming = _Incoming(total)
+        if total != incoming.total:
             raise source.broken(
-                f"overflows its message: {size} more bytes after "
-                f"{incoming.filled} of {len(incoming.data)}"
+                f"holds part {part} of a {total}-byte message, expected one of {incoming.total}"
             )
-        incoming.data[incoming.filled : incoming.filled + size] = view
-        incoming.filled += size
+        filled = len(incoming.data)
+        if filled + size > total:
+            raise source.broken(
+                f"overflows its message: {size} more bytes after {filled} of {total}"
+            )
+        incoming.data += view
         incoming.part += 1
-        if incoming.filled < len(incoming.data):
+        if len(incoming.data) < total:
             return None
         self._incoming = None
         return incoming.data
