@@ -10,11 +10,13 @@ node and the board to open) is refused before the group acts on it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +59,10 @@ def scratch(tmp_path: Path) -> Iterator[Path]:
     path.mkdir()
     yield path
     for child in path.iterdir():
-        child.unlink()
+        if child.is_dir() and not child.is_symlink():
+            child.rmdir()
+        else:
+            child.unlink()
     path.rmdir()
 
 
@@ -89,6 +94,9 @@ def test_open_peer_file_checks(scratch: Path) -> None:
     _refused(shared, os.O_RDWR, "group or others may write it (mode 606)")
     _refused(good, os.O_RDWR, "not a FIFO", fifo=True)
     _refused(bell, os.O_RDWR | os.O_NONBLOCK, "not a regular file")
+    folder = scratch / "folder"
+    folder.mkdir(mode=0o700)
+    _refused(folder, os.O_RDWR, "it is a directory")  # (not a bare IsADirectoryError)
     with pytest.raises(FileNotFoundError):
         open_peer_file(str(scratch / "missing"), os.O_RDWR)
     if not _as_root():
@@ -199,6 +207,55 @@ def test_a_queue_ring_is_checked_before_a_reader_attaches() -> None:
         path.chmod(0o600)
         reader = MessageQueue.create_from_handle(handle, 0)
         reader.close()
+    finally:
+        writer.close()
+
+
+def test_a_queue_ring_that_is_no_ring_is_refused_naming_it(scratch: Path) -> None:
+    # What a handle names is a peer's word: a name that leaves /dev/shm, a directory or an
+    # empty file in its place, or numbers that are not the ring's (sized from the file,
+    # not from the handle: a reader that sized its bookkeeping by the handle first took
+    # seconds and gigabytes for n_reader=10**8, or raised a bare MemoryError).
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    try:
+        handle = writer.export_handle()
+        assert handle.buffer_handle is not None
+        ring = handle.buffer_handle
+        own = scratch / "own"
+        own.write_bytes(b"x" * 4096)
+        own.chmod(0o600)
+
+        def attach(buffer_handle: tuple) -> None:
+            MessageQueue.create_from_handle(
+                dataclasses.replace(handle, buffer_handle=buffer_handle), 0
+            ).close()
+
+        escape = f"../..{own}"
+        with pytest.raises(UntrustedFileError, match="not a file directly in /dev/shm"):
+            attach((*ring[:3], escape))
+        empty = SHM / f"{ring[3]}_empty"
+        empty.touch(mode=0o600)
+        try:
+            with pytest.raises(SharedMemoryError, match=f"{empty.name}' is empty"):
+                attach((*ring[:3], empty.name))
+        finally:
+            empty.unlink()
+        folder = SHM / f"{ring[3]}_dir"
+        folder.mkdir(mode=0o700)
+        try:
+            with pytest.raises(UntrustedFileError, match="it is a directory"):
+                attach((*ring[:3], folder.name))
+        finally:
+            folder.rmdir()
+        tracemalloc.start()
+        try:
+            for numbers in [(10**8, ring[1], ring[2]), (ring[0], ring[1], 10**12)]:
+                with pytest.raises(SharedMemoryError, match="has not the handle's layout"):
+                    attach((numbers[0], numbers[1], numbers[2], ring[3]))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"a refused handle cost {peak} bytes"
     finally:
         writer.close()
 

@@ -126,6 +126,18 @@ class ShmRingBuffer:
         self.metadata_offset = _align(_SLOTS_AT + _SLOT.size * n_reader)
         self.data_offset = _align(self.metadata_offset + self.metadata_size * max_chunks)
         self.total_bytes_of_buffer = self.data_offset + max_chunk_bytes * max_chunks
+        self._namespace = pid_namespace()
+        self.is_creator = name is None
+        self.shared_memory: posix.Segment
+        if name is not None:
+            # A reader checks the file against the handle's layout before it sizes anything
+            # by the handle's numbers: a file that passes holds that many readers and chunks.
+            self.shared_memory = posix.attach(name)
+            try:
+                self.token = self._validate(name)
+            except BaseException:
+                self.shared_memory.close()
+                raise
         self._all_read = b"\x01" * n_reader
         self._no_reads = bytes(n_reader)
         self._slot: list[int] = []  # [offset of this reader's slot] once attached
@@ -133,9 +145,6 @@ class ShmRingBuffer:
         self.reader = -1  # this process's reader index, once attached
         self.current_idx = 0
         self._reserved = [0] * max_chunks  # writer: the bytes of each chunk with memory taken
-        self._namespace = pid_namespace()
-        self.is_creator = name is None
-        self.shared_memory: posix.Segment
         if name is None:
             self.token = secrets.token_bytes(16)
             name = f"{NAME_PREFIX}{self._namespace}_{os.getpid()}_{self.token[:6].hex()}"
@@ -149,13 +158,6 @@ class ShmRingBuffer:
                 posix.view(self.shared_memory), n_reader, max_chunks, max_chunk_bytes,
                 self.token, os.getpid(), self._namespace,
             )  # fmt: skip
-        else:
-            self.shared_memory = posix.attach(name)
-            try:
-                self.token = self._validate(name)
-            except BaseException:
-                self.shared_memory.close()
-                raise
         self.name = self.shared_memory.name
         self._buf: memoryview = posix.view(self.shared_memory)
         self._finalizer = weakref.finalize(

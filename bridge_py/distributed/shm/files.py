@@ -66,15 +66,17 @@ def check_peer_fd(fd: int, path: str, *, fifo: bool = False) -> None:
 def open_peer_file(path: str, flags: int, *, fifo: bool = False) -> int:
     """``os.open(path, flags)`` without following a link, checked; the descriptor.
 
-    Raises :class:`UntrustedFileError` for a link or a file that fails the checks (the
-    descriptor is closed then), and the OSError of ``os.open`` otherwise (a missing file is
-    still FileNotFoundError).
+    Raises :class:`UntrustedFileError` for a link, a directory or a file that fails the
+    checks (the descriptor is closed then), and the OSError of ``os.open`` otherwise (a
+    missing file is still FileNotFoundError).
     """
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedFileError(path, "it is a symbolic link") from None
+        if exc.errno == errno.EISDIR:  # (opening it for writing fails before any check)
+            raise UntrustedFileError(path, "it is a directory") from None
         raise
     try:
         check_peer_fd(fd, path, fifo=fifo)

@@ -32,7 +32,7 @@ import os
 from multiprocessing import resource_tracker
 
 from bridge_py.distributed.errors import SharedMemoryError
-from bridge_py.distributed.shm.files import SHM_DIR, open_peer_file
+from bridge_py.distributed.shm.files import SHM_DIR, UntrustedFileError, open_peer_file
 
 __all__ = [
     "Attached",
@@ -56,6 +56,8 @@ class Segment:
         self._tracked = tracked
         try:
             self.size = os.fstat(fd).st_size
+            if not self.size:  # (mmap refuses it with a bare ValueError)
+                raise SharedMemoryError(f"shared-memory segment {self.name!r} is empty")
             self._mmap = mmap.mmap(fd, self.size)
         except BaseException:
             os.close(fd)
@@ -122,9 +124,13 @@ def create(name: str, size: int, *, tracked: bool = True, reserve: int | None = 
 def attach(name: str) -> Segment:
     """Open the existing segment ``name`` that another process made, never telling the
     resource tracker; UntrustedFileError (a PermissionError) naming the file when it is not
-    this user's own regular file, or others may write it, or it is a link."""
+    this user's own regular file, or others may write it, or it is a link, or ``name``
+    is not that of a file directly in /dev/shm (a name from a peer may say ``../``)."""
     name = name.lstrip("/")
-    return Segment(name, open_peer_file(f"{SHM_DIR}/{name}", os.O_RDWR))  # checked
+    path = f"{SHM_DIR}/{name}"
+    if "/" in name or name in ("", ".", ".."):
+        raise UntrustedFileError(path, "it is not a file directly in /dev/shm")
+    return Segment(name, open_peer_file(path, os.O_RDWR))  # checked
 
 
 def reserve_memory(segment: Segment, offset: int, length: int, what: str = "") -> None:
