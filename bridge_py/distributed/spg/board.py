@@ -386,8 +386,7 @@ class Board:
             data = _slot(board, at, number)
             return b"" if data is None else data
         fence()  # the value is read after its number
-        size = _U64.unpack_from(board, at + 8)[0]
-        return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]
+        return _value(board, at)
 
     def broadcast_received(self, src: int, number: int) -> None:
         """Record that this rank is done with broadcast ``number`` of ``src``."""
@@ -573,6 +572,7 @@ class Board:
         cell, size = struct.unpack_from("<QQ", board, base)
         if cell != barrier_id + 1:
             return "another rank gave up before all ranks arrived"
+        size = min(size, _VERDICT_MAX)  # (a length word from another process)
         return bytes(board[base + 16 : base + 16 + size]).decode(errors="replace")
 
     def _put(self, offset: int, value: int) -> None:
@@ -605,8 +605,7 @@ class Board:
             at = self.layout.message_at(dst, slot)
             held = _U64.unpack_from(board, at)[0]
             if held > acked:
-                size = _U64.unpack_from(board, at + 8)[0]
-                found.append((held - 1, board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]))
+                found.append((held - 1, _value(board, at)))
         return sorted(found)
 
     def close(self, flush: Callable[[int, int, bytes], None] | None = None) -> None:
@@ -658,5 +657,11 @@ def _slot(board: mmap.mmap, at: int, number: int) -> bytes | None:
     if _U64.unpack_from(board, at)[0] != number + 1:
         return None
     fence()  # the value is read after its number
-    size = _U64.unpack_from(board, at + 8)[0]
+    return _value(board, at)
+
+
+def _value(board: mmap.mmap, at: int) -> bytes:
+    """A copy of the value in the slot at ``at``: as long as its length word says, and
+    never longer than a slot holds (the word is another process's)."""
+    size = min(_U64.unpack_from(board, at + 8)[0], MESSAGE_CAPACITY)
     return board[at + _SLOT_HEAD : at + _SLOT_HEAD + size]

@@ -38,6 +38,12 @@ HEADER = struct.Struct(">Q")
 # before trying without again: a failed try costs a round trip and an exception, and a rank
 # that always waits for its peer (request and reply) would pay it often.
 _MAX_BACKOFF = 64
+# Messages popped before their turn that a rank keeps per sender, and their bytes. A
+# sender's messages come in order but for one that expire_data put back (see drop), so a
+# few is what happens; more is someone else pushing onto the queue (anyone who reaches
+# the store can), and what does not fit is dropped: its turn then times out, if it was real.
+_MAX_EARLY = 64
+_MAX_EARLY_BYTES = 64 << 20
 
 
 def frame(seq: int, value: bytes) -> bytes:
@@ -130,7 +136,10 @@ class Inbox:
         if got == seq:
             return value
         if got > seq:
-            self._early.setdefault(src, {})[got] = value
+            early = self._early.setdefault(src, {})
+            held = sum(len(kept) for kept in early.values())
+            if len(early) < _MAX_EARLY and held + len(value) <= _MAX_EARLY_BYTES:
+                early[got] = value
         return None
 
 

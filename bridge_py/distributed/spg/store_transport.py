@@ -24,6 +24,7 @@ torch logs nothing of the failures that these errors report.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import time
 from collections import deque
@@ -278,14 +279,20 @@ class StoreTransport:
             self._eager_skips[slot] = skips - 1
         self.flush()
         deadline = start + limit
-        while True:
+        for woken in itertools.count():
             if not self._waiter.wait([key], max(deadline - time.monotonic(), 0.001)):
                 raise timed_out(op, self.rank, f"key {key!r}", src, start, limit)
             value = self._peek(key)
             if value is not None:
                 return value
             # Woken without the key: the server also wakes the waiters of a key when another
-            # rank asks for it with compare_set (our read without waiting). Wait again.
+            # rank asks for it with compare_set (our read without waiting). Wait again, until
+            # the deadline: a key that holds what _peek reads as absent (no rank writes that;
+            # anyone who reaches the store can) ends every wait at once.
+            if time.monotonic() >= deadline:
+                raise timed_out(op, self.rank, f"key {key!r}", src, start, limit)
+            _pause(woken)
+        raise AssertionError("unreachable")
 
     # --- all_gather -----------------------------------------------------------------------
 
@@ -335,7 +342,7 @@ class StoreTransport:
         # waiter's connection.
         missing = [i for i, value in enumerate(got) if not value]
         until = start + limit
-        while missing:
+        for woken in itertools.count():
             left = max(until - time.monotonic(), 0.001)
             try:
                 fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
@@ -343,10 +350,23 @@ class StoreTransport:
                 raise lost(op, self.rank, f"keys {wanted}", -1, start, exc) from exc
             if fetched is None:
                 raise self._gather_late(wanted, others, start, limit, op)
+            still: list[int] = []
             for i, value in zip(missing, fetched, strict=True):
-                got[i] = value
-            missing = [i for i in missing if not got[i]]
-        return list(got)
+                # An empty answer is a key not there yet (woken, see _await), or one that
+                # holds nothing, which no rank writes: that is then its value, refused when
+                # it is unpacked.
+                present = value or self._peek(wanted[i])
+                if present is None:
+                    still.append(i)
+                else:
+                    got[i] = present
+            missing = still
+            if not missing:
+                return list(got)
+            if time.monotonic() >= until:  # (keys holding what _peek reads as absent)
+                raise self._gather_late(wanted, others, start, limit, op)
+            _pause(woken)
+        raise AssertionError("unreachable")
 
     def _gather_late(
         self, wanted: list[str], others: list[int], start: float, limit: float, op: str
@@ -485,7 +505,7 @@ class StoreTransport:
         while (message := self._mailbox.receive(barrier_id, until)) is not None:
             kind, _sender, text = message
             if kind == _FAILED:
-                raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {text.decode()}")
+                raise BarrierFailure(f"barrier {barrier_id} failed on rank {rank}: {_text(text)}")
             if kind in (_LEFT, _ARRIVED_AND_LEFT):
                 left += 1
             if kind in (_ALL_ARRIVED, _ARRIVED_AND_LEFT):
@@ -508,7 +528,7 @@ class StoreTransport:
         verdict = "another rank gave up before all ranks arrived"
         while (message := self._mailbox.receive(barrier_id, until)) is not None:
             if message[0] == _FAILED:
-                verdict = message[2].decode()
+                verdict = _text(message[2])
                 break
         return f"barrier {barrier_id} failed on rank {self.rank}: {verdict}"
 
@@ -539,6 +559,10 @@ POISON = 1 << 32
 # A barrier message: barrier number, kind, sender; then the verdict's text for _FAILED.
 _ITEM = struct.Struct(">QBI")
 _ALL_ARRIVED, _LEFT, _ARRIVED_AND_LEFT, _FAILED = 1, 2, 3, 4
+# Messages of later barriers a rank keeps, and the bytes of a verdict it keeps or shows: a
+# rank sends each other rank a few per barrier; more is someone else pushing onto the queue.
+_MAX_LATER = 1024
+_MAX_VERDICT = 2000
 
 
 class Mailbox:
@@ -574,6 +598,22 @@ class Mailbox:
             bid, kind, sender = _ITEM.unpack_from(item)
             if bid == barrier_id:
                 return kind, sender, item[_ITEM.size :]
-            if bid > barrier_id:
-                self._later.append((bid, kind, sender, item[_ITEM.size :]))
+            if bid > barrier_id and len(self._later) < _MAX_LATER:
+                self._later.append((bid, kind, sender, item[_ITEM.size :][:_MAX_VERDICT]))
         return None
+
+
+def _pause(woken: int) -> None:
+    """Before waiting again after the ``woken``-th wake (from 0) that brought nothing: none
+    the first time (a rank's read without waiting wakes a wait once), then 0.2 ms doubling
+    to 10 ms: a wait that every attempt ends at once must not take a CPU until its
+    deadline."""
+    if woken:
+        time.sleep(min(0.0001 * 2**woken, 0.01))
+
+
+def _text(verdict: bytes) -> str:
+    """A verdict from another rank's barrier message, for an error: anyone who reaches the
+    store can write one, so bytes that are not UTF-8 are shown escaped, and at most
+    _MAX_VERDICT bytes of it."""
+    return verdict[:_MAX_VERDICT].decode(errors="backslashreplace")
