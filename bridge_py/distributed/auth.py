@@ -38,7 +38,7 @@ import pickle
 import struct
 from typing import Any
 
-from bridge_py.distributed.errors import AuthenticationError
+from bridge_py.distributed.errors import AuthenticationError, ObjectLoadError
 
 __all__ = [
     "ENV_VAR",
@@ -48,6 +48,8 @@ __all__ = [
     "AuthenticationError",
     "is_tagged",
     "key_required",
+    "load_failure",
+    "load_object",
     "open_object",
     "open_payload",
     "refuse_tagged",
@@ -184,7 +186,21 @@ def open_object(
 ) -> Any:
     """The object :func:`seal_object` sealed in ``data``, unpickled only once its tag is
     right for ``context`` (with a key); AuthenticationError naming ``what`` otherwise."""
-    return pickle.loads(open_payload(key, context, data, what))
+    return load_object(open_payload(key, context, data, what), what)
+
+
+def load_object(payload: bytes | bytearray | memoryview, what: str) -> Any:
+    """``payload`` unpickled; ObjectLoadError naming ``what`` (the cause chained) when it
+    does not unpickle, whatever pickle or the object's class raised."""
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        raise load_failure(what, exc) from exc
+
+
+def load_failure(what: str, exc: Exception) -> ObjectLoadError:
+    """The error of ``what`` that did not unpickle, having raised ``exc``."""
+    return ObjectLoadError(f"{what} does not unpickle: {type(exc).__name__}: {exc}")
 
 
 def open_payload(

@@ -13,6 +13,7 @@ situations is, so code written for them keeps working; the subclasses say what h
     ├── BarrierFailure                        a barrier failed (every rank of it fails)
     │   └── BarrierStoreError (also StoreError)    because the store was lost
     ├── CollectiveMismatchError (also ValueError)  ranks called different collectives
+    ├── ObjectLoadError (also pickle.UnpicklingError)  a received object does not unpickle
     ├── SharedMemoryError                     a shared-memory file is missing, short or changed
     ├── WaitCancelled                         a wait ended by its cancel event or a shutdown()
     └── StateError                            not allowed now: not initialized, already
@@ -23,6 +24,8 @@ line of a log says who was waiting for whom.
 """
 
 from __future__ import annotations
+
+import pickle
 
 from torch.distributed import DistStoreError
 
@@ -35,6 +38,7 @@ __all__ = [
     "CollectiveTimeout",
     "DistributedError",
     "GroupTimeout",
+    "ObjectLoadError",
     "PeerGoneError",
     "SharedMemoryError",
     "StateError",
@@ -87,6 +91,13 @@ class BarrierStoreError(BarrierFailure, StoreError):
 class CollectiveMismatchError(DistributedError, ValueError):
     """The ranks of a group called different collectives, or one with bad arguments: raised
     on every rank, before any data moves."""
+
+
+class ObjectLoadError(DistributedError, pickle.UnpicklingError):
+    """An object another rank or process sent does not unpickle here: it is corrupt
+    (without an auth key nothing checks it on the way), or of a class this process cannot
+    load. Names the object; what pickle raised is its cause. Also a pickle.UnpicklingError,
+    as most of what pickle raises there is."""
 
 
 class SharedMemoryError(DistributedError):

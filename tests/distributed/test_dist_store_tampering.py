@@ -23,7 +23,12 @@ from torch.distributed import TCPStore
 
 from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.errors import BarrierFailure, GroupTimeout
+from bridge_py.distributed.errors import (
+    BarrierFailure,
+    DistributedError,
+    GroupTimeout,
+    ObjectLoadError,
+)
 from bridge_py.distributed.spg import keys, p2p
 
 pytestmark = pytest.mark.timeout(90)
@@ -31,13 +36,16 @@ pytestmark = pytest.mark.timeout(90)
 KEY = b"k" * 32
 
 
-@pytest.fixture
-def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[StatelessProcessGroup, TCPStore]]:
-    """Rank 1 of a keyed 2-rank group whose rank 0 never acts, and the attacker's client."""
+@pytest.fixture(params=[KEY], ids=["keyed"])
+def ranks(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[StatelessProcessGroup, TCPStore]]:
+    """Rank 1 of a 2-rank group (keyed, unless a test asks for None) whose rank 0 never
+    acts, and the attacker's client."""
     monkeypatch.delenv(auth.ENV_VAR, raising=False)
     served = StatelessProcessGroup.create("127.0.0.1", 0, 0, 1, store_timeout=5)
     rank1 = StatelessProcessGroup(rank=1, world_size=2, store=served.store, socket=None)
-    rank1.auth_key = KEY
+    rank1.auth_key = request.param
     attacker = TCPStore(
         "127.0.0.1", served.store.port, None, False, timeout=datetime.timedelta(seconds=10)
     )
@@ -103,3 +111,14 @@ def test_what_a_rank_keeps_of_pushed_items_is_bounded(ranks) -> None:
     finally:
         tracemalloc.stop()
     assert held < 80 << 20, f"rank 1 keeps {held >> 20} MiB of pushed items"
+
+
+@pytest.mark.parametrize("ranks", [None], ids=["no key"], indirect=True)
+def test_without_a_key_a_value_that_does_not_unpickle_is_named(ranks) -> None:
+    # Without a key nothing checks a value before it is unpickled (docs/security.md); what
+    # pickle raised came out bare, naming nothing.
+    rank1, attacker = ranks
+    attacker.queue_push(keys.p2p_queue(0, 1), p2p.frame(0, b"\x80\x05\x95garbage"))
+    with pytest.raises(ObjectLoadError, match=r"p2p/0/1/0.* does not unpickle") as info:
+        rank1.recv_obj(0, timeout=5.0)
+    assert isinstance(info.value, DistributedError) and info.value.__cause__ is not None

@@ -31,7 +31,12 @@ from bridge_py.distributed.device_communicators.shm_broadcast import (
 )
 from bridge_py.distributed.device_communicators.shm_remote import READY
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK
-from bridge_py.distributed.errors import DistributedError, GroupTimeout, SharedMemoryError
+from bridge_py.distributed.errors import (
+    DistributedError,
+    GroupTimeout,
+    ObjectLoadError,
+    SharedMemoryError,
+)
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.shm import segments, wait
 from tests.distributed.harness import call_with_small_dev_shm, free_port, run_ranks
@@ -409,6 +414,23 @@ def test_a_corrupt_chunk_is_a_shared_memory_error(
         for idx, (total, part, payload) in enumerate(chunks):
             ring.write_chunk(idx, total, part, memoryview(payload))
         with pytest.raises(SharedMemoryError, match=words):
+            reader.dequeue(timeout=TIMEOUT)
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_message_that_does_not_unpickle_is_named() -> None:
+    # Without a key nothing checks a message before it is unpickled; what pickle raised
+    # came out bare, naming neither the queue nor the message.
+    writer, reader = _local_pair()
+    try:
+        ring = writer.buffer
+        assert ring is not None
+        garbage = b"\x80\x05\x95garbage"
+        ring.write_chunk(0, len(garbage), 0, memoryview(garbage))
+        with pytest.raises(ObjectLoadError, match=r"message 0 of the queue .* does not unpickle"):
             reader.dequeue(timeout=TIMEOUT)
     finally:
         reader.close()

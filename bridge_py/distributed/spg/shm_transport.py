@@ -257,7 +257,7 @@ class ShmTransport:
 
     def _fetch(self, src: int, seq: int, op: str, timeout: float | None) -> bytes:
         """``src``'s broadcast ``seq``, from its ring slot or from the store (waiting at most
-        ``timeout`` seconds for each, None: the store's timeout)."""
+        ``timeout`` seconds for both, None: the store's timeout)."""
         board = self.board
         key = keys.broadcast_value(src, seq)
         found: list[bytes] = []
@@ -269,8 +269,12 @@ class ShmTransport:
             found.append(data)  # b"": in the store
             return True
 
-        self._wait(op, f"key {key!r}", [src], timeout, ready)
-        return found[0] or self.overflow.await_key(key, src, op, timeout)
+        limit, start = self.overflow.limit(timeout), time.monotonic()
+        self._wait(op, f"key {key!r}", [src], limit, ready)
+        if found[0]:
+            return found[0]
+        left = max(limit - (time.monotonic() - start), 0.001)  # (the key is there by now)
+        return self.overflow.await_key(key, src, op, left)
 
     def broadcast_send(self, seq: int, obj: Any) -> None:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""

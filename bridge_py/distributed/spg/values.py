@@ -40,7 +40,13 @@ from typing import Any
 
 import torch
 
-from bridge_py.distributed.auth import AuthenticationError, open_payload, sign
+from bridge_py.distributed.auth import (
+    AuthenticationError,
+    load_failure,
+    load_object,
+    open_payload,
+    sign,
+)
 from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
@@ -268,7 +274,10 @@ class SharedValue:
         with open(self._fd, "rb", buffering=0, closefd=False) as file:
             file.seek(self._offset)
             if self._digest is None and like is None and not self._holds_tensor():
-                return pickle.load(file)
+                try:
+                    return pickle.load(file)
+                except Exception as exc:
+                    raise load_failure(self._what, exc) from exc
             data = bytearray(self._size)
             if file.readinto(data) != self._size:
                 raise AuthenticationError(f"refused {self._what}: its segment is truncated")
@@ -407,7 +416,10 @@ class Values:
         neither a tag nor a descriptor does) is unpickled at once where no tensor is.
         """
         if self.key is None and data[:1] == b"\x80" and like is None:
-            return pickle.loads(data)
+            try:
+                return pickle.loads(data)
+            except Exception as exc:  # (named only then: this is every small value's way)
+                raise load_failure(self.describe(name, src, label), exc) from exc
         what = self.describe(name, src, label)
         payload = self._open(name, data, what)
         if last and isinstance(payload, SharedValue):
@@ -429,7 +441,7 @@ def decode(payload: bytes | bytearray | memoryview, like: torch.Tensor | None, w
     """The object in a checked payload: a tensor (which must fit ``like``, if given), or,
     where no tensor is expected (``like`` None), a pickle."""
     if like is None and not is_tensor(payload):
-        return pickle.loads(payload)
+        return load_object(payload, what)
     return decode_tensor(payload, like, what)
 
 
