@@ -24,7 +24,6 @@ torch logs nothing of the failures that these errors report.
 
 from __future__ import annotations
 
-import itertools
 import struct
 import time
 from collections import deque
@@ -279,7 +278,8 @@ class StoreTransport:
             self._eager_skips[slot] = skips - 1
         self.flush()
         deadline = start + limit
-        for woken in itertools.count():
+        woken = 0
+        while True:
             if not self._waiter.wait([key], max(deadline - time.monotonic(), 0.001)):
                 raise timed_out(op, self.rank, f"key {key!r}", src, start, limit)
             value = self._peek(key)
@@ -292,7 +292,7 @@ class StoreTransport:
             if time.monotonic() >= deadline:
                 raise timed_out(op, self.rank, f"key {key!r}", src, start, limit)
             _pause(woken)
-        raise AssertionError("unreachable")
+            woken += 1
 
     # --- all_gather -----------------------------------------------------------------------
 
@@ -342,7 +342,8 @@ class StoreTransport:
         # waiter's connection.
         missing = [i for i, value in enumerate(got) if not value]
         until = start + limit
-        for woken in itertools.count():
+        woken = 0
+        while True:
             left = max(until - time.monotonic(), 0.001)
             try:
                 fetched = self._waiter.multi_get([wanted[i] for i in missing], left)
@@ -366,7 +367,7 @@ class StoreTransport:
             if time.monotonic() >= until:  # (keys holding what _peek reads as absent)
                 raise self._gather_late(wanted, others, start, limit, op)
             _pause(woken)
-        raise AssertionError("unreachable")
+            woken += 1
 
     def _gather_late(
         self, wanted: list[str], others: list[int], start: float, limit: float, op: str
