@@ -27,8 +27,9 @@ from bridge_py.distributed.distribute import (
     get_configs_parallel,
     get_tensors_parallel,
 )
-from bridge_py.distributed.distribute.codec import TENSORS
+from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS
 from bridge_py.distributed.distribute.group import CallId, as_group_sync
+from bridge_py.distributed.distribute.nfs import NfsChannel
 from bridge_py.distributed.distribute.shm import ShmChannel, segment_name
 from bridge_py.distributed.errors import DistributedError, SharedMemoryError
 from bridge_py.distributed.shm import segments
@@ -459,6 +460,48 @@ def test_a_hostile_segment_is_refused_unread(kind: str, tmp_path: Path) -> None:
     assert re.match(expected, reader, re.DOTALL), reader
     # The reader unlinks what it read, and leaves alone a file it must not trust.
     assert writer == f"left: {kind == 'shared'}"
+
+
+def _hostile_workspace_writer(rank: int, port: int, kind: str, workspace: str, outside: str) -> str:
+    """Rank 0 gathers configs through a workspace; rank 1 leaves as its state file what no
+    gather writes (``kind``: a link to ``outside``, or a FIFO), then joins the barriers."""
+    group = _group("spg", rank, 2, port)
+    if rank == 0:
+        try:
+            got = gather_configs({"rank": 0}, [0, 1], group, workspace, timeout=TIMEOUT)
+        except DistributedError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return f"got {got}"
+    sync = as_group_sync(group, timeout=TIMEOUT)
+    folder = NfsChannel(workspace, sync.agree_call(0).token).folder
+    folder.mkdir()
+    state = folder / "rank_1_state.pth"
+    if kind == "link":
+        state.symlink_to(outside)
+    else:
+        os.mkfifo(state, 0o600)
+    sync.barrier()
+    sync.barrier()
+    return "done"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["link", "FIFO"])
+def test_a_hostile_state_file_is_refused_unread(kind: str, tmp_path: Path) -> None:
+    # A link out of the workspace was read as rank 1's config, and what it pointed at
+    # deleted; a FIFO blocked the reader forever.
+    outside = tmp_path / "outside.pth"
+    outside.write_bytes(CONFIGS.encode({"secret": "outside the workspace"})[0])
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    reader, writer = run_ranks(
+        _hostile_workspace_writer, 2, free_port(), kind, str(workspace), str(outside)
+    )
+    assert re.match(
+        r"DistributedError: refused the value of rank 1 in .*rank_1_state.pth'", reader
+    ), reader
+    assert writer == "done"
+    assert outside.exists()
 
 
 def _no_room_job(rank: int, port: int) -> tuple[str, list[float]]:

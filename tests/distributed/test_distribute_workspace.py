@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from bridge_py.distributed.distribute import (
     get_configs_parallel,
     get_tensors_parallel,
 )
+from bridge_py.distributed.errors import DistributedError
 
 
 def _leftovers(path: Path) -> list[str]:
@@ -93,7 +95,34 @@ class _Payload:
 def test_reading_executes_no_pickled_code(tmp_path: Path) -> None:
     workspace = NFSWorkspace(tmp_path, rank=0)
     torch.save({"config": {}, "weight": {"x": _Payload()}}, tmp_path / "rank_4_state.pth")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(pickle.UnpicklingError, match=r"rank 4.* does not unpickle"):
+        workspace.read_configs_and_weights_from_rank(4)
+
+
+@pytest.mark.timeout(60)
+def test_a_state_file_that_is_no_file_is_refused_unread(tmp_path: Path) -> None:
+    # Another rank's state file is its word, in a folder others may write: a link out of
+    # the workspace was read (and a gather's reader deleted what it pointed at), a FIFO
+    # blocked the reader forever, a directory raised a bare IsADirectoryError.
+    workspace = NFSWorkspace(tmp_path / "ws", rank=0)
+    outside = tmp_path / "outside.pth"
+    torch.save({"config": {"secret": 1}, "weight": {}}, outside)
+    state = tmp_path / "ws" / "rank_4_state.pth"
+    cases = {
+        "link": lambda: state.symlink_to(outside),
+        "FIFO": lambda: os.mkfifo(state, 0o600),
+        "directory": lambda: state.mkdir(),
+    }
+    for kind, make in cases.items():
+        make()
+        try:
+            with pytest.raises(DistributedError, match=r"refused the state file of rank 4"):
+                workspace.read_configs_and_weights_from_rank(4)
+        finally:
+            state.rmdir() if kind == "directory" else state.unlink()
+    assert outside.exists()
+    torch.save([1, 2], state)
+    with pytest.raises(DistributedError, match="holds no dict of 'config' and 'weight'"):
         workspace.read_configs_and_weights_from_rank(4)
 
 

@@ -74,7 +74,7 @@ class GroupSync:
         if not (
             isinstance(got, list)
             and len(got) == len(CallId._fields)
-            and all(type(v) is int and v >= 0 for v in got)
+            and all(type(v) is int and 0 <= v < 1 << 63 for v in got)
         ):
             raise DistributedError(f"rank {src} sent {got!r:.80} where a gather's id belongs")
         return CallId(*got)

@@ -18,7 +18,9 @@ is the caller's job.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
-from bridge_py.distributed.errors import DistributedError
+from bridge_py.distributed.errors import DistributedError, ObjectLoadError
 
 __all__ = ["NFSWorkspace", "NfsChannel"]
 
@@ -82,6 +84,52 @@ def _remove_state(path: Path) -> None:
 
 def _state_path(folder: Path, rank: int) -> Path:
     return folder / f"rank_{rank}_state.pth"
+
+
+def _read_state(path: Path, what: str, *, own_folder: bool) -> bytes:
+    """The bytes of the state file ``path`` (``what`` names it in errors).
+
+    A workspace is a directory others may write, and a state file another rank's word, so
+    the file is opened without following a link and without blocking (a FIFO), and read
+    only if it is a regular file, as long as it says it is. ``own_folder``: the folder is
+    the caller's own workspace, which may be reached through a link; else (a gather's
+    folder, made in it) a link there is refused too. FileNotFoundError when there is no
+    file; DistributedError naming it for anything else.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        folder = os.open(
+            path.parent, (flags & ~os.O_NOFOLLOW if own_folder else flags) | os.O_DIRECTORY
+        )
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _refused(what, f"its folder cannot be opened as one ({exc.strerror})") from None
+    try:
+        fd = os.open(path.name, flags, dir_fd=folder)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _refused(what, f"it cannot be opened as a file ({exc.strerror})") from None
+    finally:
+        os.close(folder)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _refused(what, "it is not a regular file")
+        try:
+            data = os.pread(fd, info.st_size, 0) if info.st_size else b""
+        except (OSError, MemoryError, OverflowError) as exc:
+            raise _refused(what, f"its {info.st_size} bytes cannot be read ({exc!r:.80})") from None
+        if len(data) != info.st_size:
+            raise _refused(what, f"it holds {len(data)} of the {info.st_size} bytes it claims")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _refused(what: str, why: str) -> DistributedError:
+    return DistributedError(f"refused {what}: {why}")
 
 
 class NFSWorkspace:
@@ -148,11 +196,18 @@ class NFSWorkspace:
             state file.
         """
         self._check()
+        path = self._get_state_path(target_rank)
+        what = f"the state file of rank {target_rank}, {str(path)!r}"
         try:
-            path = self._get_state_path(target_rank)
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            data = _read_state(path, what, own_folder=True)
         except FileNotFoundError:
             return None, None
+        try:
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load's: a refused global, a broken archive, ...
+            raise ObjectLoadError(f"{what} does not unpickle as a state file: {exc}") from exc
+        if not (isinstance(state, dict) and {"config", "weight"} <= state.keys()):
+            raise _refused(what, "it holds no dict of 'config' and 'weight'")
         return state["config"], state["weight"]
 
     def _check(self) -> None:
@@ -185,26 +240,44 @@ class NfsChannel:
         self.folder = Path(root) / f"{NAME_PREFIX}{token:016x}"
 
     def publish(self, rank: int, parts: Sequence[Any]) -> None:
-        """Write ``rank``'s state file, the bytes of ``parts`` (creating the call's folder)."""
+        """Write ``rank``'s state file, the bytes of ``parts`` (creating the call's folder,
+        or finding it made by another rank: a folder, not a link to one)."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self.folder.is_symlink():
+            raise _refused(f"the folder {str(self.folder)!r} of a gather", "it is a link")
         _write_atomically(_state_path(self.folder, rank), lambda file: file.writelines(parts))
 
     def take(self, rank: int, decode: Callable[[memoryview, str], Any]) -> Any:
         """Read ``rank``'s state file, delete it, and return ``decode(its bytes, what)``."""
         path = _state_path(self.folder, rank)
+        what = f"the value of rank {rank} in {str(path)!r}"
         try:
-            data = path.read_bytes()
+            data = _read_state(path, what, own_folder=False)
         except FileNotFoundError:
             raise DistributedError(
                 f"rank {rank} left no state file in {self.folder}: it failed to write it, or "
                 "the workspace is not shared by all ranks of the group"
             ) from None
-        path.unlink(missing_ok=True)
-        return decode(memoryview(data), f"the value of rank {rank} in {str(path)!r}")
+        _unlink_in(self.folder, path.name)
+        return decode(memoryview(data), what)
 
     def remove(self, rank: int) -> None:
-        """Delete ``rank``'s files, then the folder if it is empty (idempotent)."""
+        """Delete ``rank``'s files, then the folder if it is empty (idempotent). Nothing is
+        deleted through a folder that is a link."""
+        if self.folder.is_symlink():
+            return
         with contextlib.suppress(OSError):
             _remove_state(_state_path(self.folder, rank))
         with contextlib.suppress(OSError):
             self.folder.rmdir()
+
+
+def _unlink_in(folder: Path, name: str) -> None:
+    """Remove ``name`` from ``folder`` if both are there, never through a link."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, flags)
+        try:
+            os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
