@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import multiprocessing
@@ -31,7 +32,11 @@ from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS
 from bridge_py.distributed.distribute.group import CallId, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel
 from bridge_py.distributed.distribute.shm import ShmChannel, segment_name
-from bridge_py.distributed.errors import DistributedError, SharedMemoryError
+from bridge_py.distributed.errors import (
+    CollectiveMismatchError,
+    DistributedError,
+    SharedMemoryError,
+)
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.wait import pid_namespace
 from tests.distributed.harness import free_port, run_ranks, run_ranks_with_small_dev_shm
@@ -502,6 +507,42 @@ def test_a_hostile_state_file_is_refused_unread(kind: str, tmp_path: Path) -> No
     ), reader
     assert writer == "done"
     assert outside.exists()
+
+
+def _saved(value: Any) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return memoryview(buffer.getvalue())
+
+
+def test_a_config_is_checked_as_plain_data_on_both_sides() -> None:
+    # torch.load(weights_only=True) rebuilds more than a config holds, and a writer's
+    # subclass of a scalar (an IntEnum, a str subclass) was saved as its class, which the
+    # reader then refused: the writer now saves it as its base type, and the reader checks
+    # what it loaded as the writer does.
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    class Name(str):
+        pass
+
+    sent = {"level": Level.HIGH, "name": Name("x"), "scale": 0.5}
+    got = CONFIGS.decode(memoryview(b"".join(CONFIGS.encode(sent))), "sent")
+    assert got == {"level": 2, "name": "x", "scale": 0.5}
+    assert [type(v) for v in got.values()] == [int, str, float]
+    shared = torch.zeros(4)
+    for bad in [
+        [1, 2, 3],  # not a dict at the root
+        {1: "x"},  # a key that is not a str
+        {"s": {1, 2}},  # a set
+        {"d": torch.float16},  # a dtype
+    ]:
+        with pytest.raises(CollectiveMismatchError, match="the value of rank 1 is not a gathered"):
+            CONFIGS.decode(_saved(bad), "the value of rank 1")
+    # Tensors that shared memory in the file come out as tensors of their own.
+    got = CONFIGS.decode(_saved({"a": shared[:2], "b": shared[1:3]}), "shared")
+    got["a"][1] = 42.0
+    assert got["b"][0] == 0.0
 
 
 def _no_room_job(rank: int, port: int) -> tuple[str, list[float]]:

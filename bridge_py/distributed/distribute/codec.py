@@ -56,11 +56,17 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_SCALARS = (bool, int, float, str)
+
+
 def _plain(value: Any, path: str) -> Any:
     """A copy of ``value`` (dicts as dicts, tensors standalone), or TypeError naming the path
     (dotted keys, ``"layers.0.weight"``) of what is not plain data."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or type(value) in _SCALARS:
         return value
+    for scalar in _SCALARS:  # a subclass (an IntEnum, numpy's float64) as its base type:
+        if isinstance(value, scalar):  # torch.load(weights_only=True) loads no other
+            return scalar(value)
     if isinstance(value, torch.Tensor):
         return _standalone(value)
     if isinstance(value, Mapping):
@@ -87,8 +93,13 @@ def _config_to_bytes(config: Mapping[str, Any] | None) -> tuple[bytes]:
 
 def _config_from_bytes(view: memoryview, what: str) -> Any:
     try:
-        return torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load's errors: a refused global, a broken archive, ...
+        config = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        # What torch.load may rebuild is more than a config holds (a list at the root, a
+        # set, keys that are not strs, tensors sharing memory): the writer's check again.
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"it holds a {type(config).__name__}, not a dict or None")
+        return _plain(config, "")
+    except Exception as exc:  # torch.load's (a refused global, a broken archive, ...), _plain's
         raise CollectiveMismatchError(f"{what} is not a gathered config: {exc}") from exc
 
 
