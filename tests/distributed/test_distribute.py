@@ -509,6 +509,19 @@ def test_a_hostile_state_file_is_refused_unread(kind: str, tmp_path: Path) -> No
     assert outside.exists()
 
 
+def test_a_segment_name_taken_first_is_a_shared_memory_error() -> None:
+    # Anyone who sees a gather's segments appear can work out the next rank's name and
+    # make it first; the writer raised a bare FileExistsError.
+    channel = ShmChannel(CallId(12345, os.getpid(), pid_namespace()))
+    taken = SHM / channel.name(1)
+    taken.touch(mode=0o600)
+    try:
+        with pytest.raises(SharedMemoryError, match="of rank 1 exists already"):
+            channel.publish(1, [b"x"])
+    finally:
+        taken.unlink()
+
+
 def _saved(value: Any) -> memoryview:
     buffer = io.BytesIO()
     torch.save(value, buffer)

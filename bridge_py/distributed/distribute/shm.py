@@ -50,8 +50,16 @@ class ShmChannel:
     def publish(self, rank: int, parts: Sequence[Any]) -> None:
         """Create ``rank``'s segment holding the bytes of ``parts`` (bytes-like objects),
         closed on return: it lives on under its name until the reader (or a cleanup)
-        unlinks it."""
-        segments.write_once(self.name(rank), parts)
+        unlinks it. SharedMemoryError naming it if something else made that name first
+        (the name is known to anyone who sees the segments of other ranks appear)."""
+        name = self.name(rank)
+        try:
+            segments.write_once(name, parts)
+        except FileExistsError:
+            raise SharedMemoryError(
+                f"shared-memory segment {name!r} of rank {rank} exists already: another "
+                "process made it first"
+            ) from None
 
     def take(self, rank: int, decode: Callable[[memoryview, str], Any]) -> Any:
         """Read ``rank``'s value, unlink its segment, and return ``decode(view, what)``.
