@@ -269,12 +269,14 @@ class ShmTransport:
             found.append(data)  # b"": in the store
             return True
 
-        limit, start = self.overflow.limit(timeout), time.monotonic()
-        self._wait(op, f"key {key!r}", [src], limit, ready)
+        start = time.monotonic()
+        self._wait(op, f"key {key!r}", [src], timeout, ready)
         if found[0]:
             return found[0]
-        left = max(limit - (time.monotonic() - start), 0.001)  # (the key is there by now)
-        return self.overflow.await_key(key, src, op, left)
+        spent = time.monotonic() - start  # (the key is there by now: what is left will do)
+        return self.overflow.await_key(
+            key, src, op, max(self.overflow.limit(timeout) - spent, 0.001)
+        )
 
     def broadcast_send(self, seq: int, obj: Any) -> None:
         """This rank's broadcast ``seq``: into its ring slot, else the store."""
