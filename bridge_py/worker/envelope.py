@@ -29,6 +29,12 @@ class EnvelopeError(ValueError):
     """Bytes that are not a valid Request or Reply."""
 
 
+MAX_REPEATED = 1 << 20
+"""The most values a repeated field may hold (a release's handles): a message at the
+size limit holds over 100 million one-byte varints, which took gigabytes and, released,
+the handle registry's lock for seconds."""
+
+
 @dataclass(slots=True)
 class CreateInstance:
     """Construct an exported class."""
@@ -371,7 +377,9 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
             values[name] = size
             continue
         if kind is _PACKED_ONE:
-            values.setdefault(name, []).append(size)
+            items = values.setdefault(name, [])
+            _room_for(items, cls, name)
+            items.append(size)
             continue
         stop = pos + size
         if stop > end:
@@ -383,6 +391,7 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
         elif kind is _PACKED_UINT64:
             items = values.setdefault(name, [])
             while pos < stop:
+                _room_for(items, cls, name)
                 item, pos = read_varint(buf, pos, stop)
                 items.append(item)
         else:  # a nested message
@@ -393,6 +402,12 @@ def _decode_message(cls: type, buf: Buffer, pos: int, end: int) -> Any:
                     values.pop(other, None)
         pos = stop
     return cls(**values)
+
+
+def _room_for(items: list[int], cls: type, name: str) -> None:
+    """Refuse a repeated field that would hold more than :data:`MAX_REPEATED` values."""
+    if len(items) >= MAX_REPEATED:
+        raise EnvelopeError(f"{cls.__name__}.{name} holds more than {MAX_REPEATED} values")
 
 
 def _skip(cls: type, key: int, buf: Buffer, pos: int, end: int) -> int:

@@ -104,6 +104,16 @@ def test_malformed_envelopes_raise_envelope_error(junk: bytes) -> None:
         pb.decode_request(junk)
 
 
+def test_a_repeated_field_holds_at_most_max_repeated_values() -> None:
+    # A release naming 100 million handles fits the message size limit; decoding it took
+    # gigabytes, and releasing it the registry's lock for seconds.
+    most = pb.encode_request(pb.Request(id=1, op=pb.ReleaseHandles([1] * pb.MAX_REPEATED)))
+    assert len(pb.decode_request(most).op.handles) == pb.MAX_REPEATED
+    more = pb.encode_request(pb.Request(id=1, op=pb.ReleaseHandles([1] * (pb.MAX_REPEATED + 1))))
+    with pytest.raises(pb.EnvelopeError, match=r"ReleaseHandles.handles holds more than 1048576"):
+        pb.decode_request(more)
+
+
 def test_peek_request_id() -> None:
     assert pb.peek_request_id(b"\x08\x2a\xff") == 42
     assert pb.peek_request_id(b"\x12\x00") == 0

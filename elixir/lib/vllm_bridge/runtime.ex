@@ -114,6 +114,10 @@ defmodule VllmBridge.Runtime do
   # nothing, rather than giving up just after the caller stopped waiting.
   @deadline_margin 25
 
+  # The most handles one release request names: the worker refuses a repeated
+  # field of more values (docs/protocol.md, "Limits").
+  @max_handles 1_048_576
+
   # The steps every call takes, compiled into their callers instead of called
   # one from the next (each call is a reduction of the calling process).
   @compile {:inline,
@@ -277,8 +281,11 @@ defmodule VllmBridge.Runtime do
 
         case ref_target(%{ref | pool: pool}, %{ctx | session: nil}) do
           {:ok, target} ->
-            handles = group |> Enum.map(& &1.id) |> Enum.uniq()
-            [{target, %{ctx | session: session}, {:release, %{handles: handles}}}]
+            # A request names at most @max_handles handles (the worker's bound on a
+            # repeated field): more go in several, counted together.
+            for handles <-
+                  group |> Enum.map(& &1.id) |> Enum.uniq() |> Enum.chunk_every(@max_handles),
+                do: {target, %{ctx | session: session}, {:release, %{handles: handles}}}
 
           {:error, %Error{category: :stale_ref}} ->
             []

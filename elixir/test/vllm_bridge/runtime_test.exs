@@ -215,6 +215,15 @@ defmodule VllmBridge.RuntimeTest do
     assert {:error, %Error{category: :not_found}} = Runtime.call_method(counter, "incr", [])
   end
 
+  test "a release of more handles than one request may name goes in several" do
+    # The worker refuses a repeated field of more than 1,048,576 values (a request
+    # naming 100 million handles took gigabytes); the runtime splits a longer release.
+    counter = counter!()
+    others = for id <- 1..1_048_576, do: %{counter | id: counter.id + id}
+    assert {:ok, 1} = Runtime.release([counter | others])
+    assert {:error, %Error{category: :not_found}} = Runtime.call_method(counter, "incr", [])
+  end
+
   test "a ref carries its worker's place in the pool, and a wrong place is stale" do
     for index <- 0..2 do
       {:ok, pid} = Pool.worker(@pool, index)
