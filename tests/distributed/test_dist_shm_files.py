@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import mmap
 import os
 import pickle
+import struct
 import threading
 import time
 import tracemalloc
@@ -209,6 +211,27 @@ def test_a_queue_ring_is_checked_before_a_reader_attaches() -> None:
         reader.close()
     finally:
         writer.close()
+
+
+def test_a_board_length_word_is_held_to_its_slot(boards: tuple[spg_board.Board, ...]) -> None:
+    # A slot's length word is another process's: one that says more than a slot holds
+    # made the reader copy the rest of the board with the message.
+    rank0, rank1 = boards
+    names = [rank0.name, rank1.name]
+    rank0.connect(names)
+    rank1.connect(names)
+    assert rank0.send(1, 0, b"hello")
+    assert rank1.take(0, 0) == b"hello"
+    fd = os.open(SHM / rank0.name, os.O_RDWR)  # as another process of the user would
+    try:
+        with mmap.mmap(fd, 0) as board:
+            at = rank0.layout.message_at(1, 0)
+            struct.pack_into("<Q", board, at + 8, 1 << 40)
+    finally:
+        os.close(fd)
+    taken = rank1.take(0, 0)
+    assert taken is not None and len(taken) <= spg_board.MESSAGE_CAPACITY
+    assert taken[:5] == b"hello"
 
 
 def test_a_queue_ring_that_is_no_ring_is_refused_naming_it(scratch: Path) -> None:
