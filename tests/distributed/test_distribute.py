@@ -522,6 +522,30 @@ def test_a_segment_name_taken_first_is_a_shared_memory_error() -> None:
         taken.unlink()
 
 
+def _huge_token(rank: int, port: int) -> str:
+    """Rank 0, the reader, sends a gather's id whose token no file name can hold; rank 1
+    gathers through the public API."""
+    group = _group("spg", rank, 2, port)
+    sync = as_group_sync(group, timeout=TIMEOUT)
+    if rank == 0:
+        sync.broadcast([1 << 1100, os.getpid(), pid_namespace()], 0)
+        return "sent"
+    try:
+        gather_configs({"rank": 1}, [0, 1], group, timeout=TIMEOUT)
+    except DistributedError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "gathered"
+
+
+def test_a_gather_id_out_of_range_is_refused() -> None:
+    # The token names the call's files: one of 2**1100 made the writer fail with a bare
+    # "File name too long" OSError.
+    _, writer = run_ranks(_huge_token, 2, free_port())
+    assert re.match(
+        r"DistributedError: .*rank 0 sent \[\d+.* where a gather's id belongs", writer
+    ), writer
+
+
 def _saved(value: Any) -> memoryview:
     buffer = io.BytesIO()
     torch.save(value, buffer)
