@@ -131,7 +131,7 @@ class Dispatcher:
         req, turn, frame, deadline = job
         try:
             reply = self._answer(req, turn, deadline)  # uses the turn up, whatever happens
-            if reply.error is None and type(frame) is bytes and type(req.op) in self._planned:
+            if reply.error is None and type(frame) is bytes:
                 self._learn(frame, req)
             return pb.encode_reply_chunks(reply)
         except Exception as exc:  # a bug of ours: the caller still hears
@@ -251,8 +251,9 @@ class Dispatcher:
         """Make a plan for ``req``, which has just succeeded, if its frame is in the layout
         every encoder writes (so that its key names the call alone: ``split_call``).
         A frame longer than :data:`MAX_PLANNED_BYTES` is never looked up, so it teaches
-        nothing: splitting and re-encoding it would copy its (large) arguments twice."""
-        if len(frame) > MAX_PLANNED_BYTES:
+        nothing: splitting and re-encoding it would copy its (large) arguments twice; nor
+        does an operation that gets no plans (a release, a describe)."""
+        if len(frame) > MAX_PLANNED_BYTES or type(req.op) not in self._planned:
             return
         split = split_call(frame)
         op = req.op

@@ -29,7 +29,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["call_with_small_dev_shm", "free_port", "run_ranks", "run_ranks_with_small_dev_shm"]
@@ -106,6 +107,17 @@ def _stop(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
             proc.kill()
     for proc in procs:
         proc.join(5)
+
+
+@contextlib.contextmanager
+def traced_memory() -> Iterator[Callable[[], tuple[int, int]]]:
+    """Python's allocations in this process traced for the block (tracemalloc); yields
+    what reads them: ``(bytes held now, the most held at once)`` since the block began."""
+    tracemalloc.start()
+    try:
+        yield tracemalloc.get_traced_memory
+    finally:
+        tracemalloc.stop()
 
 
 def run_ranks(

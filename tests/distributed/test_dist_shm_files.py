@@ -18,7 +18,6 @@ import pickle
 import struct
 import threading
 import time
-import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from bridge_py.distributed.shm.files import UntrustedFileError, open_peer_file
 from bridge_py.distributed.shm.segments import SHM_DIR, SegmentOwner
 from bridge_py.distributed.spg import board as spg_board
 from bridge_py.distributed.spg import values as spg_shm
-from tests.distributed.harness import transport_of
+from tests.distributed.harness import traced_memory, transport_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -270,14 +269,11 @@ def test_a_queue_ring_that_is_no_ring_is_refused_naming_it(scratch: Path) -> Non
                 attach((*ring[:3], folder.name))
         finally:
             folder.rmdir()
-        tracemalloc.start()
-        try:
+        with traced_memory() as traced:
             for numbers in [(10**8, ring[1], ring[2]), (ring[0], ring[1], 10**12)]:
                 with pytest.raises(SharedMemoryError, match="has not the handle's layout"):
                     attach((numbers[0], numbers[1], numbers[2], ring[3]))
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+            peak = traced()[1]
         assert peak < 1 << 20, f"a refused handle cost {peak} bytes"
     finally:
         writer.close()

@@ -15,7 +15,6 @@ import datetime
 import resource
 import struct
 import time
-import tracemalloc
 from collections.abc import Iterator
 
 import pytest
@@ -30,6 +29,7 @@ from bridge_py.distributed.errors import (
     ObjectLoadError,
 )
 from bridge_py.distributed.spg import keys, p2p
+from tests.distributed.harness import traced_memory
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -101,15 +101,12 @@ def test_what_a_rank_keeps_of_pushed_items_is_bounded(ranks) -> None:
     later = struct.pack(">QBI", 7, 4, 0) + bytes(10_000)  # barrier 7, "failed"
     for _ in range(3000):
         attacker.queue_push(keys.barrier_queue(1), later)
-    tracemalloc.start()
-    try:
+    with traced_memory() as traced:
         with pytest.raises(GroupTimeout):
             rank1.recv_obj(0, timeout=3.0)
         with pytest.raises(BarrierFailure):
             rank1.barrier(timeout=2.0)
-        held = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
+        held = traced()[0]
     assert held < 80 << 20, f"rank 1 keeps {held >> 20} MiB of pushed items"
 
 

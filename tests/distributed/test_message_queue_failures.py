@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 
@@ -30,7 +29,7 @@ from bridge_py.distributed.device_communicators.shm_broadcast import (
     PeerGoneError,
 )
 from bridge_py.distributed.device_communicators.shm_remote import READY
-from bridge_py.distributed.device_communicators.shm_ring import CHUNK
+from bridge_py.distributed.device_communicators.shm_ring import CHUNK, ShmRingBuffer
 from bridge_py.distributed.errors import (
     DistributedError,
     GroupTimeout,
@@ -39,7 +38,12 @@ from bridge_py.distributed.errors import (
 )
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.shm import segments, wait
-from tests.distributed.harness import call_with_small_dev_shm, free_port, run_ranks
+from tests.distributed.harness import (
+    call_with_small_dev_shm,
+    free_port,
+    run_ranks,
+    traced_memory,
+)
 from tests.distributed.test_message_queue import orphaned_segments
 
 TIMEOUT = 30.0
@@ -373,13 +377,20 @@ def test_misuse_is_reported_clearly() -> None:
             writer.wait_until_ready(timeout=0.2)
 
 
-def _local_pair() -> tuple[MessageQueue, MessageQueue]:
-    """A writer and its one local reader (this process), both ready; chunks of 64 bytes."""
+@pytest.fixture
+def local_pair() -> Iterator[tuple[ShmRingBuffer, MessageQueue]]:
+    """The ring of a writer and its one local reader (this process), both ready; chunks of
+    64 bytes. A test writes chunks into the ring as a writer would, and reads them."""
     writer = MessageQueue(1, 1, max_chunk_bytes=64, max_chunks=4)
     reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
-    writer.wait_until_ready(TIMEOUT)
-    reader.wait_until_ready(TIMEOUT)
-    return writer, reader
+    try:
+        writer.wait_until_ready(TIMEOUT)
+        reader.wait_until_ready(TIMEOUT)
+        assert writer.buffer is not None
+        yield writer.buffer, reader
+    finally:
+        reader.close()
+        writer.close()
 
 
 @pytest.mark.timeout(60)
@@ -405,59 +416,42 @@ def _local_pair() -> tuple[MessageQueue, MessageQueue]:
     ],
 )
 def test_a_corrupt_chunk_is_a_shared_memory_error(
-    chunks: list[tuple[int, int, bytes]], words: str
+    local_pair: tuple[ShmRingBuffer, MessageQueue], chunks: list[tuple[int, int, bytes]], words: str
 ) -> None:
-    writer, reader = _local_pair()
-    try:
-        ring = writer.buffer
-        assert ring is not None
-        for idx, (total, part, payload) in enumerate(chunks):
-            ring.write_chunk(idx, total, part, memoryview(payload))
-        with pytest.raises(SharedMemoryError, match=words):
-            reader.dequeue(timeout=TIMEOUT)
-    finally:
-        reader.close()
-        writer.close()
+    ring, reader = local_pair
+    for idx, (total, part, payload) in enumerate(chunks):
+        ring.write_chunk(idx, total, part, memoryview(payload))
+    with pytest.raises(SharedMemoryError, match=words):
+        reader.dequeue(timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(60)
-def test_a_message_that_does_not_unpickle_is_named() -> None:
+def test_a_message_that_does_not_unpickle_is_named(
+    local_pair: tuple[ShmRingBuffer, MessageQueue],
+) -> None:
     # Without a key nothing checks a message before it is unpickled; what pickle raised
     # came out bare, naming neither the queue nor the message.
-    writer, reader = _local_pair()
-    try:
-        ring = writer.buffer
-        assert ring is not None
-        garbage = b"\x80\x05\x95garbage"
-        ring.write_chunk(0, len(garbage), 0, memoryview(garbage))
-        with pytest.raises(ObjectLoadError, match=r"message 0 of the queue .* does not unpickle"):
-            reader.dequeue(timeout=TIMEOUT)
-    finally:
-        reader.close()
-        writer.close()
+    ring, reader = local_pair
+    garbage = b"\x80\x05\x95garbage"
+    ring.write_chunk(0, len(garbage), 0, memoryview(garbage))
+    with pytest.raises(ObjectLoadError, match=r"message 0 of the queue .* does not unpickle"):
+        reader.dequeue(timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(60)
-def test_a_chunk_that_claims_a_huge_message_takes_no_memory_for_it() -> None:
+def test_a_chunk_that_claims_a_huge_message_takes_no_memory_for_it(
+    local_pair: tuple[ShmRingBuffer, MessageQueue],
+) -> None:
     # A corrupt length is checked against the parts that come, never allocated ahead: a
     # reader that took it at its word allocated (and kept) that much, or raised a bare
     # MemoryError, before any of the message existed.
-    writer, reader = _local_pair()
-    try:
-        ring = writer.buffer
-        assert ring is not None
-        ring.write_chunk(0, 2**39, 0, memoryview(b"a" * 40))
-        tracemalloc.start()
-        try:
-            with pytest.raises(GroupTimeout):
-                reader.dequeue(timeout=0.3)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        assert peak < 1 << 20, f"the reader allocated {peak} bytes for a 40-byte part"
-    finally:
-        reader.close()
-        writer.close()
+    ring, reader = local_pair
+    ring.write_chunk(0, 2**39, 0, memoryview(b"a" * 40))
+    with traced_memory() as traced:
+        with pytest.raises(GroupTimeout):
+            reader.dequeue(timeout=0.3)
+        peak = traced()[1]
+    assert peak < 1 << 20, f"the reader allocated {peak} bytes for a 40-byte part"
 
 
 def _fake_writer(listener: socket.socket, frames: list[bytes]) -> None:
