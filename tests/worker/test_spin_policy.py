@@ -65,6 +65,48 @@ def test_it_follows_a_machine_whose_behaviour_changes() -> None:
     assert not policy.spinning
 
 
+def test_a_spin_that_turns_slower_ends_its_run_within_two_windows() -> None:
+    # Settled on spinning, in a run of thousands of waits; then another program takes
+    # the CPU the spin was using, and spinning waits grow past sleeping ones.
+    policy = SpinPolicy()
+    _run(policy, 100_000, spin_wait=5e-6, sleep_wait=20e-6)
+    assert policy.spinning
+    # One slow window now and then is noise, and changes nothing.
+    for _ in range(3):
+        _run(policy, SpinPolicy.WINDOW, spin_wait=85e-6, sleep_wait=20e-6)
+        _run(policy, SpinPolicy.WINDOW, spin_wait=5e-6, sleep_wait=20e-6)
+    assert policy.spinning
+    # Two in a row end the run: sleeping is measured, found faster, and kept.
+    spun = _run(policy, SpinPolicy.FIRST_RUN, spin_wait=85e-6, sleep_wait=20e-6)
+    assert spun == SpinPolicy.LOSING_WINDOWS * SpinPolicy.WINDOW
+    assert not policy.spinning
+
+
+def test_a_crowd_during_a_measurement_of_spinning_keeps_the_run_of_sleeping() -> None:
+    # Settled on sleeping, in the longest runs; a crowd comes while spinning is being
+    # measured again (beside a busy program, the verdict changes every 30-60 ms).
+    policy = SpinPolicy()
+    _run(policy, 200_000, spin_wait=28e-6, sleep_wait=16e-6)
+    assert not policy.spinning
+    for _ in range(2 * SpinPolicy.LONGEST_RUN):
+        if policy.spinning:
+            break
+        policy.record(16e-6)
+    assert policy.spinning  # measuring spinning again
+    for _ in range(SpinPolicy.WINDOW // 2):
+        policy.record(28e-6)
+    for _ in range(SpinPolicy.CROWDED_SHARES):
+        policy.crowding(0.3)
+    assert policy.crowded and not policy.spinning
+    for _ in range(SpinPolicy.CROWDED_SHARES):
+        policy.crowding(0.01)
+    assert not policy.crowded
+    # Sleeping goes on for a whole long run, as it would have without the crowd,
+    # rather than spinning being measured again after the first run's length.
+    assert _run(policy, SpinPolicy.LONGEST_RUN // 2, spin_wait=28e-6, sleep_wait=16e-6) == 0
+    assert _run(policy, 2 * SpinPolicy.LONGEST_RUN, spin_wait=28e-6, sleep_wait=16e-6) > 0
+
+
 def test_the_callers_own_pauses_are_left_out() -> None:
     policy = SpinPolicy()
     for _ in range(1000):  # a caller that pauses 5 ms between calls decides nothing
