@@ -3,6 +3,8 @@ reaches another's handles by naming a session or counting handle numbers."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -149,6 +151,42 @@ def test_open_session_takes_no_session_and_a_ping(worker: GrpcWorker) -> None:
     assert wrong_op.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_an_object_returned_after_its_session_was_released_is_not_held(
+    worker: GrpcWorker,
+) -> None:
+    # A client closes (ReleaseSession) while another of its threads has a call in
+    # flight that returns a new object: the object must go with the session, not stay
+    # held in a session nobody can name any more.
+    with worker.connect() as probe:
+        before = probe.call_function("live_counters")
+        client = worker.connect()
+        outcome: dict[str, object] = {}
+
+        def late_call() -> None:
+            try:
+                outcome["value"] = client.call_function("counter_after", 1.5)
+            except BridgeError as exc:
+                outcome["error"] = exc
+
+        late = threading.Thread(target=late_call)
+        late.start()
+        deadline = time.monotonic() + 20
+        while probe.call_function("live_counters") == before:  # the call has started
+            assert time.monotonic() < deadline, "the late call never started"
+            time.sleep(0.01)
+        client.close()
+        late.join(20)
+        assert not late.is_alive()
+        error = outcome.get("error")  # the close ended the call on the client's side
+        assert isinstance(error, BridgeError) and "closed" in str(error), outcome
+        # In the worker the call ends later; what it returned must not stay held.
+        while probe.call_function("live_counters") != before:
+            assert time.monotonic() < deadline, "the late call's object is still held"
+            time.sleep(0.05)
+        # The session stays closed.
+        assert "OpenSession" in _denied(worker, "Call", client.session, pb.CallMethod(1, "incr"))
+
+
 def test_the_session_table_binds_each_session_to_its_credential() -> None:
     table = SessionTable(limit=2)
     mine = table.open("token:a")
@@ -160,3 +198,16 @@ def test_the_session_table_binds_each_session_to_its_credential() -> None:
         table.open("token:a")
     assert table.close(mine, "token:a") and not table.allows(mine, "token:a")
     assert table.open("token:a") != mine
+
+
+def test_requests_in_flight_learn_that_their_session_was_closed() -> None:
+    table = SessionTable()
+    mine = table.open("token:a")
+    assert not table.enter(mine, "token:b") and not table.enter("grpc-other", "token:a")
+    assert table.enter(mine, "token:a") and table.enter(mine, "token:a")
+    assert not table.leave(mine)  # still open: nothing to release
+    assert table.enter(mine, "token:a")
+    assert table.close(mine, "token:a")
+    assert not table.enter(mine, "token:a")  # closed: no request is admitted
+    assert table.leave(mine) and table.leave(mine)  # both release what they left
+    assert len(table) == 0

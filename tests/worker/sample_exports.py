@@ -6,9 +6,11 @@ Served with ``python -m bridge_py.worker --exports tests.worker.sample_exports:t
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import threading
 import time
+import weakref
 
 import torch
 
@@ -22,6 +24,7 @@ class Counter:
         self.value = start
         self.step = step
         self._gate = threading.Event()
+        _LIVE.add(self)
 
     def incr(self, by: int | None = None) -> int:
         """Add ``by`` (default: step) and return the new value."""
@@ -47,6 +50,24 @@ class Counter:
     def secret(self) -> str:
         """Not exported: must be unreachable."""
         return "secret"
+
+
+_LIVE: weakref.WeakSet[Counter] = weakref.WeakSet()
+
+
+def live_counters() -> int:
+    """How many Counters exist in this worker: the ones still held, once the garbage is
+    collected."""
+    gc.collect()
+    return len(_LIVE)
+
+
+def counter_after(seconds: float, start: int = 0) -> Counter:
+    """A new Counter, returned ``seconds`` after it was made (a call that returns an object
+    late; :func:`live_counters` shows it has started)."""
+    counter = Counter(start)
+    time.sleep(seconds)
+    return counter
 
 
 def open_gate(counter: Counter) -> None:
@@ -116,6 +137,8 @@ def table() -> ExportTable:
         ],
         functions=[
             ExportedFunction("open_gate", open_gate, "Sample"),
+            ExportedFunction("live_counters", live_counters, "Sample"),
+            ExportedFunction("counter_after", counter_after, "Sample"),
             ExportedFunction("double", double, "Sample"),
             ExportedFunction("echo", echo, "Sample"),
             ExportedFunction("sleep", sleep, "Sample"),

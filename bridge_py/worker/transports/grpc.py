@@ -126,25 +126,33 @@ def _handler(
     op_type: type[pb.Operation],
 ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     """The behaviour of one RPC: admit the request's bytes, with the op and the session
-    checked before it is admitted, run it, answer its reply's bytes."""
+    checked before it is admitted, run it, answer its reply's bytes.
+
+    Over gRPC releasing a session ends it: its id is no longer accepted from the moment
+    the release is admitted, and every request of it that was admitted before (the
+    release itself too: it may fail, its deadline passed) releases the session again as
+    it ends, so that nothing stays held (see ``grpc_sessions``)."""
     releases_session = op_type is pb.ReleaseSession
 
     def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
-        admitted: list[str] = []  # the session of a request the gate let in
+        entered: list[str] = []  # the session of a request the gate counted in
 
         def check(op: type[pb.Operation] | None, session: str) -> None:
             if op is not op_type:
                 _wrong_op(context, name, op_type, op)
-            if not sessions.allows(session, credential):
+            if not sessions.enter(session, credential):
                 _refuse_session(context, session)
-            admitted.append(session)
+            entered.append(session)
+            if releases_session:
+                sessions.close(session, credential)
 
         # Bytes that are not a Request pass no gate: they are answered as over the port,
         # with a protocol error reply.
-        reply = dispatcher.run(dispatcher.admit(request, check))
-        if releases_session and admitted:
-            # Over gRPC releasing a session ends it: its id is no longer accepted.
-            sessions.close(admitted[0], credential)
+        try:
+            reply = dispatcher.run(dispatcher.admit(request, check))
+        finally:
+            if entered and sessions.leave(entered[0]):
+                dispatcher.dispatch(pb.Request(0, entered[0], pb.ReleaseSession()))
         return b"".join(reply)
 
     return handle

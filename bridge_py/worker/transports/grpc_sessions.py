@@ -6,6 +6,13 @@ another's session would reach its objects. So gRPC clients do not name sessions:
 the server issues them (``OpenSession``), as ``grpc-`` and 256 random bits, and
 serves a request only in a session it issued to the request's credential. The
 registry then keeps each session's handles to itself (``registry.py``).
+
+A session's requests may run in several of the server's threads at once, and a
+``ReleaseSession`` can end it while others are still running: an object such a
+request returns after the release would be held in a session nobody can name any
+more. So the table also counts each session's requests in flight (:meth:`enter`,
+:meth:`leave`), and tells the last ones out of a closed session to release it
+again. The count lasts only while requests are in flight: nothing builds up.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ class SessionTable:
     identity, or the socket); two different credentials never share a session.
     """
 
-    __slots__ = ("_limit", "_lock", "_owners")
+    __slots__ = ("_in_flight", "_limit", "_lock", "_owners")
 
     def __init__(self, limit: int = DEFAULT_MAX_SESSIONS) -> None:
         self._owners: dict[str, object] = {}
+        self._in_flight: dict[str, int] = {}  # session -> its requests running now
         self._lock = threading.Lock()
         self._limit = limit
 
@@ -56,8 +64,29 @@ class SessionTable:
         owner = self._owners.get(session)  # one dict lookup: atomic, no lock needed
         return owner is not None and owner == credential
 
+    def enter(self, session: str, credential: object) -> bool:
+        """Count a request in ``session`` as running, if ``credential`` may make it
+        (:meth:`allows`); return whether it may. Each True needs a :meth:`leave`."""
+        with self._lock:
+            if not self.allows(session, credential):
+                return False
+            self._in_flight[session] = self._in_flight.get(session, 0) + 1
+            return True
+
+    def leave(self, session: str) -> bool:
+        """Count a request of :meth:`enter` as done; return whether ``session`` was
+        closed meanwhile, so that what the request left in it is to be released."""
+        with self._lock:
+            left = self._in_flight[session] - 1
+            if left:
+                self._in_flight[session] = left
+            else:
+                del self._in_flight[session]
+            return session not in self._owners
+
     def close(self, session: str, credential: object) -> bool:
-        """End ``session`` if ``credential`` holds it; return whether it did."""
+        """End ``session`` if ``credential`` holds it; return whether it did. From then
+        on no request of it is admitted; those in flight learn it when they leave."""
         with self._lock:
             if self.allows(session, credential):
                 del self._owners[session]
