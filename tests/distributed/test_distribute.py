@@ -11,6 +11,7 @@ import pickle
 import re
 import signal
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -415,27 +416,57 @@ class Evil:
         return (open, (self.path, "w"))
 
 
+def _hostile_value(kind: str, marker: str) -> list[bytes]:
+    """What a hostile rank 1 writes in its segment: something no gather writes."""
+    if kind == "pickle":  # a pickle where a tensor is expected
+        return [pickle.dumps(Evil(marker))]
+    if kind == "shared":  # a good tensor, but anyone may write it
+        return TENSORS.encode(torch.ones(2))
+    config: Any = {
+        "config": {"x": Evil(marker)},  # a config whose pickle calls open()
+        "inflating": {"x": "a" * (64 << 20)},  # 64 MiB of one letter, deflated below
+        "viewed": {"x": torch.zeros(1).expand(1 << 26)},  # 4 bytes seen as 256 MiB
+        "renamed": {"x": _renamed(12)},  # one list named 4,096 times
+    }[kind]
+    saved = io.BytesIO()
+    torch.save(config, saved)
+    if kind == "inflating":
+        return [_deflated(saved.getvalue())]
+    return [saved.getvalue()]
+
+
+def _renamed(depth: int) -> list:
+    """A list of two names of one list of two names of ... (``depth`` deep)."""
+    inner: list = [1.0]
+    for _ in range(depth):
+        inner = [inner, inner]
+    return inner
+
+
+def _deflated(archive: bytes) -> bytes:
+    """The same torch.save archive with its members compressed (torch.save never does)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w") as dst:
+        for member in src.infolist():
+            dst.writestr(member, src.read(member), compress_type=zipfile.ZIP_DEFLATED)
+    return out.getvalue()
+
+
 def _hostile_writer(rank: int, port: int, kind: str, marker: str) -> str:
     """Rank 0 gathers through the public API; rank 1 puts in its segment what no gather
     writes (``kind``), then joins the gather's two barriers as a failing writer would."""
     group = _group("spg", rank, 2, port)
     if rank == 0:
-        gather: Any = gather_configs if kind == "config" else gather_tensors
+        configs = kind not in ("pickle", "shared")
+        gather: Any = gather_configs if configs else gather_tensors
         try:
-            got = gather({"rank": 0} if kind == "config" else torch.ones(2), [0, 1], group)
+            got = gather({"rank": 0} if configs else torch.ones(2), [0, 1], group)
         except DistributedError as exc:
             return f"{type(exc).__name__}: {exc}"
         return f"got {got}"
     sync = as_group_sync(group, timeout=TIMEOUT)
     path = SHM / segment_name(sync.agree_call(0), 1)
-    saved = io.BytesIO()
-    torch.save({"x": Evil(marker)}, saved)  # a config whose pickle calls open()
-    value = {
-        "pickle": [pickle.dumps(Evil(marker))],  # a pickle where a tensor is expected
-        "config": [saved.getvalue()],
-        "shared": TENSORS.encode(torch.ones(2)),  # a good tensor, but anyone may write it
-    }[kind]
-    segments.write_once(path.name, value)
+    segments.write_once(path.name, _hostile_value(kind, marker))
     if kind == "shared":
         os.chmod(path, 0o666)
     sync.barrier()
@@ -449,16 +480,21 @@ def _hostile_writer(rank: int, port: int, kind: str, marker: str) -> str:
 _SEGMENT_1 = r"'vbspg_[0-9]+_[0-9]+_gather[0-9a-f]+r1'"
 
 
-@pytest.mark.parametrize("kind", ["pickle", "config", "shared"])
+@pytest.mark.parametrize("kind", ["pickle", "config", "shared", "inflating", "viewed", "renamed"])
 def test_a_hostile_segment_is_refused_unread(kind: str, tmp_path: Path) -> None:
+    # ("inflating", "viewed", "renamed": a config of a few KB that would take 64-256 MiB,
+    # or one copy per name, in the reader; refused before it grows.)
     marker = tmp_path / "pwned"
     reader, writer = run_ranks(_hostile_writer, 2, free_port(), kind, str(marker))
     assert not marker.exists()  # nothing in the segment was unpickled
+    config = rf"CollectiveMismatchError: the value of rank 1 in shared-memory segment {_SEGMENT_1}"
     expected = {
         "pickle": r"CollectiveMismatchError: refused the value of rank 1 in shared-memory "
         rf"segment {_SEGMENT_1}: a tensor was expected, .* not unpickled",
-        "config": r"CollectiveMismatchError: the value of rank 1 in shared-memory segment "
-        rf"{_SEGMENT_1} is not a gathered config: .*Weights only load failed",
+        "config": rf"{config} is not a gathered config: .*Weights only load failed",
+        "inflating": rf"{config} is not a gathered config: its member '.*' is compressed",
+        "viewed": rf"{config} is not a gathered config: its tensors hold more than the \d+ ",
+        "renamed": rf"{config} is not a gathered config: it names one list more than once",
         "shared": rf"SharedMemoryError: shared-memory segment {_SEGMENT_1} of rank 1 is "
         r"refused: .*group or others may write it",
     }[kind]

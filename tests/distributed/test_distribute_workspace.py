@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,21 @@ def test_a_state_file_that_is_no_file_is_refused_unread(tmp_path: Path) -> None:
     assert outside.exists()
     torch.save([1, 2], state)
     with pytest.raises(DistributedError, match="holds no dict of 'config' and 'weight'"):
+        workspace.read_configs_and_weights_from_rank(4)
+
+
+def test_a_state_file_that_would_inflate_is_refused_before_it_does(tmp_path: Path) -> None:
+    # A 70 KB state file whose pickle is deflated became a 64 MiB str in the reader
+    # (torch.load inflates what torch.save never compresses).
+    workspace = NFSWorkspace(tmp_path, rank=0)
+    saved = io.BytesIO()
+    torch.save({"config": {"x": "a" * (64 << 20)}, "weight": {}}, saved)
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for member in src.infolist():
+            dst.writestr(member, src.read(member), compress_type=zipfile.ZIP_DEFLATED)
+    (tmp_path / "rank_4_state.pth").write_bytes(deflated.getvalue())
+    with pytest.raises(pickle.UnpicklingError, match=r"rank 4.* its member '.*' is compressed"):
         workspace.read_configs_and_weights_from_rank(4)
 
 

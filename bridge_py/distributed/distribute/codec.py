@@ -13,12 +13,18 @@ shared-memory segment or a workspace file).
 
 Bytes that are not what they should be (say, a segment that another process wrote) are a
 :class:`~bridge_py.distributed.errors.CollectiveMismatchError` naming the value; nothing in
-them is unpickled but by ``torch.load(weights_only=True)``.
+them is unpickled but by ``torch.load(weights_only=True)`` (:func:`load_saved`). Nor do
+they take more memory than they are long: ``torch.save`` stores its archive's members
+uncompressed, so a compressed member is refused before anything is loaded (a 200 KB file
+with a deflated pickle became a 200 MB str), and a config that would take more than its
+file to copy is refused before it is copied (one list named a million times, a 4-byte
+tensor viewed as a billion elements).
 """
 
 from __future__ import annotations
 
 import io
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +33,7 @@ import torch
 from bridge_py.distributed import tensor_codec
 from bridge_py.distributed.errors import CollectiveMismatchError
 
-__all__ = ["CONFIGS", "TENSORS", "Codec"]
+__all__ = ["CONFIGS", "TENSORS", "Codec", "load_saved"]
 
 
 class Codec(NamedTuple):
@@ -91,13 +97,51 @@ def _config_to_bytes(config: Mapping[str, Any] | None) -> tuple[bytes]:
     return (buffer.getvalue(),)
 
 
+def load_saved(data: bytes | memoryview) -> Any:
+    """What ``torch.load(weights_only=True)`` makes of a ``torch.save`` file that another
+    process wrote, once its archive is known to hold no more than ``data``: every member
+    stored as it is (as ``torch.save`` writes them), and no more bytes in all than the
+    file's. Raises ValueError, zipfile.BadZipFile or what torch.load raises."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = archive.infolist()
+    for member in members:
+        if member.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(
+                f"its member {member.filename!r} is compressed, which torch.save never does"
+            )
+    if sum(member.file_size for member in members) > len(data):
+        raise ValueError(f"its members claim more bytes than its {len(data)}")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _within(config: Any, limit: int) -> None:
+    """Raise TypeError if copying ``config`` (as torch.load rebuilt it) could take more than
+    ``limit`` bytes of tensors, or more steps than it has objects: a file can name one
+    container many times, and ``_plain`` would copy it each time."""
+    seen: set[int] = set()
+    left = [config]
+    tensor_bytes = 0
+    while left:
+        value = left.pop()
+        if isinstance(value, torch.Tensor):
+            tensor_bytes += value.nbytes
+            if tensor_bytes > limit:
+                raise TypeError(f"its tensors hold more than the {limit} bytes of its file")
+        elif isinstance(value, (dict, list, tuple)) and value:  # () is one shared object
+            if id(value) in seen:
+                raise TypeError(f"it names one {type(value).__name__} more than once")
+            seen.add(id(value))
+            left.extend(value.values() if isinstance(value, dict) else value)
+
+
 def _config_from_bytes(view: memoryview, what: str) -> Any:
     try:
-        config = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        config = load_saved(view)
         # What torch.load may rebuild is more than a config holds (a list at the root, a
         # set, keys that are not strs, tensors sharing memory): the writer's check again.
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"it holds a {type(config).__name__}, not a dict or None")
+        _within(config, len(view))
         return _plain(config, "")
     except Exception as exc:  # torch.load's (a refused global, a broken archive, ...), _plain's
         raise CollectiveMismatchError(f"{what} is not a gathered config: {exc}") from exc

@@ -7,7 +7,9 @@ constructor, property, methods and file names ``rank_<r>_state.pth`` holding
 * a state file is replaced atomically (written to a temporary file in the same directory,
   fsynced, then ``os.replace``d), so a reader never sees half a file, and the previous state
   stays readable until the new one is complete;
-* it is read with ``torch.load(weights_only=True)``: reading executes no pickled code;
+* it is read with ``torch.load(weights_only=True)``: reading executes no pickled code; and
+  only once its archive holds no compressed member (``codec.load_saved``): a few KB must
+  not become GBs in the reader;
 * every rank creates the directory (not only rank 0), so it exists before any rank writes;
 * the rank in file names can be given (``rank=``), which stateless groups need.
 
@@ -18,7 +20,6 @@ is the caller's job.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import stat
 import tempfile
@@ -29,6 +30,7 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
+from bridge_py.distributed.distribute.codec import load_saved
 from bridge_py.distributed.errors import DistributedError, ObjectLoadError
 
 __all__ = ["NFSWorkspace", "NfsChannel"]
@@ -203,8 +205,8 @@ class NFSWorkspace:
         except FileNotFoundError:
             return None, None
         try:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch.load's: a refused global, a broken archive, ...
+            state = load_saved(data)
+        except Exception as exc:  # torch.load's (a refused global, ...), the archive's
             raise ObjectLoadError(f"{what} does not unpickle as a state file: {exc}") from exc
         if not (isinstance(state, dict) and {"config", "weight"} <= state.keys()):
             raise _refused(what, "it holds no dict of 'config' and 'weight'")
