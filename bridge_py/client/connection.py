@@ -76,7 +76,9 @@ class Client:
     """One channel to one worker, in one session (handles are the session's).
 
     The session is issued by the worker (``OpenSession``) when the client is made,
-    bound to the client's credential, and released whole when it closes. To share
+    bound to the client's credential, and released whole when it closes (or, never
+    closed, when it is collected or its program exits; not if the program is killed,
+    so close it: ``with connect(...) as client:``). To share
     it, pass ``client.session`` as ``session=`` to another client with the same
     credential (the same token, or the same socket): that client uses it without
     opening one, and on close releases only the handles of its own proxies.
@@ -131,6 +133,17 @@ class Client:
             self._closed = True
             self._channel.close()
             raise
+        # A client that is collected, or still open when the interpreter exits, was
+        # never closed: its session is released then (a session of its own), and its
+        # channel closed, rather than held in the worker until the worker ends.
+        self._abandoned = weakref.finalize(
+            self,
+            _release_abandoned,
+            self._channel,
+            self._stubs[_RPC[pb.ReleaseSession]] if self._own_session else None,
+            self._metadata,
+            self.session,
+        )
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -244,6 +257,7 @@ class Client:
         """
         if self._closed:
             return
+        self._abandoned.detach()
         try:
             if self._own_session:
                 self._request(pb.ReleaseSession(), timeout=5.0)
@@ -262,6 +276,18 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_abandoned(
+    channel: grpc.Channel, release: Any, metadata: tuple[tuple[str, str], ...], session: str
+) -> None:
+    """What closing a client that was never closed can still do: release its own session
+    (``release`` is the ReleaseSession stub, None for a given session), best effort and
+    briefly, then close the channel. Holds no reference to the client."""
+    if release is not None:
+        with contextlib.suppress(Exception):
+            release(pb.Request(0, session, pb.ReleaseSession()), timeout=2.0, metadata=metadata)
+    channel.close()
 
 
 def connect(

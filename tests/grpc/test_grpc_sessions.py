@@ -3,6 +3,9 @@ reaches another's handles by naming a session or counting handle numbers."""
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +16,7 @@ import pytest
 from bridge_py.client import BridgeError, Client, connect
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.transports.grpc_sessions import SessionTable, TooManySessions
-from tests.grpc.conftest import GrpcWorker
+from tests.grpc.conftest import ROOT, GrpcWorker
 from tests.worker.port_client import PortClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,6 +188,40 @@ def test_an_object_returned_after_its_session_was_released_is_not_held(
             time.sleep(0.05)
         # The session stays closed.
         assert "OpenSession" in _denied(worker, "Call", client.session, pb.CallMethod(1, "incr"))
+
+
+_NEVER_CLOSED = """
+import sys
+from bridge_py.client import connect
+client = connect(sys.argv[1], token=sys.argv[2])
+kept = client.create("Counter")
+print(client.session, flush=True)
+"""
+
+
+def test_a_client_never_closed_releases_its_session_when_collected_or_at_exit(
+    worker: GrpcWorker,
+) -> None:
+    # A session lives until its ReleaseSession; a client that was collected unclosed, or
+    # was still open when its program ended, used to leave it (and what it held) in the
+    # worker until the worker ended.
+    client = worker.connect()
+    session = client.session
+    assert client.ping(1) == 1
+    del client
+    gc.collect()
+    assert "OpenSession" in _denied(worker, "Ping", session, pb.Ping(b"\xc0"))
+    ended = subprocess.run(
+        [sys.executable, "-c", _NEVER_CLOSED, worker.target, str(worker.token)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    session = ended.stdout.strip()
+    assert session.startswith("grpc-")
+    assert "OpenSession" in _denied(worker, "Ping", session, pb.Ping(b"\xc0"))
 
 
 def test_the_session_table_binds_each_session_to_its_credential() -> None:
