@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import grpc
 from bridge_py.client.proxy import RemoteObject
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import Codec, RefValue
-from bridge_py.worker.transports.grpc import OPEN_SESSION, SERVICE, TOKEN_ENV
+from bridge_py.worker.transports.grpc import OPEN_SESSION, SERVICE, SESSION_IDLE_KEY, TOKEN_ENV
 from bridge_py.worker.transports.grpc_credentials import read_token_file
 
 _RPC = {
@@ -77,11 +78,13 @@ class Client:
 
     The session is issued by the worker (``OpenSession``) when the client is made,
     bound to the client's credential, and released whole when it closes (or, never
-    closed, when it is collected or its program exits; not if the program is killed,
-    so close it: ``with connect(...) as client:``). To share
+    closed, when it is collected or its program exits; a killed client's session
+    expires after the worker's idle time, :attr:`idle`, for which a live client pings
+    while it sends nothing else). To share
     it, pass ``client.session`` as ``session=`` to another client with the same
-    credential (the same token, or the same socket): that client uses it without
-    opening one, and on close releases only the handles of its own proxies.
+    credential (the same token, or the same socket): that client checks it with a
+    ping, uses it without opening one, and on close releases only the handles of its
+    own proxies.
     """
 
     def __init__(
@@ -127,12 +130,29 @@ class Client:
         # A session of our own is released whole on close; a given one may be shared.
         self._own_session = session is None
         self.session = ""
+        # Seconds without a request after which the worker lets the session expire (0:
+        # never), as the worker says; the client pings before, while it is idle.
+        self.idle = 0.0
+        self._last = time.monotonic()  # when the last request was sent
         try:
-            self.session = session if session is not None else self._open_session()
+            if session is None:
+                self.session = self._open_session()
+            else:
+                self.session = session
+                request = pb.Request(next(self._ids), session, pb.Ping())
+                self._learn_idle(self._send("Ping", request, with_trailers=True)[1])
         except BaseException:
             self._closed = True
             self._channel.close()
             raise
+        self._stop = threading.Event()
+        if self.idle:
+            threading.Thread(
+                target=_keep_alive,
+                args=(weakref.ref(self), self._stop, self.idle / 3),
+                name="bridge-client-keepalive",
+                daemon=True,
+            ).start()
         # A client that is collected, or still open when the interpreter exits, was
         # never closed: its session is released then (a session of its own), and its
         # channel closed, rather than held in the worker until the worker ends.
@@ -143,16 +163,28 @@ class Client:
             self._stubs[_RPC[pb.ReleaseSession]] if self._own_session else None,
             self._metadata,
             self.session,
+            self._stop,
         )
 
     # -- plumbing -------------------------------------------------------------------
 
     def _open_session(self) -> str:
-        """Ask the worker for a session of our own (its id is random, 256 bits)."""
-        session = self._send(OPEN_SESSION, pb.Request(id=next(self._ids), op=pb.Ping()))
+        """Ask the worker for a session of our own (its id is random, 256 bits), and learn
+        when it expires unused (:attr:`idle`)."""
+        request = pb.Request(id=next(self._ids), op=pb.Ping())
+        session, trailers = self._send(OPEN_SESSION, request, with_trailers=True)
         if not isinstance(session, str) or not session:
             raise BridgeError("protocol", f"{OPEN_SESSION} answered {session!r}, not a session")
+        self._learn_idle(trailers)
         return session
+
+    def _learn_idle(self, trailers: Any) -> None:
+        """Take :attr:`idle` from the trailing metadata of OpenSession or Ping (a worker
+        that does not say lets sessions live until released)."""
+        for key, value in trailers:
+            if key == SESSION_IDLE_KEY:
+                with contextlib.suppress(ValueError):
+                    self.idle = max(float(value), 0.0)
 
     def _request(self, op: pb.Operation, timeout: float | None = None) -> Any:
         if self._closed:
@@ -164,9 +196,19 @@ class Client:
         request = pb.Request(next(self._ids), self.session, op, deadline_ms)
         return self._send(_RPC[type(op)], request, wait)
 
-    def _send(self, rpc: str, request: pb.Request, timeout: float | None = None) -> Any:
+    def _send(
+        self,
+        rpc: str,
+        request: pb.Request,
+        timeout: float | None = None,
+        *,
+        with_trailers: bool = False,
+    ) -> Any:
+        """The value of ``request``'s reply (and, ``with_trailers``, the RPC's trailing
+        metadata beside it), or BridgeError."""
+        self._last = time.monotonic()
         try:
-            reply = self._stubs[rpc](
+            reply, call = self._stubs[rpc].with_call(
                 request,
                 timeout=timeout if timeout is not None else self.timeout,
                 metadata=self._metadata,
@@ -174,6 +216,11 @@ class Client:
         except grpc.RpcError as exc:
             code = exc.code()
             raise BridgeError("transport", f"{code.name}: {exc.details()}", code=code) from None
+        if with_trailers:
+            return self._value(reply), call.trailing_metadata() or ()
+        return self._value(reply)
+
+    def _value(self, reply: pb.Reply) -> Any:
         if reply.error is not None:
             e = reply.error
             raise BridgeError(e.category, e.message, e.python_type, e.traceback)
@@ -258,6 +305,7 @@ class Client:
         if self._closed:
             return
         self._abandoned.detach()
+        self._stop.set()
         try:
             if self._own_session:
                 self._request(pb.ReleaseSession(), timeout=5.0)
@@ -278,12 +326,30 @@ class Client:
         self.close()
 
 
+def _keep_alive(client_ref: weakref.ref[Client], stop: threading.Event, period: float) -> None:
+    """Ping the worker every ``period`` seconds in which the client sent nothing, so that
+    an idle client's session does not expire; until ``stop``, or the client is gone."""
+    while not stop.wait(period):
+        client = client_ref()
+        if client is None:
+            return
+        if time.monotonic() - client._last >= period:
+            with contextlib.suppress(BridgeError):
+                client.ping()
+        del client
+
+
 def _release_abandoned(
-    channel: grpc.Channel, release: Any, metadata: tuple[tuple[str, str], ...], session: str
+    channel: grpc.Channel,
+    release: Any,
+    metadata: tuple[tuple[str, str], ...],
+    session: str,
+    stop: threading.Event,
 ) -> None:
     """What closing a client that was never closed can still do: release its own session
     (``release`` is the ReleaseSession stub, None for a given session), best effort and
     briefly, then close the channel. Holds no reference to the client."""
+    stop.set()
     if release is not None:
         with contextlib.suppress(Exception):
             release(pb.Request(0, session, pb.ReleaseSession()), timeout=2.0, metadata=metadata)

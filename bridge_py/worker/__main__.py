@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bridge_py.worker.transports.grpc_sessions import DEFAULT_SESSION_IDLE
+
 # How long exit hooks may run once the parent is gone: the whole exit stays within 2 s.
 _ORPHAN_GRACE = 1.0
 
@@ -141,6 +143,13 @@ def _parser() -> argparse.ArgumentParser:
         "--max-message-bytes", type=int, default=None, help="gRPC: message size limit (256 MiB)"
     )
     parser.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=DEFAULT_SESSION_IDLE,
+        help="gRPC: a session with no request for this many seconds expires, and its "
+        f"objects are released ({DEFAULT_SESSION_IDLE:g}; 0: never)",
+    )
+    parser.add_argument(
         "--port-file",
         type=Path,
         help="gRPC: write the bound port here once serving (0 on a unix socket)",
@@ -255,6 +264,7 @@ def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:
             args.grpc,
             token=token.value if token else None,
             max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE,
+            session_idle=args.session_idle_s,
         )
     except (CredentialError, OSError, ValueError) as exc:
         if token is not None:

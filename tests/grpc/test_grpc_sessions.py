@@ -224,6 +224,54 @@ def test_a_client_never_closed_releases_its_session_when_collected_or_at_exit(
     assert "OpenSession" in _denied(worker, "Ping", session, pb.Ping(b"\xc0"))
 
 
+_KILLED = """
+import sys, time
+from bridge_py.client import connect
+client = connect(sys.argv[1], token=sys.argv[2])
+kept = client.create("Counter")
+print(client.session, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None:
+    # A killed client never releases its session; with no request for --session-idle-s
+    # seconds the session expires and what it held goes. A live client that is idle
+    # longer keeps its session (it pings), and so does one whose call runs longer.
+    worker = GrpcWorker("--session-idle-s", "1")
+    try:
+        with worker.connect() as probe:
+            assert probe.idle == 1.0
+            before = probe.call_function("live_counters")
+            killed = subprocess.Popen(
+                [sys.executable, "-c", _KILLED, worker.target, str(worker.token)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert killed.stdout is not None
+                session = killed.stdout.readline().strip()
+                assert session.startswith("grpc-")
+                assert probe.call_function("live_counters") == before + 1
+            finally:
+                killed.kill()
+                killed.wait(10)
+                killed.stdout.close()  # type: ignore[union-attr]
+            mine = probe.create("Counter", 7)
+            time.sleep(3)  # three times the idle time, without a call of ours
+            deadline = time.monotonic() + 20
+            while probe.call_function("live_counters") != before + 1:  # ours alone
+                assert time.monotonic() < deadline, "the killed client's object stays held"
+                time.sleep(0.1)
+            assert "OpenSession" in _denied(worker, "Ping", session, pb.Ping(b"\xc0"))
+            assert mine.incr() == 8
+            late = probe.call_function("counter_after", 2.5, 3)  # a call longer than that
+            assert late.incr() == 4 and mine.incr() == 9
+    finally:
+        worker.stop()
+
+
 def test_the_session_table_binds_each_session_to_its_credential() -> None:
     table = SessionTable(limit=2)
     mine = table.open("token:a")
@@ -248,3 +296,21 @@ def test_requests_in_flight_learn_that_their_session_was_closed() -> None:
     assert not table.enter(mine, "token:a")  # closed: no request is admitted
     assert table.leave(mine) and table.leave(mine)  # both release what they left
     assert len(table) == 0
+
+
+def test_a_session_expires_only_when_idle_with_nothing_in_flight() -> None:
+    table = SessionTable(idle=0.05)
+    busy, idle = table.open("token:a"), table.open("token:a")
+    assert table.enter(busy, "token:a")
+    time.sleep(0.1)
+    assert table.expired() == [idle]  # the busy one's request keeps it
+    assert table.allows(busy, "token:a") and not table.allows(idle, "token:a")
+    assert not table.leave(busy)
+    time.sleep(0.1)
+    assert table.expired() == [busy] and len(table) == 0
+    never = SessionTable(idle=0)
+    never.open("token:a")
+    time.sleep(0.01)
+    assert never.expired() == [] and len(never) == 1
+    with pytest.raises(ValueError, match="idle time must be >= 0"):
+        SessionTable(idle=-1)

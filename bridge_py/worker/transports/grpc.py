@@ -13,7 +13,8 @@ maps RPCs to requests, with three checks of its own:
 * **session and op**: a request must carry the op of its RPC and name a session this
   server issued to that credential (``OpenSession``, ``grpc_sessions.py``), so no
   client reaches another's handles. This is the gate the handler gives ``admit``: it
-  sees what the dispatcher made of the bytes, before the call takes any turn;
+  sees what the dispatcher made of the bytes, before the call takes any turn. Sessions
+  idle too long expire, and are released as the next calls come;
 * **limits**: message sizes both ways, concurrent RPCs, metadata size.
 
 Generic method handlers that take and return bytes mean no generated stubs are needed.
@@ -44,14 +45,21 @@ from bridge_py.worker.transports.grpc_credentials import (
     private_umask,
     unix_path,
 )
-from bridge_py.worker.transports.grpc_sessions import SessionTable, TooManySessions
+from bridge_py.worker.transports.grpc_sessions import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_IDLE,
+    SessionTable,
+    TooManySessions,
+)
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT_RPCS",
     "DEFAULT_MAX_MESSAGE",
+    "DEFAULT_SESSION_IDLE",
     "METHODS",
     "OPEN_SESSION",
     "SERVICE",
+    "SESSION_IDLE_KEY",
     "TOKEN_ENV",
     "Serving",
     "serve_grpc",
@@ -65,6 +73,9 @@ DEFAULT_MAX_MESSAGE = 256 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT_RPCS = 256
 MAX_METADATA_BYTES = 16 * 1024
 OPEN_SESSION = "OpenSession"
+# Trailing metadata of OpenSession's answer: seconds without a request after which the
+# session expires ("0": never), so that a client can ping before.
+SESSION_IDLE_KEY = "bridge-session-idle-s"
 
 # RPC name -> the operation its Request must carry.
 METHODS: dict[str, type[pb.Operation]] = {
@@ -133,9 +144,14 @@ def _handler(
     release itself too: it may fail, its deadline passed) releases the session again as
     it ends, so that nothing stays held (see ``grpc_sessions``)."""
     releases_session = op_type is pb.ReleaseSession
+    # A ping says when its session expires unused, as OpenSession does (for a client
+    # given a session to share, and for clients that check).
+    idle = ((SESSION_IDLE_KEY, f"{sessions.idle:g}"),) if op_type is pb.Ping else None
 
     def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
         entered: list[str] = []  # the session of a request the gate counted in
+        if idle is not None:
+            context.set_trailing_metadata(idle)
 
         def check(op: type[pb.Operation] | None, session: str) -> None:
             if op is not op_type:
@@ -152,17 +168,31 @@ def _handler(
             reply = dispatcher.run(dispatcher.admit(request, check))
         finally:
             if entered and sessions.leave(entered[0]):
-                dispatcher.dispatch(pb.Request(0, entered[0], pb.ReleaseSession()))
+                _release(dispatcher, entered[0])
+            _release_expired(dispatcher, sessions)
         return b"".join(reply)
 
     return handle
 
 
+def _release(dispatcher: Dispatcher, session: str) -> None:
+    """Release every handle of ``session``."""
+    dispatcher.dispatch(pb.Request(0, session, pb.ReleaseSession()))
+
+
+def _release_expired(dispatcher: Dispatcher, sessions: SessionTable) -> None:
+    """Release the sessions that have expired since the last look (see ``grpc_sessions``)."""
+    for session in sessions.expired():
+        _release(dispatcher, session)
+
+
 def _open_session_handler(
-    sessions: SessionTable, credential: str
+    dispatcher: Dispatcher, sessions: SessionTable, credential: str
 ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-    """``OpenSession``: issue a session to the caller's credential; the value is its id.
-    Nothing is dispatched: the request is only decoded, to check it."""
+    """``OpenSession``: issue a session to the caller's credential; the value is its id,
+    and the trailing metadata says when it expires unused (``SESSION_IDLE_KEY``). Nothing
+    is dispatched: the request is only decoded, to check it (expired sessions are
+    released first, so sessions that come and go never pile up)."""
 
     def handle(data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -178,10 +208,12 @@ def _open_session_handler(
                 f"{SERVICE}/{OPEN_SESSION} issues a new session: leave Request.session empty "
                 f"(got {_shown(request.session)})",
             )
+        _release_expired(dispatcher, sessions)
         try:
             session = sessions.open(credential)
         except TooManySessions as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        context.set_trailing_metadata(((SESSION_IDLE_KEY, f"{sessions.idle:g}"),))
         return pb.encode_reply(pb.Reply(id=request.id, value=PLAIN.encode(session)))
 
     return handle
@@ -263,13 +295,15 @@ def serve_grpc(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     max_sessions: int | None = None,
+    session_idle: float = DEFAULT_SESSION_IDLE,
 ) -> Serving:
     """Start serving ``dispatcher`` on ``address`` (``HOST:PORT`` or ``unix:PATH``).
 
     A TCP address needs ``token`` (raises :class:`CredentialError` without one);
     with a token every call must carry it. A Unix socket is created 0600 and needs
-    no token (one given is required too). Raises :class:`OSError` when the address
-    cannot be bound.
+    no token (one given is required too). A session with no request for
+    ``session_idle`` seconds expires (0: never). Raises :class:`OSError` when the
+    address cannot be bound, ValueError for a negative ``session_idle``.
     """
     socket_path = unix_path(address)
     if socket_path is None and not token:
@@ -277,7 +311,9 @@ def serve_grpc(
             f"refusing to serve gRPC on {address} without a token: set ${TOKEN_ENV}, "
             f"give --token-file, or serve on unix:PATH"
         )
-    sessions = SessionTable() if max_sessions is None else SessionTable(max_sessions)
+    sessions = SessionTable(
+        DEFAULT_MAX_SESSIONS if max_sessions is None else max_sessions, session_idle
+    )
     credential = _credential_of(token, socket_path)
     # No (de)serializers: the handlers take the request's bytes as they came and return
     # the reply's bytes.
@@ -288,7 +324,7 @@ def serve_grpc(
         for name, op_type in METHODS.items()
     }
     handlers[OPEN_SESSION] = grpc.unary_unary_rpc_method_handler(
-        _open_session_handler(sessions, credential)
+        _open_session_handler(dispatcher, sessions, credential)
     )
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_concurrent_rpcs, thread_name_prefix="bridge-grpc"),

@@ -13,15 +13,24 @@ request returns after the release would be held in a session nobody can name any
 more. So the table also counts each session's requests in flight (:meth:`enter`,
 :meth:`leave`), and tells the last ones out of a closed session to release it
 again. The count lasts only while requests are in flight: nothing builds up.
+
+A client that is killed never sends its ``ReleaseSession``. So a session with no
+request for ``idle`` seconds (600 by default; ``--session-idle-s``) expires, and is
+released like one closed (:meth:`expired`, which the server asks as requests come).
+A request in flight keeps its session from expiring however long it runs, and a
+client that stays idle longer keeps its session by pinging: the server tells each
+client the time when it opens a session (``bridge_py.client`` pings every third of it).
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
 
 SESSION_PREFIX = "grpc-"
 DEFAULT_MAX_SESSIONS = 65536
+DEFAULT_SESSION_IDLE = 600.0  # seconds without a request after which a session expires
 
 
 class TooManySessions(RuntimeError):
@@ -35,13 +44,25 @@ class SessionTable:
     identity, or the socket); two different credentials never share a session.
     """
 
-    __slots__ = ("_in_flight", "_limit", "_lock", "_owners")
+    __slots__ = ("_idle", "_in_flight", "_limit", "_lock", "_next_sweep", "_owners", "_since")
 
-    def __init__(self, limit: int = DEFAULT_MAX_SESSIONS) -> None:
+    def __init__(
+        self, limit: int = DEFAULT_MAX_SESSIONS, idle: float = DEFAULT_SESSION_IDLE
+    ) -> None:
+        if not idle >= 0:  # also refuses nan
+            raise ValueError(f"a session's idle time must be >= 0 seconds, got {idle}")
         self._owners: dict[str, object] = {}
         self._in_flight: dict[str, int] = {}  # session -> its requests running now
+        self._since: dict[str, float] = {}  # session with none running -> when it went idle
         self._lock = threading.Lock()
         self._limit = limit
+        self._idle = idle
+        self._next_sweep = 0.0
+
+    @property
+    def idle(self) -> float:
+        """Seconds without a request after which a session expires (0: never)."""
+        return self._idle
 
     def open(self, credential: object) -> str:
         """Issue a new session to ``credential`` and return its id.
@@ -57,6 +78,7 @@ class SessionTable:
                 )
             session = SESSION_PREFIX + secrets.token_hex(32)
             self._owners[session] = credential
+            self._since[session] = time.monotonic()
             return session
 
     def allows(self, session: str, credential: object) -> bool:
@@ -71,6 +93,7 @@ class SessionTable:
             if not self.allows(session, credential):
                 return False
             self._in_flight[session] = self._in_flight.get(session, 0) + 1
+            self._since.pop(session, None)  # busy: not idle
             return True
 
     def leave(self, session: str) -> bool:
@@ -78,11 +101,14 @@ class SessionTable:
         closed meanwhile, so that what the request left in it is to be released."""
         with self._lock:
             left = self._in_flight[session] - 1
+            closed = session not in self._owners
             if left:
                 self._in_flight[session] = left
             else:
                 del self._in_flight[session]
-            return session not in self._owners
+                if not closed:
+                    self._since[session] = time.monotonic()
+            return closed
 
     def close(self, session: str, credential: object) -> bool:
         """End ``session`` if ``credential`` holds it; return whether it did. From then
@@ -90,8 +116,24 @@ class SessionTable:
         with self._lock:
             if self.allows(session, credential):
                 del self._owners[session]
+                self._since.pop(session, None)
                 return True
             return False
+
+    def expired(self) -> list[str]:
+        """Close the sessions that have had no request for :attr:`idle` seconds and
+        return them, to be released. Looks at most every quarter of that time, so that
+        asking on every request costs a clock read (a session expires within 1.25 times
+        it)."""
+        now = time.monotonic()
+        if not self._idle or now < self._next_sweep:
+            return []
+        with self._lock:
+            self._next_sweep = now + self._idle / 4
+            gone = [s for s, since in self._since.items() if now - since >= self._idle]
+            for session in gone:
+                del self._since[session], self._owners[session]
+            return gone
 
     def __len__(self) -> int:
         return len(self._owners)
