@@ -207,18 +207,16 @@ class Client:
         """The value of ``request``'s reply (and, ``with_trailers``, the RPC's trailing
         metadata beside it), or BridgeError."""
         self._last = time.monotonic()
+        stub = self._stubs[rpc]
+        wait = timeout if timeout is not None else self.timeout
         try:
-            reply, call = self._stubs[rpc].with_call(
-                request,
-                timeout=timeout if timeout is not None else self.timeout,
-                metadata=self._metadata,
-            )
+            if not with_trailers:
+                return self._value(stub(request, timeout=wait, metadata=self._metadata))
+            reply, call = stub.with_call(request, timeout=wait, metadata=self._metadata)
         except grpc.RpcError as exc:
             code = exc.code()
             raise BridgeError("transport", f"{code.name}: {exc.details()}", code=code) from None
-        if with_trailers:
-            return self._value(reply), call.trailing_metadata() or ()
-        return self._value(reply)
+        return self._value(reply), call.trailing_metadata() or ()
 
     def _value(self, reply: pb.Reply) -> Any:
         if reply.error is not None:
