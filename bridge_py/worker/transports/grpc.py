@@ -73,8 +73,8 @@ DEFAULT_MAX_MESSAGE = 256 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT_RPCS = 256
 MAX_METADATA_BYTES = 16 * 1024
 OPEN_SESSION = "OpenSession"
-# Trailing metadata of OpenSession's answer: seconds without a request after which the
-# session expires ("0": never), so that a client can ping before.
+# Trailing metadata of OpenSession's and Ping's answers: seconds without a request after
+# which the session expires ("0": never), so that a client can ping before.
 SESSION_IDLE_KEY = "bridge-session-idle-s"
 
 # RPC name -> the operation its Request must carry.
