@@ -65,23 +65,6 @@ def test_it_follows_a_machine_whose_behaviour_changes() -> None:
     assert not policy.spinning
 
 
-def test_a_spin_that_turns_slower_ends_its_run_within_two_windows() -> None:
-    # Settled on spinning, in a run of thousands of waits; then another program takes
-    # the CPU the spin was using, and spinning waits grow past sleeping ones.
-    policy = SpinPolicy()
-    _run(policy, 100_000, spin_wait=5e-6, sleep_wait=20e-6)
-    assert policy.spinning
-    # One slow window now and then is noise, and changes nothing.
-    for _ in range(3):
-        _run(policy, SpinPolicy.WINDOW, spin_wait=85e-6, sleep_wait=20e-6)
-        _run(policy, SpinPolicy.WINDOW, spin_wait=5e-6, sleep_wait=20e-6)
-    assert policy.spinning
-    # Two in a row end the run: sleeping is measured, found faster, and kept.
-    spun = _run(policy, SpinPolicy.FIRST_RUN, spin_wait=85e-6, sleep_wait=20e-6)
-    assert spun == SpinPolicy.LOSING_WINDOWS * SpinPolicy.WINDOW
-    assert not policy.spinning
-
-
 def test_a_crowd_during_a_measurement_of_spinning_keeps_the_run_of_sleeping() -> None:
     # Settled on sleeping, in the longest runs; a crowd comes while spinning is being
     # measured again (beside a busy program, the verdict changes every 30-60 ms).

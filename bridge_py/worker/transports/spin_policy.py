@@ -12,12 +12,7 @@ The policy alternates between the two modes: it measures a window of waits in ea
 the one with the shorter median (spinning only when it is shorter by ``MARGIN``: a spin
 takes a CPU, so a tie goes to sleeping), and tries the other again after a run that
 doubles each time the same mode wins again (up to ``LONGEST_RUN`` waits), so once the
-choice is settled fewer than one wait in 200 is spent trying the losing mode. A run of
-spinning ends early, though, once ``LOSING_WINDOWS`` windows in a row measure no shorter
-than sleeping did: spinning is the mode that can make the caller slower than not
-spinning at all, and the machine can change under a long run (another program takes the
-CPU the spin was using, and spinning waits grow from 5 us to 25-85 us while sleeping
-ones stay at 12-17 us); one window alone is noise. Waits
+choice is settled fewer than one wait in 200 is spent trying the losing mode. Waits
 longer than ``IDLE`` are the caller's own pauses, which no waiting strategy changes, and
 are left out; so are shorter pauses, by the median: one pause of 0.5 ms in a window of
 32 turnarounds of 15 us would double the window's mean and decide the choice alone (seen
@@ -69,14 +64,12 @@ class SpinPolicy:
     MARGIN = 0.05  # spinning is kept only when its median wait is this much shorter
     CROWDED = 0.05  # share of the time waiting for a CPU above which nobody should spin
     CROWDED_SHARES = 3  # shares in a row on the other side of it that change its mind
-    LOSING_WINDOWS = 2  # chosen spinning windows in a row no faster than sleeping: it ends
 
     __slots__ = (
         "_chosen",
         "_crowded",
         "_disagreeing",
         "_estimates",
-        "_losing",
         "_run",
         "_run_left",
         "_waits",
@@ -92,7 +85,6 @@ class SpinPolicy:
         self._waits: list[float] = []  # the current window's
         self._crowded = False
         self._disagreeing = 0  # shares in a row on the other side of CROWDED
-        self._losing = 0  # windows in a row in which the chosen spinning measured slower
 
     @property
     def estimates(self) -> dict[bool, float]:
@@ -147,12 +139,7 @@ class SpinPolicy:
         waits.clear()
         if self.spinning == self._chosen:
             self._run_left -= self.WINDOW
-            if self.spinning and not self._spin_is_faster():
-                self._losing += 1
-            else:
-                self._losing = 0
-            if self._run_left <= 0 or self._losing >= self.LOSING_WINDOWS:
-                self._losing = 0
+            if self._run_left <= 0:
                 if self.crowded:
                     self._run_left = self._run  # no CPU to spin on: sleep on
                 else:
@@ -163,13 +150,9 @@ class SpinPolicy:
             self._choose()
         return True
 
-    def _spin_is_faster(self) -> bool:
-        """Whether the last median spinning wait is ``MARGIN`` shorter than the last
-        sleeping one."""
-        return self._estimates[True] < self._estimates[False] * (1.0 - self.MARGIN)
-
     def _choose(self) -> None:
-        faster = self._spin_is_faster() and not self.crowded
+        faster = self._estimates[True] < self._estimates[False] * (1.0 - self.MARGIN)
+        faster = faster and not self.crowded
         if faster == self._chosen:
             self._run = min(2 * self._run, self.LONGEST_RUN)
         else:
