@@ -37,10 +37,17 @@ measured their own waits shorter when spinning. So the reader also tells the pol
 much of the time it spent ready to run but without a CPU
 (:class:`~bridge_py.worker.transports.run_delay.RunDelay`, about every 10 ms); after a
 few such shares in a row above ``CROWDED`` the policy sleeps, and measures spinning
-again only after as many in a row below it (:meth:`SpinPolicy.crowding`). A crowd that
-comes while spinning is being measured again ends that measurement, and sleeping goes on
-for as long a run as before: beside one busy program the verdict changes every 30-60 ms,
-and starting each run afresh measured spinning, at 25-85 us a wait, every nine windows.
+again only after as many in a row below it (:meth:`SpinPolicy.crowding`). Beside one
+busy program the verdict changes every 30-60 ms, and the spin loses each time the
+program takes back the CPU it was using (spinning waits grow from 5 us to 25-85 us while
+sleeping ones stay at 12-17 us). So a crowd that comes while spinning is being measured
+again ends that measurement, and sleeping goes on for as long a run as before (starting
+each run afresh measured spinning every nine windows); and within ``RECENT_CROWD``
+windows of a crowd, a run of spinning ends early once ``LOSING_WINDOWS`` windows in a
+row measure no shorter than sleeping did (one alone is noise). Only then: on a machine
+that is not crowded, spinning's median also jumps for a window or two now and then (in
+spells of slow wake-ups, seen with the raw echo at 31-36 us), and ending runs there sent
+the worker to sleep for a run after each jump.
 
 This module is pure bookkeeping: it reads no clock and does no I/O.
 """
@@ -64,12 +71,16 @@ class SpinPolicy:
     MARGIN = 0.05  # spinning is kept only when its median wait is this much shorter
     CROWDED = 0.05  # share of the time waiting for a CPU above which nobody should spin
     CROWDED_SHARES = 3  # shares in a row on the other side of it that change its mind
+    LOSING_WINDOWS = 2  # chosen spinning windows in a row no faster than sleeping: it ends
+    RECENT_CROWD = 256  # windows after a crowd during which a losing run of spins ends
 
     __slots__ = (
         "_chosen",
         "_crowded",
         "_disagreeing",
         "_estimates",
+        "_losing",
+        "_recent_crowd",
         "_run",
         "_run_left",
         "_waits",
@@ -85,6 +96,8 @@ class SpinPolicy:
         self._waits: list[float] = []  # the current window's
         self._crowded = False
         self._disagreeing = 0  # shares in a row on the other side of CROWDED
+        self._losing = 0  # windows in a row in which the chosen spinning measured slower
+        self._recent_crowd = 0  # windows left in which the last crowd counts as recent
 
     @property
     def estimates(self) -> dict[bool, float]:
@@ -117,6 +130,8 @@ class SpinPolicy:
             return
         self._crowded = not self._crowded
         self._disagreeing = 0
+        if self.crowded:
+            self._recent_crowd = self.RECENT_CROWD
         if self.crowded and self.spinning:
             self._waits.clear()  # this window's spins took a CPU someone was waiting for
             if self._chosen is not False:
@@ -137,9 +152,16 @@ class SpinPolicy:
         waits.sort()
         self._estimates[self.spinning] = waits[len(waits) // 2]
         waits.clear()
+        if self._recent_crowd:
+            self._recent_crowd -= 1
         if self.spinning == self._chosen:
             self._run_left -= self.WINDOW
-            if self._run_left <= 0:
+            if self.spinning and self._recent_crowd and not self._spin_is_faster():
+                self._losing += 1
+            else:
+                self._losing = 0
+            if self._run_left <= 0 or self._losing >= self.LOSING_WINDOWS:
+                self._losing = 0
                 if self.crowded:
                     self._run_left = self._run  # no CPU to spin on: sleep on
                 else:
@@ -150,9 +172,13 @@ class SpinPolicy:
             self._choose()
         return True
 
+    def _spin_is_faster(self) -> bool:
+        """Whether the last median spinning wait is ``MARGIN`` shorter than the last
+        sleeping one."""
+        return self._estimates[True] < self._estimates[False] * (1.0 - self.MARGIN)
+
     def _choose(self) -> None:
-        faster = self._estimates[True] < self._estimates[False] * (1.0 - self.MARGIN)
-        faster = faster and not self.crowded
+        faster = self._spin_is_faster() and not self.crowded
         if faster == self._chosen:
             self._run = min(2 * self._run, self.LONGEST_RUN)
         else:
