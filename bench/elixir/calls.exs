@@ -292,17 +292,10 @@ defmodule Bench.Calls do
       end
 
     what = "Counter.incr (no-op method), sequential, another program busy on a CPU, p50"
+    vs_echo = median_trial(results, :echo)
 
     spin_rows(what, median_trial(results, :no_spin), median_trial(results, :always_spin), []) ++
-      [
-        Bench.time_row(
-          @bench,
-          what,
-          median_trial(results, :echo).ours,
-          median_trial(results, :echo).echo,
-          "raw port echo"
-        )
-      ]
+      [Bench.time_row(@bench, what, vs_echo.ours, vs_echo.echo, "raw port echo")]
   end
 
   # One trial: fresh workers of each kind settle on a quiet machine first (as

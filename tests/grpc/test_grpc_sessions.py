@@ -15,6 +15,7 @@ import pytest
 
 from bridge_py.client import BridgeError, Client, connect
 from bridge_py.worker import envelope as pb
+from bridge_py.worker.codec import PLAIN
 from bridge_py.worker.transports.grpc_sessions import SessionTable, TooManySessions
 from tests.grpc.conftest import ROOT, GrpcWorker
 from tests.worker.port_client import PortClient
@@ -268,6 +269,16 @@ def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None
             assert mine.incr() == 8
             late = probe.call_function("counter_after", 2.5, 3)  # a call longer than that
             assert late.incr() == 4 and mine.incr() == 9
+            # The probe pings meanwhile, so the call above would keep its session anyway.
+            # A session that sends nothing else (no pings) is kept by its call in flight:
+            # the probe's requests look for expired sessions throughout.
+            opened = _raw(worker, "OpenSession", "", pb.Ping(b"\xc0"))
+            bare = PLAIN.decode(opened.value)
+            called = _raw(
+                worker, "CallFunction", bare, pb.CallFunction("counter_after", PLAIN.encode([2.5]))
+            )
+            assert called.error is None, called.error
+            assert _raw(worker, "Ping", bare, pb.Ping(b"\xc0")).error is None
     finally:
         worker.stop()
 

@@ -146,7 +146,7 @@ def _handler(
     releases_session = op_type is pb.ReleaseSession
     # A ping says when its session expires unused, as OpenSession does (for a client
     # given a session to share, and for clients that check).
-    idle = ((SESSION_IDLE_KEY, f"{sessions.idle:g}"),) if op_type is pb.Ping else None
+    idle = _idle_metadata(sessions) if op_type is pb.Ping else None
 
     def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
         entered: list[str] = []  # the session of a request the gate counted in
@@ -175,6 +175,11 @@ def _handler(
     return handle
 
 
+def _idle_metadata(sessions: SessionTable) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that tells a client when its session expires unused."""
+    return ((SESSION_IDLE_KEY, f"{sessions.idle:g}"),)
+
+
 def _release(dispatcher: Dispatcher, session: str) -> None:
     """Release every handle of ``session``."""
     dispatcher.dispatch(pb.Request(0, session, pb.ReleaseSession()))
@@ -193,6 +198,7 @@ def _open_session_handler(
     and the trailing metadata says when it expires unused (``SESSION_IDLE_KEY``). Nothing
     is dispatched: the request is only decoded, to check it (expired sessions are
     released first, so sessions that come and go never pile up)."""
+    idle = _idle_metadata(sessions)
 
     def handle(data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -213,7 +219,7 @@ def _open_session_handler(
             session = sessions.open(credential)
         except TooManySessions as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        context.set_trailing_metadata(((SESSION_IDLE_KEY, f"{sessions.idle:g}"),))
+        context.set_trailing_metadata(idle)
         return pb.encode_reply(pb.Reply(id=request.id, value=PLAIN.encode(session)))
 
     return handle
