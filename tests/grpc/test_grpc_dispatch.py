@@ -34,6 +34,11 @@ def serving() -> Iterator[tuple[Serving, Dispatcher]]:
     serving = serve_grpc(dispatcher, "127.0.0.1:0", token=TOKEN)
     yield serving, dispatcher
     serving.server.stop(None)
+    # The thread that expires its sessions ends with the server.
+    sweepers = [t for t in threading.enumerate() if t.name == "bridge-grpc-sessions"]
+    for thread in sweepers:
+        thread.join(10)
+    assert not any(t.is_alive() for t in sweepers)
 
 
 @pytest.fixture

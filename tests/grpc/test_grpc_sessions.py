@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -244,21 +244,11 @@ def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None
         with worker.connect() as probe:
             assert probe.idle == 1.0
             before = probe.call_function("live_counters")
-            killed = subprocess.Popen(
-                [sys.executable, "-c", _KILLED, worker.target, str(worker.token)],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            try:
-                assert killed.stdout is not None
-                session = killed.stdout.readline().strip()
-                assert session.startswith("grpc-")
+
+            def held() -> None:
                 assert probe.call_function("live_counters") == before + 1
-            finally:
-                killed.kill()
-                killed.wait(10)
-                killed.stdout.close()  # type: ignore[union-attr]
+
+            session = _killed_client(worker, held)
             mine = probe.create("Counter", 7)
             time.sleep(3)  # three times the idle time, without a call of ours
             deadline = time.monotonic() + 20
@@ -270,8 +260,7 @@ def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None
             late = probe.call_function("counter_after", 2.5, 3)  # a call longer than that
             assert late.incr() == 4 and mine.incr() == 9
             # The probe pings meanwhile, so the call above would keep its session anyway.
-            # A session that sends nothing else (no pings) is kept by its call in flight:
-            # the probe's requests look for expired sessions throughout.
+            # A session that sends nothing else (no pings) is kept by its call in flight.
             opened = _raw(worker, "OpenSession", "", pb.Ping(b"\xc0"))
             bare = PLAIN.decode(opened.value)
             called = _raw(
@@ -280,6 +269,50 @@ def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None
             assert called.error is None, called.error
             assert _raw(worker, "Ping", bare, pb.Ping(b"\xc0")).error is None
     finally:
+        worker.stop()
+
+
+def _killed_client(worker: GrpcWorker, while_alive: Callable[[], None]) -> str:
+    """Run a client that makes a Counter, call ``while_alive``, kill the client; its
+    session."""
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, worker.target, str(worker.token)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert killed.stdout is not None
+        session = killed.stdout.readline().strip()
+        assert session.startswith("grpc-")
+        while_alive()
+        return session
+    finally:
+        killed.kill()
+        killed.wait(10)
+        killed.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_killed_clients_session_expires_though_no_grpc_request_comes() -> None:
+    # After the killed client, only the BEAM's calls come, over the port: the worker
+    # still looks for expired sessions, and frees what the killed client held.
+    worker = GrpcWorker("--stdio", "--session-idle-s", "1")
+    port = PortClient(proc=worker.proc)
+    try:
+        live = pb.CallFunction("live_counters", PLAIN.encode([]))
+        before = port.request(live)
+
+        def held() -> None:
+            assert port.request(live) == before + 1
+
+        session = _killed_client(worker, held)
+        deadline = time.monotonic() + 20
+        while port.request(live) != before:
+            assert time.monotonic() < deadline, "the killed client's object stays held"
+            time.sleep(0.1)
+        assert "OpenSession" in _denied(worker, "Ping", session, pb.Ping(b"\xc0"))
+    finally:
+        port.stderr.close()
         worker.stop()
 
 

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -169,7 +170,6 @@ def _handler(
         finally:
             if entered and sessions.leave(entered[0]):
                 _release(dispatcher, entered[0])
-            _release_expired(dispatcher, sessions)
         return b"".join(reply)
 
     return handle
@@ -185,10 +185,13 @@ def _release(dispatcher: Dispatcher, session: str) -> None:
     dispatcher.dispatch(pb.Request(0, session, pb.ReleaseSession()))
 
 
-def _release_expired(dispatcher: Dispatcher, sessions: SessionTable) -> None:
-    """Release the sessions that have expired since the last look (see ``grpc_sessions``)."""
-    for session in sessions.expired():
-        _release(dispatcher, session)
+def _release_expired(server: grpc.Server, dispatcher: Dispatcher, sessions: SessionTable) -> None:
+    """Until ``server`` stops, release every quarter of the idle time the sessions that
+    have expired (see ``grpc_sessions``): a worker that gets no more requests frees a
+    killed client's objects too. (``wait_for_termination`` is true when it timed out.)"""
+    while server.wait_for_termination(sessions.idle / 4):
+        for session in sessions.expired():
+            _release(dispatcher, session)
 
 
 def _open_session_handler(
@@ -196,8 +199,7 @@ def _open_session_handler(
 ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     """``OpenSession``: issue a session to the caller's credential; the value is its id,
     and the trailing metadata says when it expires unused (``SESSION_IDLE_KEY``). Nothing
-    is dispatched: the request is only decoded, to check it (expired sessions are
-    released first, so sessions that come and go never pile up)."""
+    is dispatched: the request is only decoded, to check it."""
     idle = _idle_metadata(sessions)
 
     def handle(data: bytes, context: grpc.ServicerContext) -> bytes:
@@ -214,7 +216,6 @@ def _open_session_handler(
                 f"{SERVICE}/{OPEN_SESSION} issues a new session: leave Request.session empty "
                 f"(got {_shown(request.session)})",
             )
-        _release_expired(dispatcher, sessions)
         try:
             session = sessions.open(credential)
         except TooManySessions as exc:
@@ -356,6 +357,13 @@ def serve_grpc(
     else:
         serving = _bind_tcp(server, address)
     server.start()
+    if session_idle:
+        threading.Thread(
+            target=_release_expired,
+            args=(server, dispatcher, sessions),
+            name="bridge-grpc-sessions",
+            daemon=True,
+        ).start()
     return serving
 
 

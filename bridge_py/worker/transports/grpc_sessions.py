@@ -16,7 +16,8 @@ again. The count lasts only while requests are in flight: nothing builds up.
 
 A client that is killed never sends its ``ReleaseSession``. So a session with no
 request for ``idle`` seconds (600 by default; ``--session-idle-s``) expires, and is
-released like one closed (:meth:`expired`, which the server asks as requests come).
+released like one closed (:meth:`expired`, which the server asks every quarter of
+that time, whether requests come or not).
 A request in flight keeps its session from expiring however long it runs, and a
 client that stays idle longer keeps its session by pinging: the server tells each
 client the time when it opens a session (``bridge_py.client`` pings every third of it).
@@ -44,7 +45,7 @@ class SessionTable:
     identity, or the socket); two different credentials never share a session.
     """
 
-    __slots__ = ("_idle", "_in_flight", "_limit", "_lock", "_next_sweep", "_owners", "_since")
+    __slots__ = ("_idle", "_in_flight", "_limit", "_lock", "_owners", "_since")
 
     def __init__(
         self, limit: int = DEFAULT_MAX_SESSIONS, idle: float = DEFAULT_SESSION_IDLE
@@ -57,7 +58,6 @@ class SessionTable:
         self._lock = threading.Lock()
         self._limit = limit
         self._idle = idle
-        self._next_sweep = 0.0
 
     @property
     def idle(self) -> float:
@@ -122,14 +122,11 @@ class SessionTable:
 
     def expired(self) -> list[str]:
         """Close the sessions that have had no request for :attr:`idle` seconds and
-        return them, to be released. Looks at most every quarter of that time, so that
-        asking on every request costs a clock read (a session expires within 1.25 times
-        it)."""
-        now = time.monotonic()
-        if not self._idle or now < self._next_sweep:
+        return them, to be released (none while :attr:`idle` is 0)."""
+        if not self._idle:
             return []
+        now = time.monotonic()
         with self._lock:
-            self._next_sweep = now + self._idle / 4
             gone = [s for s, since in self._since.items() if now - since >= self._idle]
             for session in gone:
                 del self._since[session], self._owners[session]
