@@ -140,7 +140,7 @@ class Client:
             else:
                 self.session = session
                 request = pb.Request(next(self._ids), session, pb.Ping())
-                self._learn_idle(self._send("Ping", request, with_trailers=True)[1])
+                self._learn_idle(self._send(_RPC[pb.Ping], request, with_trailers=True)[1])
         except BaseException:
             self._closed = True
             self._channel.close()

@@ -11,7 +11,6 @@ import pickle
 import re
 import signal
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from bridge_py.distributed.errors import (
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.wait import pid_namespace
 from tests.distributed.harness import free_port, run_ranks, run_ranks_with_small_dev_shm
+from tests.distributed.saved_files import deflated
 
 SHM = Path("/dev/shm")
 TIMEOUT = 20.0  # barrier timeout of the gathers (StatelessProcessGroup) in the happy paths
@@ -431,7 +431,7 @@ def _hostile_value(kind: str, marker: str) -> list[bytes]:
     saved = io.BytesIO()
     torch.save(config, saved)
     if kind == "inflating":
-        return [_deflated(saved.getvalue())]
+        return [deflated(saved.getvalue())]
     return [saved.getvalue()]
 
 
@@ -441,15 +441,6 @@ def _renamed(depth: int) -> list:
     for _ in range(depth):
         inner = [inner, inner]
     return inner
-
-
-def _deflated(archive: bytes) -> bytes:
-    """The same torch.save archive with its members compressed (torch.save never does)."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w") as dst:
-        for member in src.infolist():
-            dst.writestr(member, src.read(member), compress_type=zipfile.ZIP_DEFLATED)
-    return out.getvalue()
 
 
 def _hostile_writer(rank: int, port: int, kind: str, marker: str) -> str:

@@ -6,7 +6,6 @@ import io
 import os
 import pickle
 import threading
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from bridge_py.distributed.distribute import (
     get_tensors_parallel,
 )
 from bridge_py.distributed.errors import DistributedError
+from tests.distributed.saved_files import deflated
 
 
 def _leftovers(path: Path) -> list[str]:
@@ -134,11 +134,7 @@ def test_a_state_file_that_would_inflate_is_refused_before_it_does(tmp_path: Pat
     workspace = NFSWorkspace(tmp_path, rank=0)
     saved = io.BytesIO()
     torch.save({"config": {"x": "a" * (64 << 20)}, "weight": {}}, saved)
-    deflated = io.BytesIO()
-    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(deflated, "w") as dst:
-        for member in src.infolist():
-            dst.writestr(member, src.read(member), compress_type=zipfile.ZIP_DEFLATED)
-    (tmp_path / "rank_4_state.pth").write_bytes(deflated.getvalue())
+    (tmp_path / "rank_4_state.pth").write_bytes(deflated(saved.getvalue()))
     with pytest.raises(pickle.UnpicklingError, match=r"rank 4.* its member '.*' is compressed"):
         workspace.read_configs_and_weights_from_rank(4)
 

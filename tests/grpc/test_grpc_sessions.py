@@ -235,6 +235,27 @@ time.sleep(60)
 """
 
 
+def _killed_client(worker: GrpcWorker, while_alive: Callable[[], None]) -> str:
+    """Run a client that makes a Counter, call ``while_alive``, kill the client; its
+    session."""
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, worker.target, str(worker.token)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert killed.stdout is not None
+        session = killed.stdout.readline().strip()
+        assert session.startswith("grpc-")
+        while_alive()
+        return session
+    finally:
+        killed.kill()
+        killed.wait(10)
+        killed.stdout.close()  # type: ignore[union-attr]
+
+
 def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None:
     # A killed client never releases its session; with no request for --session-idle-s
     # seconds the session expires and what it held goes. A live client that is idle
@@ -270,27 +291,6 @@ def test_a_killed_clients_session_expires_and_an_idle_clients_does_not() -> None
             assert _raw(worker, "Ping", bare, pb.Ping(b"\xc0")).error is None
     finally:
         worker.stop()
-
-
-def _killed_client(worker: GrpcWorker, while_alive: Callable[[], None]) -> str:
-    """Run a client that makes a Counter, call ``while_alive``, kill the client; its
-    session."""
-    killed = subprocess.Popen(
-        [sys.executable, "-c", _KILLED, worker.target, str(worker.token)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert killed.stdout is not None
-        session = killed.stdout.readline().strip()
-        assert session.startswith("grpc-")
-        while_alive()
-        return session
-    finally:
-        killed.kill()
-        killed.wait(10)
-        killed.stdout.close()  # type: ignore[union-attr]
 
 
 def test_a_killed_clients_session_expires_though_no_grpc_request_comes() -> None:

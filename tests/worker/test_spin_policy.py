@@ -79,7 +79,7 @@ def test_spinning_that_turns_slower_for_a_while_costs_one_window_of_sleeping() -
     assert slept == SpinPolicy.WINDOW and policy.spinning
 
 
-def test_a_spin_that_turns_slower_ends_its_run_within_two_windows() -> None:
+def test_a_spin_that_stays_slower_ends_within_three_windows_and_sleeps_a_run() -> None:
     # Beside a busy program: the CPUs were free enough for spinning to win, then the
     # program takes back its CPU and spins grow past sleeps.
     policy = SpinPolicy()

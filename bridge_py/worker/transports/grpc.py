@@ -14,7 +14,7 @@ maps RPCs to requests, with three checks of its own:
   server issued to that credential (``OpenSession``, ``grpc_sessions.py``), so no
   client reaches another's handles. This is the gate the handler gives ``admit``: it
   sees what the dispatcher made of the bytes, before the call takes any turn. Sessions
-  idle too long expire, and are released as the next calls come;
+  idle too long expire, and a thread of the server releases them;
 * **limits**: message sizes both ways, concurrent RPCs, metadata size.
 
 Generic method handlers that take and return bytes mean no generated stubs are needed.
@@ -56,7 +56,6 @@ from bridge_py.worker.transports.grpc_sessions import (
 __all__ = [
     "DEFAULT_MAX_CONCURRENT_RPCS",
     "DEFAULT_MAX_MESSAGE",
-    "DEFAULT_SESSION_IDLE",
     "METHODS",
     "OPEN_SESSION",
     "SERVICE",
@@ -195,7 +194,7 @@ def _release_expired(server: grpc.Server, dispatcher: Dispatcher, sessions: Sess
 
 
 def _open_session_handler(
-    dispatcher: Dispatcher, sessions: SessionTable, credential: str
+    sessions: SessionTable, credential: str
 ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     """``OpenSession``: issue a session to the caller's credential; the value is its id,
     and the trailing metadata says when it expires unused (``SESSION_IDLE_KEY``). Nothing
@@ -301,7 +300,7 @@ def serve_grpc(
     token: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE,
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-    max_sessions: int | None = None,
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
     session_idle: float = DEFAULT_SESSION_IDLE,
 ) -> Serving:
     """Start serving ``dispatcher`` on ``address`` (``HOST:PORT`` or ``unix:PATH``).
@@ -318,9 +317,7 @@ def serve_grpc(
             f"refusing to serve gRPC on {address} without a token: set ${TOKEN_ENV}, "
             f"give --token-file, or serve on unix:PATH"
         )
-    sessions = SessionTable(
-        DEFAULT_MAX_SESSIONS if max_sessions is None else max_sessions, session_idle
-    )
+    sessions = SessionTable(max_sessions, session_idle)
     credential = _credential_of(token, socket_path)
     # No (de)serializers: the handlers take the request's bytes as they came and return
     # the reply's bytes.
@@ -331,7 +328,7 @@ def serve_grpc(
         for name, op_type in METHODS.items()
     }
     handlers[OPEN_SESSION] = grpc.unary_unary_rpc_method_handler(
-        _open_session_handler(dispatcher, sessions, credential)
+        _open_session_handler(sessions, credential)
     )
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_concurrent_rpcs, thread_name_prefix="bridge-grpc"),

@@ -16,11 +16,11 @@ again. The count lasts only while requests are in flight: nothing builds up.
 
 A client that is killed never sends its ``ReleaseSession``. So a session with no
 request for ``idle`` seconds (600 by default; ``--session-idle-s``) expires, and is
-released like one closed (:meth:`expired`, which the server asks every quarter of
-that time, whether requests come or not).
-A request in flight keeps its session from expiring however long it runs, and a
-client that stays idle longer keeps its session by pinging: the server tells each
-client the time when it opens a session (``bridge_py.client`` pings every third of it).
+released like one closed (:meth:`expired`, which a thread of the server asks every
+quarter of that time). A request in flight keeps its session from expiring however
+long it runs, and a client that stays idle longer keeps its session by pinging: the
+server tells each client the time when it opens a session (``bridge_py.client`` pings
+every third of it).
 """
 
 from __future__ import annotations
