@@ -11,9 +11,10 @@ RL trainers (TRL, TorchRL) push new weights into vLLM's inference ranks with it:
 Same constructor, attributes and methods as vLLM's
 (`vllm.distributed.device_communicators.pynccl`), with these differences:
 
-* No NCCL library is loaded by hand: on CUDA the operations are torch's NCCL backend
-  (`ProcessGroupNCCL`), built on the group's store without `init_process_group`, so
-  torch.distributed's global state stays untouched; `library_path` is accepted and ignored.
+* On CUDA, in a group of this package's ranks, the operations are torch's NCCL backend
+  (`ProcessGroupNCCL`, on the group's store, torch.distributed's global state untouched).
+  On a group on vLLM's wire (and from `from_unique_id_bytes`) they are NCCL's own calls,
+  made as vLLM's are (`pynccl_wrapper`, `nccl_group`), so that they pair with vLLM's ranks.
 * It works on CPU (`device="cpu"`), so trainer code runs, and is tested, without a GPU: a
   gloo group built on the group's store carries the data, and when every rank shares one
   machine, sums (all-reduce, reduce-scatter), all-gathers and broadcasts go through the CPU
@@ -28,8 +29,7 @@ Same constructor, attributes and methods as vLLM's
 * A CUDA device without CUDA or NCCL raises at construction; vLLM's disables itself there,
   and a weight sync then silently does nothing. In a group of one rank `available` is
   False, `disabled` True and every method returns None at once, as in vLLM.
-* No NCCL windows (`register_comm_window`): torch's backend does not expose them; no
-  `batch_isend_irecv` (torch's `P2POp` needs torch's default group): use `send` and `recv`
+* No NCCL windows (`register_comm_window`), no `batch_isend_irecv`: use `send` and `recv`
   between `group_start` and `group_end`.
 
 Streams (CUDA): torch's NCCL backend runs each operation on an internal stream, ordered
@@ -65,6 +65,10 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     unpad_rows,
 )
 from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
+from bridge_py.distributed.device_communicators.nccl_group import (
+    NcclGroup,
+    check_unique_id_bytes,
+)
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
 from bridge_py.distributed.errors import StateError
@@ -74,7 +78,7 @@ from bridge_py.distributed.groups.torch_group import (
     stateless_destroy_torch_distributed_process_group,
 )
 from bridge_py.distributed.groups.work import finish
-from bridge_py.distributed.spg.group import StatelessProcessGroup
+from bridge_py.distributed.spg.group import StatelessProcessGroup, validate_rank
 from bridge_py.distributed.store.requests import StoreRequest
 
 __all__ = ["PyNcclCommunicator"]
@@ -110,6 +114,10 @@ def _store_of(group: ProcessGroup | StatelessProcessGroup) -> dist.Store:
     if group in _world.pg_map:
         return _world.pg_map[group][1]
     raise ValueError("this torch cannot tell the store of a group it did not register")
+
+
+def _on_vllm_wire(group: ProcessGroup | StatelessProcessGroup) -> bool:
+    return isinstance(group, StatelessProcessGroup) and group.wire == "vllm"
 
 
 def _agreed_token(group: ProcessGroup | StatelessProcessGroup, rank: int) -> str:
@@ -156,13 +164,54 @@ class PyNcclCommunicator(CommunicatorChecks):
             group: the ranks: a `StatelessProcessGroup`, or a torch ProcessGroup (gloo).
             device: where the tensors are: `"cpu"`, or a CUDA device (an int `i` means
                 `cuda:i`; each rank should have a GPU of its own).
-            library_path: ignored (torch's own NCCL is used).
+            library_path: NCCL's library, where NCCL is called directly (on vLLM's wire;
+                None: ``pynccl_wrapper.find_nccl_library()``); unused otherwise.
         """
         if isinstance(group, ProcessGroup):
-            self.rank, self.world_size = group.rank(), group.size()
+            rank, world_size = group.rank(), group.size()
         else:
-            self.rank, self.world_size = group.rank, group.world_size
-        self.group = group
+            rank, world_size = group.rank, group.world_size
+        self._start(group, rank, world_size, device, library_path, None)
+
+    @classmethod
+    def from_unique_id_bytes(
+        cls,
+        unique_id_bytes: bytes,
+        rank: int,
+        world_size: int,
+        device: int | str | torch.device,
+        library_path: str | None = None,
+    ) -> PyNcclCommunicator:
+        """Join an NCCL communicator from its unique id, for ranks without a group.
+
+        Every rank passes the same 128 bytes (made once by ``ncclGetUniqueId`` and shared
+        by other means) and must call this at the same time: NCCL's set-up waits for all of
+        them. Then, as vLLM's does, the communicator runs a one-element all-reduce, which
+        every other rank (vLLM's or a foreign one) must match. Needs CUDA and NCCL
+        (StateError otherwise); ``group`` is None.
+        """
+        check_unique_id_bytes(unique_id_bytes)
+        validate_rank(rank, world_size)
+        if _as_device(device).type != "cuda":
+            raise StateError(
+                f"PyNcclCommunicator.from_unique_id_bytes needs a CUDA device, not {device!r}"
+            )
+        self = cls.__new__(cls)
+        self._start(None, rank, world_size, device, library_path, bytes(unique_id_bytes))
+        return self
+
+    def _start(
+        self,
+        group: ProcessGroup | StatelessProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: int | str | torch.device,
+        library_path: str | None,
+        unique_id: bytes | None,
+    ) -> None:
+        """The constructor's work, for a group or (``group`` None) a unique id's bytes."""
+        self.rank, self.world_size = rank, world_size
+        self.group = group  # type: ignore[assignment]  # None only from a unique id
         self.device = _as_device(device)
         self.nccl_version: int | None = None
         self.available = self.world_size > 1
@@ -172,12 +221,19 @@ class PyNcclCommunicator(CommunicatorChecks):
         self.backend = "gloo" if cpu else "nccl"
         self._device_blocks = cpu  # gloo's waits block the CPU, NCCL's order a stream
         self._shm: ShmCollectives | None = None
-        self._pg: ProcessGroup | None = None
+        self._pg: ProcessGroup | NcclGroup | None = None
         self._depth = 0  # group_start nesting
         self._sends: list[Any] = []  # CPU, inside a group: posted sends, waited by group_end
         self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
         rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
-        if self.available:
+        if self.available and (group is None or (not cpu and _on_vllm_wire(group))):
+            self._require_cuda(cpu)
+            vllm_group = cast(StatelessProcessGroup | None, group)
+            nccl = NcclGroup.join(
+                vllm_group, self.rank, self.world_size, self.device, library_path, unique_id
+            )
+            self._pg, self.nccl_version = nccl, nccl.version
+        elif self.available and group is not None:
             self._pg, rendezvous = self._connect(group, cpu)
         self.agreement = Agreement(
             cast(ProcessGroup, self._pg),
@@ -188,7 +244,7 @@ class PyNcclCommunicator(CommunicatorChecks):
         )
         if self._pg is not None and cpu:
             ranks = list(range(self.world_size))
-            self._shm = ShmCollectives.create(self._pg, self.rank, ranks, self.label)
+            self._shm = ShmCollectives.create(self._group, self.rank, ranks, self.label)
             if self._shm is not None:
                 self.agreement.carrier = self._shm.exchange
             # The set-up's all-reduce needed every rank inside the gloo group, so no rank
@@ -197,17 +253,14 @@ class PyNcclCommunicator(CommunicatorChecks):
             with StoreRequest(self.label, self.rank, "its gloo rendezvous key", "deleting"):
                 forget_rendezvous(cast(dist.Store, rendezvous), self.rank)
         elif self._pg is not None:
-            major, minor, patch = torch.cuda.nccl.version()[:3]
-            self.nccl_version = major * 10000 + minor * 100 + patch
+            if self.nccl_version is None:
+                major, minor, patch = torch.cuda.nccl.version()[:3]
+                self.nccl_version = major * 10000 + minor * 100 + patch
             with torch.cuda.device(self.device):  # NCCL sets its communicator up now
                 self.all_reduce(torch.zeros(1, device=self.device))
                 torch.cuda.current_stream().synchronize()
 
-    def _connect(
-        self, group: ProcessGroup | StatelessProcessGroup, cpu: bool
-    ) -> tuple[ProcessGroup, dist.Store]:
-        """This communicator's own torch group (gloo or NCCL) on the group's store, and the
-        store (under the communicator's own prefix) its rendezvous used."""
+    def _require_cuda(self, cpu: bool) -> None:
         if not cpu and self.device.type != "cuda":
             raise ValueError(f"PyNcclCommunicator serves 'cpu' or CUDA, not {self.device}")
         if not cpu and not (torch.cuda.is_available() and dist.is_nccl_available()):
@@ -215,6 +268,13 @@ class PyNcclCommunicator(CommunicatorChecks):
                 f"PyNcclCommunicator on {self.device} needs CUDA and a torch built with "
                 "NCCL; use device='cpu' on a machine without them"
             )
+
+    def _connect(
+        self, group: ProcessGroup | StatelessProcessGroup, cpu: bool
+    ) -> tuple[ProcessGroup, dist.Store]:
+        """This communicator's own torch group (gloo or NCCL) on the group's store, and the
+        store (under the communicator's own prefix) its rendezvous used."""
+        self._require_cuda(cpu)
         backend = Backend("gloo" if cpu else "nccl")
         store = PrefixStore(f"pynccl/{_agreed_token(group, self.rank)}/", _store_of(group))
         timeout = _get_default_timeout(backend)
@@ -227,10 +287,12 @@ class PyNcclCommunicator(CommunicatorChecks):
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-        if self._pg is not None:
+        if isinstance(self._pg, NcclGroup):
+            self._pg.destroy()
+        elif self._pg is not None:
             with contextlib.suppress(Exception):
                 stateless_destroy_torch_distributed_process_group(self._pg)
-            self._pg = None
+        self._pg = None
         self.available, self.disabled = False, True
 
     # ----------------------------------------------------------------- plumbing
@@ -239,7 +301,7 @@ class PyNcclCommunicator(CommunicatorChecks):
     def _group(self) -> ProcessGroup:
         if self._pg is None:
             raise StateError(f"{self.label} was destroyed")
-        return self._pg
+        return cast(ProcessGroup, self._pg)  # an NcclGroup answers the calls made of it
 
     def _check(self, op: str, name: str, tensor: Any, like: torch.Tensor | None = None) -> None:
         """The shared tensor check, strict: the memory is read as it is, so `tensor` must

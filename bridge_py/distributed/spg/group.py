@@ -25,6 +25,11 @@ of a shared-memory board it made). Ranks on several machines use ``StoreTranspor
 the store only what does not fit. A group constructed directly from a store uses the store.
 Both pack values the same way (``values.py``: pickles, or segments for large ones, sealed
 with the key).
+
+That is this package's wire, for groups of its own ranks. ``create(..., wire="vllm")`` (or
+``$VLLM_BRIDGE_WIRE=vllm``) puts the group on vLLM's wire instead, to be in one group with
+ranks running vLLM's class: ``vllm_wire.py`` does every operation there, and each method
+below hands it over in its first lines.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ from bridge_py.distributed.spg import tensors, values
 from bridge_py.distributed.spg.board import Board, BoardError
 from bridge_py.distributed.spg.shm_transport import ShmTransport, queue_flusher
 from bridge_py.distributed.spg.store_transport import StoreTransport
+from bridge_py.distributed.spg.vllm_wire import VllmWire, resolve_wire
 from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
 Socket = socket.socket
+_NO_KEY_ON_VLLM_WIRE = "auth_key cannot be used with wire='vllm': vLLM's ranks could not check it"
 
 
 def validate_rank(rank: int, world_size: int, name: str = "rank") -> None:
@@ -109,6 +116,13 @@ class StatelessProcessGroup:
         # Not dataclass fields: the documented field list stays vLLM's.
         self._barrier_count = 0
         self._others = [r for r in range(self.world_size) if r != self.rank]
+        # create() sets the wire it resolved before constructing, as it does the key.
+        wire = self.__dict__.get("_wire") or resolve_wire(None)
+        self._wire = wire
+        self._vllm = VllmWire(self.store, self.rank, self.world_size) if wire == "vllm" else None
+        if self._vllm is not None:
+            self._values = values.Values(self.rank, self.world_size, None)
+            return
         # create() sets the key it resolved before constructing (so that with the operator's
         # VLLM_BRIDGE_REQUIRE_AUTH_KEY an explicit key is not asked for again here).
         preset = self.__dict__.get("_auth_key")
@@ -121,6 +135,11 @@ class StatelessProcessGroup:
         self._transport: StoreTransport | ShmTransport = self._store_transport
 
     @property
+    def wire(self) -> str:
+        """ "bridge" (this package's wire) or "vllm" (vLLM's: see ``create``)."""
+        return self._wire
+
+    @property
     def auth_key(self) -> bytes | None:
         """The shared key that authenticates values (None: plain pickles, as in vLLM).
 
@@ -129,12 +148,16 @@ class StatelessProcessGroup:
         operation. Assigning None goes back to the environment variable. All ranks need the
         same key. The operator's environment wins: with ``$VLLM_BRIDGE_AUTH_KEY`` set, another
         key raises AuthenticationError, and with ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`` so does
-        going without one.
+        going without one. A group on vLLM's wire has none, and refuses one (ValueError).
         """
         return self._values.key
 
     @auth_key.setter
     def auth_key(self, key: AuthKey | None) -> None:
+        if self._vllm is not None:
+            if key is not None:
+                raise ValueError(_NO_KEY_ON_VLLM_WIRE)
+            return
         self._values.key = resolve_key(key)
 
     # --- where the ranks run ------------------------------------------------------------
@@ -143,7 +166,7 @@ class StatelessProcessGroup:
         """Learn where every rank runs (a collective of ``create``) and keep the transport
         that fits: shared-memory boards when all ranks share this machine and made one,
         else the store (with large values between ranks of one machine in segments)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or self._vllm is not None:
             return
         board = None
         identity = values.node_identity()
@@ -207,6 +230,9 @@ class StatelessProcessGroup:
         """
         if type(dst) is not int or not 0 <= dst < self.world_size:
             validate_rank(dst, self.world_size, "dst")
+        if self._vllm is not None:
+            self._vllm.send(self, "send_to", obj, dst)
+            return
         self._expire_if_due()
         seq = self.send_dst_counter[dst]
         self._transport.send(dst, seq, obj)
@@ -229,6 +255,9 @@ class StatelessProcessGroup:
         """``recv_obj``, or (``like``: a tensor like it is expected) ``recv``'s receive."""
         if type(src) is not int or not 0 <= src < self.world_size:
             validate_rank(src, self.world_size, "src")
+        if self._vllm is not None:
+            kind = "send_to" if like is None else "send_tensor"
+            return self._vllm.recv(self, kind, src, timeout)
         if timeout is not None:
             self._store_transport.limit(timeout)  # checked before anything else
         timeout = self._clamped(timeout)
@@ -256,6 +285,11 @@ class StatelessProcessGroup:
         store's timeout) and raise as ``recv_obj`` does.
         """
         validate_rank(src, self.world_size, "src")
+        if self._vllm is not None:
+            if self.rank == src:
+                self._vllm.broadcast_send(self, "broadcast_from", obj)
+                return obj
+            return self._vllm.broadcast_recv(self, "broadcast_from", src, timeout)
         if self.rank == src:
             self._expire_if_due()
             if self.world_size > 1:
@@ -279,6 +313,8 @@ class StatelessProcessGroup:
         GroupTimeout naming the ranks whose values are missing, or PeerGoneError naming
         those that exited.
         """
+        if self._vllm is not None:
+            return self._vllm.all_gather(self, obj, "all_gather_obj")
         return self._all_gather(obj, None)
 
     def _all_gather(self, obj: Any, like: torch.Tensor | None) -> list[Any]:
@@ -334,6 +370,9 @@ class StatelessProcessGroup:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         timeout = deadline.clamp(timeout)
+        if self._vllm is not None:
+            self._vllm.barrier(self, timeout)
+            return
         barrier_id = self._barrier_count
         self._barrier_count += 1
         self._transport.barrier(barrier_id, timeout)
@@ -350,9 +389,15 @@ class StatelessProcessGroup:
         the dtype and shape of the source's, else CollectiveMismatchError (a ValueError)
         names both ranks and what differs. vLLM's returns a new tensor and leaves
         ``tensor`` alone; code that uses the result works with either. Numbered, waited
-        for and cleaned up as ``broadcast_obj`` is (its errors name that operation).
+        for and cleaned up as ``broadcast_obj`` is (its errors name that operation). On
+        vLLM's wire the tensor is pickled and received as vLLM's is: a new tensor.
         """
         validate_rank(src, self.world_size, "src")
+        if self._vllm is not None:
+            if self.rank == src:
+                self._vllm.broadcast_send(self, "broadcast_tensor", tensor)
+                return tensor
+            return self._vllm.broadcast_recv(self, "broadcast_tensor", src, timeout)
         if self.rank == src:
             self.broadcast_obj(tensors.Encoded(tensor), src)
             return tensor
@@ -364,8 +409,13 @@ class StatelessProcessGroup:
 
         Sends its dtype, shape and bytes (never a pickle; a tensor off the CPU is copied
         to it first), numbered with the objects ``send_obj`` sends and as promptly: ``dst``
-        receives it with ``recv`` (or, as a new CPU tensor, with ``recv_obj``).
+        receives it with ``recv`` (or, as a new CPU tensor, with ``recv_obj``). On vLLM's
+        wire it is pickled, as vLLM's is, and only ``recv`` receives it.
         """
+        if self._vllm is not None:
+            validate_rank(dst, self.world_size, "dst")
+            self._vllm.send(self, "send_tensor", tensor, dst)
+            return
         self.send_obj(tensors.Encoded(tensor), dst)
 
     def recv(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None) -> torch.Tensor:
@@ -379,7 +429,12 @@ class StatelessProcessGroup:
         as ``recv_obj`` does (its errors name that operation).
         """
         like = tensor_codec.checked(tensor, into=True)  # before anything is received
-        return tensors.fill(tensor, self._recv(src, timeout, like))
+        received = self._recv(src, timeout, like)
+        if self._vllm is not None and not isinstance(received, torch.Tensor):
+            raise CollectiveMismatchError(
+                f"recv on rank {self.rank}: rank {src} sent {type(received).__name__}, not a tensor"
+            )
+        return tensors.fill(tensor, received)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType | str = ReduceOp.SUM
@@ -398,6 +453,8 @@ class StatelessProcessGroup:
         counters advance, and waits end, as for ``all_gather_obj`` (whose errors name
         that operation).
         """
+        if self._vllm is not None:
+            return self._vllm.all_reduce(self, tensor, op)
         fold = tensors.reducer(op)
         mine = tensor_codec.on_cpu(tensor)
         gathered = self._all_gather(tensors.Encoded(mine), tensors.spec(mine))
@@ -420,6 +477,9 @@ class StatelessProcessGroup:
         or not they were received), objects it sent that long ago that are still unreceived
         included, so that values nobody reads do not stay behind.
         """
+        if self._vllm is not None:
+            self._vllm.expire(self)
+            return
         sent = [self.send_dst_counter[r] for r in range(self.world_size)]
         self._transport.expire(self.data_expiration_seconds, sent)
         self._values.segments.expire(self.data_expiration_seconds)
@@ -435,6 +495,7 @@ class StatelessProcessGroup:
         *,
         listen_socket: Socket | None = None,
         auth_key: AuthKey | None = None,
+        wire: str | None = None,
     ) -> StatelessProcessGroup:
         """A replacement for `torch.distributed.init_process_group` that does not
         pollute the global state.
@@ -466,15 +527,31 @@ class StatelessProcessGroup:
         ``auth_key`` that differs from it raises AuthenticationError (a RuntimeError) before
         anything is served or joined; so does creating a group without any key when
         ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1``.
+
+        ``wire`` is "bridge" (this package's: shared memory on one node, sealed values) or
+        "vllm" (None: ``$VLLM_BRIDGE_WIRE``, else "bridge"). On vLLM's wire the group can hold
+        ranks running vLLM's own ``StatelessProcessGroup`` (either may serve the store): it
+        joins as vLLM's does (torch's count of the store's clients, rank 0 waiting for all
+        of them), stores what vLLM's stores, and reads values through an allow-list instead
+        of full pickle. It takes no ``auth_key`` (ValueError), and is refused
+        (AuthenticationError) where the operator requires keys, unless the operator allows it
+        with ``$VLLM_BRIDGE_ALLOW_VLLM_WIRE=1``.
         """
         validate_rank(rank, world_size)
-        key = resolve_key(auth_key)  # a bad key fails before anything is served
+        chosen = resolve_wire(wire)
+        if chosen == "vllm" and auth_key is not None:
+            raise ValueError(_NO_KEY_ON_VLLM_WIRE)
+        key = None if chosen == "vllm" else resolve_key(auth_key)  # fails before serving
         deadline = time.monotonic() + store_timeout
-        store, sock = open_store(host, port, rank, store_timeout, listen_socket=listen_socket)
+        count = world_size if chosen == "vllm" else None
+        store, sock = open_store(
+            host, port, rank, store_timeout, listen_socket=listen_socket, torch_join=count
+        )
         owned = listen_socket is None
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
         try:
-            join_group(store, rank, world_size, address, store_timeout, deadline)
+            if chosen == "bridge":
+                join_group(store, rank, world_size, address, store_timeout, deadline)
         except BaseException as exc:
             # Release the store (rank 0: stop serving) before the error travels up: frames
             # kept alive by the traceback would otherwise keep the server running.
@@ -487,6 +564,7 @@ class StatelessProcessGroup:
         # The key resolved above goes in before __post_init__, which then keeps it.
         group = StatelessProcessGroup.__new__(StatelessProcessGroup)
         group.__dict__["_auth_key"] = key
+        group.__dict__["_wire"] = chosen
         group.__init__(  # type: ignore[misc]
             rank=rank,
             world_size=world_size,

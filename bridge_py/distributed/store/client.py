@@ -79,14 +79,17 @@ def connect_client(
     *,
     use_libuv: bool = True,
     wait_for_server: bool = True,
+    count_in: int | None = None,
 ) -> TCPStore:
     """A new TCPStore client of the server at ``host:port``, connected by ``deadline`` (a
     ``time.monotonic()`` value), which then bounds its requests too.
 
     ``wait_for_server``: keep trying while the port refuses connections (a server that is
     still to come: joining a group); otherwise a refusal means that the server is gone (a
-    group's further connections) and fails at once. Raises StoreError (the torch error it
-    comes from, if any, chained), and nothing is logged by torch.
+    group's further connections) and fails at once. ``count_in`` (a world size): count this
+    client in torch's join of the store's clients, as vLLM's ranks do (a client does not
+    wait for the others). Raises StoreError (the torch error it comes from, if any,
+    chained), and nothing is logged by torch.
     """
     _await_listener(host, port, deadline, wait_for_server)
     left = max(deadline - time.monotonic(), 0.001)
@@ -95,10 +98,10 @@ def connect_client(
             return TCPStore(
                 host,
                 port,
-                None,
+                count_in,
                 False,
                 timeout=datetime.timedelta(seconds=left),
-                wait_for_workers=False,
+                wait_for_workers=count_in is not None,
                 use_libuv=use_libuv,
             )
     except RuntimeError as exc:

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import errno
 import os
+import re
 import socket
 import time
 
@@ -20,6 +21,7 @@ from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.errors import StoreError
 from bridge_py.distributed.store.client import connect_client, first_line, format_address
+from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.requests import StoreRequest
 from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter
@@ -114,6 +116,7 @@ def open_store(
     timeout: float,
     *,
     listen_socket: socket.socket | None = None,
+    torch_join: int | None = None,
 ) -> tuple[TCPStore, socket.socket | None]:
     """Serve (rank 0) or connect to (other ranks) the store at ``host:port``.
 
@@ -122,6 +125,11 @@ def open_store(
     the descriptor it serves on when it is destroyed; the returned socket stays the caller's
     to close. ``timeout`` (seconds) bounds connecting and is the store's default timeout for
     blocking operations.
+
+    ``torch_join`` (a world size) joins as vLLM's ranks do, through torch's own count of a
+    store's clients: every rank counts itself in, rank 0 (whose server then runs without
+    libuv, as vLLM's) returns once all have, within ``timeout``, else StoreError saying how
+    many did. Without it nobody counts (``join_group`` is this package's join).
     """
     if timeout <= 0:
         raise ValueError(f"store timeout must be positive, got {timeout}")
@@ -132,7 +140,7 @@ def open_store(
             raise ValueError("listen_socket is only used by rank 0, which serves the store")
         _resolve(host, port)  # an unknown host fails now, with its own message
         try:
-            store = connect_client(host, port, time.monotonic() + timeout)
+            store = connect_client(host, port, time.monotonic() + timeout, count_in=torch_join)
         except StoreError as exc:
             raise StoreError(
                 f"rank {rank} could not reach the store at {address} within {timeout:g} s "
@@ -153,25 +161,37 @@ def open_store(
                 sock.close()
         raise
     try:
-        store = TCPStore(
-            host,
-            port,
-            None,
-            True,
-            timeout=delta,
-            wait_for_workers=False,
-            master_listen_fd=served_fd,
-        )
+        with QUIET:
+            store = TCPStore(
+                host,
+                port,
+                torch_join,
+                True,
+                timeout=delta,
+                wait_for_workers=torch_join is not None,
+                master_listen_fd=served_fd,
+                use_libuv=torch_join is None,
+            )
     except RuntimeError as exc:
         with contextlib.suppress(OSError):
             os.close(served_fd)
         if owned:
             with contextlib.suppress(OSError):
                 sock.close()
+        joined = _CLIENTS_JOINED.search(str(exc))
+        if torch_join is not None and joined:
+            raise StoreError(
+                f"{joined[1]} of {torch_join} ranks joined {address} within {timeout:g} s "
+                "(rank 0 gave up waiting for the others)"
+            ) from exc
         raise StoreError(
             f"rank 0 could not serve the store on {address}: {first_line(exc)}"
         ) from exc
     return store, sock
+
+
+# torch's message when its server's wait for its clients runs out.
+_CLIENTS_JOINED = re.compile(r"(\d+)/\d+ clients joined")
 
 
 _JOIN_COUNT = "join/count"
