@@ -8,6 +8,8 @@ lower ones; an upward import, or one that names a module nobody has placed, fail
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bridge_py" / "distributed"
@@ -121,6 +123,28 @@ def test_no_import_circle_in_bridge_py() -> None:
         if start not in state:
             visit(start, [start])
     assert not circles, "\n".join(circles)
+
+
+def _code_lines(path: Path) -> int:
+    """Lines of ``path`` with code on them: no blank, comment or docstring lines."""
+    source = path.read_text()
+    lines: set[int] = set()
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (*skip, tokenize.ENDMARKER):
+            lines.update(range(token.start[0], token.end[0] + 1))
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                lines -= set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return len(lines)
+
+
+def test_the_distributed_layer_stays_within_9500_code_lines() -> None:
+    total = sum(_code_lines(path) for path in PACKAGE.rglob("*.py"))
+    assert total <= 9_500, total
 
 
 def test_no_module_over_700_lines() -> None:

@@ -9,6 +9,7 @@ tests run where GPUs are (two for the collectives) and are skipped elsewhere.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from bridge_py.distributed import (
 )
 from bridge_py.distributed.device_communicators import CollectiveMismatchError
 from bridge_py.distributed.device_communicators.pynccl import PyNcclCommunicator
+from bridge_py.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
 from bridge_py.distributed.device_communicators.shm_allreduce import (
     BYTES_ENV,
     ENABLE_ENV,
@@ -335,8 +337,8 @@ def test_a_group_of_one_is_disabled_as_in_vllm() -> None:
     assert run_ranks(_alone, 1, free_port(), timeout=60) == [[False, True, None, None]]
 
 
-def _no_cuda(rank: int, port: int) -> str:
-    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60)
+def _no_cuda(rank: int, port: int, wire: str) -> str:
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60, wire=wire)
     with _raises(RuntimeError, "needs CUDA", "device='cpu'"):
         PyNcclCommunicator(pg, device=rank)
     with _raises(ValueError, "serves 'cpu' or CUDA"):
@@ -345,16 +347,39 @@ def _no_cuda(rank: int, port: int) -> str:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
-def test_a_cuda_device_without_cuda_fails_at_construction() -> None:
-    assert run_ranks(_no_cuda, 2, free_port(), timeout=60) == ["ok"] * 2
+@pytest.mark.parametrize("wire", ["bridge", "vllm"])
+def test_a_cuda_device_without_cuda_fails_at_construction(wire: str) -> None:
+    assert run_ranks(_no_cuda, 2, free_port(), wire, timeout=60) == ["ok"] * 2
+
+
+def test_a_unique_id_is_checked_before_anything_is_loaded() -> None:
+    with _raises(ValueError, "expected a 128-byte NCCL unique id, got 5 bytes"):
+        PyNcclCommunicator.from_unique_id_bytes(b"short", 0, 2, "cuda:0")
+    with _raises(TypeError, "unique_id_bytes must be bytes, got str"):
+        PyNcclCommunicator.from_unique_id_bytes("x" * 128, 0, 2, "cuda:0")  # type: ignore[arg-type]
+    with _raises(ValueError, re.escape("rank must be in [0, 2), got 2")):
+        PyNcclCommunicator.from_unique_id_bytes(bytes(128), 2, 2, "cuda:0")
+    with _raises(RuntimeError, "needs a CUDA device"):
+        PyNcclCommunicator.from_unique_id_bytes(bytes(128), 0, 2, "cpu")
+    alone = PyNcclCommunicator.from_unique_id_bytes(bytes(128), 0, 1, "cuda:0")
+    assert alone.disabled and not alone.available and alone.group is None
+
+
+def test_nccl_that_cannot_be_loaded_is_named() -> None:
+    with _raises(
+        RuntimeError, "cannot load NCCL from '/nowhere/libnccl.so.2'", "VLLM_NCCL_SO_PATH"
+    ):
+        NCCLLibrary("/nowhere/libnccl.so.2")
+    with _raises(RuntimeError, "has no ncclGetErrorString: not an NCCL library"):
+        NCCLLibrary("libc.so.6")
 
 
 # -------------------------------------------------------------------- CUDA
 
 
-def _cuda(rank: int, port: int) -> str:
+def _cuda(rank: int, port: int, wire: str) -> str:
     torch.cuda.set_device(rank)
-    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60)
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60, wire=wire)
     comm = PyNcclCommunicator(pg, device=rank)
     assert comm.device == torch.device("cuda", rank) and comm.nccl_version
     dev = comm.device
@@ -386,8 +411,26 @@ def _cuda(rank: int, port: int) -> str:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cuda_collectives_on_two_gpus() -> None:
-    assert run_ranks(_cuda, 2, free_port(), timeout=140) == ["ok"] * 2
+@pytest.mark.parametrize("wire", ["bridge", "vllm"])
+def test_cuda_collectives_on_two_gpus(wire: str) -> None:
+    """On vLLM's wire the communicator calls NCCL itself, as vLLM's does."""
+    assert run_ranks(_cuda, 2, free_port(), wire, timeout=140) == ["ok"] * 2
+
+
+def _from_unique_id(rank: int, port: int) -> list[float]:
+    torch.cuda.set_device(rank)
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60)
+    made = bytes(NCCLLibrary().ncclGetUniqueId().internal) if rank == 0 else None
+    unique_id = pg.broadcast_obj(made, src=0)
+    comm = PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, 2, rank)
+    total = comm.all_reduce(torch.full((3,), float(rank + 1), device=comm.device))
+    pg.barrier()
+    return total.cpu().tolist()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_communicator_from_unique_id_bytes_on_two_gpus() -> None:
+    assert run_ranks(_from_unique_id, 2, free_port(), timeout=140) == [[3.0] * 3] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -231,3 +231,22 @@ def test_the_operator_policy_on_keys_refuses_the_vllm_wire(
             group = StatelessProcessGroup.create(HOST, port, 0, 1, wire="vllm")
             assert group.wire == "vllm" and group.auth_key is None
             del group
+
+
+def _weights_pushed(rank: int, port: int) -> list[float]:
+    """The RL weight sync on CPU: a vLLM-wire group, a communicator, a state dict."""
+    from bridge_py.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    group = StatelessProcessGroup.create(HOST, port, rank, 2, store_timeout=60, wire="vllm")
+    comm = PyNcclCommunicator(group, device="cpu")
+    weights = {"w": torch.arange(4.0), "b": torch.ones(2)}
+    received = {name: torch.zeros_like(t) for name, t in weights.items()}
+    for name in weights:
+        comm.broadcast(weights[name] if rank == 0 else received[name], src=0)
+    group.barrier()
+    comm.destroy()
+    return [*received["w"].tolist(), *received["b"].tolist()] if rank else []
+
+
+def test_a_communicator_on_a_vllm_wire_group_pushes_weights_on_cpu() -> None:
+    assert run_ranks(_weights_pushed, 2, free_port(), timeout=60)[1] == [0, 1, 2, 3, 1, 1]
