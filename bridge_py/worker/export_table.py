@@ -148,6 +148,7 @@ def default_exports() -> ExportTable:
                     "reduce_scatterv",
                     "send",
                 ),
+                static_methods=("from_unique_id_bytes",),
                 attributes=("rank", "world_size", "available", "disabled", "device", "group"),
             ),
             ExportedClass(

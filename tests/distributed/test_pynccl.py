@@ -365,13 +365,23 @@ def test_a_unique_id_is_checked_before_anything_is_loaded() -> None:
     assert alone.disabled and not alone.available and alone.group is None
 
 
-def test_nccl_that_cannot_be_loaded_is_named() -> None:
-    with _raises(
-        RuntimeError, "cannot load NCCL from '/nowhere/libnccl.so.2'", "VLLM_NCCL_SO_PATH"
-    ):
-        NCCLLibrary("/nowhere/libnccl.so.2")
+def test_nccl_that_cannot_be_loaded_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_NCCL_SO_PATH", "/nowhere/libnccl.so.2")
+    with _raises(RuntimeError, "cannot load NCCL from '/nowhere/libnccl", "VLLM_NCCL_SO_PATH"):
+        NCCLLibrary()
+    monkeypatch.setenv("VLLM_NCCL_SO_PATH", "libc.so.6")
     with _raises(RuntimeError, "has no ncclGetErrorString: not an NCCL library"):
-        NCCLLibrary("libc.so.6")
+        NCCLLibrary()
+
+
+def test_a_library_path_other_than_the_operators_is_never_loaded(tmp_path: Any) -> None:
+    """Loading a library runs its code: a path a caller names is refused before dlopen."""
+    planted = tmp_path / "libnccl.so.2"
+    planted.write_bytes(b"not a library")
+    with _raises(ValueError, "is not the NCCL library of this process", "VLLM_NCCL_SO_PATH"):
+        NCCLLibrary(str(planted))
+    with _raises(ValueError, "is not the NCCL library of this process"):
+        PyNcclCommunicator.from_unique_id_bytes(bytes(128), 0, 2, "cuda:0", str(planted))
 
 
 # -------------------------------------------------------------------- CUDA

@@ -69,6 +69,7 @@ from bridge_py.distributed.device_communicators.nccl_group import (
     NcclGroup,
     check_unique_id_bytes,
 )
+from bridge_py.distributed.device_communicators.pynccl_wrapper import operator_library
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
 from bridge_py.distributed.errors import StateError
@@ -227,6 +228,7 @@ class PyNcclCommunicator(CommunicatorChecks):
         self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
         rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
         if self.available and (group is None or (not cpu and _on_vllm_wire(group))):
+            operator_library(library_path)  # a caller's library is refused before all else
             self._require_cuda(cpu)
             vllm_group = cast(StatelessProcessGroup | None, group)
             nccl = NcclGroup.join(

@@ -11,7 +11,9 @@ in the library that torch's CUDA wheels install (``nvidia-nccl-cu*``), or the on
 
 Names follow vLLM's wrapper (``ncclUniqueId``, ``ncclDataTypeEnum``, ``ncclRedOpTypeEnum``,
 ``NCCLLibrary`` and its methods), so code written against it runs on this module. Every
-failed call raises :class:`NcclError` with NCCL's own description of the result.
+failed call raises :class:`NcclError` with NCCL's own description of the result. Unlike
+vLLM's, a ``library_path`` that names another file than the operator's is refused: loading
+a library runs its code, and a worker's callers reach that parameter.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "ncclRedOpTypeEnum",
     "ncclResult_t",
     "ncclUniqueId",
+    "operator_library",
 ]
 
 NCCL_UNIQUE_ID_BYTES = UNIQUE_ID_BYTES
@@ -178,13 +181,28 @@ def find_nccl_library() -> str:
     return "libnccl.so.2"
 
 
+def operator_library(so_file: str | None) -> str:
+    """:func:`find_nccl_library`'s file; ValueError when ``so_file`` names another one."""
+    path = find_nccl_library()
+    if so_file is not None and os.path.realpath(so_file) != os.path.realpath(path):
+        raise ValueError(
+            f"library_path {so_file!r} is not the NCCL library of this process ({path!r}): "
+            "the operator chooses another one with VLLM_NCCL_SO_PATH"
+        )
+    return path
+
+
 class NCCLLibrary:
     """The NCCL functions a communicator calls, bound from one shared library."""
 
     def __init__(self, so_file: str | None = None) -> None:
-        """Load NCCL from ``so_file`` (None: :func:`find_nccl_library`); StateError names
-        the file and why when it cannot be loaded or lacks a function."""
-        path = so_file or find_nccl_library()
+        """Load NCCL from :func:`find_nccl_library`'s file; StateError names the file and
+        why when it cannot be loaded or lacks a function.
+
+        Loading a library runs its code, so the file is the operator's choice
+        (``$VLLM_NCCL_SO_PATH``), not a caller's: ``so_file`` (vLLM's ``library_path``) must
+        name that same file, else ValueError."""
+        path = operator_library(so_file)
         try:
             self.lib = ctypes.CDLL(path)
         except OSError as exc:

@@ -169,6 +169,49 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   end
 
   @doc ~S"""
+  Join an NCCL communicator from its unique id, for ranks without a group.
+
+  Every rank passes the same 128 bytes (made once by `ncclGetUniqueId` and shared
+  by other means) and must call this at the same time: NCCL's set-up waits for all of
+  them. Then, as vLLM's does, the communicator runs a one-element all-reduce, which
+  every other rank (vLLM's or a foreign one) must match. Needs CUDA and NCCL
+  (StateError otherwise); `group` is None.
+
+  ## Parameters
+
+    * `unique_id_bytes` (`binary()`)
+    * `rank` (`integer()`)
+    * `world_size` (`integer()`)
+    * `device` (`integer() | String.t()`)
+    * `library_path` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
+
+  The first argument is `nil`, or a ref whose worker should run the call (placement only).
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `Vllm.Distributed.PyNcclCommunicator.t()`
+  """
+  @spec from_unique_id_bytes(
+          t() | nil,
+          binary(),
+          integer(),
+          integer(),
+          integer() | String.t(),
+          [term()],
+          keyword()
+        ) :: {:ok, Vllm.Distributed.PyNcclCommunicator.t()} | {:error, VllmBridge.Error.t()}
+  def from_unique_id_bytes(ref, unique_id_bytes, rank, world_size, device, args, opts \\ []) do
+    VllmBridge.Runtime.call_static(
+      ref,
+      "PyNcclCommunicator.from_unique_id_bytes",
+      [unique_id_bytes, rank, world_size, device],
+      [{:__args__, args} | opts]
+    )
+  end
+
+  @doc ~S"""
   The `group` field of a `PyNcclCommunicator`.
 
   `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
@@ -192,7 +235,8 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `group` (`VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t()`) - the ranks: a `StatelessProcessGroup`, or a torch ProcessGroup (gloo).
     * `device` (`integer() | String.t()`) - where the tensors are: `"cpu"`, or a CUDA device (an int `i` means
       `cuda:i`; each rank should have a GPU of its own).
-    * `library_path` (`String.t() | nil`, default: `nil`) (in `args`, position 0) - ignored (torch's own NCCL is used).
+    * `library_path` (`String.t() | nil`, default: `nil`) (in `args`, position 0) - NCCL's library, where NCCL is called directly (on vLLM's wire;
+      None: `pynccl_wrapper.find_nccl_library()`); unused otherwise.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 

@@ -121,7 +121,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   the dtype and shape of the source's, else CollectiveMismatchError (a ValueError)
   names both ranks and what differs. vLLM's returns a new tensor and leaves
   `tensor` alone; code that uses the result works with either. Numbered, waited
-  for and cleaned up as `broadcast_obj` is (its errors name that operation).
+  for and cleaned up as `broadcast_obj` is (its errors name that operation). On
+  vLLM's wire the tensor is pickled and received as vLLM's is: a new tensor.
 
   ## Parameters
 
@@ -230,6 +231,15 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   anything is served or joined; so does creating a group without any key when
   `$VLLM_BRIDGE_REQUIRE_AUTH_KEY=1`.
 
+  `wire` is "bridge" (this package's: shared memory on one node, sealed values) or
+  "vllm" (None: `$VLLM_BRIDGE_WIRE`, else "bridge"). On vLLM's wire the group can hold
+  ranks running vLLM's own `StatelessProcessGroup` (either may serve the store): it
+  joins as vLLM's does (torch's count of the store's clients, rank 0 waiting for all
+  of them), stores what vLLM's stores, and reads values through an allow-list instead
+  of full pickle. It takes no `auth_key` (ValueError), and is refused
+  (AuthenticationError) where the operator requires keys, unless the operator allows it
+  with `$VLLM_BRIDGE_ALLOW_VLLM_WIRE=1`.
+
   ## Parameters
 
     * `host` (`String.t()`)
@@ -240,6 +250,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `store_timeout` (`integer()`, default: `300`) (in `args`, position 1)
     * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `listen_socket:`)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
+    * `wire` (`String.t() | nil`, default: `nil`) (keyword option `wire:`)
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
@@ -418,7 +429,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Sends its dtype, shape and bytes (never a pickle; a tensor off the CPU is copied
   to it first), numbered with the objects `send_obj` sends and as promptly: `dst`
-  receives it with `recv` (or, as a new CPU tensor, with `recv_obj`).
+  receives it with `recv` (or, as a new CPU tensor, with `recv_obj`). On vLLM's
+  wire it is pickled, as vLLM's is, and only `recv` receives it.
 
   ## Parameters
 
