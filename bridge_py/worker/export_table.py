@@ -99,6 +99,7 @@ def default_exports() -> ExportTable:
                     "send_dst_counter",
                     "recv_src_counter",
                     "broadcast_recv_src_counter",
+                    "wire",
                 ),
             ),
             ExportedClass(

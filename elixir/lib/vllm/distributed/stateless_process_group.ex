@@ -501,6 +501,20 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   end
 
   @doc ~S"""
+  "bridge" (this package's wire) or "vllm" (vLLM's: see `create`).
+
+  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+
+  ## Returns
+
+    * `String.t()`
+  """
+  @spec wire(t(), keyword()) :: {:ok, String.t()} | {:error, VllmBridge.Error.t()}
+  def wire(ref, opts \\ []) do
+    VllmBridge.Runtime.get_attr(ref, "wire", opts)
+  end
+
+  @doc ~S"""
   The `world_size` field of a `StatelessProcessGroup`.
 
   `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
