@@ -32,6 +32,22 @@ defmodule Vllm.Distributed.VllmWireTest do
     end)
   end
 
+  test "a worker whose operator requires auth keys refuses the vLLM wire from its callers" do
+    env = [{"VLLM_BRIDGE_REQUIRE_AUTH_KEY", "1"}]
+    start_supervised!({Pool, name: __MODULE__.Strict, size: 1, env: env}, id: :strict)
+    port = VllmBridge.PoolHelpers.free_tcp_port()
+    runtime = [__runtime__: [pool: __MODULE__.Strict]]
+
+    assert {:error, %VllmBridge.Error{python_type: "AuthenticationError", message: message}} =
+             SPG.create(nil, "127.0.0.1", port, 0, 1, [], [wire: "vllm"] ++ runtime)
+
+    assert message =~ "VLLM_BRIDGE_ALLOW_VLLM_WIRE=1"
+
+    # The worker goes on serving: the same call with a key on the default wire works.
+    assert {:ok, %Ref{}} =
+             SPG.create(nil, "127.0.0.1", port, 0, 1, [], [auth_key: "k"] ++ runtime)
+  end
+
   test "a worker joins vLLM's ranks on vLLM's wire and pushes a state dict into them" do
     port = VllmBridge.PoolHelpers.free_tcp_port()
     ranks = Enum.map([0, 1], &vllm_rank(port, &1))
