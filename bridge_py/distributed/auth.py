@@ -57,6 +57,7 @@ __all__ = [
     "seal_object",
     "seal_payload",
     "sign",
+    "switched_on",
     "verify",
 ]
 
@@ -77,7 +78,14 @@ def key_required() -> bool:
     ``$VLLM_BRIDGE_REQUIRE_AUTH_KEY`` set to anything but empty, ``0``, ``false``, ``no`` or
     ``off`` (any case): a misspelt value of a security switch errs on the safe side.
     """
-    return os.environ.get(REQUIRE_ENV_VAR, "").strip().lower() not in _OFF
+    return switched_on(REQUIRE_ENV_VAR)
+
+
+def switched_on(name: str) -> bool:
+    """Whether the operator's switch ``$name`` is on (read now): set to anything but empty,
+    ``0``, ``false``, ``no`` or ``off`` (any case), so that a misspelt value of a security
+    switch errs on the side of what the operator asked for."""
+    return os.environ.get(name, "").strip().lower() not in _OFF
 
 
 def resolve_key(key: AuthKey | None, *, param: str = "auth_key") -> bytes | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import io
-import os
 import pickle
 import struct
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
+from bridge_py.distributed.auth import switched_on
 from bridge_py.distributed.errors import ObjectLoadError
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
 
 ALLOW_PICKLE_ENV_VAR = "VLLM_BRIDGE_ALLOW_PICKLE"
 VLLM_NCCL_MODULE = "vllm.distributed.device_communicators.pynccl_wrapper"
-_OFF = ("", "0", "false", "no", "off")
 
 
 class ncclUniqueId(ctypes.Structure):
@@ -57,7 +56,7 @@ UNIQUE_ID_BYTES = ctypes.sizeof(ncclUniqueId)
 
 def pickle_allowed() -> bool:
     """Whether the operator allows full pickle (``$VLLM_BRIDGE_ALLOW_PICKLE``, read now)."""
-    return os.environ.get(ALLOW_PICKLE_ENV_VAR, "").strip().lower() not in _OFF
+    return switched_on(ALLOW_PICKLE_ENV_VAR)
 
 
 # --- writing ------------------------------------------------------------------------------

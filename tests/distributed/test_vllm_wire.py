@@ -255,3 +255,15 @@ def _weights_pushed(rank: int, port: int) -> list[float]:
 
 def test_a_communicator_on_a_vllm_wire_group_pushes_weights_on_cpu() -> None:
     assert run_ranks(_weights_pushed, 2, free_port(), timeout=60)[1] == [0, 1, 2, 3, 1, 1]
+
+
+def test_expire_data_deletes_what_this_rank_wrote_as_vllms_does() -> None:
+    group = StatelessProcessGroup.create(HOST, free_port(), 0, 1, 0, 30, wire="vllm")
+    group.send_obj("old", dst=0)
+    assert group.store.check(["send_to/0/0"]) and len(group.entries) == 1
+    time.sleep(0.01)  # older than data_expiration_seconds (0)
+    group.send_obj("new", dst=0)  # expires what is due first, as vLLM's send_obj does
+    assert not group.store.check(["send_to/0/0"]) and group.store.check(["send_to/0/1"])
+    time.sleep(0.01)
+    group.expire_data()
+    assert not group.entries and not group.store.check(["send_to/0/1"])

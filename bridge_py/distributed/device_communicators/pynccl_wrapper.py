@@ -22,6 +22,7 @@ import ctypes
 import glob
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,17 @@ def operator_library(so_file: str | None) -> str:
     return path
 
 
+def _forward(name: str) -> Callable[..., None]:
+    """A method calling NCCL's ``name`` with its arguments as they are."""
+
+    def call(self: NCCLLibrary, *args: Any) -> None:
+        self._call(name, *args)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"NCCL's ``{name}`` (nccl.h), its arguments in NCCL's order."
+    return call
+
+
 class NCCLLibrary:
     """The NCCL functions a communicator calls, bound from one shared library."""
 
@@ -263,46 +275,15 @@ class NCCLLibrary:
         self._call("ncclCommInitRank", ctypes.byref(comm), world_size, unique_id, rank)
         return comm
 
-    def ncclAllReduce(self, *args: Any) -> None:
-        """``(sendbuff, recvbuff, count, datatype, op, comm, stream)``."""
-        self._call("ncclAllReduce", *args)
-
-    def ncclReduce(self, *args: Any) -> None:
-        """``(sendbuff, recvbuff, count, datatype, op, root, comm, stream)``."""
-        self._call("ncclReduce", *args)
-
-    def ncclReduceScatter(self, *args: Any) -> None:
-        """``(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)``."""
-        self._call("ncclReduceScatter", *args)
-
-    def ncclAllGather(self, *args: Any) -> None:
-        """``(sendbuff, recvbuff, sendcount, datatype, comm, stream)``."""
-        self._call("ncclAllGather", *args)
-
-    def ncclBroadcast(self, *args: Any) -> None:
-        """``(sendbuff, recvbuff, count, datatype, root, comm, stream)``."""
-        self._call("ncclBroadcast", *args)
-
-    def ncclSend(self, *args: Any) -> None:
-        """``(sendbuff, count, datatype, peer, comm, stream)``."""
-        self._call("ncclSend", *args)
-
-    def ncclRecv(self, *args: Any) -> None:
-        """``(recvbuff, count, datatype, peer, comm, stream)``."""
-        self._call("ncclRecv", *args)
-
-    def ncclGroupStart(self) -> None:
-        """Start a group of calls that NCCL issues together at :meth:`ncclGroupEnd`."""
-        self._call("ncclGroupStart")
-
-    def ncclGroupEnd(self) -> None:
-        """Issue the calls since :meth:`ncclGroupStart`."""
-        self._call("ncclGroupEnd")
-
-    def ncclCommDestroy(self, comm: Any) -> None:
-        """Free ``comm`` once its work has finished."""
-        self._call("ncclCommDestroy", comm)
-
-    def ncclCommAbort(self, comm: Any) -> None:
-        """Free ``comm`` at once, cancelling its work."""
-        self._call("ncclCommAbort", comm)
+    # The calls whose arguments go to NCCL as they are, in nccl.h's order.
+    ncclAllReduce = _forward("ncclAllReduce")  # (send, recv, count, dtype, op, comm, stream)
+    ncclReduce = _forward("ncclReduce")  # (send, recv, count, dtype, op, root, comm, stream)
+    ncclReduceScatter = _forward("ncclReduceScatter")  # (send, recv, count, dtype, op, ...)
+    ncclAllGather = _forward("ncclAllGather")  # (send, recv, sendcount, dtype, comm, stream)
+    ncclBroadcast = _forward("ncclBroadcast")  # (send, recv, count, dtype, root, comm, stream)
+    ncclSend = _forward("ncclSend")  # (send, count, dtype, peer, comm, stream)
+    ncclRecv = _forward("ncclRecv")  # (recv, count, dtype, peer, comm, stream)
+    ncclGroupStart = _forward("ncclGroupStart")  # the calls up to ncclGroupEnd go together
+    ncclGroupEnd = _forward("ncclGroupEnd")
+    ncclCommDestroy = _forward("ncclCommDestroy")  # (comm), once its work has run
+    ncclCommAbort = _forward("ncclCommAbort")  # (comm), its work cancelled

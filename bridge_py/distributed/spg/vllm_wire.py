@@ -40,7 +40,7 @@ import torch
 from bridge_py import deadline
 from bridge_py.distributed import vllm_pickle
 from bridge_py.distributed.auth import ENV_VAR as AUTH_ENV_VAR
-from bridge_py.distributed.auth import AuthenticationError, key_required
+from bridge_py.distributed.auth import AuthenticationError, key_required, switched_on
 from bridge_py.distributed.errors import (
     BarrierFailure,
     BarrierTimeout,
@@ -65,7 +65,6 @@ __all__ = ["ALLOW_ENV_VAR", "WIRES", "WIRE_ENV_VAR", "VllmWire", "resolve_wire"]
 WIRE_ENV_VAR = "VLLM_BRIDGE_WIRE"
 ALLOW_ENV_VAR = "VLLM_BRIDGE_ALLOW_VLLM_WIRE"
 WIRES = ("bridge", "vllm")
-_OFF = ("", "0", "false", "no", "off")
 
 
 def resolve_wire(wire: str | None) -> str:
@@ -80,7 +79,7 @@ def resolve_wire(wire: str | None) -> str:
     if chosen not in WIRES:
         source = f"${WIRE_ENV_VAR}" if wire is None else "wire"
         raise ValueError(f"{source} must be 'bridge' or 'vllm', got {chosen!r}")
-    allowed = os.environ.get(ALLOW_ENV_VAR, "").strip().lower() not in _OFF
+    allowed = switched_on(ALLOW_ENV_VAR)
     if chosen == "vllm" and (os.environ.get(AUTH_ENV_VAR) or key_required()) and not allowed:
         raise AuthenticationError(
             f"refused wire='vllm': the operator requires authenticated groups ({AUTH_ENV_VAR} "
