@@ -387,7 +387,10 @@ class PyNcclCommunicator(CommunicatorChecks):
         n = wire.numel() if kind == "all_reduce" else wire.numel() // self.world_size
         same = out.dtype == wire.dtype  # else: the result is narrowed back into out below
         target = out.view(-1) if same else torch.empty(n, dtype=wire.dtype, device=out.device)
-        total = ReduceOp.SUM if op == ReduceOp.AVG else op
+        # gloo has no average: a sum, divided here. NCCL averages itself (and must, to
+        # pair with vLLM's ranks, which ask NCCL for an average).
+        divide = op == ReduceOp.AVG and self.backend == "gloo"
+        total = ReduceOp.SUM if divide else op
 
         def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
             if kind == "all_reduce":
@@ -409,7 +412,7 @@ class PyNcclCommunicator(CommunicatorChecks):
             return group._reduce_scatter_base(target, wire, scatter)
 
         self._move(signature, shm_run if total == ReduceOp.SUM else None, run)
-        if op == ReduceOp.AVG:
+        if divide:
             target.div_(self.world_size)
         if not same:
             out.copy_(restore(target).reshape(out.shape))
