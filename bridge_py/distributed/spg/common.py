@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from bridge_py.distributed.errors import GroupTimeout, PeerGoneError, StoreError
-from bridge_py.distributed.store.client import first_line
+from bridge_py.distributed.store.watchdog import why_lost
 
 __all__ = ["BarrierHooks", "arrival_timeout", "exited", "lost", "timed_out"]
 
@@ -74,8 +74,7 @@ def lost(op: str, rank: int, what: str, src: int, start: float, exc: Exception) 
     source = "" if src < 0 else f" from rank {src}"
     return StoreError(
         f"{op} on rank {rank} lost the store after {time.monotonic() - start:.1f} s while "
-        f"waiting for {what}{source} (did rank 0, which serves the store, exit?): "
-        f"{first_line(exc)}{_descriptors()}"
+        f"waiting for {what}{source} {why_lost(exc, start)}{_descriptors()}"
     )
 
 

@@ -30,6 +30,7 @@ from bridge_py.distributed.errors import is_store_timeout
 from bridge_py.distributed.spg import keys
 from bridge_py.distributed.store.torch_api import timeout_of
 from bridge_py.distributed.store.waiting import pop_before
+from bridge_py.distributed.store.watchdog import watched
 
 __all__ = ["HEADER", "Inbox", "drop", "frame", "unframe"]
 
@@ -83,11 +84,17 @@ class Inbox:
         already there when asked for, first pop without waiting (one round trip); otherwise
         pop with the store's wait, bounded by ``limit`` (a TCPStore client that gives up a
         wait cancels it with the server, so the connection stays usable). Store failures (the
-        server is gone) propagate.
+        server is gone) propagate; a store that stops answering fails them GRACE seconds
+        after ``limit`` (``store.watchdog``).
         """
         value = self.take(src, seq)
         if value is not None:
             return value
+        bound = timeout_of(self._store).total_seconds() if limit is None else limit
+        with watched(self._store, time.monotonic() + bound):
+            return self._pop(src, seq, limit)
+
+    def _pop(self, src: int, seq: int, limit: float | None) -> memoryview | None:
         queue = self._queues[src]
         store = self._store
         skips = self._skips.get(src)
@@ -108,7 +115,7 @@ class Inbox:
             skips[0] -= 1
         if limit is None:
             # The default limit is the store's own timeout: the first pop waits with it as it
-            # is (which spares getting and setting it); a pop again needs what is left.
+            # is (which spares setting it); a pop again needs what is left.
             start = time.monotonic()
             try:
                 value = self._sort(src, seq, store.queue_pop(queue))

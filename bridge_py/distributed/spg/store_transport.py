@@ -50,12 +50,12 @@ from bridge_py.distributed.spg.common import (
     timed_out,
 )
 from bridge_py.distributed.spg.values import SharedValue, Values
-from bridge_py.distributed.store.client import first_line
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.reaper import KeyReaper
 from bridge_py.distributed.store.requests import StoreRequest, check_value
 from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
 from bridge_py.distributed.store.waiting import BoundedWaiter, pop_before
+from bridge_py.distributed.store.watchdog import watched, why_lost
 
 __all__ = ["POISON", "Mailbox", "StoreTransport"]
 
@@ -440,20 +440,23 @@ class StoreTransport:
         def failure(phase: str, exc: Exception) -> BarrierFailure:
             return BarrierStoreError(
                 f"barrier {barrier_id} failed on rank {rank} in phase {phase}: store error "
-                f"on {arrivals!r} or the barrier queues (did rank 0, which serves the store, "
-                f"exit?): {first_line(exc)}"
+                f"on {arrivals!r} or the barrier queues {why_lost(exc)}"
             )
 
         # Phase 1: arrive, and learn (with every other rank) whether all arrived in time.
+        # Every request is watched (its waits by pop_before): a store that stops answering
+        # (its host frozen, the network cut) fails it GRACE seconds after the barrier's
+        # timeout, whatever torch's client does.
         try:
-            arrived = self.store.add(arrivals, 1)
+            with self._watched(timeout):
+                arrived = self.store.add(arrivals, 1)
             # With nothing to do once all arrived, the last to arrive also leaves at once.
             merged = hooks.all_arrived is None
             if arrived == world_size:  # the last to arrive, none gave up before
-                for dst in self._others:
-                    mailbox.send(
-                        dst, barrier_id, _ARRIVED_AND_LEFT if dst == 0 and merged else _ALL_ARRIVED
-                    )
+                with self._watched(timeout):
+                    for dst in self._others:
+                        last = _ARRIVED_AND_LEFT if dst == 0 and merged else _ALL_ARRIVED
+                        mailbox.send(dst, barrier_id, last)
             elif arrived > world_size:  # a rank gave up before this one arrived
                 raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
             else:
@@ -470,7 +473,8 @@ class StoreTransport:
         if rank != 0:
             if arrived != world_size or not merged:
                 try:
-                    mailbox.send(0, barrier_id, _LEFT)
+                    with self._watched(timeout):
+                        mailbox.send(0, barrier_id, _LEFT)
                 except RuntimeError as exc:
                     raise failure("2 (confirm)", exc) from exc
             return
@@ -486,7 +490,8 @@ class StoreTransport:
                 if message[0] in (_LEFT, _ARRIVED_AND_LEFT):
                     gone += 1
             if gone == world_size:
-                self.store.delete_key(arrivals)
+                with self._watched(timeout):
+                    self.store.delete_key(arrivals)
         except RuntimeError as exc:
             raise failure("3 (departure)", exc) from exc
         if gone < world_size:
@@ -494,6 +499,10 @@ class StoreTransport:
                 f"barrier {barrier_id} failed on rank 0: timed out after {timeout:g} s in "
                 f"phase 3 (departure): {gone} of {world_size} ranks departed"
             )
+
+    def _watched(self, timeout: float) -> watched:
+        """A watch on requests that should be answered within ``timeout`` seconds."""
+        return watched(self.store, time.monotonic() + timeout)
 
     def _wait_for_all(self, barrier_id: int, timeout: float) -> int:
         """Phase 1 for a rank that is not the last to arrive: return once all have, or raise.
@@ -512,15 +521,17 @@ class StoreTransport:
             if kind in (_ALL_ARRIVED, _ARRIVED_AND_LEFT):
                 return left
         # Timed out: give up, unless the last rank arrived just now.
-        seen = self.store.add(keys.barrier_arrivals(barrier_id), POISON)
+        with self._watched(timeout):
+            seen = self.store.add(keys.barrier_arrivals(barrier_id), POISON)
         count = seen % POISON
         if seen // POISON == 1 and count >= world_size:
             return left  # all had arrived: passed (the message saying so is dropped later)
         if seen // POISON > 1:  # another rank gave up first: its verdict is everyone's
             raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
         verdict = arrival_timeout(rank, timeout, count, world_size)
-        for dst in self._others:
-            self._mailbox.send(dst, barrier_id, _FAILED, verdict.encode())
+        with self._watched(timeout):
+            for dst in self._others:
+                self._mailbox.send(dst, barrier_id, _FAILED, verdict.encode())
         raise BarrierTimeout(f"barrier {barrier_id} failed on rank {rank}: {verdict}")
 
     def _verdict_of_others(self, barrier_id: int, timeout: float) -> str:

@@ -17,6 +17,7 @@ from torch.distributed import TCPStore
 
 from bridge_py.distributed.errors import StoreError
 from bridge_py.distributed.store.quiet import QUIET
+from bridge_py.distributed.store.watchdog import watched
 
 __all__ = ["connect_client", "first_line", "format_address"]
 
@@ -94,7 +95,7 @@ def connect_client(
     _await_listener(host, port, deadline, wait_for_server)
     left = max(deadline - time.monotonic(), 0.001)
     try:
-        with QUIET:
+        with QUIET, watched((host, port), deadline):  # its handshake reads without a bound
             return TCPStore(
                 host,
                 port,

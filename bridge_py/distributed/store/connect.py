@@ -25,6 +25,7 @@ from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.requests import StoreRequest
 from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter
+from bridge_py.distributed.store.watchdog import watched
 
 __all__ = [
     "StoreError",
@@ -216,7 +217,8 @@ def join_group(
     that joins late must still find them.
     """
     at = f" at {address}"
-    with StoreRequest("the join", rank, _JOIN_COUNT, "counting in", at=at):
+    until = time.monotonic() + timeout if deadline is None else deadline
+    with StoreRequest("the join", rank, _JOIN_COUNT, "counting in", at=at), watched(store, until):
         joined = store.add(_JOIN_COUNT, 1)
     if joined == world_size:
         with StoreRequest("the join", rank, _JOIN_DONE, at=at):

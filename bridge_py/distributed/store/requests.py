@@ -17,8 +17,8 @@ gets the operation, rank and key too.
 from __future__ import annotations
 
 from bridge_py.distributed.errors import DistributedError, StoreError
-from bridge_py.distributed.store.client import first_line
 from bridge_py.distributed.store.quiet import QUIET
+from bridge_py.distributed.store.watchdog import why_lost
 
 __all__ = ["MAX_VALUE_BYTES", "StoreRequest", "check_value"]
 
@@ -68,5 +68,5 @@ class StoreRequest:
         ):
             raise StoreError(
                 f"{self._op} on rank {self._rank} lost the store{self._at} while {self._doing} "
-                f"{self._key!r} (did rank 0, which serves the store, exit?): {first_line(exc)}"
+                f"{self._key!r} {why_lost(exc)}"
             ) from exc

@@ -27,6 +27,7 @@ from torch.distributed import DistStoreError, QueueEmptyError, Store, TCPStore
 from bridge_py.distributed.errors import is_store_timeout
 from bridge_py.distributed.store.client import connect_client
 from bridge_py.distributed.store.torch_api import clone, timeout_of, uses_libuv
+from bridge_py.distributed.store.watchdog import watched
 
 __all__ = ["BoundedWaiter", "pop_before"]
 
@@ -81,7 +82,7 @@ class BoundedWaiter:
 
     def _bounded(self, keys: Sequence[str], timeout: float, fetch: bool) -> list[bytes] | None:
         deadline = time.monotonic() + max(timeout, 0.001)
-        with self._lock:
+        with self._lock, watched(self._store, deadline):
             try:
                 opened = self._connection
                 connection = self._open(deadline)
@@ -119,17 +120,18 @@ def pop_before(store: Store, queue: str, deadline: float) -> bytes | None:
     """
     original = timeout_of(store)
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            store.set_timeout(datetime.timedelta(seconds=left))
-            try:
-                return store.queue_pop(queue)
-            except QueueEmptyError:
-                continue
-            except RuntimeError as exc:
-                if not is_store_timeout(exc):
-                    raise
+        with watched(store, deadline):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                store.set_timeout(datetime.timedelta(seconds=left))
+                try:
+                    return store.queue_pop(queue)
+                except QueueEmptyError:
+                    continue
+                except RuntimeError as exc:
+                    if not is_store_timeout(exc):
+                        raise
     finally:
         store.set_timeout(original)

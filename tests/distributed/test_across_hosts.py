@@ -1,0 +1,94 @@
+"""StatelessProcessGroup across two hosts (namespaces the test makes: ``tests.hosts``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.store.watchdog import GRACE
+from tests.distributed.harness import free_port
+from tests.hosts import hosts
+
+pytestmark = pytest.mark.timeout(170)
+
+
+def _every_operation(address: str, port: int, rank: int, wire: str) -> dict[str, Any]:
+    group = StatelessProcessGroup.create(address, port, rank, 4, store_timeout=60, wire=wire)
+    for src in range(4):
+        assert group.broadcast_obj({"from": src} if rank == src else None, src) == {"from": src}
+    assert group.all_gather_obj(rank * 10) == [0, 10, 20, 30]
+    group.send_obj(f"to {(rank + 1) % 4}", dst=(rank + 1) % 4)
+    assert group.recv_obj((rank - 1) % 4) == f"to {rank}"
+    big = torch.full((1024, 1024), float(rank), dtype=torch.float32)  # 4 MiB
+    for src in (0, 3):
+        got = group.broadcast(big.clone() if rank == src else torch.empty_like(big), src)
+        assert torch.equal(got, torch.full_like(big, float(src)))
+    assert torch.equal(group.all_reduce(torch.ones(3) * rank), torch.full((3,), 6.0))
+    group.barrier(timeout=30)
+    local = group._store_transport.local if wire == "bridge" else None
+    group.barrier(timeout=30)
+    return {"host": socket.gethostname(), "local": local}
+
+
+@pytest.mark.parametrize("wire", ["bridge", "vllm"])
+def test_four_ranks_on_two_hosts_run_every_operation(wire: str) -> None:
+    with hosts(2) as (a, b):
+        port = free_port()
+        ranks = [
+            (a if rank < 2 else b).start(_every_operation, a.address, port, rank, wire)
+            for rank in range(4)
+        ]
+        results = [rank.result(120) for rank in ranks]
+    assert [r["host"] for r in results] == ["host0", "host0", "host1", "host1"]
+    if wire == "bridge":  # shared memory between the ranks of one host only
+        assert [r["local"] for r in results] == [
+            [True, True, False, False],
+            [True, True, False, False],
+            [False, False, True, True],
+            [False, False, True, True],
+        ]
+
+
+def _barriers_until_failure(address: str, port: int, rank: int, ready: str) -> dict[str, Any]:
+    group = StatelessProcessGroup.create(address, port, rank, 4, store_timeout=20)
+    done, last = 0, time.monotonic()
+    try:
+        while True:
+            group.barrier(timeout=5)
+            done, last = done + 1, time.monotonic()
+            if done == 3:
+                Path(f"{ready}.{rank}").touch()
+
+    except Exception as exc:
+        return {"barriers": done, "after": time.monotonic() - last, "error": repr(exc)}
+
+
+def _when_all(paths: list[Path], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, [p.name for p in paths if not p.exists()]
+        time.sleep(0.05)
+
+
+def test_a_link_cut_during_barriers_fails_every_rank_within_the_timeout(tmp_path: Path) -> None:
+    ready = str(tmp_path / "ready")
+    with hosts(2) as (a, b):
+        port = free_port()
+        ranks = [
+            (a if rank < 2 else b).start(_barriers_until_failure, a.address, port, rank, ready)
+            for rank in range(4)
+        ]
+        _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
+        a.set_link(False)
+        results = [rank.result(60) for rank in ranks]
+    for rank, result in enumerate(results):  # each within its timeout and the grace
+        assert result["barriers"] > 0, result
+        assert result["after"] < 5 + GRACE + 3, (rank, result)
+    for result in results[2:]:  # the side that cannot see the store says why
+        assert "it stopped answering" in result["error"], result

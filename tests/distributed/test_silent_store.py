@@ -1,0 +1,79 @@
+"""Waits that end on time when the store's host goes silent: it accepts connections (or
+holds them) but never answers. Whatever torch's store client does underneath (its
+handshake, the cancel of a wait that gave up), our calls end at their timeout plus the
+watchdog's grace, with our errors (``store.watchdog``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge_py.distributed import StatelessProcessGroup
+from bridge_py.distributed.errors import DistributedError, StoreError
+from bridge_py.distributed.store.watchdog import GRACE
+from tests.distributed.harness import free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+BOUND = GRACE + 2.0  # what a wait may take past its timeout here (a loaded machine)
+
+
+def test_create_ends_when_the_store_accepts_and_never_answers() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(StoreError) as failed:
+            StatelessProcessGroup.create("127.0.0.1", port, 1, 2, store_timeout=3)
+        took = time.monotonic() - start
+    assert took < 3 + BOUND, took
+    assert f"127.0.0.1:{port}" in str(failed.value)
+
+
+def _serve(port: int, ready: str) -> None:
+    """Rank 0 of a group on the store path, as between machines; then idle (to be frozen)."""
+    os.environ["VLLM_BRIDGE_SPG_SHM"] = "0"
+    group = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, store_timeout=60)
+    group.barrier(timeout=30)
+    Path(ready).touch()
+    time.sleep(120)
+
+
+def _wait_on_frozen_host(rank: int, port: int, ready: str, host: int, op: str) -> list[Any]:
+    os.environ["VLLM_BRIDGE_SPG_SHM"] = "0"
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60)
+    group.barrier(timeout=30)
+    while not Path(ready).exists():
+        time.sleep(0.01)
+    os.kill(host, signal.SIGSTOP)  # the store's host freezes
+    start = time.monotonic()
+    try:
+        if op == "recv_obj":
+            group.recv_obj(0, timeout=3)
+        else:
+            group.barrier(timeout=3)
+    except DistributedError as exc:
+        return [f"{type(exc).__name__}: {exc}", time.monotonic() - start]
+    raise AssertionError(f"{op} returned while rank 0 was frozen")
+
+
+@pytest.mark.parametrize("op", ["recv_obj", "barrier"])
+def test_a_wait_ends_on_time_when_the_store_host_freezes(tmp_path: Path, op: str) -> None:
+    ready, port = str(tmp_path / "ready"), free_port()
+    script = f"from tests.distributed.test_silent_store import _serve; _serve({port}, {ready!r})"
+    host = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        args = (port, ready, host.pid, op)
+        error, took = run_ranks(_wait_on_frozen_host, 2, *args, timeout=60, ranks=[1])[0]
+    finally:
+        host.kill()
+        host.wait(10)
+    assert took < 3 + BOUND, (took, error)
+    assert "rank 1" in error and "it stopped answering" in error, error
