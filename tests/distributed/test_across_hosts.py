@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -92,3 +93,59 @@ def test_a_link_cut_during_barriers_fails_every_rank_within_the_timeout(tmp_path
         assert result["after"] < 5 + GRACE + 3, (rank, result)
     for result in results[2:]:  # the side that cannot see the store says why
         assert "it stopped answering" in result["error"], result
+
+
+def _coordinator(address: str, port: int, rank: int, interface: str) -> dict[str, Any]:
+    """The world group over gloo across the two hosts, and a MessageQueue whose readers
+    are on both (rank 1 beside the writer, ranks 2 and 3 on the other host)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo's own addresses: on the link
+    from bridge_py.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(
+        world_size=4,
+        rank=rank,
+        distributed_init_method=f"tcp://{address}:{port}",
+        local_rank=rank % 2,
+        backend="gloo",
+    )
+    world = ps.get_world_group()
+    total = world.all_reduce(torch.ones(2) * rank)
+    gathered = world.all_gather(torch.tensor([float(rank)]), dim=0)
+    sent = world.broadcast(torch.full((3,), float(rank)), src=3)
+    same = ps.in_the_same_node_as(world.cpu_group, source_rank=0)
+    nodes = ps._node_count(world.cpu_group)
+    queue = world.create_mq_broadcaster(writer_rank=0)
+    got = queue.broadcast_object({"step": 7} if rank == 0 else None)
+    if rank == 0:
+        queue.enqueue(["to", "all"])
+        dequeued = None
+    else:
+        dequeued = queue.dequeue(timeout=30)
+    remote = queue.n_remote_reader if rank == 0 else None
+    world.barrier()
+    ps.destroy_distributed_environment()
+    return {
+        "sums": [total.tolist(), gathered.tolist(), sent.tolist()],
+        "same": same,
+        "nodes": nodes,
+        "queue": [got, dequeued, remote],
+    }
+
+
+def test_the_world_group_and_a_message_queue_span_two_hosts() -> None:
+    with hosts(2) as (a, b):
+        port = free_port()
+        ranks = [
+            (a if r < 2 else b).start(
+                _coordinator, a.address, port, r, (a if r < 2 else b).interface
+            )
+            for r in range(4)
+        ]
+        results = [rank.result(120) for rank in ranks]
+    for rank, result in enumerate(results):
+        assert result["sums"] == [[6.0, 6.0], [0.0, 1.0, 2.0, 3.0], [3.0, 3.0, 3.0]], result
+        assert result["same"] == [True, True, False, False], (rank, result)
+        assert result["nodes"] == 2, result
+        got, dequeued, _ = result["queue"]
+        assert got == {"step": 7} and dequeued == (None if rank == 0 else ["to", "all"])
+    assert results[0]["queue"][2] == 2  # ranks 2 and 3 read over TCP

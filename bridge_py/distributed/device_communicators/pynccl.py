@@ -77,6 +77,7 @@ from bridge_py.distributed.groups.torch_group import (
     _assemble,
     forget_rendezvous,
     stateless_destroy_torch_distributed_process_group,
+    store_of,
 )
 from bridge_py.distributed.groups.work import finish
 from bridge_py.distributed.spg.group import StatelessProcessGroup, validate_rank
@@ -102,19 +103,6 @@ def _as_device(device: int | str | torch.device) -> torch.device:
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as flat bytes (exact for every dtype, on every backend)."""
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def _store_of(group: ProcessGroup | StatelessProcessGroup) -> dist.Store:
-    if not isinstance(group, ProcessGroup):
-        return group.store
-    get = getattr(group, "get_group_store", None)
-    if get is not None:
-        return get()
-    from torch.distributed.distributed_c10d import _world  # torch before get_group_store
-
-    if group in _world.pg_map:
-        return _world.pg_map[group][1]
-    raise ValueError("this torch cannot tell the store of a group it did not register")
 
 
 def _on_vllm_wire(group: ProcessGroup | StatelessProcessGroup) -> bool:
@@ -278,7 +266,7 @@ class PyNcclCommunicator(CommunicatorChecks):
         store (under the communicator's own prefix) its rendezvous used."""
         self._require_cuda(cpu)
         backend = Backend("gloo" if cpu else "nccl")
-        store = PrefixStore(f"pynccl/{_agreed_token(group, self.rank)}/", _store_of(group))
+        store = PrefixStore(f"pynccl/{_agreed_token(group, self.rank)}/", store_of(group))
         timeout = _get_default_timeout(backend)
         # (_assemble only wraps the store in another PrefixStore: any store does.)
         pg = _assemble(cast(TCPStore, store), self.rank, self.world_size, backend, timeout)

@@ -46,11 +46,16 @@ from typing import Any
 
 from bridge_py.deadline import clamp_until
 from bridge_py.distributed.auth import AuthKey, open_object, resolve_key, seal_object
-from bridge_py.distributed.device_communicators.shm_remote import RemotePublisher, RemoteSubscriber
+from bridge_py.distributed.device_communicators.shm_remote import (
+    RemotePublisher,
+    RemoteSubscriber,
+    address_toward,
+)
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK_HEADER_BYTES, ShmRingBuffer
 from bridge_py.distributed.errors import PeerGoneError, SharedMemoryError, StateError
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
+from bridge_py.distributed.groups.torch_group import store_of
 from bridge_py.distributed.shm.wait import deadline_after
 
 __all__ = ["Handle", "MessageQueue", "PeerGoneError", "ShmRingBuffer"]
@@ -95,6 +100,14 @@ class _Incoming:
     total: int
     data: bytearray = dataclasses.field(default_factory=bytearray)
     part: int = 0
+
+
+def _address_toward_store(pg: Any) -> str | None:
+    """The writer's address toward the store of ``pg`` (or of its ``cpu_group``), if any."""
+    try:
+        return address_toward(store_of(getattr(pg, "cpu_group", pg)))
+    except (ValueError, AttributeError):
+        return None
 
 
 def _handle_context(writer_rank: int) -> str:
@@ -533,7 +546,9 @@ class MessageQueue:
         A collective over ``pg`` (a StatelessProcessGroup, a torch ProcessGroup with a CPU
         backend, or anything with a ``cpu_group``): group rank ``writer_rank`` becomes the
         writer, every other rank a reader, local if it shares the writer's shared memory,
-        else remote (over TCP to ``connect_ip``). The writer's handle is broadcast over
+        else remote (over TCP to ``connect_ip``; default: ``$VLLM_HOST_IP``, else the
+        writer's address on the route to the group's store, which the other hosts reach,
+        else 127.0.0.1). The writer's handle is broadcast over
         ``pg``. With ``blocking`` every rank also calls :meth:`wait_until_ready`.
         ``auth_key`` (None: ``$VLLM_BRIDGE_AUTH_KEY`` if set) authenticates the handle and
         every message; all ranks must give the same key. The operator's policy refuses a
@@ -558,6 +573,8 @@ class MessageQueue:
         if group.rank == writer_rank:
             if not external:
                 readers = [rank for rank in range(group.world_size) if rank != writer_rank]
+                if not all(local) and connect_ip is None and not os.environ.get("VLLM_HOST_IP"):
+                    connect_ip = _address_toward_store(pg)
                 queue = MessageQueue(
                     n_reader=len(readers),
                     n_local_reader=sum(local[rank] for rank in readers),

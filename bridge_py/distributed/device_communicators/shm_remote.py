@@ -24,6 +24,8 @@ import select
 import socket
 import struct
 
+from torch.distributed import PrefixStore, Store, TCPStore
+
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
 from bridge_py.distributed.errors import DistributedError, PeerGoneError
 from bridge_py.distributed.shm.wait import Cancel, wait_until
@@ -33,10 +35,29 @@ __all__ = [
     "READY",
     "RemotePublisher",
     "RemoteSubscriber",
+    "address_toward",
     "parse_tcp_address",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def address_toward(store: Store) -> str | None:
+    """This host's address on the route to ``store``'s host (a TCPStore, also under a
+    PrefixStore): the one other hosts reach it by as well. A UDP socket connected toward
+    the store tells, sending nothing. None for another store, or no route."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, TCPStore):
+        return None
+    try:
+        infos = socket.getaddrinfo(store.host, store.port, type=socket.SOCK_DGRAM)
+        with socket.socket(infos[0][0], socket.SOCK_DGRAM) as probe:
+            probe.connect(infos[0][4])
+            return str(probe.getsockname()[0])
+    except (OSError, IndexError):
+        return None
+
 
 _HELLO = struct.Struct("!4s16sI")  # magic, queue token, reader rank
 _HELLO_MAGIC = b"VBMR"

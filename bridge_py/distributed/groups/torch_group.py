@@ -16,7 +16,7 @@ import datetime
 import socket
 import time
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
@@ -31,6 +31,7 @@ __all__ = [
     "forget_rendezvous",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
+    "store_of",
 ]
 
 
@@ -81,6 +82,21 @@ def _assemble(
     backend_obj._set_sequence_number_for_group()
     pg._register_backend(device, backend_type, backend_obj)
     return pg
+
+
+def store_of(group: Any) -> Store:
+    """The store behind ``group``: a StatelessProcessGroup's own, or the one a torch
+    ProcessGroup was made on (ValueError when this torch cannot tell)."""
+    if not isinstance(group, ProcessGroup):
+        return cast(Store, group.store)
+    get = getattr(group, "get_group_store", None)
+    if get is not None:
+        return cast(Store, get())
+    from torch.distributed.distributed_c10d import _world  # torch before get_group_store
+
+    if group in _world.pg_map:
+        return _world.pg_map[group][1]
+    raise ValueError("this torch cannot tell the store of a group it did not register")
 
 
 def forget_rendezvous(store: Store, rank: int) -> None:
