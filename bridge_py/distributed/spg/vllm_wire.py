@@ -23,9 +23,9 @@ the values it does, and advances the same counters:
 Where the wire leaves room, it does better than vLLM's class: every wait is bounded by the
 caller's ``timeout`` (a barrier's own, else the store's) and deadline, and fails with our
 errors naming this rank, the peer and the key; a receive that times out leaves its counter
-where it was, so the next call waits for the same value; a received object's key is deleted
-by its receiver (vLLM's stay until the sender expires them); and a barrier's keys go off
-rank 0's path. No auth key can be used: vLLM's ranks could not check it.
+where it was, so the next call waits for the same value; and a received object's key is
+deleted by its receiver (vLLM's stay until the sender expires them). No auth key can be
+used: vLLM's ranks could not check it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from bridge_py.distributed.errors import (
 from bridge_py.distributed.spg import tensors
 from bridge_py.distributed.spg.common import lost, timed_out
 from bridge_py.distributed.store.quiet import QUIET
-from bridge_py.distributed.store.reaper import KeyReaper
 from bridge_py.distributed.store.requests import StoreRequest
 from bridge_py.distributed.store.torch_api import set_bytes, timeout_of
 from bridge_py.distributed.store.waiting import BoundedWaiter
@@ -116,7 +115,6 @@ class VllmWire:
         self.world_size = world_size
         self._others = [r for r in range(world_size) if r != rank]
         self._waiter = BoundedWaiter(store)
-        self._reaper = KeyReaper(store)
 
     def limit(self, timeout: float | None) -> float:
         """``timeout`` (None: the store's), checked to be a positive number of seconds,
@@ -153,6 +151,12 @@ class VllmWire:
         what = f"key {keys_missing[0]!r}" if len(keys_missing) == 1 else f"keys {keys_missing}"
         raise timed_out(op, self.rank, what, whom, start, timeout)
 
+    def _delete(self, keys: list[str], op: str) -> None:
+        """Delete ``keys``, as vLLM's barrier deletes its keys (one request each)."""
+        for key in keys:
+            with StoreRequest(op, self.rank, key, "deleting"):
+                self.store.delete_key(key)
+
     def _exists(self, key: str) -> bool:
         with StoreRequest("a timed-out wait", self.rank, key, "checking"):
             return bool(self.store.check([key]))
@@ -172,7 +176,7 @@ class VllmWire:
         key = f"{kind}/{self.rank}/{group.recv_src_counter[src]}"
         data = self._get(op, [key], [src], self.limit(timeout))[0]
         group.recv_src_counter[src] += 1  # received: consumed, whether or not it loads
-        self._reaper.delete([key])
+        self._delete([key], op)
         return vllm_pickle.loads(data, f"the value {key!r} from rank {src}")
 
     # --- collectives --------------------------------------------------------------------
@@ -240,7 +244,7 @@ class VllmWire:
         self._barrier_phase(arrivals, timeout, "1 (arrival)", wait=True)
         self._barrier_phase(departures, timeout, "2 (departure)", wait=self.rank == 0)
         if self.rank == 0:
-            self._reaper.delete(arrivals + departures)
+            self._delete(arrivals + departures, "barrier")
 
     def _barrier_id(self, group: GroupState, timeout: float) -> str:
         try:
