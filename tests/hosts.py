@@ -10,7 +10,7 @@ different hosts share no shared memory, no host name and no PIDs, as on two mach
 ``host.start(target, *args)`` runs ``target(*args)`` (a module-level function, arguments
 and result JSON) in a fresh Python process inside every namespace of the host; ``.result()``
 waits for it. ``host.set_link(False)`` cuts the link at that host's end (``True``: restores
-it). On leaving the block
+it); ``host.remove()`` makes the host vanish. On leaving the block
 every process is killed and the namespaces are deleted; nothing the test made stays.
 
 Where the machine cannot make namespaces (not root, no ``ip`` or ``unshare``), tests that
@@ -146,6 +146,13 @@ class Host:
     def set_link(self, up: bool) -> None:
         """Bring this host's end of the link up or down."""
         _ip("-n", self.netns, "link", "set", self.interface, "up" if up else "down")
+
+    def remove(self) -> None:
+        """The host vanishes: its processes are killed and its network namespace deleted
+        (with its end of the link, and so the other end)."""
+        self.close()
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("netns", "del", self.netns)
 
     def close(self) -> None:
         """Kill every process of the host, then its init; its namespaces go with them."""

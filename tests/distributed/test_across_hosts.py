@@ -101,6 +101,24 @@ def test_a_link_cut_fails_every_rank_within_the_timeout(tmp_path: Path, op: str)
         assert "it stopped answering" in result["error"], result
 
 
+def test_the_store_host_vanishing_fails_the_other_hosts_ranks_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    ready = str(tmp_path / "ready")
+    with hosts(2) as (a, b):
+        port = free_port()
+        ranks = [
+            (a if rank < 2 else b).start(_until_failure, a.address, port, rank, ready, "barrier")
+            for rank in range(4)
+        ]
+        _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
+        a.remove()  # ranks 0 and 1, the store with them, and the link: gone
+        results = [rank.result(60) for rank in ranks[2:]]
+    for result in results:
+        assert result["done"] >= 3 and result["after"] < 5 + GRACE + 3, result
+        assert "Barrier" in result["error"], result
+
+
 def _coordinator(address: str, port: int, rank: int, interface: str) -> dict[str, Any]:
     """The world group over gloo across the two hosts, and a MessageQueue whose readers
     are on both (rank 1 beside the writer, ranks 2 and 3 on the other host)."""
