@@ -94,7 +94,9 @@ defmodule Vllm.Distributed.MessageQueue do
   A collective over `pg` (a StatelessProcessGroup, a torch ProcessGroup with a CPU
   backend, or anything with a `cpu_group`): group rank `writer_rank` becomes the
   writer, every other rank a reader, local if it shares the writer's shared memory,
-  else remote (over TCP to `connect_ip`). The writer's handle is broadcast over
+  else remote (over TCP to `connect_ip`; default: `$VLLM_HOST_IP`, else the
+  writer's address on the route to the group's store, which the other hosts reach,
+  else 127.0.0.1). The writer's handle is broadcast over
   `pg`. With `blocking` every rank also calls `wait_until_ready/3`.
   `auth_key` (None: `$VLLM_BRIDGE_AUTH_KEY` if set) authenticates the handle and
   every message; all ranks must give the same key. The operator's policy refuses a
