@@ -173,3 +173,44 @@ def test_the_world_group_and_a_message_queue_span_two_hosts() -> None:
         got, dequeued, _ = result["queue"]
         assert got == {"step": 7} and dequeued == (None if rank == 0 else ["to", "all"])
     assert results[0]["queue"][2] == 2  # ranks 2 and 3 read over TCP
+
+
+def _dequeue_until_failure(address: str, port: int, rank: int, ready: str) -> dict[str, Any]:
+    """A queue written by rank 0 (host 0), read by ranks 1 (beside it), 2 and 3 (host 1);
+    the writer sends a message a second, the readers dequeue (5 s each) until one fails."""
+    from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    group = StatelessProcessGroup.create(address, port, rank, 4, store_timeout=20)
+    queue = MessageQueue.create_from_process_group(group, 1 << 20, 4, writer_rank=0)
+    done, last = 0, time.monotonic()
+    try:
+        while True:
+            if rank == 0:
+                queue.enqueue(done, timeout=5)
+                time.sleep(0.2)
+            else:
+                assert queue.dequeue(timeout=5) == done
+            done, last = done + 1, time.monotonic()
+            if done == 3:
+                Path(f"{ready}.{rank}").touch()
+            if rank == 0 and done == 60:  # the writer stops; its readers wait
+                time.sleep(30)
+                return {"done": done, "after": 0.0, "error": ""}
+    except Exception as exc:
+        return {"done": done, "after": time.monotonic() - last, "error": repr(exc)}
+
+
+def test_a_link_cut_fails_a_remote_readers_dequeue_within_its_timeout(tmp_path: Path) -> None:
+    ready = str(tmp_path / "ready")
+    with hosts(2) as (a, b):
+        port = free_port()
+        ranks = [
+            (a if rank < 2 else b).start(_dequeue_until_failure, a.address, port, rank, ready)
+            for rank in range(4)
+        ]
+        _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
+        a.set_link(False)
+        results = [rank.result(60) for rank in ranks[2:]]
+    for result in results:  # the readers across the cut: within the timeout and a bound
+        assert result["done"] >= 3 and result["after"] < 5 + GRACE + 3, result
+        assert "Timeout" in result["error"] or "Gone" in result["error"], result
