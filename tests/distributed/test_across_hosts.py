@@ -59,11 +59,12 @@ def test_four_ranks_on_two_hosts_run_every_operation(wire: str) -> None:
 
 def _until_failure(address: str, port: int, rank: int, ready: str, op: str) -> dict[str, Any]:
     """Run ``op`` over and over (within 5 s each) until it fails."""
-    group = StatelessProcessGroup.create(address, port, rank, 4, store_timeout=20)
+    wire = "vllm" if op.endswith("(vllm wire)") else "bridge"
+    group = StatelessProcessGroup.create(address, port, rank, 4, store_timeout=20, wire=wire)
     done, last = 0, time.monotonic()
     try:
         while True:
-            if op == "barrier":
+            if op.startswith("barrier"):
                 group.barrier(timeout=5)
             else:
                 with deadline.until(time.monotonic() + 5):  # its timeout is the caller's
@@ -82,7 +83,7 @@ def _when_all(paths: list[Path], timeout: float) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("op", ["barrier", "all_gather_obj"])
+@pytest.mark.parametrize("op", ["barrier", "all_gather_obj", "barrier (vllm wire)"])
 def test_a_link_cut_fails_every_rank_within_the_timeout(tmp_path: Path, op: str) -> None:
     ready = str(tmp_path / "ready")
     with hosts(2) as (a, b):
