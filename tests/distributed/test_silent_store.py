@@ -37,10 +37,14 @@ def test_create_ends_when_the_store_accepts_and_never_answers() -> None:
     assert f"127.0.0.1:{port}" in str(failed.value)
 
 
-def _serve(port: int, ready: str) -> None:
+def _wire(op: str) -> str:
+    return "vllm" if op.endswith("(vllm wire)") else "bridge"
+
+
+def _serve(port: int, ready: str, op: str) -> None:
     """Rank 0 of a group on the store path, as between machines; then idle (to be frozen)."""
     os.environ["VLLM_BRIDGE_SPG_SHM"] = "0"
-    group = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, store_timeout=60)
+    group = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, 1, 5, wire=_wire(op))
     group.barrier(timeout=30)
     Path(ready).touch()
     time.sleep(120)
@@ -48,8 +52,11 @@ def _serve(port: int, ready: str) -> None:
 
 def _wait_on_frozen_host(rank: int, port: int, ready: str, host: int, op: str) -> list[Any]:
     os.environ["VLLM_BRIDGE_SPG_SHM"] = "0"
-    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60)
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, 1, 5, wire=_wire(op))
     group.barrier(timeout=30)
+    if op.startswith("expire_data"):
+        group.send_obj("unread", 0)  # an entry to expire (data_expiration_seconds=1)
+        time.sleep(1.2)
     while not Path(ready).exists():
         time.sleep(0.01)
     os.kill(host, signal.SIGSTOP)  # the store's host freezes
@@ -57,17 +64,21 @@ def _wait_on_frozen_host(rank: int, port: int, ready: str, host: int, op: str) -
     try:
         if op == "recv_obj":
             group.recv_obj(0, timeout=3)
-        else:
+        elif op == "barrier":
             group.barrier(timeout=3)
+        else:  # a request with no timeout of its own: the store's (5 s) bounds it
+            group.expire_data()
     except DistributedError as exc:
         return [f"{type(exc).__name__}: {exc}", time.monotonic() - start]
     raise AssertionError(f"{op} returned while rank 0 was frozen")
 
 
-@pytest.mark.parametrize("op", ["recv_obj", "barrier"])
+@pytest.mark.parametrize("op", ["recv_obj", "barrier", "expire_data (vllm wire)"])
 def test_a_wait_ends_on_time_when_the_store_host_freezes(tmp_path: Path, op: str) -> None:
     ready, port = str(tmp_path / "ready"), free_port()
-    script = f"from tests.distributed.test_silent_store import _serve; _serve({port}, {ready!r})"
+    script = (
+        f"from tests.distributed.test_silent_store import _serve; _serve({port}, {ready!r}, {op!r})"
+    )
     host = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
     try:
         args = (port, ready, host.pid, op)
@@ -75,5 +86,5 @@ def test_a_wait_ends_on_time_when_the_store_host_freezes(tmp_path: Path, op: str
     finally:
         host.kill()
         host.wait(10)
-    assert took < 3 + BOUND, (took, error)
+    assert took < (5 if op.startswith("expire") else 3) + BOUND, (took, error)
     assert "rank 1" in error and "it stopped answering" in error, error

@@ -167,7 +167,7 @@ class StoreTransport:
         (ValueError, nothing sent, when it is longer than the store takes)."""
         item = p2p.frame(seq, value)
         check_value("send_obj", self.rank, name, len(item))
-        with StoreRequest("send_obj", self.rank, name):
+        with StoreRequest("send_obj", self.rank, name, store=self.store):
             self.store.queue_push(self._outbox[dst], item)
         self.entries.append((name, time.time()))
         self.flush()
@@ -213,7 +213,7 @@ class StoreTransport:
         """Set ``key`` to ``value`` for ``op`` (a StoreError if the store is lost; ValueError,
         nothing sent, when ``value`` is longer than the store takes)."""
         check_value(op, self.rank, key, len(value))
-        with StoreRequest(op, self.rank, key):
+        with StoreRequest(op, self.rank, key, store=self.store):
             set_bytes(self.store, key, value)
 
     def broadcast_recv(
@@ -233,7 +233,9 @@ class StoreTransport:
             try:
                 payload = self.values.open(key, data, src)  # a segment is open before the ack
             finally:
-                with StoreRequest("broadcast_obj", self.rank, acks, "counting in"):
+                with StoreRequest(
+                    "broadcast_obj", self.rank, acks, "counting in", store=self.store
+                ):
                     count = self.store.add(acks, 1)
                 if count >= self.world_size - 1:
                     self._trash += (key, acks)
@@ -556,7 +558,7 @@ class StoreTransport:
             key, written = entries[0]
             if now - written <= max_age:
                 break
-            with StoreRequest("expire_data", self.rank, key, "deleting"):
+            with StoreRequest("expire_data", self.rank, key, "deleting", store=self.store):
                 if key.startswith("p2p/"):
                     src, dst, seq = (int(part) for part in key.split("/")[1:])
                     count = seq + 1 if sent is None else sent[dst]

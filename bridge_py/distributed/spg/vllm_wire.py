@@ -130,7 +130,7 @@ class VllmWire:
         """vLLM's write of one value: expire what is due, set ``key``, remember it."""
         data = vllm_pickle.dumps(value)
         group.expire_data()
-        with StoreRequest(op, self.rank, key):
+        with StoreRequest(op, self.rank, key, store=self.store):
             set_bytes(self.store, key, data)
         group.entries.append((key, time.time()))
 
@@ -154,11 +154,11 @@ class VllmWire:
     def _delete(self, keys: list[str], op: str) -> None:
         """Delete ``keys``, as vLLM's barrier deletes its keys (one request each)."""
         for key in keys:
-            with StoreRequest(op, self.rank, key, "deleting"):
+            with StoreRequest(op, self.rank, key, "deleting", store=self.store):
                 self.store.delete_key(key)
 
     def _exists(self, key: str) -> bool:
-        with StoreRequest("a timed-out wait", self.rank, key, "checking"):
+        with StoreRequest("a timed-out wait", self.rank, key, "checking", store=self.store):
             return bool(self.store.check([key]))
 
     # --- point to point -----------------------------------------------------------------
@@ -263,7 +263,7 @@ class VllmWire:
 
     def _barrier_phase(self, keys: list[str], timeout: float, phase: str, wait: bool) -> None:
         """Set this rank's key of ``keys``; then, if ``wait``, wait for all of them."""
-        with StoreRequest("barrier", self.rank, keys[self.rank]):
+        with StoreRequest("barrier", self.rank, keys[self.rank], store=self.store):
             set_bytes(self.store, keys[self.rank], b"1")
         if not wait:
             return
@@ -291,6 +291,6 @@ class VllmWire:
         entries, now = group.entries, time.time()
         while entries and now - entries[0][1] > group.data_expiration_seconds:
             key = entries[0][0]
-            with StoreRequest("expire_data", self.rank, key, "deleting"):
+            with StoreRequest("expire_data", self.rank, key, "deleting", store=self.store):
                 self.store.delete_key(key)
             entries.popleft()

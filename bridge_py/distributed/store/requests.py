@@ -16,9 +16,15 @@ gets the operation, rank and key too.
 
 from __future__ import annotations
 
+import time
+
+from torch.distributed import Store
+
+from bridge_py import deadline
 from bridge_py.distributed.errors import DistributedError, StoreError
 from bridge_py.distributed.store.quiet import QUIET
-from bridge_py.distributed.store.watchdog import why_lost
+from bridge_py.distributed.store.torch_api import timeout_of
+from bridge_py.distributed.store.watchdog import watched, why_lost
 
 __all__ = ["MAX_VALUE_BYTES", "StoreRequest", "check_value"]
 
@@ -43,25 +49,41 @@ class StoreRequest:
     """``with StoreRequest(op, rank, key, doing):`` (see the module docstring).
 
     The error reads "``op`` on rank ``rank`` lost the store``at`` while ``doing`` ``key``";
-    ``at`` (" at host:port") names the store where the caller knows it.
+    ``at`` (" at host:port") names the store where the caller knows it. With ``store``
+    the request is watched (``store.watchdog``): still unanswered past the store's
+    timeout (or the running call's deadline, if sooner), its connections are shut.
     """
 
-    __slots__ = ("_at", "_doing", "_key", "_op", "_rank")
+    __slots__ = ("_at", "_doing", "_key", "_op", "_rank", "_store", "_watch")
 
     def __init__(
-        self, op: str, rank: int, key: str, doing: str = "writing", *, at: str = ""
+        self,
+        op: str,
+        rank: int,
+        key: str,
+        doing: str = "writing",
+        *,
+        at: str = "",
+        store: Store | None = None,
     ) -> None:
         self._op = op
         self._rank = rank
         self._key = key
         self._doing = doing
         self._at = at
+        self._store = store
+        self._watch: watched | None = None
 
     def __enter__(self) -> None:
         QUIET.__enter__()
+        if self._store is not None:
+            limit = deadline.clamp(timeout_of(self._store).total_seconds())
+            self._watch = watched(self._store, time.monotonic() + limit)
 
     def __exit__(self, *info: object) -> None:  # (type, exception, traceback)
         QUIET.__exit__(None, None, None)
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
         exc = info[1]
         if isinstance(exc, RuntimeError) and (
             type(exc) is StoreError or not isinstance(exc, DistributedError)
