@@ -16,10 +16,38 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from torch.distributed import Store
+
 from bridge_py.distributed.errors import GroupTimeout, PeerGoneError, StoreError
+from bridge_py.distributed.store.torch_api import timeout_of
 from bridge_py.distributed.store.watchdog import why_lost
 
-__all__ = ["BarrierHooks", "arrival_timeout", "exited", "lost", "timed_out"]
+__all__ = [
+    "BarrierHooks",
+    "arrival_timeout",
+    "exited",
+    "lost",
+    "store_seconds",
+    "timed_out",
+    "wait_limit",
+]
+
+
+def store_seconds(store: Store) -> float:
+    """The store's timeout, in seconds (300 when it has none)."""
+    try:
+        return timeout_of(store).total_seconds()
+    except AttributeError:  # a store without a timeout of its own
+        return 300.0
+
+
+def wait_limit(store: Store, timeout: float | None) -> float:
+    """A wait's ``timeout`` (None: the store's), checked to be a positive number of
+    seconds (ValueError naming it otherwise)."""
+    limit = store_seconds(store) if timeout is None else timeout
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return limit
 
 
 def _whom(src: int | list[int]) -> str:

@@ -429,12 +429,7 @@ class StatelessProcessGroup:
         as ``recv_obj`` does (its errors name that operation).
         """
         like = tensor_codec.checked(tensor, into=True)  # before anything is received
-        received = self._recv(src, timeout, like)
-        if self._vllm is not None and not isinstance(received, torch.Tensor):
-            raise CollectiveMismatchError(
-                f"recv on rank {self.rank}: rank {src} sent {type(received).__name__}, not a tensor"
-            )
-        return tensors.fill(tensor, received)
+        return tensors.fill(tensor, self._recv(src, timeout, like))
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType | str = ReduceOp.SUM

@@ -47,13 +47,15 @@ from bridge_py.distributed.spg.common import (
     BarrierHooks,
     arrival_timeout,
     lost,
+    store_seconds,
     timed_out,
+    wait_limit,
 )
 from bridge_py.distributed.spg.values import SharedValue, Values
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.reaper import KeyReaper
 from bridge_py.distributed.store.requests import StoreRequest, check_value
-from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes, timeout_of
+from bridge_py.distributed.store.torch_api import compare_set_bytes, set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter, pop_before
 from bridge_py.distributed.store.watchdog import watched, why_lost
 
@@ -110,17 +112,11 @@ class StoreTransport:
 
     def default_timeout(self) -> float:
         """The store's timeout, in seconds (300 when it has none)."""
-        try:
-            return timeout_of(self.store).total_seconds()
-        except AttributeError:  # a store without a timeout of its own
-            return 300.0
+        return store_seconds(self.store)
 
     def limit(self, timeout: float | None) -> float:
         """``timeout`` (None: the store's), checked to be a positive number of seconds."""
-        limit = self.default_timeout() if timeout is None else timeout
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return limit
+        return wait_limit(self.store, timeout)
 
     # --- deferred deletes -----------------------------------------------------------------
 

@@ -48,10 +48,10 @@ from bridge_py.distributed.errors import (
     GroupTimeout,
 )
 from bridge_py.distributed.spg import tensors
-from bridge_py.distributed.spg.common import lost, timed_out
+from bridge_py.distributed.spg.common import lost, timed_out, wait_limit
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.requests import StoreRequest
-from bridge_py.distributed.store.torch_api import set_bytes, timeout_of
+from bridge_py.distributed.store.torch_api import set_bytes
 from bridge_py.distributed.store.waiting import BoundedWaiter
 
 if TYPE_CHECKING:
@@ -98,8 +98,6 @@ class GroupState(Protocol):
     entries: deque[tuple[str, float]]
     data_expiration_seconds: int
 
-    def expire_data(self) -> None: ...
-
 
 class VllmWire:
     """One rank's operations on vLLM's wire (see the module docstring).
@@ -119,17 +117,14 @@ class VllmWire:
     def limit(self, timeout: float | None) -> float:
         """``timeout`` (None: the store's), checked to be a positive number of seconds,
         and clamped to the running call's deadline (``bridge_py.deadline``) if it has one."""
-        limit = timeout_of(self.store).total_seconds() if timeout is None else timeout
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return deadline.clamp(limit)
+        return deadline.clamp(wait_limit(self.store, timeout))
 
     # --- writing and waiting ------------------------------------------------------------
 
     def _put(self, group: GroupState, op: str, key: str, value: Any) -> None:
         """vLLM's write of one value: expire what is due, set ``key``, remember it."""
         data = vllm_pickle.dumps(value)
-        group.expire_data()
+        self.expire(group)
         with StoreRequest(op, self.rank, key, store=self.store):
             set_bytes(self.store, key, data)
         group.entries.append((key, time.time()))
@@ -170,14 +165,20 @@ class VllmWire:
         group.send_dst_counter[dst] += 1
 
     def recv(self, group: GroupState, kind: str, src: int, timeout: float | None) -> Any:
-        """``recv_obj`` (``kind`` "send_to") or ``recv``'s value from ``src``; its key is
-        deleted once read (only this rank reads it)."""
+        """``recv_obj`` (``kind`` "send_to") or ``recv``'s value from ``src`` (for ``recv``
+        a tensor, else CollectiveMismatchError); its key is deleted once read (only this
+        rank reads it)."""
         op = "recv_obj" if kind == "send_to" else "recv"
         key = f"{kind}/{self.rank}/{group.recv_src_counter[src]}"
         data = self._get(op, [key], [src], self.limit(timeout))[0]
         group.recv_src_counter[src] += 1  # received: consumed, whether or not it loads
         self._delete([key], op)
-        return vllm_pickle.loads(data, f"the value {key!r} from rank {src}")
+        value = vllm_pickle.loads(data, f"the value {key!r} from rank {src}")
+        if kind == "send_tensor" and not isinstance(value, torch.Tensor):
+            raise CollectiveMismatchError(
+                f"recv on rank {self.rank}: rank {src} sent {type(value).__name__}, not a tensor"
+            )
+        return value
 
     # --- collectives --------------------------------------------------------------------
 
