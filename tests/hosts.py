@@ -9,9 +9,11 @@ different hosts share no shared memory, no host name and no PIDs, as on two mach
 
 ``host.start(target, *args)`` runs ``target(*args)`` (a module-level function, arguments
 and result JSON) in a fresh Python process inside every namespace of the host; ``.result()``
-waits for it. ``host.set_link(False)`` cuts the link at that host's end (``True``: restores
-it); ``host.remove()`` makes the host vanish. On leaving the block
-every process is killed and the namespaces are deleted; nothing the test made stays.
+waits for it (``host.run(argv, name)``: any command). ``host.leftovers()`` lists the
+processes and /dev/shm files still on the host, for tests that check a failure left none.
+``host.set_link(False)`` cuts the link at that host's end (``True``: restores it);
+``host.remove()`` makes the host vanish. On leaving the block every process is killed and
+the namespaces are deleted; nothing the test made stays.
 
 Where the machine cannot make namespaces (not root, no ``ip`` or ``unshare``), tests that
 use this are skipped with one line saying so.
@@ -129,19 +131,37 @@ class Host:
             f"from {target.__module__} import {target.__name__} as target\n"
             "print(json.dumps(target(*json.loads(sys.argv[1]))), flush=True)\n"
         )
+        argv = [sys.executable, "-c", script, json.dumps(args)]
+        return self.run(argv, f"{target.__name__}{tuple(args)!r}")
+
+    def run(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> Process:
+        """Run ``argv`` (in the repository's root, with ``env`` added to this environment)
+        in every namespace of this host; its last line of output is its JSON result."""
         command = ["nsenter", "-t", str(self.pid), "--net", "--uts", "--mount", "--pid", "--"]
         popen = subprocess.Popen(
-            [*command, sys.executable, "-c", script, json.dumps(args)],
+            [*command, *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
             start_new_session=True,
         )
-        process = Process(popen, f"{target.__name__}{tuple(args)!r} on {self.name}")
+        process = Process(popen, f"{name} on {self.name}")
         self.processes.append(process)
         return process
+
+    def leftovers(self) -> list[str]:
+        """What is left on the host besides its init: its processes (``pid command``)
+        and the files in its /dev/shm. A host whose work ended cleanly has none."""
+        root = Path(f"/proc/{self.pid}/root")
+        left = [f"/dev/shm/{f.name}" for f in (root / "dev/shm").iterdir()]
+        for entry in (root / "proc").iterdir():
+            if entry.name.isdigit() and entry.name != "1":
+                with contextlib.suppress(OSError):
+                    command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                    left.append(f"{entry.name} {command.decode(errors='replace')[:200]}")
+        return left
 
     def set_link(self, up: bool) -> None:
         """Bring this host's end of the link up or down."""
