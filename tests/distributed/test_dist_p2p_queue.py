@@ -52,35 +52,19 @@ def test_items_out_of_turn_are_set_aside_and_stale_ones_skipped() -> None:
     assert time.monotonic() - started < 5
 
 
-def test_drop_removes_an_unreceived_message_and_keeps_a_later_one() -> None:
+def test_drop_removes_an_unreceived_message_and_keeps_later_ones_in_order() -> None:
     store = _store()
     queue = keys.p2p_queue(0, 1)
-    for seq in range(2):
+    for seq in range(4):
         store.queue_push(queue, spg_p2p.frame(seq, b"v%d" % seq))
-    spg_p2p.drop(store, queue, 0, sent=2)  # message 0 is at the front: removed
-    assert store.queue_len(queue) == 1
-    spg_p2p.drop(store, queue, 0, sent=2)  # already gone: message 1 is not touched
-    assert store.queue_len(queue) == 1
-    # The receiver takes message 1 between the length check and the pop: the later message
-    # popped instead goes back on the queue.
-    store.queue_push(queue, spg_p2p.frame(2, b"v2"))
-
-    class Racing:
-        def queue_len(self, name: str) -> int:
-            length = store.queue_len(name)
-            store.queue_pop(name, False)  # the receiver's pop
-            return length
-
-        def queue_pop(self, name: str, block: bool) -> bytes:
-            return store.queue_pop(name, block)
-
-        def queue_push(self, name: str, item: bytes) -> None:
-            store.queue_push(name, item)
-
-    spg_p2p.drop(Racing(), queue, 1, sent=3)  # type: ignore[arg-type]
-    assert store.queue_len(queue) == 1
+    spg_p2p.drop(store, queue, 0, sent=4)  # message 0 is at the front: removed
+    assert store.queue_len(queue) == 3
     inbox = spg_p2p.Inbox(store, 1, 2)
-    assert bytes(inbox.receive(0, 2, 5.0)) == b"v2"
+    assert bytes(inbox.receive(0, 1, 5.0)) == b"v1"  # received: 2 and 3 wait
+    spg_p2p.drop(store, queue, 1, sent=4)  # already gone: 2 and 3 stay, in their order
+    assert store.queue_len(queue) == 2
+    assert bytes(inbox.receive(0, 2, 5.0)) == b"v2" and not inbox._early
+    assert bytes(inbox.receive(0, 3, 5.0)) == b"v3"
 
 
 def _timeout_on_main(rank: int, port: int) -> str:

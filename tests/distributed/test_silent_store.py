@@ -73,7 +73,7 @@ def _wait_on_frozen_host(rank: int, port: int, ready: str, host: int, op: str) -
     raise AssertionError(f"{op} returned while rank 0 was frozen")
 
 
-@pytest.mark.parametrize("op", ["recv_obj", "barrier", "expire_data (vllm wire)"])
+@pytest.mark.parametrize("op", ["recv_obj", "barrier", "expire_data", "expire_data (vllm wire)"])
 def test_a_wait_ends_on_time_when_the_store_host_freezes(tmp_path: Path, op: str) -> None:
     ready, port = str(tmp_path / "ready"), free_port()
     script = (

@@ -14,7 +14,7 @@ Between ranks of one node without an auth key, messages go through the shared-me
 ``board`` instead, and take these queues only when a ring slot is busy or too small.
 
 Messages are received in order. An item numbered below the expected one is stale (its sender
-expired it while it was being popped, see :meth:`Inbox.drop`) and is skipped; one above it is
+expired it while it was being popped, see :func:`drop`) and is skipped; one above it is
 kept aside until its turn. Queues are not keys: they do not show in ``num_keys``/``list_keys``
 and an empty one is just a name in the server.
 """
@@ -154,14 +154,24 @@ def drop(store: Store, queue: str, seq: int, sent: int) -> None:
     """Remove message ``seq`` (of ``sent`` so far) from ``queue`` if it is still there.
 
     For ``expire_data``: messages are expired oldest first, so an unreceived ``seq`` is at the
-    front of the queue. If ``dst`` pops it meanwhile, the pop here takes a later message,
-    which goes back on the queue (the receiver sets aside what arrives before its turn).
+    front of the queue, and a later message there means ``seq`` was received: that message
+    and those behind it (at most the ``sent - seq - 1`` sent after ``seq``) are popped and
+    pushed back in order, so the receiver still finds them in turn (one it pops meanwhile is
+    set aside until its turn). Only pops and pushes: torch's ``queue_len`` holds the GIL while
+    it waits for the server, so on a silent store it would stop the watchdog that ends this
+    request (``store.watchdog``) along with every other thread.
     """
-    if seq < sent - store.queue_len(queue):
-        return  # received already
     try:
         item = store.queue_pop(queue, False)
     except QueueEmptyError:
         return
-    if unframe(item)[0] > seq:
+    if unframe(item)[0] <= seq:
+        return  # unreceived: dropped
+    later = [item]
+    while len(later) < sent - seq - 1:
+        try:
+            later.append(store.queue_pop(queue, False))
+        except QueueEmptyError:
+            break
+    for item in later:
         store.queue_push(queue, item)
