@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bridge_py.distributed import StatelessProcessGroup
-from tests.distributed.harness import free_port, late_barrier, run_ranks
+from tests.distributed.harness import TRANSPORTS, free_port, late_barrier, run_ranks, use_transport
 
 TIMEOUT = 1.0
 
 
-def _absent_rank(rank: int, port: int) -> dict:
+def _absent_rank(rank: int, port: int, transport: str) -> dict:
+    use_transport(transport)
     # store_timeout is large: the barrier must be bounded by its own timeout, not by this.
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=300)
     # Rank 2 misses barrier 0, then arrives late; every rank is present for the next one.
     return late_barrier(group, rank == 2, TIMEOUT + 1.0, TIMEOUT)
 
 
-def test_barrier_times_out_naming_rank_phase_and_arrivals() -> None:
-    results = run_ranks(_absent_rank, 3, free_port())
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_barrier_times_out_naming_rank_phase_and_the_missing_rank(transport: str) -> None:
+    results = run_ranks(_absent_rank, 3, free_port(), transport)
     for rank in (0, 1):
         error = results[rank]["error"]
         assert results[rank]["elapsed"] < TIMEOUT + 1.0, results[rank]
         assert f"failed on rank {rank}" in error
         assert "phase 1 (arrival)" in error
-        assert "2 of 3 ranks arrived" in error
+        assert "2 of 3 ranks arrived, rank 2 did not" in error
     # The late rank learns the same outcome at once instead of passing a barrier the others
     # gave up on, so all ranks agree and number their next barrier alike.
     late = results[2]

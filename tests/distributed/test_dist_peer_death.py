@@ -52,7 +52,7 @@ def _join_then_die(rank: int, world_size: int, port: int, how: str, transport: s
     use_transport(transport)
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=60)
     if how == "arrive_then_kill":  # dies inside barrier 0, having arrived first in phase 1
-        group.store.add(keys.barrier_arrivals(0), 1)
+        group.store.add(keys.barrier_arrivals(0), 1 << rank)  # its bit
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "kill_later":  # rank 0 serves the store: let the others start waiting first
         time.sleep(1.0)

@@ -106,12 +106,19 @@ def lost(op: str, rank: int, what: str, src: int, start: float, exc: Exception) 
     )
 
 
-def arrival_timeout(rank: int, timeout: float, arrived: int, world_size: int) -> str:
-    """The verdict of a rank that gave up waiting for the others to arrive at a barrier."""
-    return (
+def arrival_timeout(
+    rank: int, timeout: float, arrived: int, world_size: int, missing: list[int] | None
+) -> str:
+    """The verdict of a rank that gave up waiting for the others to arrive at a barrier;
+    ``missing``: the ranks that did not arrive, where the transport knows them."""
+    verdict = (
         f"rank {rank} timed out after {timeout:g} s in phase 1 (arrival): "
         f"{arrived} of {world_size} ranks arrived"
     )
+    if missing:
+        whom = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        verdict += f", {whom} did not"
+    return verdict
 
 
 class BarrierHooks(NamedTuple):

@@ -442,7 +442,7 @@ class ShmTransport:
                 pace=DOORBELL,
             )
         except GroupTimeout:
-            verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size)
+            verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size, missing)
             outcome, settled_verdict = board.decide(barrier_id, FAILED, verdict)
             # A timeout only where this rank's own settled it: when another rank's
             # verdict came first, this rank fails with it, as over the store.

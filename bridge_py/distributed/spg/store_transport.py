@@ -90,6 +90,12 @@ class StoreTransport:
         self.entries = entries
         self.locate(local if local is not None else [False] * world_size)
         self._others = [r for r in range(world_size) if r != rank]
+        # What this rank adds to a barrier's ``arrivals``, and its value once all arrived:
+        # a bit per rank where they fit below POISON (a timeout can then say who is
+        # missing), else a count.
+        named = world_size <= _NAMED_ARRIVALS
+        self._arrive_by = 1 << rank if named else 1
+        self._all_in = (1 << world_size) - 1 if named else world_size
         self._outbox = [keys.p2p_queue(rank, dst) for dst in range(world_size)]
         self.inbox = p2p.Inbox(store, rank, world_size)
         self._mailbox = Mailbox(store, rank)
@@ -407,14 +413,15 @@ class StoreTransport:
         one key, the counter ``arrivals`` (:func:`keys.barrier_arrivals`), and the ranks'
         barrier queues (:class:`Mailbox`) for messages tagged with ``n``:
 
-        1. arrive: each rank ``add``s 1 to ``arrivals``. The rank that brings it to
-           ``world_size`` knows that all ranks arrived and tells every other rank so
-           (``queue_push``: no reply to wait for); the others pop their queue, waiting at
-           most ``timeout`` seconds. A rank that times out adds :data:`POISON` to
-           ``arrivals`` and pushes its verdict ("rank r timed out ... k of N ranks
-           arrived") to every other rank: a rank that arrives later sees the poison in its
-           own ``add`` and fails with that verdict, so all ranks pass or all fail. (A rank
-           whose poison finds that all ranks had arrived, the last one just in time, passes.)
+        1. arrive: each rank ``add``s its bit, ``1 << rank``, to ``arrivals`` (1 in
+           groups of more than 32 ranks). The rank that completes it knows that all ranks
+           arrived and tells every other rank so (``queue_push``: no reply to wait for);
+           the others pop their queue, waiting at most ``timeout`` seconds. A rank that
+           times out adds :data:`POISON` to ``arrivals`` and pushes its verdict ("rank r
+           timed out ... k of N ranks arrived, ranks [..] did not") to every other rank:
+           a rank that arrives later sees the poison in its own ``add`` and fails with that
+           verdict, so all ranks pass or all fail. (A rank whose poison finds that all
+           ranks had arrived, the last one just in time, passes.)
         2. depart: every rank other than 0, once it knows that all arrived (and has run the
            ``all_arrived`` hook), pushes "left" to rank 0 and returns (without such a hook,
            the last arrival's message to rank 0 says both).
@@ -447,15 +454,15 @@ class StoreTransport:
         # timeout, whatever torch's client does.
         try:
             with self._watched(timeout):
-                arrived = self.store.add(arrivals, 1)
+                arrived = self.store.add(arrivals, self._arrive_by)
             # With nothing to do once all arrived, the last to arrive also leaves at once.
             merged = hooks.all_arrived is None
-            if arrived == world_size:  # the last to arrive, none gave up before
+            if arrived == self._all_in:  # the last to arrive, none gave up before
                 with self._watched(timeout):
                     for dst in self._others:
                         last = _ARRIVED_AND_LEFT if dst == 0 and merged else _ALL_ARRIVED
                         mailbox.send(dst, barrier_id, last)
-            elif arrived > world_size:  # a rank gave up before this one arrived
+            elif arrived > self._all_in:  # a rank gave up before this one arrived
                 raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
             else:
                 self.flush()  # while the others come
@@ -469,7 +476,7 @@ class StoreTransport:
 
         # Phase 2: depart (the last to arrive may have said so to rank 0 already).
         if rank != 0:
-            if arrived != world_size or not merged:
+            if arrived != self._all_in or not merged:
                 try:
                     with self._watched(timeout):
                         mailbox.send(0, barrier_id, _LEFT)
@@ -521,12 +528,16 @@ class StoreTransport:
         # Timed out: give up, unless the last rank arrived just now.
         with self._watched(timeout):
             seen = self.store.add(keys.barrier_arrivals(barrier_id), POISON)
-        count = seen % POISON
-        if seen // POISON == 1 and count >= world_size:
+        came = seen % POISON
+        if seen // POISON == 1 and came >= self._all_in:
             return left  # all had arrived: passed (the message saying so is dropped later)
         if seen // POISON > 1:  # another rank gave up first: its verdict is everyone's
             raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
-        verdict = arrival_timeout(rank, timeout, count, world_size)
+        if self._arrive_by == 1:  # a count
+            verdict = arrival_timeout(rank, timeout, came, world_size, None)
+        else:
+            missing = [r for r in range(world_size) if not came >> r & 1]
+            verdict = arrival_timeout(rank, timeout, world_size - len(missing), world_size, missing)
         with self._watched(timeout):
             for dst in self._others:
                 self._mailbox.send(dst, barrier_id, _FAILED, verdict.encode())
@@ -566,6 +577,8 @@ class StoreTransport:
 
 # Added to a barrier's ``arrivals`` by a rank that gave up: far above any world size.
 POISON = 1 << 32
+# Up to this world size, each rank adds its own bit to ``arrivals`` (below POISON).
+_NAMED_ARRIVALS = 32
 # A barrier message: barrier number, kind, sender; then the verdict's text for _FAILED.
 _ITEM = struct.Struct(">QBI")
 _ALL_ARRIVED, _LEFT, _ARRIVED_AND_LEFT, _FAILED = 1, 2, 3, 4
