@@ -110,9 +110,12 @@ defmodule VllmBridge.Runtime do
 
   # The worker's deadline is the caller's timeout less this much (at most; a
   # twentieth of short timeouts): the worker gives up first, so its own
-  # :timeout reply normally arrives in time and a wait that gave up has taken
-  # nothing, rather than giving up just after the caller stopped waiting.
-  @deadline_margin 25
+  # :timeout reply, which names what it waited for, normally arrives in time,
+  # and a wait that gave up has taken nothing, rather than giving up just after
+  # the caller stopped waiting. 25 ms was too little on a busy 2-core machine:
+  # the reply of a wait that gave up landed 2 to 28 ms after it, now and then
+  # after the caller's own timer.
+  @deadline_margin 250
 
   # The most handles one release request names: the worker refuses a repeated
   # field of more values (docs/protocol.md, "Limits").
