@@ -88,9 +88,12 @@ class Host:
         self.interface = interface
         self.address = address
         self.processes: list[Process] = []
+        # The host's init (PID 1 of its PID namespace) reaps the processes orphaned
+        # there, as an init does, so that an exited one is not listed as left over.
+        reap = "import os, time\nwhile True:\n try: os.wait()\n except OSError: time.sleep(0.2)"
         script = (
             f"hostname {name} && mount -t tmpfs -o size=512m tmpfs /dev/shm && "
-            "echo ready && exec sleep infinity"
+            f"echo ready && exec {sys.executable} -c '{reap}'"
         )
         unshare = ["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc"]
         self._init = subprocess.Popen(
