@@ -162,6 +162,8 @@ class Host:
         for entry in (root / "proc").iterdir():
             if entry.name.isdigit() and entry.name != "1":
                 with contextlib.suppress(OSError):
+                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue  # exited; the init reaps it (its orphans: within 0.2 s)
                     command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
                     left.append(f"{entry.name} {command.decode(errors='replace')[:200]}")
         return left

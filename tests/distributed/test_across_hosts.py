@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,8 @@ def test_a_link_cut_fails_every_rank_within_the_timeout(tmp_path: Path, op: str)
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
         a.set_link(False)
         results = [rank.result(60) for rank in ranks]
+        left = a.leftovers() + b.leftovers()  # every rank exited, its shared memory gone
+    assert left == [], left
     for rank, result in enumerate(results):  # each within its timeout and the grace
         assert result["done"] >= 3, result
         assert result["after"] < 5 + GRACE + 3, (rank, result)
@@ -115,9 +118,65 @@ def test_the_store_host_vanishing_fails_the_other_hosts_ranks_within_the_timeout
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
         a.remove()  # ranks 0 and 1, the store with them, and the link: gone
         results = [rank.result(60) for rank in ranks[2:]]
+        left = b.leftovers()
+    assert left == [], left
     for result in results:
         assert result["done"] >= 3 and result["after"] < 5 + GRACE + 3, result
         assert "Barrier" in result["error"], result
+
+
+def _broadcast_until_failure(
+    address: str, port: int, rank: int, interface: str, ready: str
+) -> dict[str, Any]:
+    """64 MiB broadcasts from rank 0 on the world group (gloo, across the two hosts),
+    made with a 5 s timeout, over and over until one fails."""
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    from bridge_py.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(
+        world_size=4,
+        rank=rank,
+        distributed_init_method=f"tcp://{address}:{port}",
+        local_rank=rank % 2,
+        backend="gloo",
+        timeout=timedelta(seconds=5),
+    )
+    tensor = torch.full((16 << 20,), float(rank))  # 64 MiB
+    done, last = 0, time.monotonic()
+    try:
+        while True:
+            ps.get_world_group().broadcast(tensor, src=0)
+            assert tensor[-1].item() == 0.0
+            done, last = done + 1, time.monotonic()
+            if done == 2:
+                Path(f"{ready}.{rank}").touch()
+    except Exception as exc:
+        return {"done": done, "after": time.monotonic() - last, "error": repr(exc)}
+
+
+def test_a_link_cut_fails_a_64_mib_gloo_broadcast_within_the_group_timeout(
+    tmp_path: Path,
+) -> None:
+    ready = str(tmp_path / "ready")
+    with hosts(2) as (a, b):
+        port = free_port()
+        ranks = [
+            (a if r < 2 else b).start(
+                _broadcast_until_failure, a.address, port, r, (a if r < 2 else b).interface, ready
+            )
+            for r in range(4)
+        ]
+        _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 90)
+        a.set_link(False)
+        # Each rank returns, and its process exits: gloo's thread gave up at the group's
+        # timeout too (torch's new_group would have given it 30 minutes).
+        results = [rank.result(60) for rank in ranks]
+        left = a.leftovers() + b.leftovers()
+    assert left == [], left
+    for rank, result in enumerate(results):
+        assert result["done"] >= 2 and result["after"] < 5 + 5, (rank, result)
+        assert "CollectiveTimeout" in result["error"], result
+        assert f"broadcast on rank {rank}" in result["error"], result
 
 
 def _coordinator(address: str, port: int, rank: int, interface: str) -> dict[str, Any]:
@@ -212,6 +271,8 @@ def test_a_link_cut_fails_a_remote_readers_dequeue_within_its_timeout(tmp_path: 
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
         a.set_link(False)
         results = [rank.result(60) for rank in ranks[2:]]
+        left = b.leftovers()
+    assert left == [], left
     for result in results:  # the readers across the cut: within the timeout and a bound
         assert result["done"] >= 3 and result["after"] < 5 + GRACE + 3, result
         assert "Timeout" in result["error"] or "Gone" in result["error"], result

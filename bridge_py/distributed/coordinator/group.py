@@ -41,6 +41,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
 from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.objects import ObjectChannel
+from bridge_py.distributed.groups.torch_group import default_group_timeout
 
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "TensorMetadata"]
 
@@ -108,11 +109,12 @@ class GroupCoordinator:
 
         own_device_group: ProcessGroup | None = None
         own_cpu_group: ProcessGroup | None = None
+        timeout = default_group_timeout()  # init's, not torch's 30 minutes (see there)
         for ranks in group_ranks:
             ranks = [int(r) for r in ranks]
-            device_group = dist.new_group(ranks, backend=torch_distributed_backend)
+            device_group = dist.new_group(ranks, backend=torch_distributed_backend, timeout=timeout)
             # A gloo group, so that processes can also coordinate through the CPU.
-            cpu_group = dist.new_group(ranks, backend="gloo")
+            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if self.rank in ranks:
                 self.ranks = ranks
                 self.world_size = len(ranks)

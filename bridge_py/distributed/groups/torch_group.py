@@ -28,11 +28,31 @@ from bridge_py.distributed.spg.group import validate_rank
 from bridge_py.distributed.store import format_address, join_group, open_store
 
 __all__ = [
+    "default_group_timeout",
     "forget_rendezvous",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
     "store_of",
 ]
+
+
+def default_group_timeout() -> datetime.timedelta | None:
+    """The timeout torch.distributed's default group was made with (``init_process_group``'s
+    ``timeout``), for the groups made after it; None when it cannot be read.
+
+    torch's ``new_group`` gives a group without a timeout of its own the backend's default
+    instead (gloo: 30 minutes), so a GroupCoordinator's groups would wait that long for a
+    rank that is gone, and a process whose collective was abandoned could not exit until
+    then (its destructor waits for gloo's thread), whatever the caller asked for.
+    """
+    world = torch.distributed.group.WORLD
+    if world is None:
+        return None
+    try:
+        timeout = world._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):  # another backend, or a torch that says otherwise
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
 def _as_timedelta(
