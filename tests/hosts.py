@@ -154,9 +154,17 @@ class Host:
         self.processes.append(process)
         return process
 
-    def leftovers(self) -> list[str]:
+    def leftovers(self, within: float = 5.0) -> list[str]:
         """What is left on the host besides its init: its processes (``pid command``)
-        and the files in its /dev/shm. A host whose work ended cleanly has none."""
+        and the files in its /dev/shm. A host whose work ended cleanly has none, once
+        the processes that were exiting (a helper whose parent just exited) are gone:
+        asked again for up to ``within`` seconds until none is left."""
+        until = time.monotonic() + within
+        while (left := self._left()) and time.monotonic() < until:
+            time.sleep(0.1)
+        return left
+
+    def _left(self) -> list[str]:
         root = Path(f"/proc/{self.pid}/root")
         left = [f"/dev/shm/{f.name}" for f in (root / "dev/shm").iterdir()]
         for entry in (root / "proc").iterdir():

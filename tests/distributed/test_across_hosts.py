@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,24 @@ from bridge_py import deadline
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.store.watchdog import GRACE
 from tests.distributed.harness import free_port
-from tests.hosts import hosts
+from tests.hosts import Host, Process, hosts
 
 pytestmark = pytest.mark.timeout(170)
+
+
+def _four_ranks(
+    a: Host, b: Host, target: Callable[..., Any], *args: Any, interface: bool = False
+) -> list[Process]:
+    """Ranks 0 and 1 on host ``a``, 2 and 3 on ``b``, each running ``target(a.address,
+    port, rank, [its host's interface,] *args)``: a group whose store rank 0 serves on a
+    fresh port of ``a``'s address on the link."""
+    port = free_port()
+    ranks = []
+    for rank in range(4):
+        host = a if rank < 2 else b
+        own = (host.interface,) if interface else ()
+        ranks.append(host.start(target, a.address, port, rank, *own, *args))
+    return ranks
 
 
 def _every_operation(address: str, port: int, rank: int, wire: str) -> dict[str, Any]:
@@ -42,11 +58,7 @@ def _every_operation(address: str, port: int, rank: int, wire: str) -> dict[str,
 @pytest.mark.parametrize("wire", ["bridge", "vllm"])
 def test_four_ranks_on_two_hosts_run_every_operation(wire: str) -> None:
     with hosts(2) as (a, b):
-        port = free_port()
-        ranks = [
-            (a if rank < 2 else b).start(_every_operation, a.address, port, rank, wire)
-            for rank in range(4)
-        ]
+        ranks = _four_ranks(a, b, _every_operation, wire)
         results = [rank.result(120) for rank in ranks]
     assert [r["host"] for r in results] == ["host0", "host0", "host1", "host1"]
     if wire == "bridge":  # shared memory between the ranks of one host only
@@ -88,11 +100,7 @@ def _when_all(paths: list[Path], timeout: float) -> None:
 def test_a_link_cut_fails_every_rank_within_the_timeout(tmp_path: Path, op: str) -> None:
     ready = str(tmp_path / "ready")
     with hosts(2) as (a, b):
-        port = free_port()
-        ranks = [
-            (a if rank < 2 else b).start(_until_failure, a.address, port, rank, ready, op)
-            for rank in range(4)
-        ]
+        ranks = _four_ranks(a, b, _until_failure, ready, op)
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
         a.set_link(False)
         results = [rank.result(60) for rank in ranks]
@@ -110,11 +118,7 @@ def test_the_store_host_vanishing_fails_the_other_hosts_ranks_within_the_timeout
 ) -> None:
     ready = str(tmp_path / "ready")
     with hosts(2) as (a, b):
-        port = free_port()
-        ranks = [
-            (a if rank < 2 else b).start(_until_failure, a.address, port, rank, ready, "barrier")
-            for rank in range(4)
-        ]
+        ranks = _four_ranks(a, b, _until_failure, ready, "barrier")
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
         a.remove()  # ranks 0 and 1, the store with them, and the link: gone
         results = [rank.result(60) for rank in ranks[2:]]
@@ -159,13 +163,7 @@ def test_a_link_cut_fails_a_64_mib_gloo_broadcast_within_the_group_timeout(
 ) -> None:
     ready = str(tmp_path / "ready")
     with hosts(2) as (a, b):
-        port = free_port()
-        ranks = [
-            (a if r < 2 else b).start(
-                _broadcast_until_failure, a.address, port, r, (a if r < 2 else b).interface, ready
-            )
-            for r in range(4)
-        ]
+        ranks = _four_ranks(a, b, _broadcast_until_failure, ready, interface=True)
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 90)
         a.set_link(False)
         # Each rank returns, and its process exits: gloo's thread gave up at the group's
@@ -218,13 +216,7 @@ def _coordinator(address: str, port: int, rank: int, interface: str) -> dict[str
 
 def test_the_world_group_and_a_message_queue_span_two_hosts() -> None:
     with hosts(2) as (a, b):
-        port = free_port()
-        ranks = [
-            (a if r < 2 else b).start(
-                _coordinator, a.address, port, r, (a if r < 2 else b).interface
-            )
-            for r in range(4)
-        ]
+        ranks = _four_ranks(a, b, _coordinator, interface=True)
         results = [rank.result(120) for rank in ranks]
     for rank, result in enumerate(results):
         assert result["sums"] == [[6.0, 6.0], [0.0, 1.0, 2.0, 3.0], [3.0, 3.0, 3.0]], result
@@ -263,11 +255,7 @@ def _dequeue_until_failure(address: str, port: int, rank: int, ready: str) -> di
 def test_a_link_cut_fails_a_remote_readers_dequeue_within_its_timeout(tmp_path: Path) -> None:
     ready = str(tmp_path / "ready")
     with hosts(2) as (a, b):
-        port = free_port()
-        ranks = [
-            (a if rank < 2 else b).start(_dequeue_until_failure, a.address, port, rank, ready)
-            for rank in range(4)
-        ]
+        ranks = _four_ranks(a, b, _dequeue_until_failure, ready)
         _when_all([Path(f"{ready}.{rank}") for rank in range(4)], 60)
         a.set_link(False)
         results = [rank.result(60) for rank in ranks[2:]]
