@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from torch.distributed import TCPStore
 from bridge_py import deadline
 from bridge_py.distributed import StatelessProcessGroup
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
-from bridge_py.distributed.errors import BarrierTimeout, GroupTimeout
+from bridge_py.distributed.errors import BarrierTimeout, GroupTimeout, StoreError
+from bridge_py.distributed.store.watchdog import GRACE
 from tests.distributed.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -234,3 +236,24 @@ def test_an_abandoned_operation_makes_every_later_one_on_the_group_refused(
     named = second.removesuffix("_object")  # the channel's words: "recv of an object"
     assert "refused" in message and "unusable" in message and named in message, got
     assert took < 0.9, got  # not a second wait of its 1 s deadline
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("wire", ["bridge", "vllm"])
+def test_create_alone_gives_up_at_the_deadline_and_leaves_nothing_listening(
+    rank: int, wire: str
+) -> None:
+    """A rank whose peers never come: its create ends at the caller's deadline (2 s), not
+    at ``store_timeout`` (60 s), says how far the join got, and serves nothing after."""
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(StoreError) as failed, deadline.until(start + 2):
+        StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=60, wire=wire)
+    took = time.monotonic() - start
+    assert 1.9 < took < 2 + GRACE, took
+    message = str(failed.value)
+    assert f"127.0.0.1:{port}" in message and "within 2 s" in message, message
+    if rank == 0:
+        assert "1 of 2 ranks joined" in message, message
+    with socket.socket() as probe:  # nothing listens there any more
+        assert probe.connect_ex(("127.0.0.1", port)) != 0

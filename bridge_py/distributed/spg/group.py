@@ -510,8 +510,10 @@ class StatelessProcessGroup:
         Rank 0 serves the store on ``host:port`` only (IPv4 or IPv6), or on
         ``listen_socket``, a socket it has already bound (port 0 avoids port races).
         Every rank returns once all ``world_size`` ranks have joined, or raises
-        ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds saying how many
-        ranks joined, that the port is in use, or which address could not be reached. When
+        ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds (or by the running
+        call's deadline, a worker's caller's, when that comes first: ``bridge_py.deadline``)
+        saying how many ranks joined, that the port is in use, or which address could not
+        be reached; a rank 0 that gave up serves nothing any more. When
         all ranks run on one machine, the group then passes objects through shared memory
         instead of the store. Rank 0 returns last, once every rank is done with the store
         in ``create``, so that it may exit at once without failing another rank's ``create``.
@@ -537,16 +539,24 @@ class StatelessProcessGroup:
         if chosen == "vllm" and auth_key is not None:
             raise ValueError(_NO_KEY_ON_VLLM_WIRE)
         key = None if chosen == "vllm" else resolve_key(auth_key)  # fails before serving
-        deadline = time.monotonic() + store_timeout
+        # The join ends at the caller's deadline when that comes first (a worker's call).
+        within = deadline.clamp(store_timeout) if store_timeout > 0 else store_timeout
+        until = time.monotonic() + within
         count = world_size if chosen == "vllm" else None
         store, sock = open_store(
-            host, port, rank, store_timeout, listen_socket=listen_socket, torch_join=count
+            host,
+            port,
+            rank,
+            store_timeout,
+            listen_socket=listen_socket,
+            torch_join=count,
+            within=within,
         )
         owned = listen_socket is None
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
         try:
             if chosen == "bridge":
-                join_group(store, rank, world_size, address, store_timeout, deadline)
+                join_group(store, rank, world_size, address, within, until)
         except BaseException as exc:
             # Release the store (rank 0: stop serving) before the error travels up: frames
             # kept alive by the traceback would otherwise keep the server running.

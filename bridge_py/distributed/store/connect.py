@@ -118,6 +118,7 @@ def open_store(
     *,
     listen_socket: socket.socket | None = None,
     torch_join: int | None = None,
+    within: float | None = None,
 ) -> tuple[TCPStore, socket.socket | None]:
     """Serve (rank 0) or connect to (other ranks) the store at ``host:port``.
 
@@ -131,20 +132,24 @@ def open_store(
     store's clients: every rank counts itself in, rank 0 (whose server then runs without
     libuv, as vLLM's) returns once all have, within ``timeout``, else StoreError saying how
     many did. Without it nobody counts (``join_group`` is this package's join).
+
+    ``within`` (seconds, at most ``timeout``) bounds connecting and that wait instead, for a
+    caller with less time than the store's timeout (a deadline); the store keeps ``timeout``.
     """
     if timeout <= 0:
         raise ValueError(f"store timeout must be positive, got {timeout}")
     delta = datetime.timedelta(seconds=timeout)
+    within = timeout if within is None else min(within, timeout)
     address = format_address(host, port)
     if rank != 0:
         if listen_socket is not None:
             raise ValueError("listen_socket is only used by rank 0, which serves the store")
         _resolve(host, port)  # an unknown host fails now, with its own message
         try:
-            store = connect_client(host, port, time.monotonic() + timeout, count_in=torch_join)
+            store = connect_client(host, port, time.monotonic() + within, count_in=torch_join)
         except StoreError as exc:
             raise StoreError(
-                f"rank {rank} could not reach the store at {address} within {timeout:g} s "
+                f"rank {rank} could not reach the store at {address} within {_secs(within)} s "
                 f"(is rank 0 serving it there?): {exc}"
             ) from exc
         store.set_timeout(delta)  # the store's timeout for requests, not what was left
@@ -168,7 +173,7 @@ def open_store(
                 port,
                 torch_join,
                 True,
-                timeout=delta,
+                timeout=datetime.timedelta(seconds=within),
                 wait_for_workers=torch_join is not None,
                 master_listen_fd=served_fd,
                 use_libuv=torch_join is None,
@@ -182,13 +187,19 @@ def open_store(
         joined = _CLIENTS_JOINED.search(str(exc))
         if torch_join is not None and joined:
             raise StoreError(
-                f"{joined[1]} of {torch_join} ranks joined {address} within {timeout:g} s "
+                f"{joined[1]} of {torch_join} ranks joined {address} within {_secs(within)} s "
                 "(rank 0 gave up waiting for the others)"
             ) from exc
         raise StoreError(
             f"rank 0 could not serve the store on {address}: {first_line(exc)}"
         ) from exc
+    store.set_timeout(delta)
     return store, sock
+
+
+def _secs(seconds: float) -> str:
+    """Seconds for a message, to a tenth: a deadline's 1.99995 reads as 2."""
+    return f"{seconds:.1f}".removesuffix(".0")
 
 
 # torch's message when its server's wait for its clients runs out.
@@ -236,7 +247,7 @@ def join_group(
             f"{world_size}: another group uses this address, or ranks disagree on world_size"
         )
     raise StoreError(
-        f"{seen} of {world_size} ranks joined {address} within {timeout:g} s "
+        f"{seen} of {world_size} ranks joined {address} within {_secs(timeout)} s "
         f"(rank {rank} gave up waiting for the others)"
     )
 
