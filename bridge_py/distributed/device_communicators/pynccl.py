@@ -240,8 +240,11 @@ class PyNcclCommunicator(CommunicatorChecks):
             # The set-up's all-reduce needed every rank inside the gloo group, so no rank
             # reads this one's rendezvous address any more: its key goes, and communicators
             # made and destroyed over one store leave nothing in it.
-            with StoreRequest(self.label, self.rank, "its gloo rendezvous key", "deleting"):
-                forget_rendezvous(cast(dist.Store, rendezvous), self.rank)
+            store = cast(dist.Store, rendezvous)
+            with StoreRequest(
+                self.label, self.rank, "its gloo rendezvous key", "deleting", store=store
+            ):
+                forget_rendezvous(store, self.rank)
         elif self._pg is not None:
             if self.nccl_version is None:
                 major, minor, patch = torch.cuda.nccl.version()[:3]

@@ -240,7 +240,8 @@ def join_group(
         with StoreRequest("the join", rank, _JOIN_DONE, "waiting for", at=at):
             if BoundedWaiter(store).wait([_JOIN_DONE], wait_for):
                 return
-            seen = store.add(_JOIN_COUNT, 0)
+            with watched(store, time.monotonic() + timeout):  # a store gone silent since
+                seen = store.add(_JOIN_COUNT, 0)
     if joined > world_size:
         raise StoreError(
             f"rank {rank} is rank number {joined} to join {address}, but world_size is "
