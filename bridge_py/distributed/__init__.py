@@ -10,18 +10,35 @@
   objects through shared memory.
 * ``NFSWorkspace``, ``get_configs_parallel`` and ``get_tensors_parallel`` gather configs
   and tensors on one rank, through shared memory or a shared directory.
+* What they raise when ranks cannot work together: the ``DistributedError`` hierarchy
+  (``bridge_py.distributed.errors``), every class exported here too.
 
 Names, signatures and behaviour follow vLLM (``vllm.distributed``) and ModelOpt
 (``modelopt.torch.export.distribute``); where a caller would notice a difference, the
 function's documentation says so.
 """
 
+from bridge_py.distributed.errors import (
+    AuthenticationError,
+    BarrierFailure,
+    BarrierStoreError,
+    BarrierTimeout,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    DistributedError,
+    GroupTimeout,
+    ObjectLoadError,
+    PeerGoneError,
+    SharedMemoryError,
+    StateError,
+    StoreError,
+    WaitCancelled,
+)
 from bridge_py.distributed.groups.torch_group import (
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
 from bridge_py.distributed.spg.group import StatelessProcessGroup
-from bridge_py.distributed.store import StoreError
 
 # isort: split
 from bridge_py.distributed.communication_op import (
@@ -32,7 +49,6 @@ from bridge_py.distributed.communication_op import (
     tensor_model_parallel_reduce_scatter,
 )
 from bridge_py.distributed.device_communicators import (
-    CollectiveMismatchError,
     CpuCommunicator,
     CudaCommunicator,
     DeviceCommunicatorBase,
@@ -75,19 +91,31 @@ from bridge_py.distributed.utils import (
 )
 
 __all__ = [
+    "AuthenticationError",
+    "BarrierFailure",
+    "BarrierStoreError",
+    "BarrierTimeout",
     "CollectiveMismatchError",
+    "CollectiveTimeout",
     "CpuCommunicator",
     "CudaCommunicator",
     "DeviceCommunicatorBase",
+    "DistributedError",
     "GraphCaptureContext",
     "GroupCoordinator",
+    "GroupTimeout",
     "Handle",
     "MessageQueue",
     "NFSWorkspace",
     "NaiveAll2AllManager",
+    "ObjectLoadError",
+    "PeerGoneError",
+    "SharedMemoryError",
+    "StateError",
     "StatelessProcessGroup",
     "StoreError",
     "TensorMetadata",
+    "WaitCancelled",
     "broadcast_tensor_dict",
     "destroy_distributed_environment",
     "destroy_model_parallel",

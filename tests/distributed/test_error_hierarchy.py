@@ -36,3 +36,15 @@ def test_every_error_of_the_hierarchy_is_a_runtime_error() -> None:
     assert issubclass(errors.DistributedError, RuntimeError)
     assert issubclass(errors.GroupTimeout, TimeoutError)
     assert str(errors.WaitCancelled("cancelled")) == "cancelled"
+
+
+def test_the_whole_hierarchy_is_exported_by_the_package_and_in_the_guide() -> None:
+    import bridge_py.distributed as package
+
+    classes = [name for name in errors.__all__ if isinstance(getattr(errors, name), type)]
+    assert "DistributedError" in classes and len(classes) >= 14
+    guide = (PACKAGE.parents[1] / "docs" / "guide-python.md").read_text()
+    for name in classes:
+        assert getattr(package, name, None) is getattr(errors, name), name
+        assert name in package.__all__, name
+        assert f"`{name}`" in guide, f"{name} is not in the guide's table"
