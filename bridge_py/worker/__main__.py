@@ -84,8 +84,15 @@ class _RefuseToken(argparse.Action):
         )
 
 
+def _program() -> str:
+    """How this process was started, for usage lines: the installed command's name
+    (``vllm-bridge-worker``), or ``python -m bridge_py.worker``."""
+    name = Path(sys.argv[0]).name
+    return "python -m bridge_py.worker" if name in ("__main__.py", "-c", "") else name
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bridge_py.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog=_program(), description=__doc__)
     parser.add_argument(
         "--exports",
         default="bridge_py.worker.export_table:default_exports",
