@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import time
 
 import pytest
 
 from bridge_py.distributed import StatelessProcessGroup, StoreError
+from bridge_py.distributed.spg import group as spg_group
 from tests.distributed.harness import free_port, run_ranks
 
 
@@ -172,3 +174,17 @@ def test_a_store_without_queues_is_refused_when_the_group_is_made(tmp_path) -> N
     assert StatelessProcessGroup(rank=0, world_size=1, store=files, socket=None).world_size == 1
     group = StatelessProcessGroup(rank=1, world_size=2, store=HashStore(), socket=None)
     group.send_obj("x", 0)
+
+
+def test_a_lone_rank_says_once_that_it_is_still_waiting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(spg_group, "JOIN_NOTICE_AFTER", 0.3)
+    port = free_port()
+    with caplog.at_level(logging.WARNING), pytest.raises(StoreError):
+        StatelessProcessGroup.create("127.0.0.1", port, 1, 2, store_timeout=1.5)
+    notices = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert notices == [
+        f"rank 1 of 2 has waited 0.3 s in create for all ranks to join the store at "
+        f"127.0.0.1:{port} (it gives up after 1.5 s)"
+    ]

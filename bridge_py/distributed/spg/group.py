@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import socket
+import threading
 import time
 import traceback
 import weakref
@@ -61,6 +63,11 @@ from bridge_py.distributed.store import format_address, join_group, open_store, 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
 Socket = socket.socket
+logger = logging.getLogger(__name__)
+
+JOIN_NOTICE_AFTER = 5.0
+"""Seconds a rank waits in ``create`` before it logs (once) that it is still waiting."""
+
 _NO_KEY_ON_VLLM_WIRE = "auth_key cannot be used with wire='vllm': vLLM's ranks could not check it"
 
 
@@ -543,15 +550,35 @@ class StatelessProcessGroup:
         within = deadline.clamp(store_timeout) if store_timeout > 0 else store_timeout
         until = time.monotonic() + within
         count = world_size if chosen == "vllm" else None
-        store, sock = open_store(
-            host,
-            port,
-            rank,
-            store_timeout,
-            listen_socket=listen_socket,
-            torch_join=count,
-            within=within,
+        # A rank left alone says so once, rather than nothing until it gives up.
+        notice = threading.Timer(
+            JOIN_NOTICE_AFTER,
+            logger.warning,
+            (
+                "rank %d of %d has waited %g s in create for all ranks to join the store "
+                "at %s (it gives up after %g s)",
+                rank,
+                world_size,
+                JOIN_NOTICE_AFTER,
+                format_address(host, port),
+                within,
+            ),
         )
+        notice.daemon = True
+        notice.start()
+        try:
+            store, sock = open_store(
+                host,
+                port,
+                rank,
+                store_timeout,
+                listen_socket=listen_socket,
+                torch_join=count,
+                within=within,
+            )
+        except BaseException:
+            notice.cancel()
+            raise
         owned = listen_socket is None
         address = format_address(host, sock.getsockname()[1] if sock is not None else port)
         try:
@@ -566,6 +593,8 @@ class StatelessProcessGroup:
                 with contextlib.suppress(OSError):
                     sock.close()
             raise
+        finally:
+            notice.cancel()
         # The key resolved above goes in before __post_init__, which then keeps it.
         group = StatelessProcessGroup.__new__(StatelessProcessGroup)
         group.__dict__["_auth_key"] = key
