@@ -76,4 +76,44 @@ defmodule Vllm.Distributed.DeadlineTest do
     assert {:error, %Error{category: :python, python_type: "GroupTimeout"}} =
              SPG.recv_obj(g1, 0, timeout: 0.5)
   end
+
+  test "a create whose caller gave up serves nothing after: a later rank cannot join it" do
+    port = VllmBridge.PoolHelpers.free_tcp_port()
+    start = System.monotonic_time(:millisecond)
+
+    # Rank 0 alone: its create ends at the caller's deadline, with the worker's
+    # own error (how far the join got), not the runtime's "no reply".
+    assert {:error, %Error{category: :python, python_type: "StoreError", message: message}} =
+             SPG.create(nil, "127.0.0.1", port, 0, 2, [],
+               __runtime__: [pool: @pool, worker: 0, timeout: 3_000],
+               store_timeout: 60
+             )
+
+    assert ms_since(start) in 2_500..3_100
+    assert message =~ "1 of 2 ranks joined 127.0.0.1:#{port}"
+
+    # Rank 1 comes later: nobody serves that group any more.
+    assert {:error, %Error{python_type: "StoreError", message: message}} =
+             SPG.create(nil, "127.0.0.1", port, 1, 2, [],
+               __runtime__: [pool: @pool, worker: 1, timeout: 2_000],
+               store_timeout: 60
+             )
+
+    assert message =~ "could not reach the store at 127.0.0.1:#{port}"
+
+    # Both ranks again, on the same port (free again): a group.
+    groups =
+      0..1
+      |> Enum.map(fn rank ->
+        Task.async(fn ->
+          SPG.create(nil, "127.0.0.1", port, rank, 2, [],
+            __runtime__: [pool: @pool, worker: rank, timeout: 30_000],
+            store_timeout: 60
+          )
+        end)
+      end)
+      |> Task.await_many(40_000)
+
+    assert [{:ok, %Ref{}}, {:ok, %Ref{}}] = groups
+  end
 end
