@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from bridge_py.client.proxy import RemoteObject
+from bridge_py.distributed import errors
 from bridge_py.worker import envelope as pb
 from bridge_py.worker.codec import Codec, RefValue
 from bridge_py.worker.transports.grpc import OPEN_SESSION, SERVICE, SESSION_IDLE_KEY, TOKEN_ENV
@@ -53,6 +54,38 @@ class BridgeError(RuntimeError):
         self.python_type = python_type
         self.traceback = traceback
         self.code = code
+
+
+# The classes a worker's error reply may name that a caller catches by class: the package's
+# hierarchy and Python's argument errors (docs/guide-python.md, "Errors").
+_CATCHABLE: dict[str, type[BaseException]] = {
+    **{name: getattr(errors, name) for name in errors.__all__ if name[0].isupper()},
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+}
+_remote_classes: dict[str, type[BridgeError]] = {}
+
+
+def remote_error(
+    category: str, message: str, python_type: str = "", traceback: str = ""
+) -> BridgeError:
+    """The BridgeError for a worker's error reply; where ``python_type`` is one of the
+    classes code catches (``GroupTimeout``, ``BarrierFailure``, ``ValueError`` ...), one
+    that is also an instance of that class, so that ``except GroupTimeout`` works the same
+    on a remote worker as in this process."""
+    base = _CATCHABLE.get(python_type)
+    if base is None:
+        return BridgeError(category, message, python_type, traceback)
+    cls = _remote_classes.get(python_type)
+    if cls is None:
+        doc = f"A remote {python_type}: a BridgeError and a {base.__name__}."
+        cls = type(python_type, (BridgeError, base), {"__doc__": doc, "__str__": _str})
+        _remote_classes[python_type] = cls
+    return cls(category, message, python_type, traceback)
+
+
+def _str(self: BridgeError) -> str:
+    return f"[{self.category}] {self.message}"
 
 
 class _ProxyCodec:
@@ -221,7 +254,7 @@ class Client:
     def _value(self, reply: pb.Reply) -> Any:
         if reply.error is not None:
             e = reply.error
-            raise BridgeError(e.category, e.message, e.python_type, e.traceback)
+            raise remote_error(e.category, e.message, e.python_type, e.traceback)
         value = reply.value
         if isinstance(value, list):  # only replies built in this process are in pieces
             value = b"".join(value)

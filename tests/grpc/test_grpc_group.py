@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bridge_py.client import BridgeError
+from bridge_py.distributed import GroupTimeout
 from tests.distributed.harness import free_port
 from tests.grpc.conftest import GrpcWorker
 
@@ -55,6 +56,10 @@ def test_two_rank_group_over_grpc() -> None:
         with pytest.raises(BridgeError) as info:
             groups[0].broadcast_obj(1, 5)
         assert info.value.category == "python" and info.value.python_type == "ValueError"
+        assert isinstance(info.value, ValueError)  # caught as it would be in-process
+        with pytest.raises(GroupTimeout) as timed_out:  # the package's classes too
+            groups[1].recv_obj(0, timeout=0.5)
+        assert isinstance(timed_out.value, BridgeError) and "rank 1" in str(timed_out.value)
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(lambda r: groups[r].all_gather_obj(r), range(2))) == [[0, 1]] * 2
     finally:
