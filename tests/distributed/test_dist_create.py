@@ -188,3 +188,11 @@ def test_a_lone_rank_says_once_that_it_is_still_waiting(
         f"rank 1 of 2 has waited 0.3 s in create for all ranks to join the store at "
         f"127.0.0.1:{port} (it gives up after 1.5 s)"
     ]
+
+
+@pytest.mark.parametrize(("port", "rank"), [(65536, 0), (70000, 1), (-1, 0), (0, 1)])
+def test_a_port_out_of_range_is_refused_at_once(port: int, rank: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"port must be a TCP port.*got {port} on rank {rank}"):
+        StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=5)
+    assert time.monotonic() - start < 1

@@ -138,6 +138,11 @@ def open_store(
     """
     if timeout <= 0:
         raise ValueError(f"store timeout must be positive, got {timeout}")
+    if not 0 <= port <= 65535 or (port == 0 and rank != 0):
+        raise ValueError(
+            f"port must be a TCP port, 1 to 65535 (0 too on rank 0: a free port), got {port} "
+            f"on rank {rank}"
+        )
     delta = datetime.timedelta(seconds=timeout)
     within = timeout if within is None else min(within, timeout)
     address = format_address(host, port)
