@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import socket
 import stat
 import subprocess
@@ -87,6 +88,22 @@ def test_a_tcp_worker_without_a_token_makes_one_and_serves_only_its_holders(
         worker.stop()
     # A token the worker generated for itself goes with it.
     assert not token_file.exists() and not token_file.parent.exists()
+
+
+def test_a_killed_workers_generated_token_goes_with_the_next_worker(no_env_token: None) -> None:
+    killed = GrpcWorker(token_env=False)
+    left = _generated_token_file(killed.log())
+    killed.proc.send_signal(signal.SIGKILL)  # no exit hook runs
+    killed.proc.wait(30)
+    killed.stop()
+    assert left.exists()  # left behind, as by any SIGKILLed process
+    worker = GrpcWorker(token_env=False)
+    try:
+        own = _generated_token_file(worker.log())
+        assert not left.parent.exists()  # removed by the next worker
+        assert own.exists() and own.parent != left.parent
+    finally:
+        worker.stop()
 
 
 @pytest.mark.parametrize("form", [["--token", "s3cret-on-argv"], ["--token=s3cret-on-argv"]])

@@ -115,11 +115,57 @@ def write_new_token(path: Path) -> str:
     return token
 
 
+_DIRECTORY = "vllm-bridge-grpc-"
+
+
 def _private_directory() -> Path:
-    """A new 0700 directory: under ``$XDG_RUNTIME_DIR`` when set, else the temp dir."""
+    """A new 0700 directory: under ``$XDG_RUNTIME_DIR`` when set, else the temp dir.
+
+    Its name carries this process's PID namespace and PID, so that the next worker can
+    tell the directories of workers killed before their exit hook ran (SIGKILL) and
+    removes them first (:func:`_remove_stale`)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    parent = runtime if runtime and os.path.isdir(runtime) else None
-    return Path(tempfile.mkdtemp(prefix="vllm-bridge-grpc-", dir=parent))
+    parent = Path(runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir())
+    namespace = _pid_namespace()
+    _remove_stale(parent, namespace)
+    prefix = f"{_DIRECTORY}{namespace}-{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+def _pid_namespace() -> str:
+    """The inode of this process's PID namespace ("0" where it cannot be read)."""
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return "0"
+
+
+def _remove_stale(parent: Path, namespace: str) -> None:
+    """Remove the token directories in ``parent`` that this user's workers of this PID
+    namespace left when they were killed: those whose worker's PID no longer runs (a
+    directory that is not exactly what a worker makes is left alone)."""
+    for entry in parent.glob(f"{_DIRECTORY}{namespace}-*-*"):
+        pid = entry.name.split("-")[4]
+        with contextlib.suppress(OSError, ValueError):
+            info = entry.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            if _running(int(pid)):
+                continue
+            token = entry / "token"
+            if os.path.lexists(token) and stat.S_ISREG(token.lstat().st_mode):
+                token.unlink()
+            entry.rmdir()  # fails, and so keeps it, if anything else is in it
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_generated(token: Token) -> None:
