@@ -84,12 +84,13 @@ class HandleRegistry:
 
     def _entry(self, handle: int, session: str) -> _Entry:
         # No lock: one dict lookup is atomic, and an entry never changes once stored.
+        # One answer whether the handle is free or another session's: a caller learns
+        # nothing of other sessions' objects (not that they exist, nor their classes).
         entry = self._entries.get(handle)
-        if entry is None:
-            raise HandleNotFound(f"no object with handle {handle} (never created, or released)")
-        if entry.session != session:
+        if entry is None or entry.session != session:
             raise HandleNotFound(
-                f"handle {handle} ({entry.class_name}) belongs to another session than {session!r}"
+                f"no object with handle {handle} in session {session!r} (never created, "
+                "released, or another session's)"
             )
         return entry
 
@@ -97,7 +98,7 @@ class HandleRegistry:
         """The object behind ``handle``, if ``session`` owns it."""
         entry = self._entries.get(handle)
         if entry is None or entry.session != session:
-            entry = self._entry(handle, session)  # raises, saying which
+            entry = self._entry(handle, session)  # raises
         return entry.obj
 
     def turn(self, handle: int, session: str) -> Turn:
@@ -108,7 +109,7 @@ class HandleRegistry:
         """Whether ``handle`` has been released since (raises if it already is)."""
         entry = self._entries.get(handle)
         if entry is None or entry.session != session:
-            entry = self._entry(handle, session)  # raises, saying which
+            entry = self._entry(handle, session)  # raises
         return entry.lifetime
 
     def session_lifetime(self, session: str) -> Lifetime:
@@ -123,7 +124,7 @@ class HandleRegistry:
         """What hands out the turns of ``handle``'s method calls (see :mod:`sequencer`)."""
         entry = self._entries.get(handle)
         if entry is None or entry.session != session:
-            entry = self._entry(handle, session)  # raises, saying which
+            entry = self._entry(handle, session)  # raises
         return entry.sequencer
 
     def release(self, handles: list[int], session: str) -> int:

@@ -90,6 +90,11 @@ def test_a_second_client_cannot_reach_the_first_clients_objects(worker: GrpcWork
                     with pytest.raises(BridgeError) as info:
                         call()
                     assert info.value.category == "not_found"
+                    # told apart from a free number by nothing, its class not named
+                    with pytest.raises(BridgeError) as free:
+                        second._request(pb.GetAttribute(handle + 1000, "value"))
+                    free_message = free.value.message.replace(str(handle + 1000), str(handle))
+                    assert info.value.message == free_message and "Counter" not in free_message
             assert second._request(pb.ReleaseHandles(list(range(1, top + 1)))) == 0
             assert second._request(pb.ReleaseSession()) == 0
         # The first client's objects are all still there.
