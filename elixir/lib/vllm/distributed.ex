@@ -15,6 +15,8 @@ defmodule Vllm.Distributed do
     objects through shared memory.
   * `NFSWorkspace`, `get_configs_parallel` and `get_tensors_parallel` gather configs
     and tensors on one rank, through shared memory or a shared directory.
+  * What they raise when ranks cannot work together: the `DistributedError` hierarchy
+    (`bridge_py.distributed.errors`), every class exported here too.
 
   Names, signatures and behaviour follow vLLM (`vllm.distributed`) and ModelOpt
   (`modelopt.torch.export.distribute`); where a caller would notice a difference, the

@@ -218,8 +218,10 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Rank 0 serves the store on `host:port` only (IPv4 or IPv6), or on
   `listen_socket`, a socket it has already bound (port 0 avoids port races).
   Every rank returns once all `world_size` ranks have joined, or raises
-  `StoreError` (a RuntimeError) within `store_timeout` seconds saying how many
-  ranks joined, that the port is in use, or which address could not be reached. When
+  `StoreError` (a RuntimeError) within `store_timeout` seconds (or by the running
+  call's deadline, a worker's caller's, when that comes first: `bridge_py.deadline`)
+  saying how many ranks joined, that the port is in use, or which address could not
+  be reached; a rank 0 that gave up serves nothing any more. When
   all ranks run on one machine, the group then passes objects through shared memory
   instead of the store. Rank 0 returns last, once every rank is done with the store
   in `create`, so that it may exit at once without failing another rank's `create`.
