@@ -48,6 +48,15 @@ defmodule VllmBridge.Msgpack do
   decode as `:nan`, `:infinity` and `:neg_infinity` (as Nx does). These atoms
   encode back as atoms, not floats.
 
+  ## Map keys that are one key in Python
+
+  Python compares `True`, `1` and `1.0` equal (and `False`, `0`, `0.0`, `-0.0`),
+  and an atom arrives as a string of its name, so keys that differ here would
+  be one key there, and all but one value would be lost. `encode/1` refuses
+  such a map with a `:bad_args` error naming both keys, before anything is
+  sent: `%{true => 1, 1 => 2}`, `%{:a => 1, "a" => 2}`, `%{1 => :x, 1.0 => :y}`
+  and tuples of those (`%{{:a, 1} => 1, {"a", true} => 2}`).
+
   ## Nesting limit
 
   Lists, maps and tuples may nest at most `max_depth/0` (128) levels deep, in
@@ -294,6 +303,7 @@ defmodule VllmBridge.Msgpack do
         true -> <<0xDF, size::32>>
       end
 
+    if size > 1, do: check_keys(map)
     left = left - 1
     [header | :maps.fold(fn k, v, acc -> [acc, enc(k, left) | enc(v, left)] end, [], map)]
   end
@@ -317,6 +327,61 @@ defmodule VllmBridge.Msgpack do
 
   defp enc(bits, _left) when is_bitstring(bits),
     do: fail(bits, "bitstrings that are not whole bytes cannot be encoded")
+
+  # Keys all binaries, or all atoms, or all integers are distinct in Python too;
+  # other maps are checked key by key, as Python will see them.
+  defp check_keys(map) do
+    case :maps.next(:maps.iterator(map)) do
+      {key, _value, rest} -> if same_kind(rest, kind(key)), do: :ok, else: python_keys(map)
+    end
+  end
+
+  defp same_kind(iter, kind) when kind in [:binary, :atom, :integer] do
+    case :maps.next(iter) do
+      :none -> true
+      {key, _value, rest} -> kind(key) == kind and same_kind(rest, kind)
+    end
+  end
+
+  defp same_kind(_iter, _kind), do: false
+
+  defp kind(key) when is_binary(key), do: :binary
+  defp kind(key) when is_boolean(key) or is_nil(key), do: :other
+  defp kind(key) when is_atom(key), do: :atom
+  defp kind(key) when is_integer(key), do: :integer
+  defp kind(_key), do: :other
+
+  defp python_keys(map) do
+    :maps.fold(
+      fn key, _value, seen ->
+        python = python_key(key)
+
+        case seen do
+          %{^python => other} ->
+            message =
+              "map keys #{inspect(other)} and #{inspect(key)} would be one key in Python " <>
+                "(true == 1 == 1.0 there, and an atom is the string of its name), and one " <>
+                "value would be lost: use keys that differ there"
+
+            throw({__MODULE__, Error.new(:bad_args, message, details: %{keys: [other, key]})})
+
+          _ ->
+            Map.put(seen, python, key)
+        end
+      end,
+      %{},
+      map
+    )
+  end
+
+  # What a key is in Python, as far as equality goes.
+  defp python_key(true), do: 1
+  defp python_key(false), do: 0
+  defp python_key(nil), do: nil
+  defp python_key(key) when is_atom(key), do: Atom.to_string(key)
+  defp python_key(key) when is_float(key) and key == trunc(key), do: trunc(key)
+  defp python_key(key) when is_tuple(key), do: key |> Tuple.to_list() |> Enum.map(&python_key/1)
+  defp python_key(key), do: key
 
   defp enc_uint(int) when int < 0x80, do: <<int>>
   defp enc_uint(int) when int <= 0xFF, do: <<0xCC, int>>

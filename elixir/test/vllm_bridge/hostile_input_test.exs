@@ -97,6 +97,28 @@ defmodule VllmBridge.HostileInputTest do
     still_serving!(ctx)
   end
 
+  test "map keys that are one key in Python: :bad_args naming both, nothing sent",
+       %{port: port, rt: rt} = ctx do
+    before = written(port)
+
+    for {map, keys} <- [
+          {%{true => 1, 1 => 2}, ["true", "1"]},
+          {%{:a => 1, "a" => 2}, [":a", ~s("a")]},
+          {%{1 => :a, 1.0 => :b}, ["1", "1.0"]},
+          {%{"deep" => [%{{:a, 0} => 1, {"a", false} => 2}]}, ["{:a, 0}", ~s({"a", false})]}
+        ] do
+      assert {:error, %Error{category: :bad_args, message: message}} = Runtime.ping(map, rt)
+      assert message =~ "would be one key in Python"
+      for key <- keys, do: assert(message =~ key, message)
+    end
+
+    assert written(port) == before, "a refused ping was sent"
+    # keys that differ in Python too cross as they are
+    mixed = %{1 => :one, "1" => :string, :b => 2, 0.5 => :half, nil => :none}
+    assert {:ok, ^mixed} = Runtime.ping(mixed, rt)
+    still_serving!(ctx)
+  end
+
   test "a 300-deep tuple written by hand into a Ping frame: a bad_args reply, the worker serves on",
        %{pool: pool, worker: worker} = ctx do
     payload = tuples_bin(300)
