@@ -455,6 +455,7 @@ class Codec:
                 ext_hook=self._ext_hook,
                 raw=False,
                 strict_map_key=False,
+                object_pairs_hook=_distinct_keys,
                 use_list=True,
                 timestamp=0,
             )
@@ -499,11 +500,13 @@ class Codec:
                     if type(item) in _WALKED:
                         value[key] = self._complete(item, level + 1)
                 return value
-            completed = {}
+            completed: dict[Any, Any] = {}
             for key, item in value.items():
                 key = self._complete(key, level + 1)
                 item = self._complete(item, level + 1)
                 try:
+                    if key in completed:  # tuples equal only once decoded
+                        raise CodecError(_same_key(next(k for k in completed if k == key), key))
                     completed[key] = item
                 except TypeError:  # a key that cannot be one (a tuple holding a list)
                     raise CodecError(f"map key {key!r} is not hashable") from None
@@ -541,6 +544,27 @@ class Codec:
                 if index < len(cut[1]):
                     return cut[1][index]
         raise CodecError(f"unknown msgpack extension type {code}")
+
+
+def _distinct_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A map's pairs as a dict; CodecError when two keys are one key here (``True``,
+    ``1`` and ``1.0``; an atom and the string of its name), where a dict would keep one
+    value and lose the others without a word."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: dict[Any, Any] = {}
+        for key, _ in pairs:
+            if key in seen:
+                raise CodecError(_same_key(seen[key], key))
+            seen[key] = key
+    return value
+
+
+def _same_key(first: Any, second: Any) -> str:
+    return (
+        f"map keys {first!r} and {second!r} are one key in Python: one value would be "
+        "lost; use keys that differ here"
+    )
 
 
 class _TuplePayload:

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from bridge_py.worker import envelope as pb
-from bridge_py.worker.codec import EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, PLAIN
+from bridge_py.worker.codec import EXT_ATOM, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, PLAIN
 from tests.worker.conftest import SAMPLE
 from tests.worker.port_client import PortClient, WorkerError
 
@@ -131,6 +131,31 @@ def test_a_call_that_raises_system_exit_is_an_error_reply(worker: PortClient) ->
             worker.function("leave", 3)
         assert info.value.error.category == "python"
         assert info.value.error.python_type == "SystemExit"
+    _still_serving(worker, worker.proc.pid)
+
+
+def test_map_keys_that_are_one_key_in_python_are_bad_args(worker: PortClient) -> None:
+    """Written by hand (the Elixir encoder refuses these before sending): each is one
+    error reply naming both keys, not a map that silently kept one of the values."""
+    atom_a = _ext(EXT_ATOM, b"a")
+    cases = {
+        "true and 1": (b"\x82\xc3\x01\x01\x02", "True and 1"),
+        "1 and 1.0": (b"\x82\x01\x01" + msgpack.packb(1.0) + b"\x02", "1 and 1.0"),
+        ":a and 'a'": (b"\x82" + atom_a + b"\x01\xa1a\x02", "Atom('a') and 'a'"),
+        "{:a, 1} and {'a', true}": (
+            b"\x82"
+            + _ext(EXT_TUPLE, b"\x92" + atom_a + b"\x01")
+            + b"\x01"
+            + _ext(EXT_TUPLE, b"\x92\xa1a\xc3")
+            + b"\x02",
+            "(Atom('a'), 1) and ('a', True)",
+        ),
+    }
+    for what, (payload, keys) in cases.items():
+        error = _error(worker, pb.Ping(payload))
+        assert error.category == "bad_args", what
+        assert f"map keys {keys} are one key in Python" in error.message, (what, error.message)
+    assert worker.request(pb.Ping(b"\x82\x01\x01\xa11\x02")) == {1: 1, "1": 2}
     _still_serving(worker, worker.proc.pid)
 
 
