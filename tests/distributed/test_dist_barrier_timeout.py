@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bridge_py.distributed import StatelessProcessGroup
@@ -35,3 +37,24 @@ def test_barrier_times_out_naming_rank_phase_and_the_missing_rank(transport: str
     assert late["elapsed"] < 0.5
     for result in results:
         assert result["gathered"] == [0, 1, 2]
+
+
+def _rank_0_gives_up_first(rank: int, port: int) -> str:
+    use_transport("store")
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 3, store_timeout=60)
+    if rank == 2:  # absent from the barrier
+        time.sleep(4)
+        return ""
+    try:
+        group.barrier(timeout=1.0 if rank == 0 else 3.0)
+    except RuntimeError as exc:
+        return str(exc)
+    return "passed"
+
+
+def test_the_rank_serving_the_store_names_the_missing_rank_too() -> None:
+    """Rank 0 gives up first, so its verdict is everyone's (its own bit is 1 << 0)."""
+    errors = run_ranks(_rank_0_gives_up_first, 3, free_port(), timeout=60)
+    for error in errors[:2]:
+        assert "rank 0 timed out after 1 s in phase 1 (arrival)" in error, error
+        assert "2 of 3 ranks arrived, rank 2 did not" in error, error

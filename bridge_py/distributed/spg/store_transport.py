@@ -93,7 +93,7 @@ class StoreTransport:
         # What this rank adds to a barrier's ``arrivals``, and its value once all arrived:
         # a bit per rank where they fit below POISON (a timeout can then say who is
         # missing), else a count.
-        named = world_size <= _NAMED_ARRIVALS
+        self._named = named = world_size <= _NAMED_ARRIVALS
         self._arrive_by = 1 << rank if named else 1
         self._all_in = (1 << world_size) - 1 if named else world_size
         self._outbox = [keys.p2p_queue(rank, dst) for dst in range(world_size)]
@@ -533,7 +533,7 @@ class StoreTransport:
             return left  # all had arrived: passed (the message saying so is dropped later)
         if seen // POISON > 1:  # another rank gave up first: its verdict is everyone's
             raise BarrierFailure(self._verdict_of_others(barrier_id, timeout))
-        if self._arrive_by == 1:  # a count
+        if not self._named:  # a count
             verdict = arrival_timeout(rank, timeout, came, world_size, None)
         else:
             missing = [r for r in range(world_size) if not came >> r & 1]
