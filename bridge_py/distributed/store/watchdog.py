@@ -11,6 +11,11 @@ down every TCP connection of this process to that store's address (``shutdown(2)
 a read blocked on it); the request then fails at once, as for a store that went away, and
 :func:`why_lost` says so, for the error to say that the store stopped answering. A request
 that ends in time costs a lock and a list append.
+
+A client being made (``watched((host, port), deadline)``) is watched alone: only the
+connections to that address opened since the watch began are shut, so a handshake slowed
+by a lossy network (a helper thread's new connection) does not cut the connections that
+the process's groups are using, nor count as the store's silence for :func:`why_lost`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -49,11 +55,14 @@ def _address(store: Store | tuple[str, int]) -> tuple[str, int] | None:
 
 
 class _Watch:
-    __slots__ = ("address", "done")
+    __slots__ = ("address", "done", "spare")
 
-    def __init__(self, address: tuple[str, int]) -> None:
+    def __init__(self, address: tuple[str, int], spare: set[str] | None) -> None:
         self.address = address
         self.done = False
+        # None: shut every connection to the address; else those not in ``spare`` (the
+        # connections there were when a new client's watch began).
+        self.spare = spare
 
 
 class watched:
@@ -65,7 +74,11 @@ class watched:
 
     def __init__(self, store: Store | tuple[str, int], deadline: float) -> None:
         address = _address(store)
-        self._watch = None if address is None else _Watch(address)
+        if address is None:
+            self._watch = None
+            return
+        spare = _connections(address) if isinstance(store, tuple) else None
+        self._watch = _Watch(address, spare)
         if self._watch is not None:
             _add(deadline + GRACE, self._watch)
 
@@ -121,8 +134,9 @@ def _run() -> None:
                 continue
             watch = heapq.heappop(_due)[2]
         if not watch.done:
-            _shut[watch.address] = time.monotonic()
-            _shut_connections(watch.address)
+            if watch.spare is None:
+                _shut[watch.address] = time.monotonic()
+            _shut_connections(watch.address, watch.spare)
 
 
 def _peers(host: str, port: int) -> set[tuple[str, int]]:
@@ -137,18 +151,33 @@ def _plain(ip: str) -> str:
     return ip.removeprefix("::ffff:")
 
 
-def _shut_connections(address: tuple[str, int]) -> None:
-    """Shut down every TCP socket of this process whose peer is ``address``."""
+def _connections(address: tuple[str, int]) -> set[str]:
+    """The sockets (``socket:[inode]``) of this process connected to ``address`` now."""
+    return {link for link, _sock in _connected(address)}
+
+
+def _shut_connections(address: tuple[str, int], spare: set[str] | None) -> None:
+    """Shut down the TCP sockets of this process connected to ``address``, but for those
+    in ``spare``."""
+    for link, sock in _connected(address):
+        if spare is None or link not in spare:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _connected(address: tuple[str, int]) -> Iterator[tuple[str, socket.socket]]:
+    """``(link, sock)`` for each TCP socket of this process connected to ``address``:
+    ``sock`` is a duplicate of its descriptor, closed once the caller's turn is over."""
     peers = _peers(*address)
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError, ValueError):
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if not link.startswith("socket:"):
                 continue
             sock = socket.socket(fileno=os.dup(int(name)))
             try:
                 inet = sock.family in (socket.AF_INET, socket.AF_INET6)
                 peer: Any = sock.getpeername() if inet and sock.type == socket.SOCK_STREAM else None
                 if peer and (_plain(peer[0]), peer[1]) in peers:
-                    sock.shutdown(socket.SHUT_RDWR)
+                    yield link, sock
             finally:
                 sock.close()
