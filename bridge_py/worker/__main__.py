@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bridge_py.worker import process_group
 from bridge_py.worker.transports.grpc_sessions import DEFAULT_SESSION_IDLE
 
 # How long exit hooks may run once the parent is gone: the whole exit stays within 2 s.
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         # Whoever started us is our client: once it is gone, so are we, even if stdin
-        # stays open or a call is stuck (see parent_watch).
+        # stays open or a call is stuck (see parent_watch), and so is what we started.
+        process_group.lead()
         watch_parent(lambda: _exit_promptly(grace=_ORPHAN_GRACE))
         # No --spin-us: spin up to the default while measurement says it pays; with it,
         # spin up to that long on any machine (0: never).
@@ -238,14 +240,20 @@ def _exit_promptly(grace: float = 2.0) -> None:
     process never joins their threads, and a hook that hangs cannot delay the exit by
     more than ``grace``.
     """
-    watchdog = threading.Timer(grace, os._exit, args=(0,))
+    watchdog = threading.Timer(grace, _leave)
     watchdog.daemon = True
     watchdog.start()
     try:
         atexit._run_exitfuncs()
     finally:
         sys.stderr.flush()
-        os._exit(0)
+        _leave()
+
+
+def _leave() -> None:
+    """Exit now, taking the processes exported code started along (``process_group``)."""
+    process_group.end_others()
+    os._exit(0)
 
 
 def _start_grpc(dispatcher: Dispatcher, args: argparse.Namespace) -> object:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import subprocess
 import threading
 import time
 import weakref
@@ -101,6 +102,16 @@ def sleep(seconds: float) -> float:
     return seconds
 
 
+def spawn_descendants() -> list[int]:
+    """Start a child (``sleep``) and a grandchild (another ``sleep``, the child's); their
+    pids. Neither is waited for: they must go when the worker goes."""
+    child = subprocess.Popen(
+        ["sh", "-c", "sleep 600 & echo $!; exec sleep 600"], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    return [child.pid, int(child.stdout.readline())]
+
+
 def make_unencodable() -> object:
     """An object with no value encoding: comes back as a ref."""
     return threading.Lock()
@@ -145,6 +156,7 @@ def table() -> ExportTable:
             ExportedFunction("zeros", zeros, "Sample"),
             ExportedFunction("dtype_of", dtype_of, "Sample"),
             ExportedFunction("make_unencodable", make_unencodable, "Sample"),
+            ExportedFunction("spawn_descendants", spawn_descendants, "Sample"),
             ExportedFunction("leave", leave, "Sample"),
             ExportedFunction("nested", nested, "Sample"),
         ],

@@ -470,7 +470,8 @@ defmodule VllmBridge.FaultsTest do
     beam_pid = read_line(beam, "BEAM") |> hd()
     Agent.update(agent, &%{&1 | beam: beam_pid})
     python = read_line(beam, "PYTHON")
-    Agent.update(agent, &%{&1 | python: python})
+    children = read_line(beam, "CHILDREN")
+    Agent.update(agent, &%{&1 | python: python ++ children})
     assert length(python) == 2 and Enum.all?(python, &os_alive?/1)
     {holder_port, holder} = hold_input_pipes!(hd(python))
     Agent.update(agent, &%{&1 | holder: holder})
@@ -482,6 +483,10 @@ defmodule VllmBridge.FaultsTest do
     assert wait_os_exit(python, killed_at + 2_000 - now_ms()),
            "Python workers #{inspect(Enum.filter(python, &os_alive?/1))} outlived the BEAM " <>
              "by more than 2 s"
+
+    # and what worker 1's exported code started went with it
+    assert wait_os_exit(children, killed_at + 3_000 - now_ms()),
+           "#{inspect(Enum.filter(children, &os_alive?/1))} outlived the BEAM"
 
     assert_receive {^beam, {:exit_status, _}}, 5_000
     assert os_alive?(holder), "the process holding the input pipe open is gone"

@@ -59,6 +59,39 @@ defmodule VllmBridge.HealthTest do
     frame!(id, {:ping, %{payload: payload}})
   end
 
+  # A child and a grandchild started by exported code in worker `index`.
+  defp descendants!(pool, index) do
+    rt = [__runtime__: [pool: pool, worker: index, timeout: 30_000]]
+    {:ok, [child, grandchild]} = Runtime.call_function("spawn_descendants", [], rt)
+    on_exit(fn -> Enum.each([child, grandchild], &kill9/1) end)
+    assert os_alive?(child) and os_alive?(grandchild)
+    [child, grandchild]
+  end
+
+  test "what exported code started goes with its worker: the pool stopped",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 1)
+    started = descendants!(pool, 0)
+    :ok = stop_supervised(pool)
+    assert wait_os_exit(started, 3_000), "#{inspect(started)} outlived their worker"
+  end
+
+  test "what exported code started goes with its worker: killed by a health check",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 1, @health)
+    {:ok, worker} = Pool.worker(pool, 0)
+    {:ok, os_pid} = Worker.os_pid(worker)
+    started = descendants!(pool, 0)
+
+    capture_log(fn ->
+      stop_os(os_pid)
+      replacement(pool, 0, worker)
+    end)
+
+    assert wait_os_exit([os_pid | started], 3_000),
+           "#{inspect(Enum.filter(started, &os_alive?/1))} outlived their worker's kill"
+  end
+
   @tag timeout: 60_000
   test "a SIGSTOPped worker with callers waiting is killed and restarted; callers get :worker errors",
        %{test: test} do

@@ -61,13 +61,15 @@ defmodule VllmBridge.Worker.OSProcess do
   end
 
   @doc """
-  Kills the process with SIGKILL: a stopped or wedged process ignores
-  anything milder. (While its port is open it cannot have been reaped, so
-  the pid is still its own.)
+  Kills the process with SIGKILL, and its process group: a stopped or
+  wedged process ignores anything milder, and a worker leads a group of its
+  own, so that what its exported code started goes with it. (While its port
+  is open it cannot have been reaped, so the pid is still its own; a process
+  that leads no group is killed alone.)
   """
   @spec kill(pos_integer()) :: :ok
   def kill(os_pid) do
-    _ = :os.cmd(~c"kill -KILL #{os_pid}")
+    _ = :os.cmd(~c"kill -KILL -#{os_pid} 2>/dev/null; kill -KILL #{os_pid} 2>/dev/null")
     :ok
   end
 

@@ -4,8 +4,9 @@
 #     elixir -pa _build/test/lib/vllm_bridge/ebin elixir/test/vllm_bridge/support/orphan_beam.exs
 #
 # Starts a pool of 2 (the sample export table), leaves a call blocked in Python
-# in each worker, prints "BEAM <os pid>" and "PYTHON <os pid> <os pid>", and
-# waits to be killed.
+# in each worker, has worker 1 start a child and a grandchild, prints "BEAM <os
+# pid>", "PYTHON <os pid> <os pid>" and "CHILDREN <os pid> <os pid>", and waits
+# to be killed.
 
 alias VllmBridge.{Pool, Runtime, Worker}
 
@@ -34,6 +35,11 @@ os_pids =
     os_pid
   end
 
+# a child and a grandchild that worker 1's exported code started
+rt = [__runtime__: [pool: :orphan_pool, worker: 1, timeout: 60_000]]
+{:ok, children} = Runtime.call_function("spawn_descendants", [], rt)
+
 IO.puts("BEAM #{System.pid()}")
 IO.puts("PYTHON #{Enum.join(os_pids, " ")}")
+IO.puts("CHILDREN #{Enum.join(children, " ")}")
 Process.sleep(:infinity)
