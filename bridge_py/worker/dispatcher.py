@@ -36,6 +36,7 @@ from bridge_py.worker.operations import (
     error_reply,
     expired_failure,
     internal_failure,
+    late_failure,
     protocol_error,
 )
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry
@@ -236,6 +237,8 @@ class Dispatcher:
                     return _error_chunks(frame, as_failure(exc))
                 finally:
                     current.at = before
+                if deadline and (late := time.monotonic() - deadline) > 0:
+                    return _error_chunks(frame, late_failure(late))
                 try:
                     data = plan.codec.encode_pieces(value)
                 except Exception as exc:  # CodecError, or what a result's own methods raised

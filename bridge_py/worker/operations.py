@@ -10,6 +10,7 @@ business (``dispatcher.py``).
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -97,7 +98,11 @@ class Operations:
             if run is None:
                 raise Failure("protocol", "request has no operation")
             codec = self.codec(session)
-            return _value_reply(req.id, codec, run(op, session, codec))
+            value = run(op, session, codec)
+            at = deadline.current()
+            if at and (late := time.monotonic() - at) > 0:
+                raise late_failure(late)
+            return _value_reply(req.id, codec, value)
         except EXPECTED as exc:
             return error_reply(req.id, as_failure(exc))
 
@@ -276,6 +281,17 @@ def expired_failure(late: float) -> Failure:
     return Failure(
         "timeout",
         f"not run: the caller's deadline had passed {late * 1000:.0f} ms before its turn came",
+    )
+
+
+def late_failure(late: float) -> Failure:
+    """What a call answers that returned after its deadline: a ``timeout`` error, and its
+    result dropped, not encoded: the caller has stopped waiting, and an object in it
+    would be held by a handle nobody has (the gRPC transport drops such results too)."""
+    return Failure(
+        "timeout",
+        f"the call returned {late * 1000:.0f} ms after the caller's deadline; its result "
+        "was dropped",
     )
 
 
