@@ -270,8 +270,7 @@ defmodule VllmBridge.Runtime do
 
   def release(refs, opts) when is_list(refs) do
     with :ok <- all_refs(refs),
-         {:ok, ctx} <- Options.parse([], opts),
-         :ok <- no_kwargs(ctx, "release/2") do
+         {:ok, ctx} <- Options.parse_plain(opts, "release/2") do
       {local, remote} =
         Enum.split_with(refs, &(not is_pid(&1.worker) or node(&1.worker) == node()))
 
@@ -313,8 +312,7 @@ defmodule VllmBridge.Runtime do
   def release_session(session, opts \\ [])
 
   def release_session(session, opts) when is_binary(session) do
-    with {:ok, ctx} <- Options.parse([], opts),
-         :ok <- no_kwargs(ctx, "release_session/2"),
+    with {:ok, ctx} <- Options.parse_plain(opts, "release_session/2"),
          :ok <- local_node(ctx),
          {:ok, workers} <- Pool.workers(ctx.pool),
          {:ok, timeout} <- Pool.timeout(ctx.pool) do
@@ -340,8 +338,7 @@ defmodule VllmBridge.Runtime do
   """
   @spec describe(opts()) :: {:ok, map()} | {:error, Error.t()}
   def describe(opts \\ []) do
-    with {:ok, ctx} <- Options.parse([], opts),
-         :ok <- no_kwargs(ctx, "describe/1"),
+    with {:ok, ctx} <- Options.parse_plain(opts, "describe/1"),
          {:ok, target} <- place(ctx) do
       run(target, ctx, {:describe, %{}})
     else
@@ -353,11 +350,14 @@ defmodule VllmBridge.Runtime do
   @doc """
   Sends `term` to a worker and returns what comes back: the same term, for
   every term the bridge can carry (a round trip through Python's codec).
+
+  `ping/2`, `describe/1`, `release/2` and `release_session/2` pass no Python
+  keyword arguments, so their options are the runtime options, given plainly
+  (`Runtime.ping(:x, pool: MyPool, timeout: 5_000)`) or under `:__runtime__`.
   """
   @spec ping(term(), opts()) :: result()
   def ping(term, opts \\ []) do
-    with {:ok, ctx} <- Options.parse([], opts),
-         :ok <- no_kwargs(ctx, "ping/2"),
+    with {:ok, ctx} <- Options.parse_plain(opts, "ping/2"),
          {:ok, payload} <- Msgpack.encode(term),
          {:ok, target} <- place(ctx) do
       run(target, ctx, {:ping, %{payload: payload}})

@@ -96,6 +96,22 @@ defmodule VllmBridge.RuntimeTest do
     assert {:ok, {1, :x, <<255>>}} = Runtime.call_function("echo", [{1, :x, <<255>>}], rt())
   end
 
+  test "ping, describe, release and release_session take their options plainly" do
+    assert {:ok, :x} = Runtime.ping(:x, pool: @pool, worker: 1, timeout: 5_000)
+    assert {:ok, :y} = Runtime.ping(:y, pool: @pool, __runtime__: [worker: 2])
+    assert {:ok, %{} = table} = Runtime.describe(pool: @pool)
+    assert map_size(table) > 0
+    ref = counter!()
+    assert {:ok, 1} = Runtime.release(ref, pool: @pool, timeout: 5_000)
+    assert {:ok, 0} = Runtime.release_session("no such session", pool: @pool)
+
+    # a Python keyword argument is no option of theirs: named, not sent
+    assert {:error, %Error{category: :bad_args, message: message}} =
+             Runtime.ping(:x, pool: @pool, store_timeout: 5)
+
+    assert message =~ "ping/2 takes only runtime options" and message =~ ":store_timeout"
+  end
+
   test "describe lists the export table" do
     assert {:ok, %{"classes" => _, "functions" => _}} = Runtime.describe(rt())
   end

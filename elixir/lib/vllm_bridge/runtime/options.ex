@@ -87,6 +87,49 @@ defmodule VllmBridge.Runtime.Options do
 
   def parse(args, _opts), do: bad("positional arguments must be a list", args)
 
+  @doc """
+  Reads the options of a call that passes no Python keyword arguments
+  (`VllmBridge.Runtime.ping/2`, `describe/1`, `release/2`,
+  `release_session/2`, named `function` in errors): its runtime options given
+  plainly (`pool: P, timeout: 5_000`), or under `:__runtime__` as every call
+  takes them (plain ones first, when both are given).
+
+  ## Examples
+
+      iex> {:ok, call} = VllmBridge.Runtime.Options.parse_plain([timeout: 5_000], "ping/2")
+      iex> call.timeout
+      5000
+
+      iex> {:error, error} = VllmBridge.Runtime.Options.parse_plain([store_timeout: 5], "ping/2")
+      iex> error.message
+      "ping/2 takes only runtime options ([:pool, :node, :worker, :timeout, :session], plainly or under :__runtime__), not [:store_timeout]"
+  """
+  @spec parse_plain(keyword(), String.t()) :: {:ok, t()} | {:error, Error.t()}
+  def parse_plain(opts, function) when is_proper(opts) do
+    case Enum.split_with(opts, &match?({key, _} when key in @runtime_keys, &1)) do
+      {plain, []} ->
+        parse([], __runtime__: plain)
+
+      {plain, [{:__runtime__, runtime}]} when is_proper(runtime) ->
+        parse([], __runtime__: plain ++ runtime)
+
+      {_plain, other} ->
+        keys = for {key, _} <- other, key != :__runtime__, do: key
+
+        if keys == [] or not Keyword.keyword?(other) do
+          bad("options must be a keyword list", opts)
+        else
+          bad(
+            "#{function} takes only runtime options (#{inspect(@runtime_keys)}, plainly or " <>
+              "under :__runtime__), not #{inspect(keys)}",
+            opts
+          )
+        end
+    end
+  end
+
+  def parse_plain(opts, _function), do: bad("options must be a keyword list", opts)
+
   # {runtime, extra, kwargs}: the first :__runtime__ and :__args__ (the others
   # are dropped, as Keyword.pop/3 does), and the rest in order; :error when
   # opts is not a keyword list. Body-recursive: option lists are short.
