@@ -84,3 +84,41 @@ def test_a_group_leaves_no_read_value_behind_a_barrier() -> None:
     for result in results:
         assert result["got"] == list(range(30)) + [2] * 30
     assert results[0]["left"] == ["join/count", "join/done"]
+
+
+_EXITING = """
+import logging, os, signal, subprocess, sys, time, datetime
+from torch.distributed import TCPStore
+from bridge_py.distributed.store.reaper import KeyReaper
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(message)s")
+server = subprocess.Popen([sys.executable, "-c",
+    "import time, datetime; from torch.distributed import TCPStore; "
+    "s = TCPStore('127.0.0.1', {port}, None, True, timeout=datetime.timedelta(seconds=60), "
+    "wait_for_workers=False); print('up', flush=True); time.sleep(120)"],
+    stdout=subprocess.PIPE, text=True)
+assert server.stdout.readline().strip() == "up"
+client = TCPStore("127.0.0.1", {port}, None, False, timeout=datetime.timedelta(seconds=30))
+os.kill(server.pid, signal.SIGSTOP)  # the store's host freezes
+import atexit
+atexit.register(server.kill)  # (registered first: runs after the reaper's join)
+reaper = KeyReaper(client, connect_timeout=1.0)
+reaper.delete(["k"])  # its thread connects to a store that never answers
+time.sleep(0.2)
+print("exiting", flush=True)
+"""
+
+
+def test_at_exit_a_reaper_thread_in_torch_is_joined_not_left_running() -> None:
+    """A daemon thread still inside torch's client when Python finalizes can abort the
+    process (std::terminate) when its call returns; at exit the reaper's threads are
+    stopped and joined instead, within their connect timeout and the watchdog's grace."""
+    import subprocess
+    import sys
+
+    script = _EXITING.replace("{port}", str(free_port()))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the thread's connect ended (the watchdog shut it) and it said so before the exit
+    assert "could not delete 'k'" in done.stderr, done.stderr[-2000:]

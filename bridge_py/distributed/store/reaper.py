@@ -12,10 +12,16 @@ anyway).
 see the store clean (a barrier, ``expire_data``). Deletes are best effort: one that fails
 (the store's server is gone) is dropped, and the group's own next request reports the lost
 store. A store that is not a ``TCPStore`` gets its deletes on the caller's thread, as before.
+
+At interpreter exit the threads are stopped and joined (within their connect timeout and
+the watchdog's grace): a daemon thread still inside torch's client when Python finalizes
+is ended by an unwind that C++ turns into ``std::terminate``, and the process aborted
+("terminate called without an active exception") after it had done its work.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -29,12 +35,17 @@ from torch.distributed import Store, TCPStore
 from bridge_py.distributed.store.client import connect_client
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.torch_api import uses_libuv
+from bridge_py.distributed.store.watchdog import GRACE, watched
 
 __all__ = ["KeyReaper"]
 
 logger = logging.getLogger(__name__)
 
 _CONNECT_SECONDS = 5.0
+
+# This process's reaper threads still running, with their work (see _join_all).
+_threads: list[tuple[_Work, threading.Thread, float]] = []
+_threads_lock = threading.Lock()
 
 
 class _Work:
@@ -119,12 +130,30 @@ class KeyReaper:
             self._work = _Work()
             weakref.finalize(self, self._work.stop)
         self._pid = os.getpid()
-        threading.Thread(
+        thread = threading.Thread(
             target=_reap,
             args=(self._work, store.host, store.port, uses_libuv(store), self._connect_timeout),
             name="spg-key-reaper",
             daemon=True,
-        ).start()
+        )
+        thread.start()
+        with _threads_lock:
+            if not _threads:
+                atexit.register(_join_all)
+            _threads[:] = [t for t in _threads if t[1].is_alive()]
+            _threads.append((self._work, thread, self._connect_timeout))
+
+
+def _join_all() -> None:
+    """At exit: stop every reaper thread of this process and wait for it, each within its
+    connect timeout and the watchdog's grace (see the module docstring)."""
+    with _threads_lock:
+        running = [t for t in _threads if t[1].is_alive()]
+        _threads.clear()
+    for work, _thread, _timeout in running:
+        work.stop()
+    for _work, thread, timeout in running:
+        thread.join(timeout + GRACE + 0.5)
 
 
 def _reap(work: _Work, host: str, port: int, use_libuv: bool, connect_timeout: float) -> None:
@@ -146,7 +175,7 @@ def _reap(work: _Work, host: str, port: int, use_libuv: bool, connect_timeout: f
                     use_libuv=use_libuv,
                     wait_for_server=False,
                 )
-            with QUIET:
+            with QUIET, watched(connection, time.monotonic() + connect_timeout):
                 connection.delete_key(key)
         except Exception as exc:  # the store is gone: the group's own requests will say so
             logger.debug("could not delete %r: %s", key, exc)
