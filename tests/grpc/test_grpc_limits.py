@@ -136,3 +136,27 @@ def test_calls_over_the_concurrency_limit_are_refused_at_once() -> None:
     finally:
         other.close()
         serving.server.stop(None)
+
+
+def test_connections_that_never_speak_are_closed_and_take_no_fds_for_long() -> None:
+    """Idle TCP connections (no HTTP/2, no token) go after the handshake timeout, so that
+    a crowd of them cannot hold the worker's file descriptors (22,000 once did, and its
+    own client then got DEADLINE_EXCEEDED)."""
+    import socket
+
+    from bridge_py.worker.transports.grpc import HANDSHAKE_TIMEOUT_MS
+
+    worker = GrpcWorker()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", worker.port)) for _ in range(200)]
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_MS / 1000 + 10
+        for sock in idle:  # each is closed by the server (its settings, a GOAWAY, then EOF)
+            sock.settimeout(max(deadline - time.monotonic(), 0.1))
+            while sock.recv(1 << 16):
+                pass
+            sock.close()
+        assert len(list(Path(f"/proc/{worker.proc.pid}/fd").iterdir())) < 100  # not 200 more
+        with worker.connect() as client:
+            assert client.ping("after") == "after"
+    finally:
+        worker.stop()

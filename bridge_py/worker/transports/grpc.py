@@ -72,6 +72,10 @@ DEFAULT_MAX_MESSAGE = 256 * 1024 * 1024
 # this many, new calls get RESOURCE_EXHAUSTED at once instead of queueing.
 DEFAULT_MAX_CONCURRENT_RPCS = 256
 MAX_METADATA_BYTES = 16 * 1024
+HANDSHAKE_TIMEOUT_MS = 5_000
+"""How long a connection may take to start speaking HTTP/2 before the server closes it:
+connections that never speak (22,000 of them once took every file descriptor of a worker,
+and its own clients then got DEADLINE_EXCEEDED) go after this instead of 120 s."""
 OPEN_SESSION = "OpenSession"
 # Trailing metadata of OpenSession's and Ping's answers: seconds without a request after
 # which the session expires ("0": never), so that a client can ping before.
@@ -340,6 +344,7 @@ def serve_grpc(
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_concurrent_streams", max_concurrent_rpcs),
             ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
             # A second server on a busy port fails instead of sharing it.
             ("grpc.so_reuseport", 0),
             # Fixed flow-control windows: with bandwidth-delay probing each connection's
