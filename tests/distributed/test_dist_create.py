@@ -179,7 +179,7 @@ def test_a_store_without_queues_is_refused_when_the_group_is_made(tmp_path) -> N
 def test_a_lone_rank_says_once_that_it_is_still_waiting(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(spg_group, "JOIN_NOTICE_AFTER", 0.3)
+    monkeypatch.setattr(spg_group, "JOIN_NOTICE_AFTER", 0.3)  # (store_timeout: 1.5 s)
     port = free_port()
     with caplog.at_level(logging.WARNING), pytest.raises(StoreError):
         StatelessProcessGroup.create("127.0.0.1", port, 1, 2, store_timeout=1.5)

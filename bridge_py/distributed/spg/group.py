@@ -550,7 +550,8 @@ class StatelessProcessGroup:
         within = deadline.clamp(store_timeout) if store_timeout > 0 else store_timeout
         until = time.monotonic() + within
         count = world_size if chosen == "vllm" else None
-        # A rank left alone says so once, rather than nothing until it gives up.
+        # A rank left alone says so once, rather than nothing until it gives up (one
+        # that gives up sooner than that says why when it does).
         notice = threading.Timer(
             JOIN_NOTICE_AFTER,
             logger.warning,
@@ -561,11 +562,12 @@ class StatelessProcessGroup:
                 world_size,
                 JOIN_NOTICE_AFTER,
                 format_address(host, port),
-                within,
+                round(within, 1),
             ),
         )
         notice.daemon = True
-        notice.start()
+        if within > JOIN_NOTICE_AFTER:
+            notice.start()
         try:
             store, sock = open_store(
                 host,

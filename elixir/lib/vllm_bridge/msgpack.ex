@@ -380,7 +380,10 @@ defmodule VllmBridge.Msgpack do
   defp python_key(nil), do: nil
   defp python_key(key) when is_atom(key), do: Atom.to_string(key)
   defp python_key(key) when is_float(key) and key == trunc(key), do: trunc(key)
-  defp python_key(key) when is_tuple(key), do: key |> Tuple.to_list() |> Enum.map(&python_key/1)
+
+  defp python_key(key) when is_tuple(key),
+    do: key |> Tuple.to_list() |> Enum.map(&python_key/1) |> List.to_tuple()
+
   defp python_key(key), do: key
 
   defp enc_uint(int) when int < 0x80, do: <<int>>

@@ -306,9 +306,14 @@ defmodule VllmBridge.FaultsTest do
     assert {:ok, {:other, 1}} = Runtime.ping({:other, 1}, rt)
     assert {:ok, nil} = Runtime.call_function("open_gate", [counter], rt)
 
-    # the late reply (true) reaches the worker ...
+    # the late reply reaches the worker: the call returned after its deadline, so
+    # Python dropped its result (true) and says so ...
     late_reply = traced_reply(worker, late_id)
-    assert {:ok, %{id: ^late_id, result: {:value, <<0xC3>>}}} = Proto.decode_reply(late_reply)
+
+    assert {:ok, %{id: ^late_id, result: {:error, %{category: "timeout", message: message}}}} =
+             Proto.decode_reply(late_reply)
+
+    assert message =~ "after the caller's deadline; its result was dropped"
     :erlang.trace(worker, false, [:receive])
     # ... is handled (a synchronous call is answered after it) ...
     assert {:ok, %{pending: 0}} = Worker.info(worker)

@@ -62,7 +62,7 @@ defmodule VllmBridge.Fuzz do
       8 -> tensor()
       9 -> ref()
       n when n in 10..11 -> for _ <- 1..between(0, 5)//1, do: term(depth - 1)
-      12 -> Map.new(1..between(0, 4)//1, fn _ -> {term(depth - 1), term(depth - 1)} end)
+      12 -> distinct(Map.new(1..between(0, 4)//1, fn _ -> {term(depth - 1), term(depth - 1)} end))
       _ -> List.to_tuple(for _ <- 1..between(0, 4)//1, do: term(depth - 1))
     end
   end
@@ -73,10 +73,22 @@ defmodule VllmBridge.Fuzz do
       case :rand.uniform(4) do
         1 -> [inner | for(_ <- 1..between(0, 2)//1, do: term(0))]
         2 -> {term(0), inner}
-        3 -> %{"k" => inner, term(0) => term(0)}
+        3 -> distinct(%{"k" => inner, term(0) => term(0)})
         4 -> %{inner => 1}
       end
     end)
+  end
+
+  # A map whose keys are one key in Python (true and 1, :a and "a") is refused by
+  # the encoder: a fuzzed map that has such keys gets their inspected text instead.
+  defp distinct(map) do
+    case Msgpack.encode(map) do
+      {:error, %{category: :bad_args, message: "map keys " <> _}} ->
+        Map.new(map, fn {key, value} -> {inspect(key), value} end)
+
+      _ ->
+        map
+    end
   end
 
   defp int do
