@@ -58,7 +58,13 @@ from bridge_py.distributed.spg.board import Board, BoardError
 from bridge_py.distributed.spg.shm_transport import ShmTransport, queue_flusher
 from bridge_py.distributed.spg.store_transport import StoreTransport
 from bridge_py.distributed.spg.vllm_wire import VllmWire, resolve_wire
-from bridge_py.distributed.store import format_address, join_group, open_store, require_queues
+from bridge_py.distributed.store import (
+    format_address,
+    format_seconds,
+    join_group,
+    open_store,
+    require_queues,
+)
 
 __all__ = ["StatelessProcessGroup", "validate_rank"]
 
@@ -557,12 +563,12 @@ class StatelessProcessGroup:
             logger.warning,
             (
                 "rank %d of %d has waited %g s in create for all ranks to join the store "
-                "at %s (it gives up after %g s)",
+                "at %s (it gives up after %s s)",
                 rank,
                 world_size,
                 JOIN_NOTICE_AFTER,
                 format_address(host, port),
-                round(within, 1),
+                format_seconds(within),
             ),
         )
         notice.daemon = True
@@ -578,23 +584,20 @@ class StatelessProcessGroup:
                 torch_join=count,
                 within=within,
             )
-        except BaseException:
-            notice.cancel()
-            raise
-        owned = listen_socket is None
-        address = format_address(host, sock.getsockname()[1] if sock is not None else port)
-        try:
-            if chosen == "bridge":
-                join_group(store, rank, world_size, address, within, until)
-        except BaseException as exc:
-            # Release the store (rank 0: stop serving) before the error travels up: frames
-            # kept alive by the traceback would otherwise keep the server running.
-            del store
-            traceback.clear_frames(exc.__traceback__)
-            if owned and sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
-            raise
+            owned = listen_socket is None
+            address = format_address(host, sock.getsockname()[1] if sock is not None else port)
+            try:
+                if chosen == "bridge":
+                    join_group(store, rank, world_size, address, within, until)
+            except BaseException as exc:
+                # Release the store (rank 0: stop serving) before the error travels up: frames
+                # kept alive by the traceback would otherwise keep the server running.
+                del store
+                traceback.clear_frames(exc.__traceback__)
+                if owned and sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+                raise
         finally:
             notice.cancel()
         # The key resolved above goes in before __post_init__, which then keeps it.

@@ -32,6 +32,7 @@ __all__ = [
     "bind_listen_socket",
     "connect_client",
     "format_address",
+    "format_seconds",
     "join_group",
     "open_store",
     "remaining",
@@ -154,8 +155,8 @@ def open_store(
             store = connect_client(host, port, time.monotonic() + within, count_in=torch_join)
         except StoreError as exc:
             raise StoreError(
-                f"rank {rank} could not reach the store at {address} within {_secs(within)} s "
-                f"(is rank 0 serving it there?): {exc}"
+                f"rank {rank} could not reach the store at {address} within "
+                f"{format_seconds(within)} s (is rank 0 serving it there?): {exc}"
             ) from exc
         store.set_timeout(delta)  # the store's timeout for requests, not what was left
         return store, None
@@ -192,8 +193,8 @@ def open_store(
         joined = _CLIENTS_JOINED.search(str(exc))
         if torch_join is not None and joined:
             raise StoreError(
-                f"{joined[1]} of {torch_join} ranks joined {address} within {_secs(within)} s "
-                "(rank 0 gave up waiting for the others)"
+                f"{joined[1]} of {torch_join} ranks joined {address} within "
+                f"{format_seconds(within)} s (rank 0 gave up waiting for the others)"
             ) from exc
         raise StoreError(
             f"rank 0 could not serve the store on {address}: {first_line(exc)}"
@@ -202,7 +203,7 @@ def open_store(
     return store, sock
 
 
-def _secs(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
     """Seconds for a message, to a tenth: a deadline's 1.99995 reads as 2."""
     return f"{seconds:.1f}".removesuffix(".0")
 
@@ -253,7 +254,7 @@ def join_group(
             f"{world_size}: another group uses this address, or ranks disagree on world_size"
         )
     raise StoreError(
-        f"{seen} of {world_size} ranks joined {address} within {_secs(timeout)} s "
+        f"{seen} of {world_size} ranks joined {address} within {format_seconds(timeout)} s "
         f"(rank {rank} gave up waiting for the others)"
     )
 

@@ -138,8 +138,6 @@ class KeyReaper:
         )
         thread.start()
         with _threads_lock:
-            if not _threads:
-                atexit.register(_join_all)
             _threads[:] = [t for t in _threads if t[1].is_alive()]
             _threads.append((self._work, thread, self._connect_timeout))
 
@@ -154,6 +152,9 @@ def _join_all() -> None:
         work.stop()
     for _work, thread, timeout in running:
         thread.join(timeout + GRACE + 0.5)
+
+
+atexit.register(_join_all)
 
 
 def _reap(work: _Work, host: str, port: int, use_libuv: bool, connect_timeout: float) -> None:

@@ -79,8 +79,7 @@ class watched:
             return
         spare = _connections(address) if isinstance(store, tuple) else None
         self._watch = _Watch(address, spare)
-        if self._watch is not None:
-            _add(deadline + GRACE, self._watch)
+        _add(deadline + GRACE, self._watch)
 
     def __enter__(self) -> None:
         return None

@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from bridge_py.distributed.shm.wait import process_alive
+
 TOKEN_ENV = "VLLM_BRIDGE_TOKEN"
 UNIX_PREFIX = "unix:"
 # 256 random bits, URL-safe: printable ASCII, so it fits an HTTP/2 header value.
@@ -150,22 +152,12 @@ def _remove_stale(parent: Path, namespace: str) -> None:
             info = entry.lstat()
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
-            if _running(int(pid)):
+            if process_alive(int(pid)):
                 continue
             token = entry / "token"
             if os.path.lexists(token) and stat.S_ISREG(token.lstat().st_mode):
                 token.unlink()
             entry.rmdir()  # fails, and so keeps it, if anything else is in it
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_generated(token: Token) -> None:
