@@ -44,7 +44,6 @@ import os
 import random
 import select
 import struct
-import subprocess
 import threading
 import time
 from collections import deque
@@ -60,10 +59,6 @@ _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
 _CLONE_NEWNET = 0x40000000
 _MTU = 1500
-
-
-def _ip(netns: str, *args: str) -> None:
-    subprocess.run(["ip", "-n", netns, *args], check=True, capture_output=True, timeout=20)
 
 
 def _open_tun(netns: str, name: str) -> int:
@@ -176,9 +171,9 @@ class FaultyLink:
         for host, name, peer in zip((a, b), names, (b, a), strict=True):
             self._fds.append(_open_tun(host.netns, name))
             mine, theirs = self.address(host), self.address(peer)
-            _ip(host.netns, "link", "set", "dev", name, "addrgenmode", "none")  # no IPv6 chatter
-            _ip(host.netns, "addr", "add", f"{mine}/32", "peer", f"{theirs}/32", "dev", name)
-            _ip(host.netns, "link", "set", "dev", name, "mtu", str(_MTU), "up")
+            host.ip("link", "set", "dev", name, "addrgenmode", "none")  # no IPv6 chatter
+            host.ip("addr", "add", f"{mine}/32", "peer", f"{theirs}/32", "dev", name)
+            host.ip("link", "set", "dev", name, "mtu", str(_MTU), "up")
         fa, fb = self._fds
         self._directions = [_Direction("a->b", fa, fb), _Direction("b->a", fb, fa)]
         self._thread = threading.Thread(target=self._relay, name=str(self), daemon=True)

@@ -60,9 +60,10 @@ class Process:
         self.popen = popen
         self.name = name
 
-    def result(self, timeout: float) -> Any:
-        """The target's result; AssertionError with its output when it failed or did not
-        finish within ``timeout`` seconds (then it is killed)."""
+    def result(self, timeout: float, parse: Callable[[str], Any] = json.loads) -> Any:
+        """The target's result, its last line of output read by ``parse`` (JSON);
+        AssertionError with its output when it failed or did not finish within
+        ``timeout`` seconds (then it is killed)."""
         try:
             out, _ = self.popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -72,7 +73,7 @@ class Process:
             raise AssertionError(message) from None
         if self.popen.returncode != 0:
             raise AssertionError(f"{self.name} exited {self.popen.returncode}:\n{out[-4000:]}")
-        return json.loads(out.strip().splitlines()[-1])
+        return parse(out.strip().splitlines()[-1])
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -154,17 +155,18 @@ class Host:
         self.processes.append(process)
         return process
 
-    def leftovers(self, within: float = 5.0) -> list[str]:
-        """What is left on the host besides its init: its processes (``pid command``)
-        and the files in its /dev/shm. A host whose work ended cleanly has none, once
-        the processes that were exiting (a helper whose parent just exited) are gone:
-        asked again for up to ``within`` seconds until none is left."""
+    def leftovers(self, within: float = 5.0, daemons: tuple[str, ...] = ()) -> list[str]:
+        """What is left on the host besides its init and its ``daemons`` (programs that
+        stay by design, such as ``epmd``): its processes (``pid command``) and the files
+        in its /dev/shm. A host whose work ended cleanly has none, once the processes
+        that were exiting (a helper whose parent just exited) are gone: asked again for
+        up to ``within`` seconds until none is left."""
         until = time.monotonic() + within
-        while (left := self._left()) and time.monotonic() < until:
+        while (left := self._left(daemons)) and time.monotonic() < until:
             time.sleep(0.1)
         return left
 
-    def _left(self) -> list[str]:
+    def _left(self, daemons: tuple[str, ...]) -> list[str]:
         root = Path(f"/proc/{self.pid}/root")
         left = [f"/dev/shm/{f.name}" for f in (root / "dev/shm").iterdir()]
         for entry in (root / "proc").iterdir():
@@ -173,12 +175,19 @@ class Host:
                     if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                         continue  # exited; the init reaps it (its orphans: within 0.2 s)
                     command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-                    left.append(f"{entry.name} {command.decode(errors='replace')[:200]}")
+                    text = command.decode(errors="replace")
+                    if daemons and text.split(" ")[0].endswith(daemons):
+                        continue
+                    left.append(f"{entry.name} {text[:200]}")
         return left
+
+    def ip(self, *args: str) -> None:
+        """Run ``ip args`` in this host's network namespace (raises if it fails)."""
+        _ip("-n", self.netns, *args)
 
     def set_link(self, up: bool) -> None:
         """Bring this host's end of the link up or down."""
-        _ip("-n", self.netns, "link", "set", self.interface, "up" if up else "down")
+        self.ip("link", "set", self.interface, "up" if up else "down")
 
     def remove(self) -> None:
         """The host vanishes: its processes are killed and its network namespace deleted

@@ -11,6 +11,7 @@ stays), and reports what the calls after that did.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import secrets
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from bridge_py.distributed.store.watchdog import GRACE
+from bridge_py.worker.codec import PLAIN
 from tests.hosts import ROOT, Host, Process, hosts
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,30 +61,9 @@ def _beam_pid(process: Process) -> int:
     return int(children[0])
 
 
-def _left(host: Host) -> list[str]:
-    """``host.leftovers()`` less the host's epmd (a daemon, as on any Erlang machine)
-    and zombies (exited, orphaned to the host's init, which reaps nothing)."""
-    left = []
-    for entry in host.leftovers():
-        pid, _, command = entry.partition(" ")
-        if pid.isdigit():
-            if command.split(" ")[0].endswith("epmd"):
-                continue
-            stat = Path(f"/proc/{host.pid}/root/proc/{pid}/stat")
-            try:
-                if stat.read_text().rpartition(")")[2].split()[0] == "Z":
-                    continue
-            except OSError:  # gone meanwhile
-                continue
-        left.append(entry)
-    return left
-
-
-def _until_none_left(host: Host, seconds: float) -> list[str]:
-    deadline = time.monotonic() + seconds
-    while (left := _left(host)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
+def _decode(line: str) -> Any:
+    """The driver's result: the bridge's msgpack, base64, read with the worker's codec."""
+    return PLAIN.decode(base64.b64decode(line))
 
 
 def _wait_for(path: Path, driver: Process, seconds: float) -> None:
@@ -112,9 +93,9 @@ def test_a_group_across_two_beam_nodes_outlives_one_nodes_beam(tmp_path: Path) -
 
         os.kill(_beam_pid(peer), 9)  # b's BEAM, not its workers: they must go with it
         assert peer.popen.wait(10) != 0
-        b_left = _until_none_left(b, 5)
-        seen = driver.result(75)
-        a_left = _until_none_left(a, 5)
+        b_left = b.leftovers(5, daemons=("epmd",))
+        seen = driver.result(75, parse=_decode)
+        a_left = a.leftovers(5, daemons=("epmd",))
 
     # the killed node's workers went with its BEAM, and the driver's with its clean exit
     assert b_left == [], b_left

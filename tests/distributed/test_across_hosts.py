@@ -129,11 +129,9 @@ def test_the_store_host_vanishing_fails_the_other_hosts_ranks_within_the_timeout
         assert "Barrier" in result["error"], result
 
 
-def _broadcast_until_failure(
-    address: str, port: int, rank: int, interface: str, ready: str
-) -> dict[str, Any]:
-    """64 MiB broadcasts from rank 0 on the world group (gloo, across the two hosts),
-    made with a 5 s timeout, over and over until one fails."""
+def _world(address: str, port: int, rank: int, interface: str, timeout: timedelta | None) -> Any:
+    """``parallel_state`` with the world group of 4 ranks over gloo across the two hosts
+    (gloo's own addresses on the link: ``GLOO_SOCKET_IFNAME``)."""
     os.environ["GLOO_SOCKET_IFNAME"] = interface
     from bridge_py.distributed import parallel_state as ps
 
@@ -143,8 +141,17 @@ def _broadcast_until_failure(
         distributed_init_method=f"tcp://{address}:{port}",
         local_rank=rank % 2,
         backend="gloo",
-        timeout=timedelta(seconds=5),
+        timeout=timeout,
     )
+    return ps
+
+
+def _broadcast_until_failure(
+    address: str, port: int, rank: int, interface: str, ready: str
+) -> dict[str, Any]:
+    """64 MiB broadcasts from rank 0 on the world group (gloo, across the two hosts),
+    made with a 5 s timeout, over and over until one fails."""
+    ps = _world(address, port, rank, interface, timedelta(seconds=5))
     tensor = torch.full((16 << 20,), float(rank))  # 64 MiB
     done, last = 0, time.monotonic()
     try:
@@ -180,16 +187,7 @@ def test_a_link_cut_fails_a_64_mib_gloo_broadcast_within_the_group_timeout(
 def _coordinator(address: str, port: int, rank: int, interface: str) -> dict[str, Any]:
     """The world group over gloo across the two hosts, and a MessageQueue whose readers
     are on both (rank 1 beside the writer, ranks 2 and 3 on the other host)."""
-    os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo's own addresses: on the link
-    from bridge_py.distributed import parallel_state as ps
-
-    ps.init_distributed_environment(
-        world_size=4,
-        rank=rank,
-        distributed_init_method=f"tcp://{address}:{port}",
-        local_rank=rank % 2,
-        backend="gloo",
-    )
+    ps = _world(address, port, rank, interface, None)
     world = ps.get_world_group()
     total = world.all_reduce(torch.ones(2) * rank)
     gathered = world.all_gather(torch.tensor([float(rank)]), dim=0)
