@@ -27,7 +27,10 @@ must finish in bounded time caps that with ``max_losses=N``: no TCP segment (sam
 connection, sequence number and kind; a bare acknowledgment by what it acknowledges) is
 dropped more than N times. With ``loss=0.3, max_losses=2`` about 28% of the packets were
 dropped, and of 1200 such pairs 4 took over 6 s, the slowest 14 s (``link.stats()``
-counts what was carried and dropped).
+counts what was carried and dropped). Even so a connection can stall for longer: TCP's
+estimate of the round trip grows from acknowledgments of resent segments (2.3 s was seen on
+a link of no delay, with a retransmission timeout of 8.7 s), and a segment lost twice then
+waits two such timeouts. ``max_losses=1`` keeps such a stall within one.
 
 Nothing is routed beyond the two devices: each host's only route over the link is to the
 other end's address. On leaving the block the relay stops (its thread is joined), and its

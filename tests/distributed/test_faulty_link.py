@@ -15,7 +15,6 @@ memory file may be left on either host once the ranks have returned.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -37,10 +36,10 @@ OP_TIMEOUT = 30.0
 
 FAULTS: dict[str, dict[str, Any]] = {
     "delay": {"delay": 0.2},
-    "loss": {"loss": 0.3, "max_losses": 2},
+    "loss": {"loss": 0.3, "max_losses": 1},
 }
 """The faults of the link: each packet delayed 200 ms; or 30% of packets dropped, but no TCP
-segment more than twice (so that TCP's stalls stay within seconds: see tests.faulty_link)."""
+segment more than once (so that TCP's stalls stay within seconds: see tests.faulty_link)."""
 
 WIRES = ("bridge", "vllm")
 
@@ -108,11 +107,6 @@ def _outcome(rank: Process) -> dict[str, Any]:
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_every_operation_completes_over_a_faulty_link(fault: str) -> None:
-    if fault == "loss" and os.environ.get("VLLM_BRIDGE_LOSSY_TESTS") != "1":
-        pytest.skip(
-            "the lossy link fails now and then (open, see 2026-12-07's note); "
-            "VLLM_BRIDGE_LOSSY_TESTS=1 runs it"
-        )
     """A group on each wire (four ranks each, at once: the link's faults are per packet,
     and most of the time is spent waiting on them) runs every operation to the end.
 
@@ -120,11 +114,14 @@ def test_every_operation_completes_over_a_faulty_link(fault: str) -> None:
     its deadline: the watchdog then shuts only that connection, not the group's (it once
     shut them all, and about one run in three failed with "it stopped answering").
 
-    Over the lossy link only this package's wire is run: on vLLM's wire a wait for a key
-    that was set sometimes ran to its 30 s timeout (2 runs in about 35; open, see the
-    closing note of 2026-12-07), which would make this test fail now and then.
+    Each segment is dropped at most once. With twice, a wait sometimes ran past its 30 s
+    (vLLM's wire failed 2 runs in about 35; a loop of 30 rounds of these operations failed
+    in its first) although the store had sent its answer, because TCP's
+    retransmission timer on that connection had grown to 7-9 s (its round-trip estimate,
+    taken from acknowledgments of resent segments, was 2.3 s on a link of no delay), and a
+    segment lost twice then waits for it twice over. That is TCP on such a link, not a wait
+    of ours: ``ss -ti`` on the store's host showed the answer unacknowledged, ``rto:8736``.
     """
-    wires = WIRES if fault != "loss" else ("bridge",)
     with hosts(2) as (a, b), faulty_link(a, b, **FAULTS[fault]) as link:
         address = link.address(a)
         ranks = {
@@ -132,22 +129,22 @@ def test_every_operation_completes_over_a_faulty_link(fault: str) -> None:
                 (a if rank < 2 else b).start(_every_operation, address, port, rank, wire)
                 for rank in range(4)
             ]
-            for wire, port in zip(wires, (free_port(), free_port()), strict=False)
+            for wire, port in zip(WIRES, (free_port(), free_port()), strict=True)
         }
-        results = {wire: [_outcome(rank) for rank in ranks[wire]] for wire in wires}
+        results = {wire: [_outcome(rank) for rank in ranks[wire]] for wire in WIRES}
         stats = link.stats()
         left = {"a": a.leftovers(), "b": b.leftovers()}
-    times = {wire: [r["times"] for r in results[wire]] for wire in wires}
-    errors = {wire: [r["error"] for r in results[wire]] for wire in wires}
+    times = {wire: [r["times"] for r in results[wire]] for wire in WIRES}
+    errors = {wire: [r["error"] for r in results[wire]] for wire in WIRES}
     seen = f"{link}: {stats}; seconds per rank: {times}; errors: {errors}"
     print(seen)
     for direction in stats.values():  # host b's ranks talked to the store over the link
         assert direction["carried"] > 100, seen
-        if fault == "loss":  # each segment at most twice: a bit less than the 30% drawn
-            # (one wire's fewer packets: 19.9% seen in a clean run, so 15% is the bound)
+        if fault == "loss":  # each segment at most once: less than the 30% drawn
+            # (bare acknowledgments of one value count as one segment: about 24% seen)
             assert direction["dropped"] > 0.15 * (direction["carried"] + direction["dropped"]), seen
     assert left == {"a": [], "b": []}, (left, seen)
-    for wire in wires:
+    for wire in WIRES:
         assert errors[wire] == [None] * 4, (wire, seen)
         assert [r["host"] for r in results[wire]] == ["host0", "host0", "host1", "host1"], seen
         if fault == "delay":  # each operation of host b's ranks: at least one round trip
