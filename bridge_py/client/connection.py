@@ -264,12 +264,24 @@ class Client:
         return self._codec.encode(values) if values else b""
 
     def _proxy(self, handle: int, class_name: str = "") -> RemoteObject:
+        """The proxy of ``handle``, holding one more of the worker's hand-outs of it."""
         with self._lock:
             proxy = self._proxies.get(handle)
             if proxy is None:
                 proxy = RemoteObject(self, handle, class_name)
                 self._proxies[handle] = proxy
+            else:
+                proxy._holds[0] += 1
             return proxy
+
+    def _take_holds(self, proxies: Any) -> list[int]:
+        """The handles of ``proxies``, each as many times as it is held, which this
+        client no longer holds (a proxy released twice gives nothing the second time)."""
+        with self._lock:
+            handles = [p._handle for p in proxies for _ in range(p._holds[0])]
+            for proxy in proxies:
+                proxy._holds[0] = 0
+        return handles
 
     def _members_of(self, class_name: str) -> tuple[set[str], set[str]]:
         """(methods, attributes) of an exported class, from the worker's describe."""
@@ -308,8 +320,10 @@ class Client:
         return self._request(pb.GetAttribute(obj._handle, name))
 
     def release(self, *objs: RemoteObject) -> int:
-        """Release remote objects now; returns how many handles the worker freed."""
-        return self._request(pb.ReleaseHandles([o._handle for o in objs]))
+        """Release remote objects now; returns how many objects the worker freed (an
+        object that another proxy or client still holds is not freed)."""
+        handles = self._take_holds(objs)
+        return self._request(pb.ReleaseHandles(handles)) if handles else 0
 
     def describe(self) -> dict[str, Any]:
         """The worker's export table."""
@@ -319,12 +333,12 @@ class Client:
         """Round-trip ``value`` through the worker (a health check)."""
         return self._request(pb.Ping(self._codec.encode(value)), timeout)
 
-    def _release_handle(self, handle: int) -> None:
+    def _release_handle(self, handle: int, holds: list[int]) -> None:
         """Best effort, for proxies being collected: never raises."""
-        if self._closed:
+        if self._closed or holds[0] <= 0:
             return
         with contextlib.suppress(Exception):
-            self._request(pb.ReleaseHandles([handle]), timeout=5.0)
+            self._request(pb.ReleaseHandles([handle] * holds[0]), timeout=5.0)
 
     def close(self) -> None:
         """Release this client's handles and close the channel.
@@ -341,7 +355,7 @@ class Client:
             if self._own_session:
                 self._request(pb.ReleaseSession(), timeout=5.0)
             else:
-                handles = list(self._proxies.keys())
+                handles = self._take_holds(list(self._proxies.values()))
                 if handles:
                     self._request(pb.ReleaseHandles(handles), timeout=5.0)
         except BridgeError:

@@ -28,8 +28,9 @@ class ObjectHost(Protocol):
         """(methods, attributes) that the worker exports for ``class_name``."""
         ...
 
-    def _release_handle(self, handle: int) -> None:
-        """Release ``handle`` (the proxy is being collected); must never raise."""
+    def _release_handle(self, handle: int, holds: list[int]) -> None:
+        """Release ``handle`` ``holds[0]`` times (the proxy is being collected); must
+        never raise."""
         ...
 
 
@@ -39,15 +40,22 @@ class RemoteObject:
     ``proxy.method(*args, **kwargs)`` calls the method in the worker;
     ``proxy.attribute`` reads an exported attribute. The handle is released when the
     proxy is garbage-collected (or with ``client.release(proxy)``).
+
+    The worker counts each time it hands a handle out (the same object returned by two
+    calls comes back under the same handle, and one proxy stands for both); ``_holds``
+    counts them here, and the release gives back as many, so that nothing else's hold
+    on the object is taken away and none of this proxy's is left behind.
     """
 
-    __slots__ = ("__weakref__", "_class_name", "_client", "_handle")
+    __slots__ = ("__weakref__", "_class_name", "_client", "_handle", "_holds")
 
     def __init__(self, client: ObjectHost, handle: int, class_name: str) -> None:
+        holds = [1]
         object.__setattr__(self, "_client", client)
         object.__setattr__(self, "_handle", handle)
         object.__setattr__(self, "_class_name", class_name)
-        weakref.finalize(self, client._release_handle, handle)
+        object.__setattr__(self, "_holds", holds)
+        weakref.finalize(self, client._release_handle, handle, holds)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

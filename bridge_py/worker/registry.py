@@ -3,6 +3,12 @@
 A client never holds a Python object, only a handle (an integer) that names it in
 one worker. Handles belong to the session that created them; a session may use only
 its own handles, and releasing a session releases all of them at once.
+
+Each time a reply hands a handle out (an object made, or returned again: the same
+object keeps its handle within a session) the handle's count goes up by one; each
+occurrence of the handle in a release takes one away, and the object is forgotten when
+none is left. So two callers given the same object (``get_world_group()`` twice) each
+release their own, and the object lives until both have.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class _Entry:
     # Method calls on this object run one at a time, in arrival order.
     sequencer: Sequencer = field(default_factory=Sequencer)
     lifetime: Lifetime = field(default_factory=Lifetime)
+    # How many hand-outs of the handle are not yet released.
+    count: int = 1
 
 
 class HandleRegistry:
@@ -60,16 +68,15 @@ class HandleRegistry:
         )
 
     def register(self, obj: Any, session: str, class_name: str) -> int:
-        """Hold ``obj`` for ``session``; return its handle (never 0).
+        """Hold ``obj`` for ``session`` once more (one hand-out); return its handle
+        (never 0).
 
-        An object this session already holds keeps its handle.
+        An object this session already holds keeps its handle, and its count goes up.
         """
-        known = self._by_object.get((session, id(obj)))  # (one dict read: no lock)
-        if known is not None:
-            return known
         with self._lock:
             known = self._by_object.get((session, id(obj)))
             if known is not None:
+                self._entries[known].count += 1
                 return known
             handle = next(self._ids)
             self._entries[handle] = _Entry(obj, session, class_name)
@@ -128,12 +135,18 @@ class HandleRegistry:
         return entry.sequencer
 
     def release(self, handles: list[int], session: str) -> int:
-        """Forget the given handles of ``session``; return how many were held."""
+        """Release one hand-out of ``session``'s handle per occurrence in ``handles``
+        (others' and unknown handles are ignored); return how many objects that freed
+        (those whose last hand-out it was)."""
         freed = 0
         with self._lock:
             owned = self._sessions.get(session, set())
             for handle in handles:
                 if handle in owned:
+                    entry = self._entries[handle]
+                    entry.count -= 1
+                    if entry.count > 0:
+                        continue
                     owned.discard(handle)
                     self._forget(handle)
                     freed += 1

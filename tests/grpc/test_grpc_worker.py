@@ -102,6 +102,23 @@ def test_handles_are_released_when_proxies_are_collected(grpc_worker: GrpcWorker
         assert client._request(pb.ReleaseHandles([handle])) == 0
 
 
+def test_a_proxy_gives_back_every_hold_of_its_handle(grpc_worker: GrpcWorker) -> None:
+    # The worker counts each hand-out of a handle: a proxy returned by two calls holds
+    # two, and gives both back when released or collected (not one, which would keep
+    # the object alive until the session ends).
+    with grpc_worker.connect() as client:
+        counter = client.create("Counter")
+        assert client.ping(counter) is counter
+        assert client.release(counter) == 1
+        assert client.release(counter) == 0  # released already: nothing more
+        other = client.create("Counter")
+        assert client.ping(other) is other
+        handle = other._handle
+        del other
+        gc.collect()
+        assert client._request(pb.ReleaseHandles([handle])) == 0  # both holds are gone
+
+
 def test_close_releases_and_ends_the_session(grpc_worker: GrpcWorker) -> None:
     client = grpc_worker.connect()
     client.create("Counter")

@@ -87,6 +87,8 @@ defmodule VllmBridge.Msgpack do
 
   @ext_tensor 1
   @ext_ref 2
+  # The handles of the refs decoded with an owner since take_handed/0 (see there).
+  @handed :"$vllm_bridge_handed"
   @ext_atom 3
   @ext_tuple 4
 
@@ -199,6 +201,32 @@ defmodule VllmBridge.Msgpack do
   def decode(other, _opts) do
     {:error,
      Error.new(:bad_args, "msgpack: decode/2 needs a binary, got #{inspect(other, limit: 5)}")}
+  end
+
+  @doc """
+  The handle ids of the refs that `decode/2` decoded, in this process, with an
+  `:owner` pid among their `:ref` fields since the last call (one id per ref,
+  repeats included), and forgets them: `[]` when there were none.
+
+  The runtime counts each ref it hands to an owner (see `VllmBridge.Ref`,
+  "Lifetime"); it takes them right after decoding a reply, in the same
+  process, so nothing else can come in between.
+
+  ## Examples
+
+      iex> ref = <<0xD7, 2, 7::64>>
+      iex> {:ok, _} = VllmBridge.Msgpack.decode(<<0x92>> <> ref <> ref, ref: [owner: self()])
+      iex> VllmBridge.Msgpack.take_handed()
+      [7, 7]
+      iex> VllmBridge.Msgpack.take_handed()
+      []
+  """
+  @spec take_handed() :: [non_neg_integer()]
+  def take_handed do
+    case Process.delete(@handed) do
+      nil -> []
+      ids -> ids
+    end
   end
 
   ## Encoding -----------------------------------------------------------------
@@ -574,8 +602,11 @@ defmodule VllmBridge.Msgpack do
     end
   end
 
-  defp ext(@ext_ref, <<id::64, class::binary>>, _dp, r),
-    do: Ref.stamp(%Ref{id: id, class: class}, r)
+  defp ext(@ext_ref, <<id::64, class::binary>>, _dp, r) do
+    ref = Ref.stamp(%Ref{id: id, class: class}, r)
+    if is_pid(ref.owner), do: Process.put(@handed, [id | Process.get(@handed, [])])
+    ref
+  end
 
   defp ext(@ext_tensor, <<kind, bits, ndim, dims::binary-size(ndim * 8), data::binary>> = p, _, _) do
     type = Tensor.type_from_wire(kind, bits) || throw({__MODULE__, "unknown tensor type", p})

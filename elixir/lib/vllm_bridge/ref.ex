@@ -14,11 +14,40 @@ defmodule VllmBridge.Ref do
     * `:index` - that worker's place in the pool (so that checking it is still
       there is one registry lookup)
     * `:session` - the session that owns the handle
+    * `:owner` - the process whose ref this is (see "Lifetime"), or `nil`
+      for a ref that lives until released
 
   Calls on a ref always go to `:worker`. When that worker has died (and
   perhaps been replaced by a fresh one at the same place in the pool) the
   object is gone, and calls return an error of category `:stale_ref` instead
   of being sent elsewhere.
+
+  ## Lifetime
+
+  A ref belongs to the process that asked for it: when that process exits
+  (normally or not), the worker forgets the object, as a port or an ETS table
+  goes with its owner. Inside a `Task` the owner is the process that started
+  the task (for tasks started by tasks, the process that started the first
+  of them: the last of the `$callers` chain), so
+
+      Task.async(fn -> Vllm.Distributed.StatelessProcessGroup.create(host, port, 0, 1) end)
+      |> Task.await()
+
+  returns a ref that lives as long as the caller of `Task.async/1`, not as
+  long as the task.
+
+  The `:__runtime__` option `owner:` names another owner: a pid, a
+  registered name (the process registered under it now), or `:none` for a
+  ref that lives until `VllmBridge.Runtime.release/2` or
+  `VllmBridge.Runtime.release_session/2`. Refs made in a session other than
+  the default one (`session: "..."`) live until released unless `owner:` is
+  given too.
+
+  Each ref is counted on its own: when two processes are given the same
+  object (both call `get_world_group/0`), it lives until both have released
+  their refs or exited. `VllmBridge.Runtime.release/2` releases the ref's
+  owner's hold on the object, whichever process calls it; releasing it again
+  does nothing.
 
   ## Refs across nodes
 
@@ -35,7 +64,7 @@ defmodule VllmBridge.Ref do
   """
 
   @enforce_keys [:id]
-  defstruct id: nil, class: "", pool: nil, worker: nil, session: "", index: nil
+  defstruct id: nil, class: "", pool: nil, worker: nil, session: "", index: nil, owner: nil
 
   @type t :: %__MODULE__{
           id: non_neg_integer(),
@@ -43,12 +72,13 @@ defmodule VllmBridge.Ref do
           pool: atom() | nil,
           worker: pid() | nil,
           session: String.t(),
-          index: non_neg_integer() | nil
+          index: non_neg_integer() | nil,
+          owner: pid() | nil
         }
 
   @doc """
   Builds a ref from a handle id and class name, with `fields` (a keyword list
-  or map of `:pool`, `:worker`, `:session`) stamped on it. Unknown fields are
+  or map of `:pool`, `:worker`, `:session`, `:index`, `:owner`) stamped on it. Unknown fields are
   ignored.
 
   ## Examples
@@ -82,14 +112,33 @@ defmodule VllmBridge.Ref do
         pool: pool,
         worker: worker,
         session: session,
-        index: index
+        index: index,
+        owner: owner
       })
       when is_integer(id) and id >= 0 and id <= 0xFFFF_FFFF_FFFF_FFFF and is_binary(class) and
              is_atom(pool) and (is_pid(worker) or is_nil(worker)) and is_binary(session) and
-             (is_nil(index) or (is_integer(index) and index >= 0)),
+             (is_nil(index) or (is_integer(index) and index >= 0)) and
+             (is_pid(owner) or is_nil(owner)),
       do: true
 
   def well_formed?(_term), do: false
+
+  @doc """
+  Whether `a` and `b` name the same object: the same handle in the same
+  worker and session. Refs to one object held by different owners (see
+  "Lifetime") are not equal as terms, but name the same object.
+
+  ## Examples
+
+      iex> a = VllmBridge.Ref.new(7, "Store", worker: self(), owner: self())
+      iex> VllmBridge.Ref.same_object?(a, %{a | owner: nil})
+      true
+      iex> VllmBridge.Ref.same_object?(a, %{a | id: 8})
+      false
+  """
+  @spec same_object?(t(), t()) :: boolean()
+  def same_object?(%__MODULE__{} = a, %__MODULE__{} = b),
+    do: a.id == b.id and a.worker == b.worker and a.session == b.session
 
   @doc """
   The node that holds the object: the node of the ref's worker, or `nil` for
@@ -115,8 +164,8 @@ defmodule VllmBridge.Ref do
   def local?(%__MODULE__{}), do: false
 
   @doc """
-  Stamps `fields` (`:pool`, `:worker`, `:session`, `:index`, as a keyword
-  list or map) on `ref`; other keys are ignored.
+  Stamps `fields` (`:pool`, `:worker`, `:session`, `:index`, `:owner`, as
+  a keyword list or map) on `ref`; other keys are ignored.
   """
   @spec stamp(t(), keyword() | map() | nil) :: t()
   def stamp(%__MODULE__{} = ref, nil), do: ref
@@ -127,6 +176,7 @@ defmodule VllmBridge.Ref do
       {:worker, worker}, acc -> %{acc | worker: worker}
       {:session, session}, acc -> %{acc | session: session}
       {:index, index}, acc -> %{acc | index: index}
+      {:owner, owner}, acc -> %{acc | owner: owner}
       _, acc -> acc
     end)
   end

@@ -41,10 +41,15 @@ defmodule VllmBridge.Runtime do
       * `:session` - the session that owns created handles and may use them
         (default `""`, the worker's default session; calls on a ref default
         to the ref's session)
+      * `:owner` - the process whose refs the results are: they are released
+        when it exits (see "Lifetime" in `VllmBridge.Ref`). A pid, a
+        registered name, or `:none` (refs that live until released). Default:
+        the calling process, or inside a `Task` the process that started it;
+        in a session other than `""`, `:none`
 
   Values cross the bridge as described in `VllmBridge.Msgpack`; results that
   cannot (a process group, a store) come back as `%VllmBridge.Ref{}`s stamped
-  with their pool, worker and session.
+  with their pool, worker, session and owner.
 
   ## Placement and stale refs
 
@@ -127,7 +132,7 @@ defmodule VllmBridge.Runtime do
             run: 3,
             send_op: 3,
             prepare: 3,
-            finish: 4,
+            finish: 5,
             gone: 2,
             deadline_ms: 1,
             check_name: 2,
@@ -160,8 +165,11 @@ defmodule VllmBridge.Runtime do
          {:ok, ctx} <- encode(ctx, target) do
       run(target, ctx, {:create, %{class_name: class_name, args: ctx.args, kwargs: ctx.kwargs}})
     else
-      {:remote, node, timeout} -> remote(node, :call_class, [class_name, args, opts], timeout)
-      {:error, _} = error -> error
+      {:remote, node, timeout} ->
+        remote(node, :call_class, [class_name, args, owned(opts, "")], timeout)
+
+      {:error, _} = error ->
+        error
     end
   end
 
@@ -181,8 +189,11 @@ defmodule VllmBridge.Runtime do
         {:call, %{handle: ref.id, method: method, args: ctx.args, kwargs: ctx.kwargs}}
       )
     else
-      {:remote, node, timeout} -> remote(node, :call_method, [ref, method, args, opts], timeout)
-      {:error, _} = error -> error
+      {:remote, node, timeout} ->
+        remote(node, :call_method, [ref, method, args, owned(opts, ref.session)], timeout)
+
+      {:error, _} = error ->
+        error
     end
   end
 
@@ -199,8 +210,11 @@ defmodule VllmBridge.Runtime do
          {:ok, ctx} <- encode(ctx, target) do
       run(target, ctx, {:call_function, %{function: name, args: ctx.args, kwargs: ctx.kwargs}})
     else
-      {:remote, node, timeout} -> remote(node, :call_function, [name, args, opts], timeout)
-      {:error, _} = error -> error
+      {:remote, node, timeout} ->
+        remote(node, :call_function, [name, args, owned(opts, "")], timeout)
+
+      {:error, _} = error ->
+        error
     end
   end
 
@@ -249,16 +263,21 @@ defmodule VllmBridge.Runtime do
          {:ok, target} <- ref_target(ref, ctx) do
       run(target, ctx, {:get_attr, %{handle: ref.id, name: name}})
     else
-      {:remote, node, timeout} -> remote(node, :get_attr, [ref, name, opts], timeout)
-      {:error, _} = error -> error
+      {:remote, node, timeout} ->
+        remote(node, :get_attr, [ref, name, owned(opts, ref.session)], timeout)
+
+      {:error, _} = error ->
+        error
     end
   end
 
   @doc """
   Releases one ref or a list of refs: their workers forget the objects.
 
-  Returns the number of objects freed. Refs whose worker is gone count as 0
-  (their objects are gone already); releasing a ref twice is harmless.
+  Returns the number of objects freed: an object that another ref still holds
+  (see "Lifetime" in `VllmBridge.Ref`) lives on and is not counted. Refs whose
+  worker is gone count as 0 (their objects are gone already); releasing a ref
+  twice is harmless.
   Refs held on other nodes are released there (one remote call per node, in
   flight together); refs on a node that is down or unreachable count as 0
   too, since nothing can reach their objects any more. Only `:__runtime__`
@@ -283,10 +302,19 @@ defmodule VllmBridge.Runtime do
 
         case ref_target(%{ref | pool: pool}, %{ctx | session: nil}) do
           {:ok, target} ->
-            # A request names at most @max_handles handles (the worker's bound on a
-            # repeated field): more go in several, counted together.
-            for handles <-
-                  group |> Enum.map(& &1.id) |> Enum.uniq() |> Enum.chunk_every(@max_handles),
+            # A ref with an owner gives back its owner's holds, as many as the
+            # worker counted for it (none when given back already); one without
+            # gives back one. A request names at most @max_handles handles (the
+            # worker's bound on a repeated field): more go in several, counted
+            # together.
+            free = for %Ref{owner: nil, id: id} <- group, uniq: true, do: id
+
+            owned =
+              for %Ref{owner: pid, id: id} when is_pid(pid) <- group, uniq: true, do: {pid, id}
+
+            handles = free ++ Worker.disown(target.worker, session, owned)
+
+            for handles <- Enum.chunk_every(handles, @max_handles),
                 do: {target, %{ctx | session: session}, {:release, %{handles: handles}}}
 
           {:error, %Error{category: :stale_ref}} ->
@@ -362,7 +390,7 @@ defmodule VllmBridge.Runtime do
          {:ok, target} <- place(ctx) do
       run(target, ctx, {:ping, %{payload: payload}})
     else
-      {:remote, node, timeout} -> remote(node, :ping, [term, opts], timeout)
+      {:remote, node, timeout} -> remote(node, :ping, [term, owned(opts, "", :plain)], timeout)
       {:error, _} = error -> error
     end
   end
@@ -612,6 +640,19 @@ defmodule VllmBridge.Runtime do
   ## Other nodes ---------------------------------------------------------------
 
   # Runs the same public function on `node`, where the call is local.
+  # The options of a call that runs on another node, with the owner of its
+  # refs decided here when it is the default one (the process that runs the
+  # call there exits at once): the caller, for calls in the default session
+  # (`session`, or a ref's) that name no owner and no other session.
+  defp owned(opts, session, plain \\ nil) do
+    runtime = Keyword.get(opts, :__runtime__, [])
+    named = if plain, do: opts ++ runtime, else: runtime
+
+    if session != "" or Keyword.has_key?(named, :owner) or Keyword.has_key?(named, :session),
+      do: opts,
+      else: [{:__runtime__, [{:owner, caller()} | runtime]} | Keyword.delete(opts, :__runtime__)]
+  end
+
   defp remote(node, fun, args, timeout) do
     :erpc.call(node, __MODULE__, fun, args, remote_timeout(timeout))
     |> on_node(node)
@@ -718,10 +759,10 @@ defmodule VllmBridge.Runtime do
   end
 
   defp send_op(target, ctx, op) do
-    with {:ok, session, id, frame, timeout} <- prepare(target, ctx, op) do
+    with {:ok, session, owner, id, frame, timeout} <- prepare(target, ctx, op) do
       target.via
       |> Worker.request(id, frame, timeout)
-      |> finish(target, session, id)
+      |> finish(target, session, owner, id)
       |> gone(target)
     end
   end
@@ -742,9 +783,9 @@ defmodule VllmBridge.Runtime do
         start = if span, do: Telemetry.call_start(span)
 
         case prepare(target, ctx, op) do
-          {:ok, session, id, frame, timeout} ->
+          {:ok, session, owner, id, frame, timeout} ->
             request = Worker.send_request(target.worker, id, frame)
-            {target, session, id, timeout, request, {span, start}}
+            {target, {session, owner}, id, timeout, request, {span, start}}
 
           {:error, _} = error ->
             if span, do: Telemetry.call_stop(start, span, error), else: error
@@ -754,8 +795,8 @@ defmodule VllmBridge.Runtime do
       {:error, _} = error ->
         error
 
-      {target, session, id, timeout, request, {span, start}} ->
-        result = request |> Worker.await(timeout) |> finish(target, session, id)
+      {target, {session, owner}, id, timeout, request, {span, start}} ->
+        result = request |> Worker.await(timeout) |> finish(target, session, owner, id)
         if span, do: Telemetry.call_stop(start, span, result), else: result
     end)
     |> Enum.reduce({:ok, 0}, &sum/2)
@@ -773,8 +814,32 @@ defmodule VllmBridge.Runtime do
     timeout = ctx.timeout || target.timeout
     request = %{id: id, session: session, deadline_ms: deadline_ms(timeout), op: op}
 
-    with {:ok, frame} <- Proto.encode_request(request) do
-      {:ok, session, id, frame, timeout}
+    with {:ok, owner} <- owner(ctx.owner, session),
+         {:ok, frame} <- Proto.encode_request(request) do
+      {:ok, session, owner, id, frame, timeout}
+    end
+  end
+
+  # The process whose refs a call's results are (nil: refs that live until
+  # released); see "Lifetime" in VllmBridge.Ref.
+  defp owner(nil, ""), do: {:ok, caller()}
+  defp owner(nil, _session), do: {:ok, nil}
+  defp owner(:none, _session), do: {:ok, nil}
+  defp owner(pid, _session) when is_pid(pid), do: {:ok, pid}
+
+  defp owner(name, _session) do
+    case Process.whereis(name) do
+      nil -> bad(":__runtime__ owner #{inspect(name)} is not a registered process", name)
+      pid -> {:ok, pid}
+    end
+  end
+
+  # The calling process, or the process that started the first Task of the
+  # chain this one runs in (the last of $callers).
+  defp caller do
+    case Process.get(:"$callers") do
+      [_ | _] = callers -> List.last(callers)
+      _ -> self()
     end
   end
 
@@ -811,17 +876,30 @@ defmodule VllmBridge.Runtime do
   defp deadline_ms(ms) when ms > 0, do: ms
   defp deadline_ms(_ms), do: 1
 
-  defp finish({:ok, reply}, target, session, id) do
+  defp finish({:ok, reply}, target, session, owner, id) do
     case Proto.decode_reply(reply) do
       {:ok, %{id: ^id, result: {:value, value}}} ->
-        Msgpack.decode(value,
-          ref: [
-            pool: target.pool,
-            worker: target.worker,
-            session: session,
-            index: target.index
-          ]
-        )
+        result =
+          Msgpack.decode(value,
+            ref: [
+              pool: target.pool,
+              worker: target.worker,
+              session: session,
+              index: target.index,
+              owner: owner
+            ]
+          )
+
+        # Each ref handed to an owner is a hold the worker counted: it is given
+        # back when the owner exits (or by release/2).
+        if owner != nil do
+          case Msgpack.take_handed() do
+            [] -> :ok
+            ids -> Worker.own(target.worker, owner, session, ids)
+          end
+        end
+
+        result
 
       {:ok, %{id: ^id, result: {:error, error}}} ->
         {:error, Error.from_reply(error)}
@@ -837,7 +915,7 @@ defmodule VllmBridge.Runtime do
     end
   end
 
-  defp finish({:error, _} = error, _target, _session, _id), do: error
+  defp finish({:error, _} = error, _target, _session, _owner, _id), do: error
 
   # A ref's worker that had died before the call (Pool.route/3 does not ask
   # whether it is alive): the ref is stale, whether or not the pool has

@@ -115,6 +115,17 @@ defmodule VllmBridge.Worker do
   its entry behind for good); with `health_interval: false` this sweep still
   runs every 5000 ms.
 
+  ## Refs and their owners
+
+  Python counts each time it hands a handle out; each such hold belongs to
+  the process the ref was made for (see "Lifetime" in `VllmBridge.Ref`). The
+  worker monitors those processes, and when one exits it writes one release
+  per session to Python for all of that owner's holds (a request of its own,
+  like a health ping, whose answer nobody waits for). A reply that arrives
+  after its caller gave up is not lost either: the refs in it are released
+  at once (in the default session; the reply does not say which session its
+  request named).
+
   ## Start-up
 
   The worker spawns its Python process and at once writes a start handshake
@@ -420,6 +431,30 @@ defmodule VllmBridge.Worker do
   end
 
   @doc """
+  Records that `ids` (handles of `session`, one per ref, repeats included)
+  were handed to `owner`, which the worker then monitors: when it exits, the
+  worker gives those holds back to Python (see "Refs and their owners").
+  `VllmBridge.Runtime` calls this for every reply with refs.
+  """
+  @spec own(pid(), pid(), String.t(), [non_neg_integer()]) :: :ok
+  def own(worker, owner, session, ids), do: GenServer.cast(worker, {:own, owner, session, ids})
+
+  @doc """
+  Takes back the holds of each `{owner, id}` pair on handles of `session`:
+  returns the handles to release in Python, each as many times as its owner
+  held it (`[]` when none, or when the worker is gone, with its objects).
+  `VllmBridge.Runtime.release/2` calls this for refs with an owner.
+  """
+  @spec disown(pid(), String.t(), [{pid(), non_neg_integer()}]) :: [non_neg_integer()]
+  def disown(_worker, _session, []), do: []
+
+  def disown(worker, session, pairs) do
+    GenServer.call(worker, {:disown, session, pairs})
+  catch
+    :exit, _ -> []
+  end
+
+  @doc """
   The OS pid of the worker's Python process.
   """
   @spec os_pid(server()) :: {:ok, pos_integer()} | {:error, Error.t()}
@@ -433,7 +468,8 @@ defmodule VllmBridge.Worker do
   `:health_interval`, `:health_timeout`, `:phase` (`:starting`, `:ready`,
   `:backoff` after a failed start, `:retiring` when over a limit), `:calls`
   (calls answered), `:failed_starts` (in a row), `:max_calls` and
-  `:max_memory_mb`.
+  `:max_memory_mb`, and `:owners` (how many processes own refs to objects
+  here; see "Refs and their owners").
   """
   @spec info(server()) :: {:ok, map()} | {:error, Error.t()}
   def info(worker) do

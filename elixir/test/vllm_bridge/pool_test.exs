@@ -234,8 +234,10 @@ defmodule VllmBridge.PoolTest do
       :erlang.trace(worker, true, [:receive])
       assert {:ok, 1} = Runtime.release(counter)
       :erlang.trace(worker, false, [:receive])
-      # written by the caller: the Worker process saw only the reply
-      refute_received {:trace, ^worker, :receive, {:"$gen_call", _, _}}
+      # written by the caller: the Worker process saw only the reply (and the
+      # question of how many holds the caller's ref had)
+      refute_received {:trace, ^worker, :receive, {:"$gen_call", _, {:request, _, _}}}
+      assert_received {:trace, ^worker, :receive, {:"$gen_call", _, {:disown, "", _}}}
       assert_received {:trace, ^worker, :receive, {_port, {:data, _reply}}}
       assert {:ok, 0} = Runtime.release(counter)
     end

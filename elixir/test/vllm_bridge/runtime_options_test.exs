@@ -30,7 +30,8 @@ defmodule VllmBridge.Runtime.OptionsTest do
                node: nil,
                worker: nil,
                timeout: nil,
-               session: nil
+               session: nil,
+               owner: nil
              }
     end
 
@@ -97,7 +98,7 @@ defmodule VllmBridge.Runtime.OptionsTest do
       {message, term} = bad([], __runtime__: rt)
       assert term == rt
       assert message =~ "unknown :__runtime__ options [:nope, :other, :nope]"
-      assert message =~ "(known: [:pool, :node, :worker, :timeout, :session])"
+      assert message =~ "(known: [:pool, :node, :worker, :timeout, :session, :owner])"
     end
 
     test "node" do

@@ -83,7 +83,8 @@ defmodule VllmBridge.WorkerStateTest do
              calls: 5,
              failed_starts: 2,
              max_calls: nil,
-             max_memory_mb: nil
+             max_memory_mb: nil,
+             owners: 0
            }
   end
 

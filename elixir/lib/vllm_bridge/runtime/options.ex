@@ -10,13 +10,13 @@ defmodule VllmBridge.Runtime.Options do
   the offending term in `details.term`. When several options are invalid the
   error names the first in this order: the options list, `:__args__`, the
   `:__runtime__` list, unknown `:__runtime__` keys, then `node`, `pool`,
-  `timeout`, `session` and `worker`.
+  `timeout`, `session`, `worker` and `owner`.
   """
 
   alias VllmBridge.{Error, Pool, Ref}
   alias VllmBridge.Worker.Options, as: WorkerOptions
 
-  @runtime_keys [:pool, :node, :worker, :timeout, :session]
+  @runtime_keys [:pool, :node, :worker, :timeout, :session, :owner]
 
   # compiled into their callers (every call reads its options)
   @compile {:inline, runtime: 1, put: 3}
@@ -36,7 +36,8 @@ defmodule VllmBridge.Runtime.Options do
           node: node() | nil,
           worker: non_neg_integer() | pid() | Ref.t() | nil,
           timeout: timeout() | nil,
-          session: String.t() | nil
+          session: String.t() | nil,
+          owner: pid() | atom() | nil
         }
 
   # A proper list (length/1 fails the guard on an improper one). Argument
@@ -60,7 +61,7 @@ defmodule VllmBridge.Runtime.Options do
   def parse(args, opts) when is_list(args) do
     case split(opts) do
       {runtime, extra, kwargs} when is_proper(args) and is_proper(extra) ->
-        with {:ok, pool, node, worker, timeout, session} <- runtime(runtime) do
+        with {:ok, pool, node, worker, timeout, session, owner} <- runtime(runtime) do
           {:ok,
            %{
              args: if(extra == [], do: args, else: args ++ extra),
@@ -70,7 +71,8 @@ defmodule VllmBridge.Runtime.Options do
              node: node,
              worker: worker,
              timeout: timeout,
-             session: session
+             session: session,
+             owner: owner
            }}
         end
 
@@ -102,7 +104,7 @@ defmodule VllmBridge.Runtime.Options do
 
       iex> {:error, error} = VllmBridge.Runtime.Options.parse_plain([store_timeout: 5], "ping/2")
       iex> error.message
-      "ping/2 takes only runtime options ([:pool, :node, :worker, :timeout, :session], plainly or under :__runtime__), not [:store_timeout]"
+      "ping/2 takes only runtime options ([:pool, :node, :worker, :timeout, :session, :owner], plainly or under :__runtime__), not [:store_timeout]"
   """
   @spec parse_plain(keyword(), String.t()) :: {:ok, t()} | {:error, Error.t()}
   def parse_plain(opts, function) when is_proper(opts) do
@@ -149,27 +151,27 @@ defmodule VllmBridge.Runtime.Options do
 
   defp split(_other), do: :error
 
-  defp runtime([]), do: {:ok, @default_pool, nil, nil, nil, nil}
+  defp runtime([]), do: {:ok, @default_pool, nil, nil, nil, nil, nil}
 
   defp runtime(runtime) do
     case walk(runtime) do
       :error ->
         bad(":__runtime__ must be a keyword list", runtime)
 
-      {_pool, _node, _worker, _timeout, _session, [_ | _] = unknown} ->
+      {_pool, _node, _worker, _timeout, _session, _owner, [_ | _] = unknown} ->
         bad(
           "unknown :__runtime__ options #{inspect(unknown)} (known: #{inspect(@runtime_keys)})",
           runtime
         )
 
-      {pool, node, worker, timeout, session, []} ->
-        check(pool, node, worker, timeout, session, runtime)
+      {pool, node, worker, timeout, session, owner, []} ->
+        check(pool, node, worker, timeout, session, owner, runtime)
     end
   end
 
-  # {pool, node, worker, timeout, session, unknown keys in order}; built from
-  # the end, so a key given twice keeps its first value.
-  defp walk([]), do: {nil, nil, nil, nil, nil, []}
+  # {pool, node, worker, timeout, session, owner, unknown keys in order};
+  # built from the end, so a key given twice keeps its first value.
+  defp walk([]), do: {nil, nil, nil, nil, nil, nil, []}
 
   defp walk([{key, value} | rest]) when is_atom(key) do
     case walk(rest) do
@@ -184,15 +186,15 @@ defmodule VllmBridge.Runtime.Options do
     defp put(acc, unquote(key), value), do: :erlang.setelement(unquote(i), acc, value)
   end
 
-  defp put(acc, key, _value), do: :erlang.setelement(6, acc, [key | elem(acc, 5)])
+  defp put(acc, key, _value), do: :erlang.setelement(7, acc, [key | elem(acc, 6)])
 
-  defp check(pool, node, worker, timeout, session, runtime) do
+  defp check(pool, node, worker, timeout, session, owner, runtime) do
     cond do
       node != nil and not (is_atom(node) and node != true and node != false) ->
         bad(":__runtime__ node must be a node name (an atom)", node)
 
       is_tuple(pool) and tuple_size(pool) == 2 ->
-        pool_on_node(pool, node, worker, timeout, session, runtime)
+        pool_on_node(pool, node, worker, timeout, session, owner, runtime)
 
       pool != nil and not is_atom(pool) ->
         bad(":__runtime__ pool must be an atom or {pool, node}", pool)
@@ -211,13 +213,16 @@ defmodule VllmBridge.Runtime.Options do
           not ((is_integer(worker) and worker >= 0) or is_struct(worker, Ref) or is_pid(worker)) ->
         bad(":__runtime__ worker must be an index, a ref or a pid", worker)
 
+      owner != nil and not (is_pid(owner) or (is_atom(owner) and owner not in [true, false])) ->
+        bad(":__runtime__ owner must be a pid, a registered name or :none", owner)
+
       true ->
-        {:ok, pool || @default_pool, node, worker, timeout, session}
+        {:ok, pool || @default_pool, node, worker, timeout, session, owner}
     end
   end
 
   # pool: {name, node} is pool: name, node: node (the same checks again).
-  defp pool_on_node({name, on} = pool, node, worker, timeout, session, runtime) do
+  defp pool_on_node({name, on} = pool, node, worker, timeout, session, owner, runtime) do
     cond do
       not (is_atom(name) and name != nil and is_atom(on) and on != nil) ->
         bad(":__runtime__ pool must be an atom or {pool, node}", pool)
@@ -229,7 +234,7 @@ defmodule VllmBridge.Runtime.Options do
         )
 
       true ->
-        check(name, on, worker, timeout, session, runtime)
+        check(name, on, worker, timeout, session, owner, runtime)
     end
   end
 

@@ -27,7 +27,7 @@ defmodule VllmBridge.Worker.Pending do
   @type t :: :ets.tid()
 
   @typedoc "Where a reply goes: a caller's alias or `from`, or the worker's own ping."
-  @type address :: reference() | GenServer.from() | :health | :handshake
+  @type address :: reference() | GenServer.from() | :health | :handshake | :release
 
   @doc "A new, empty table, owned by the calling process."
   @spec new() :: t()
@@ -45,9 +45,9 @@ defmodule VllmBridge.Worker.Pending do
       else: {:error, Error.new(:bad_args, "request id #{id} is already in flight")}
   end
 
-  @doc "Enters the worker's own health ping or start handshake."
-  @spec enter_own(t(), pos_integer(), :health | :handshake) :: true
-  def enter_own(table, id, kind) when kind in [:health, :handshake] do
+  @doc "Enters the worker's own health ping, start handshake or release."
+  @spec enter_own(t(), pos_integer(), :health | :handshake | :release) :: true
+  def enter_own(table, id, kind) when kind in [:health, :handshake, :release] do
     :ets.insert(table, {id, kind, nil})
   end
 
@@ -57,14 +57,15 @@ defmodule VllmBridge.Worker.Pending do
   caller was answered, `:health` or `:handshake` for the worker's own ping
   (nobody is answered), `nil` when there is no entry.
   """
-  @spec answer_id(t(), pos_integer(), term()) :: :answered | :health | :handshake | nil
+  @spec answer_id(t(), pos_integer(), term()) ::
+          :answered | :health | :handshake | :release | nil
   def answer_id(table, id, result) do
     case :ets.take(table, id) do
       [{_id, tag, _caller}] when is_reference(tag) ->
         send(tag, {tag, result})
         :answered
 
-      [{_id, own, _caller}] when own in [:health, :handshake] ->
+      [{_id, own, _caller}] when own in [:health, :handshake, :release] ->
         own
 
       [{_id, from, _caller}] ->
@@ -90,7 +91,7 @@ defmodule VllmBridge.Worker.Pending do
   """
   @spec answer(address(), term()) :: :ok | term()
   def answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
-  def answer(own, _result) when own in [:health, :handshake], do: :ok
+  def answer(own, _result) when own in [:health, :handshake, :release], do: :ok
   def answer(from, result), do: GenServer.reply(from, result)
 
   @doc """

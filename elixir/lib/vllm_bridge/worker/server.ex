@@ -17,6 +17,7 @@ defmodule VllmBridge.Worker.Server do
     * `VllmBridge.Worker.Health` - health ticks and pings;
     * `VllmBridge.Worker.Limits` - `:max_calls` and `:max_memory_mb`;
     * `VllmBridge.Worker.Pending` - the table of pending calls;
+    * `VllmBridge.Worker.Owners` - which processes own which refs;
     * `VllmBridge.Worker.Output` - what Python printed, and how log
       messages name the worker;
     * `VllmBridge.Worker.Events` - telemetry;
@@ -32,7 +33,7 @@ defmodule VllmBridge.Worker.Server do
 
   require Logger
 
-  alias VllmBridge.{Error, Proto, Worker}
+  alias VllmBridge.{Error, Msgpack, Proto, Worker}
 
   alias VllmBridge.Worker.{
     Command,
@@ -41,6 +42,7 @@ defmodule VllmBridge.Worker.Server do
     Limits,
     OSProcess,
     Output,
+    Owners,
     Pending,
     Startup,
     State
@@ -129,10 +131,23 @@ defmodule VllmBridge.Worker.Server do
     {:reply, State.info(state, Pending.pending(state.table)), state}
   end
 
+  # Holds on handles taken back by VllmBridge.Runtime.release/2 (see Owners).
+  def handle_call({:disown, session, pairs}, _from, state) do
+    {ids, monitors, owners} = Owners.disown(state.owners, session, pairs)
+    Enum.each(monitors, &Process.demonitor(&1, [:flush]))
+    {:reply, ids, %{state | owners: owners}}
+  end
+
   @impl true
   def handle_cast({:cancel, id}, state) do
     Pending.delete(state.table, id)
     {:noreply, state}
+  end
+
+  # A caller decoded refs that Python counted as handed to `owner`.
+  def handle_cast({:own, owner, session, ids}, state) do
+    owners = Owners.add(state.owners, owner, session, ids, fn -> Process.monitor(owner) end)
+    {:noreply, %{state | owners: owners}}
   end
 
   @impl true
@@ -152,8 +167,14 @@ defmodule VllmBridge.Worker.Server do
           :handshake ->
             {:noreply, started(state)}
 
-          # No entry: the caller timed out and went away; drop the late reply.
+          # The answer to a release of the worker's own: nothing to do.
+          :release ->
+            {:noreply, state}
+
+          # No entry: the caller timed out and went away. Python counted the
+          # refs in the late reply as handed out; nobody will hold them.
           nil ->
+            give_back(state, orphaned(reply))
             {:noreply, state}
         end
 
@@ -211,6 +232,13 @@ defmodule VllmBridge.Worker.Server do
       {:alive, state} -> {:noreply, state}
       :unresponsive -> unresponsive(state)
     end
+  end
+
+  # An owner of refs exited: give its holds back to Python.
+  def handle_info({:DOWN, _ref, :process, pid, _reason}, state) do
+    {by_session, owners} = Owners.take(state.owners, pid)
+    give_back(state, by_session)
+    {:noreply, %{state | owners: owners}}
   end
 
   def handle_info(_other, state), do: {:noreply, state}
@@ -395,4 +423,47 @@ defmodule VllmBridge.Worker.Server do
   end
 
   defp describe(state), do: Output.describe(state)
+
+  ## Holds given back ----------------------------------------------------------
+
+  # One release per session (and per @max_handles handles, the worker's bound
+  # on a repeated field), written to the port as a request of the worker's
+  # own, whose answer is not waited for. Without a port the objects are gone.
+  @max_handles 1_048_576
+
+  defp give_back(%{port: port} = state, by_session) when port != nil do
+    for {session, ids} <- by_session, chunk <- Enum.chunk_every(ids, @max_handles) do
+      id = Worker.new_id()
+      request = %{id: id, session: session, op: {:release, %{handles: chunk}}}
+      {:ok, frame} = Proto.encode_request(request)
+      Pending.enter_own(state.table, id, :release)
+
+      try do
+        OSProcess.write(port, frame)
+      rescue
+        ArgumentError -> Pending.delete(state.table, id)
+      end
+    end
+
+    :ok
+  end
+
+  defp give_back(_state, _by_session), do: :ok
+
+  # The handles of the refs in a reply nobody waits for any more, as holds of
+  # the default session: the reply does not say which session its request
+  # named, and in another one releasing them there does nothing.
+  defp orphaned(reply) do
+    with {:ok, %{result: {:value, value}}} <- Proto.decode_reply(reply),
+         {:ok, _term} <- Msgpack.decode(value, ref: [owner: self()]) do
+      case Msgpack.take_handed() do
+        [] -> %{}
+        ids -> %{"" => ids}
+      end
+    else
+      _ ->
+        Msgpack.take_handed()
+        %{}
+    end
+  end
 end

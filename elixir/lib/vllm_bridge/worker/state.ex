@@ -17,7 +17,7 @@ defmodule VllmBridge.Worker.State do
   """
 
   alias VllmBridge.Error
-  alias VllmBridge.Worker.{Command, Options, Pending, Startup}
+  alias VllmBridge.Worker.{Command, Options, Owners, Pending, Startup}
 
   @typedoc "Where the worker is in its Python process's life (see the module documentation)."
   @type phase :: :starting | :ready | :backoff | :retiring | :gone
@@ -65,7 +65,9 @@ defmodule VllmBridge.Worker.State do
           # the port's count of bytes read from Python at the last look
           heard: non_neg_integer() | :closed,
           # the health ping in flight, {id, its timeout's timer}, if any
-          health: {pos_integer(), reference()} | nil
+          health: {pos_integer(), reference()} | nil,
+          # the processes that own refs to objects here, and their holds
+          owners: Owners.t()
         }
 
   @enforce_keys [:python, :spawn, :table]
@@ -95,7 +97,8 @@ defmodule VllmBridge.Worker.State do
             memory_checked: nil,
             replace_requested: false,
             heard: 0,
-            health: nil
+            health: nil,
+            owners: Owners.new()
 
   @doc """
   The state of a new worker started with `opts` (those of
@@ -143,7 +146,8 @@ defmodule VllmBridge.Worker.State do
       calls: state.calls,
       failed_starts: state.attempt,
       max_calls: state.max_calls,
-      max_memory_mb: state.max_memory_mb
+      max_memory_mb: state.max_memory_mb,
+      owners: Owners.count(state.owners)
     }
   end
 end

@@ -276,7 +276,8 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
     assert D.get_tensor_model_parallel_world_size(__runtime__: rt(0)) == {:ok, 2}
     assert D.get_tensor_model_parallel_rank(__runtime__: rt(1)) == {:ok, 1}
     assert D.model_parallel_is_initialized(__runtime__: rt(0)) == {:ok, true}
-    assert D.get_tp_group(__runtime__: rt(0)) == {:ok, g0}
+    assert {:ok, tp} = D.get_tp_group(__runtime__: rt(0))
+    assert Ref.same_object?(tp, g0) and tp.owner == self()
     assert {:ok, %Ref{class: "GroupCoordinator"}} = D.get_world_group(__runtime__: rt(0))
     assert D.divide(12, 4, __runtime__: rt(0)) == {:ok, 3}
     assert {:error, %Error{category: :python}} = D.ensure_divisibility(5, 2, __runtime__: rt(0))
