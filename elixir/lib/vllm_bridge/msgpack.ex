@@ -223,8 +223,8 @@ defmodule VllmBridge.Msgpack do
   """
   @spec take_handed() :: [non_neg_integer()]
   def take_handed do
-    case Process.delete(@handed) do
-      nil -> []
+    case :erlang.erase(@handed) do
+      :undefined -> []
       ids -> ids
     end
   end

@@ -133,6 +133,8 @@ defmodule VllmBridge.Runtime do
             send_op: 3,
             prepare: 3,
             finish: 5,
+            owner: 2,
+            caller: 0,
             gone: 2,
             deadline_ms: 1,
             check_name: 2,
@@ -837,7 +839,7 @@ defmodule VllmBridge.Runtime do
   # The calling process, or the process that started the first Task of the
   # chain this one runs in (the last of $callers).
   defp caller do
-    case Process.get(:"$callers") do
+    case :erlang.get(:"$callers") do
       [_ | _] = callers -> List.last(callers)
       _ -> self()
     end
