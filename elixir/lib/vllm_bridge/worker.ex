@@ -106,7 +106,10 @@ defmodule VllmBridge.Worker do
   unhealthy: the Python worker reads and answers other requests, the ping
   included, while calls block. A call that holds Python's GIL for longer than
   `:health_timeout` does: raise the timeout for such work, or turn the checks
-  off with `health_interval: false`. Until Python has answered anything at
+  off with `health_interval: false`. Except a large request: decoding it and
+  encoding its reply holds the GIL for seconds (1 GiB: about 20 s), so a ping
+  unanswered while 1 MiB or more was recently written to Python gets more
+  time, once, 1 s per 32 MiB (`VllmBridge.Worker.Health`). Until Python has answered anything at
   all (it is still starting, importing torch), the first ping waits at least
   60 s.
 

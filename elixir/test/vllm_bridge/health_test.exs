@@ -189,6 +189,33 @@ defmodule VllmBridge.HealthTest do
     assert {:ok, :still} = Runtime.ping(:still, rt)
   end
 
+  # Issue 40: a 1 GiB argument held Python's GIL for about 4 s while it was
+  # decoded and its reply encoded; the health ping then went unanswered and
+  # the worker was killed, with every object in it. A backlog written to
+  # Python now gives the ping more time (32 MiB/s of it).
+  @tag timeout: 120_000
+  test "a worker taking in a large argument is not killed by its health check",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 1, @health)
+    rt = [__runtime__: [pool: pool, worker: 0, timeout: 60_000]]
+    {:ok, worker} = Pool.worker(pool, 0)
+    {:ok, os_pid} = Worker.os_pid(worker)
+    {:ok, counter} = Runtime.call_class("Counter", [3], rt)
+    big = :binary.copy(<<7>>, 384 * 1_048_576)
+
+    log =
+      capture_log(fn ->
+        # echoed: decoded, encoded, written back; far longer than @timeout
+        assert {:ok, echoed} = Runtime.ping(big, rt)
+        assert echoed == big
+      end)
+
+    refute log =~ "stopped answering"
+    assert {:ok, ^worker} = Pool.worker(pool, 0)
+    assert {:ok, ^os_pid} = Worker.os_pid(worker)
+    assert {:ok, 4} = Runtime.call_method(counter, "incr", [], rt)
+  end
+
   defp count_replies(worker, port, n) do
     receive do
       {:trace, ^worker, :receive, {^port, {:data, _}}} -> count_replies(worker, port, n + 1)

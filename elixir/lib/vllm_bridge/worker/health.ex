@@ -10,9 +10,21 @@ defmodule VllmBridge.Worker.Health do
   `:health` entry) and starts a timer; when the timer fires and still
   nothing came, Python is unresponsive and the worker kills it.
 
+  Unless it is still taking in what it was sent: a large request (a 1 GiB
+  argument) keeps Python busy without a word for seconds, decoding it and
+  encoding its reply while it holds the GIL, and no ping can be answered
+  meanwhile. So when the timer fires with nothing heard but 1 MiB or more
+  written to Python since the time before it last spoke (the port's count of
+  bytes written; the time before, since its last words may have been on their
+  way when the frame was written), the ping gets more time, once: as long as
+  taking in that backlog at 32 MiB/s would take (32 s for 1 GiB), before
+  Python is called unresponsive.
+
   These functions take and return the worker's state: its `:port`,
   `:table`, `:health_interval`, `:health_timeout`, `:heard` (the byte count
-  at the last look) and `:health` (the ping in flight, `{id, timer}`, or
+  read at the last look), `:told` (the byte counts written to Python when
+  something was heard from it the last time but one, and the last time) and `:health` (the ping in flight,
+  `{id, timer}`, or `{id, timer, :extended}` once given more time, or
   `nil`). They run in the worker process, whose mailbox gets the
   `:health_tick` and `{:health_timeout, id}` messages.
   """
@@ -25,6 +37,10 @@ defmodule VllmBridge.Worker.Health do
   # the least time a Python process that has not answered anything yet (it is
   # starting: importing torch) gets to answer the first health ping
   @startup_grace 60_000
+  # a backlog this large (bytes written to Python since it last spoke) earns
+  # a ping more time: one ms per @bytes_per_ms bytes (32 MiB/s)
+  @large_backlog 1_048_576
+  @bytes_per_ms div(32 * 1_048_576, 1000)
 
   @doc """
   The `Ping` request frame under `id` that the worker writes as its health
@@ -63,7 +79,7 @@ defmodule VllmBridge.Worker.Health do
 
   def tick(%{health: nil} = state) do
     case OSProcess.input_bytes(state.port) do
-      heard when heard != state.heard -> %{state | heard: heard}
+      heard when heard != state.heard -> heard(state, heard)
       _same -> ping(state)
     end
   end
@@ -87,28 +103,59 @@ defmodule VllmBridge.Worker.Health do
 
   @doc "The reply to the health ping came: Python is alive; the next tick looks again."
   @spec answered(map()) :: map()
-  def answered(%{health: {_id, timer}} = state) do
-    Process.cancel_timer(timer)
-    %{state | health: nil, heard: OSProcess.input_bytes(state.port)}
-  end
+  def answered(%{health: {_id, timer}} = state), do: answered_ping(state, timer)
+  def answered(%{health: {_id, timer, :extended}} = state), do: answered_ping(state, timer)
 
   def answered(state), do: state
 
   @doc "Cancels the timer of the ping in flight, if any."
   @spec cancel(map()) :: non_neg_integer() | false
   def cancel(%{health: {_id, timer}}), do: Process.cancel_timer(timer)
+  def cancel(%{health: {_id, timer, :extended}}), do: Process.cancel_timer(timer)
   def cancel(_state), do: false
 
+  defp answered_ping(state, timer) do
+    Process.cancel_timer(timer)
+    heard(%{state | health: nil}, OSProcess.input_bytes(state.port))
+  end
+
+  # Python spoke: note how much it had been sent by then.
+  defp heard(%{told: {_older, last}} = state, heard),
+    do: %{state | heard: heard, told: {last, OSProcess.output_bytes(state.port)}}
+
   @doc """
-  The ping's time is up: forgets its entry, and returns `{:alive, state}`
-  when something came from Python meanwhile, else `:unresponsive`.
+  The ping's time is up: returns `{:alive, state}` when something came from
+  Python meanwhile; `{:alive, state}` with the ping given more time (once)
+  when Python is still taking in a large backlog (see the module
+  documentation); else `:unresponsive`. The ping's entry is forgotten unless
+  it was given more time.
   """
   @spec timed_out(map()) :: {:alive, map()} | :unresponsive
   def timed_out(%{health: {id, _timer}} = state) do
+    case OSProcess.input_bytes(state.port) do
+      heard when heard != state.heard ->
+        Pending.delete(state.table, id)
+        {:alive, heard(%{state | health: nil}, heard)}
+
+      _same ->
+        case OSProcess.output_bytes(state.port) - elem(state.told, 0) do
+          backlog when backlog >= @large_backlog ->
+            more = div(backlog, @bytes_per_ms)
+            timer = Process.send_after(self(), {:health_timeout, id}, more)
+            {:alive, %{state | health: {id, timer, :extended}}}
+
+          _small ->
+            Pending.delete(state.table, id)
+            :unresponsive
+        end
+    end
+  end
+
+  def timed_out(%{health: {id, _timer, :extended}} = state) do
     Pending.delete(state.table, id)
 
     case OSProcess.input_bytes(state.port) do
-      heard when heard != state.heard -> {:alive, %{state | heard: heard, health: nil}}
+      heard when heard != state.heard -> {:alive, heard(%{state | health: nil}, heard)}
       _same -> :unresponsive
     end
   end

@@ -61,6 +61,17 @@ defmodule VllmBridge.Worker.OSProcess do
   end
 
   @doc """
+  The count of bytes written to the port so far (0 once it is closed).
+  """
+  @spec output_bytes(port()) :: non_neg_integer()
+  def output_bytes(port) do
+    case :erlang.port_info(port, :output) do
+      {:output, bytes} -> bytes
+      :undefined -> 0
+    end
+  end
+
+  @doc """
   Kills the process with SIGKILL, and its process group: a stopped or
   wedged process ignores anything milder, and a worker leads a group of its
   own, so that what its exported code started goes with it. (While its port

@@ -227,7 +227,8 @@ defmodule VllmBridge.Worker.Server do
     end
   end
 
-  def handle_info({:health_timeout, id}, %{health: {id, _timer}} = state) do
+  def handle_info({:health_timeout, id}, %{health: health} = state)
+      when is_tuple(health) and elem(health, 0) == id do
     case Health.timed_out(state) do
       {:alive, state} -> {:noreply, state}
       :unresponsive -> unresponsive(state)

@@ -67,6 +67,7 @@ defmodule VllmBridge.Worker.Startup do
         spawned_at: System.monotonic_time(),
         output_tail: [],
         heard: 0,
+        told: {0, 0},
         health: nil
     }
   end
@@ -74,7 +75,7 @@ defmodule VllmBridge.Worker.Startup do
   @doc """
   The state of a worker whose start handshake was answered: `:ready`, its
   run of failures over, its waiters answered (by the worker), and `heard`
-  the port's count of bytes read so far.
+  the port's count of bytes read so far (`told`: written so far, twice).
   """
   @spec ready(map(), non_neg_integer() | :closed) :: map()
   def ready(state, heard) do
@@ -86,7 +87,8 @@ defmodule VllmBridge.Worker.Startup do
         diagnosis: nil,
         output_tail: [],
         waiters: [],
-        heard: heard
+        heard: heard,
+        told: {OSProcess.output_bytes(state.port), OSProcess.output_bytes(state.port)}
     }
   end
 

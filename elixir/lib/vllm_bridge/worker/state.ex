@@ -64,8 +64,12 @@ defmodule VllmBridge.Worker.State do
           replace_requested: boolean(),
           # the port's count of bytes read from Python at the last look
           heard: non_neg_integer() | :closed,
-          # the health ping in flight, {id, its timeout's timer}, if any
-          health: {pos_integer(), reference()} | nil,
+          # the port's count of bytes written when Python was heard from the
+          # last time but one, and the last time
+          told: {non_neg_integer(), non_neg_integer()},
+          # the health ping in flight, {id, its timeout's timer}, if any (with
+          # :extended once given more time for a large backlog)
+          health: {pos_integer(), reference()} | {pos_integer(), reference(), :extended} | nil,
           # the processes that own refs to objects here, and their holds
           owners: Owners.t()
         }
@@ -97,6 +101,7 @@ defmodule VllmBridge.Worker.State do
             memory_checked: nil,
             replace_requested: false,
             heard: 0,
+            told: {0, 0},
             health: nil,
             owners: Owners.new()
 
