@@ -194,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     from bridge_py.worker.dispatcher import Dispatcher
 
     dispatcher = Dispatcher(_load_exports(args.exports))
+    if "bridge_py.distributed" in sys.modules:
+        # A worker killed with its objects (SIGKILL: no atexit hook ran) leaves their
+        # shared memory behind: the next worker on the host removes what ranks that were
+        # killed left (``shm.segments``; what live processes hold stays).
+        from bridge_py.distributed.shm.segments import remove_orphans
+
+        remove_orphans()
     # Held here so the gRPC server lives as long as the process.
     grpc_server = _start_grpc(dispatcher, args) if args.grpc is not None else None
     if use_stdio:
