@@ -68,10 +68,20 @@ def elixir_term(value: Any) -> str | None:
     return None
 
 
-def _default(value: Any, owner: Any, name: str) -> str | None:
-    """A parameter's default as Markdown: an Elixir term in backticks where one exists."""
+def _default(value: Any, owner: Any, name: str, spec: str) -> str | None:
+    """A parameter's default as Markdown: an Elixir term in backticks where one exists.
+
+    A Python enum member (``ReduceOp.SUM``) has none: it reads as its name, as a string
+    where the parameter takes one (``"sum"``: ``spec``, its typespec, says), else as
+    Python's name, with a word that leaving the argument out gives it."""
     if value is inspect.Parameter.empty:
         return None
+    member = getattr(value, "name", None)
+    if isinstance(member, str) and not isinstance(value, (str, bytes, type)):
+        if "String.t()" in spec:
+            return f"`{json.dumps(member.lower())}`"
+        enum = type(value).__qualname__.split(".")[0]  # torch's ReduceOp.RedOpType: ReduceOp
+        return f"Python's `{enum}.{member}` (leave the argument out for it)"
     if dataclasses.is_dataclass(owner):
         fields = {f.name: f for f in dataclasses.fields(owner)}
         factory = fields[name].default_factory if name in fields else dataclasses.MISSING
@@ -125,7 +135,7 @@ def _params(
         spec = typespec(hints.get(p.name, p.annotation), exported)
         if p.kind is p.VAR_POSITIONAL:
             spec = f"[{spec}]"
-        default = _default(p.default, fn, p.name)
+        default = _default(p.default, fn, p.name, spec)
         params.append(Param(p.name, _var(p.name), spec, where, default))
     return params, hints
 

@@ -68,6 +68,15 @@ def test_no_python_boilerplate_in_generated_docs(path: Path) -> None:
     text = "\n".join(docs(path.read_text()))
     for python in ("Initialize self.", "See help(type(self))", "<factory>", "default: `None`"):
         assert python not in text, f"{path.name}: {python}"
+    # a default with no Elixir term (an enum member) reads as its name, not as its repr
+    assert "(Python)" not in text and "<RedOpType" not in text, path.name
+
+
+def test_an_enum_default_is_the_string_an_elixir_caller_passes_for_it() -> None:
+    spg = next(p for p in GENERATED if p.name == "stateless_process_group.ex").read_text()
+    assert '* `op` (`VllmBridge.Ref.t() | String.t()`, default: `"sum"`)' in spg
+    comm = next(p for p in GENERATED if p.name == "py_nccl_communicator.ex").read_text()
+    assert "default: Python's `ReduceOp.SUM` (leave the argument out for it)" in comm
 
 
 def test_function_references_name_generated_functions() -> None:
@@ -154,3 +163,40 @@ def test_the_audit_points_at_the_python_docstring_lines() -> None:
     assert source[int(line) - 1].strip() == "It goes in a slot of the shared-memory board."
     # Implementation paragraphs never reach the Elixir docs, so they are not reported.
     assert not [f for f in found if f.member.startswith("Sample.Docs.Queue")]
+
+
+def _exception_names() -> set[str]:
+    """Names of the exception classes a generated module's Errors section may list: the
+    builtins, and every exception class of bridge_py (as ``python_type`` names them)."""
+    import builtins
+    import importlib
+    import pkgutil
+
+    import bridge_py
+
+    names = {n for n, v in vars(builtins).items() if isinstance(v, type)}
+    for info in pkgutil.walk_packages(bridge_py.__path__, "bridge_py."):
+        if ".codegen" in info.name or info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        names |= {
+            n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Exception)
+        }
+    return names
+
+
+def test_errors_sections_name_the_exception_classes_raised() -> None:
+    """Each bullet of an Errors section names a real exception class (what arrives as
+    ``python_type``), not a base class with the real one in the prose."""
+    known = _exception_names()
+    listed = {
+        (path.name, match.group(1))
+        for path in GENERATED
+        for match in re.finditer(r"^    \* `(\w+)` - ", path.read_text(), re.MULTILINE)
+        if match.group(1).endswith(("Error", "Timeout", "Failure", "Exception"))
+    }
+    assert listed, "no Errors section found"
+    assert sorted(name for _, name in listed if name not in known) == []
+    spg = next(p for p in GENERATED if p.name == "stateless_process_group.ex").read_text()
+    assert "* `BarrierTimeout` - " in spg and "* `BarrierFailure` - " in spg
+    assert "* `RuntimeError` - BarrierTimeout" not in spg

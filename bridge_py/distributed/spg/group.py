@@ -376,9 +376,11 @@ class StatelessProcessGroup:
             timeout: Maximum time in seconds to wait for each phase (in seconds)
 
         Raises:
-            RuntimeError: BarrierTimeout (also a TimeoutError) when a rank did not arrive in
-                time, BarrierFailure otherwise; the message names the rank, the phase and
-                how many of world_size ranks arrived.
+            BarrierTimeout: a rank did not arrive (or leave) in time; also a TimeoutError.
+                The message names this rank, the phase and how many of world_size ranks
+                arrived.
+            BarrierFailure: the barrier failed otherwise: another rank gave up on it (its
+                message says which and why), or a rank left the group.
         """
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")

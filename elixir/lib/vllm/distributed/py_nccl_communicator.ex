@@ -76,7 +76,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
 
     * `in_tensor` (`VllmBridge.Tensor.t()`)
     * `out_tensor` (`VllmBridge.Tensor.t() | nil`, default: `nil`) (in `args`, position 0)
-    * `op` (`VllmBridge.Ref.t()`, default: `<RedOpType.SUM: 0>` (Python)) (in `args`, position 1)
+    * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 1)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 2)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -303,7 +303,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
 
     * `output_tensor` (`VllmBridge.Tensor.t()`)
     * `input_tensor` (`VllmBridge.Tensor.t()`)
-    * `op` (`VllmBridge.Ref.t()`, default: `<RedOpType.SUM: 0>` (Python)) (in `args`, position 0)
+    * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 0)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
@@ -329,7 +329,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `output_tensor` (`VllmBridge.Tensor.t()`)
     * `input_tensor` (`VllmBridge.Tensor.t()`)
     * `sizes` (`[integer()]`)
-    * `op` (`VllmBridge.Ref.t()`, default: `<RedOpType.SUM: 0>` (Python)) (in `args`, position 0)
+    * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 0)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).

@@ -57,7 +57,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   ## Parameters
 
     * `tensor` (`VllmBridge.Tensor.t()`)
-    * `op` (`VllmBridge.Ref.t() | String.t()`, default: `<RedOpType.SUM: 0>` (Python)) (in `args`, position 0)
+    * `op` (`VllmBridge.Ref.t() | String.t()`, default: `"sum"`) (in `args`, position 0)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
 
@@ -104,9 +104,11 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
 
-    * `RuntimeError` - BarrierTimeout (also a TimeoutError) when a rank did not arrive in
-      time, BarrierFailure otherwise; the message names the rank, the phase and
-      how many of world_size ranks arrived.
+    * `BarrierTimeout` - a rank did not arrive (or leave) in time; also a TimeoutError.
+      The message names this rank, the phase and how many of world_size ranks
+      arrived.
+    * `BarrierFailure` - the barrier failed otherwise: another rank gave up on it (its
+      message says which and why), or a rank left the group.
   """
   @spec barrier(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def barrier(ref, args, opts \\ []) do
