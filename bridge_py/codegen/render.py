@@ -62,13 +62,20 @@ def _doc(fn: Function) -> str:
         )
     if fn.kind == "getter":
         parts.append(
-            "`opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): "
+            "`opts` take only `__runtime__: [timeout:, session:, owner:]` (see "
+            "`VllmBridge.Runtime`): "
             "the read runs in the worker that holds the object."
         )
     else:
         parts.append(
             "`opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, "
-            "timeout:, session:]` (see `VllmBridge.Runtime`)."
+            "timeout:, session:, owner:]` (see `VllmBridge.Runtime`)."
+        )
+    if fn.has_args:
+        parts.append(
+            "`args` (the optional positional parameters, in order) may be left out, or "
+            "given as a keyword list instead: a keyword list there is taken as `opts` "
+            "(each parameter can be given by name)."
         )
     parts.append("## Returns\n\n" + _item(f"  * `{fn.returns}`", fn.returns_doc))
     if fn.errors:
@@ -84,7 +91,7 @@ def _elixir_params(fn: Function) -> list[str]:
     params = ["ref"] if fn.takes_ref else []
     params += [p.var for p in fn.positional]
     if fn.has_args:
-        params.append("args")
+        params.append("args \\\\ []")
     params.append("opts \\\\ []")
     return params
 

@@ -31,11 +31,11 @@ def test_conventions_on_the_sample_table() -> None:
     files = generate(sample_table())
     counter = files["sample/counter.ex"]
     # Counter(start=0, *, step=1): the optional positional goes in args, step is an option.
-    assert "def new(args, opts \\\\ []) do" in counter
+    assert "def new(args \\\\ [], opts \\\\ []) do" in counter
     assert 'VllmBridge.Runtime.call_class("Counter", [], [{:__args__, args} | opts])' in counter
     assert "(keyword option `step:`)" in counter
     # incr(self, by=None): ref first, then the args list.
-    assert "def incr(ref, args, opts \\\\ []) do" in counter
+    assert "def incr(ref, args \\\\ [], opts \\\\ []) do" in counter
     assert "@spec incr(t(), [term()], keyword()) :: {:ok, integer()}" in counter
     # wait_gate(self, timeout: float = 10.0) -> bool
     assert "{:ok, boolean()}" in counter

@@ -32,7 +32,9 @@ defmodule Vllm.Distributed do
     * `tensor_dict` (`%{optional(term()) => term()} | nil`, default: `nil`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -40,7 +42,7 @@ defmodule Vllm.Distributed do
   """
   @spec broadcast_tensor_dict([term()], keyword()) ::
           {:ok, %{optional(term()) => term()} | nil} | {:error, VllmBridge.Error.t()}
-  def broadcast_tensor_dict(args, opts \\ []) do
+  def broadcast_tensor_dict(args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("broadcast_tensor_dict", [], [{:__args__, args} | opts])
   end
 
@@ -49,7 +51,7 @@ defmodule Vllm.Distributed do
 
   Afterwards `init_distributed_environment/2` may be called again.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -63,7 +65,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Set the groups to none and destroy them.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -83,7 +85,7 @@ defmodule Vllm.Distributed do
     * `numerator` (`integer()`)
     * `denominator` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -105,7 +107,7 @@ defmodule Vllm.Distributed do
     * `numerator` (`integer()`)
     * `denominator` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -133,7 +135,9 @@ defmodule Vllm.Distributed do
     * `backend` (`String.t() | nil`, default: `nil`) (in `args`, position 2)
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -144,7 +148,7 @@ defmodule Vllm.Distributed do
   def ensure_model_parallel_initialized(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
-        args,
+        args \\ [],
         opts \\ []
       ) do
     VllmBridge.Runtime.call_function(
@@ -175,7 +179,9 @@ defmodule Vllm.Distributed do
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`) - (keyword only, an extension) seconds each barrier of a
       StatelessProcessGroup may wait (default 30).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -196,7 +202,7 @@ defmodule Vllm.Distributed do
   """
   @spec get_configs_parallel(term(), [integer()], term(), [term()], keyword()) ::
           {:ok, [term()]} | {:error, VllmBridge.Error.t()}
-  def get_configs_parallel(config, ranks, group, args, opts \\ []) do
+  def get_configs_parallel(config, ranks, group, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("get_configs_parallel", [config, ranks, group], [
       {:__args__, args} | opts
     ])
@@ -210,7 +216,7 @@ defmodule Vllm.Distributed do
     * `ip` (`String.t()`)
     * `port` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -225,7 +231,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The data parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -240,7 +246,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The expert parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -255,7 +261,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The pipeline model parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -282,7 +288,7 @@ defmodule Vllm.Distributed do
     * `pp_rank` (`integer()`)
     * `pp_size` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -301,7 +307,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Return my rank for the tensor model parallel group.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -316,7 +322,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   Return world size for the tensor model parallel group.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -346,7 +352,9 @@ defmodule Vllm.Distributed do
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`) - (keyword only, an extension) seconds each barrier of a
       StatelessProcessGroup may wait (default 30).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -366,7 +374,7 @@ defmodule Vllm.Distributed do
   """
   @spec get_tensors_parallel(VllmBridge.Tensor.t(), [integer()], [term()], keyword()) ::
           {:ok, [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
-  def get_tensors_parallel(tensor, ranks, args, opts \\ []) do
+  def get_tensors_parallel(tensor, ranks, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("get_tensors_parallel", [tensor, ranks], [
       {:__args__, args} | opts
     ])
@@ -375,7 +383,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The tensor model parallel group the caller rank belongs to.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -390,7 +398,7 @@ defmodule Vllm.Distributed do
   @doc ~S"""
   The group of every process (after `init_distributed_environment/2`).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -415,7 +423,9 @@ defmodule Vllm.Distributed do
     * `pg` (`term()`)
     * `source_rank` (`integer()`, default: `0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -423,7 +433,7 @@ defmodule Vllm.Distributed do
   """
   @spec in_the_same_node_as(term(), [term()], keyword()) ::
           {:ok, [boolean()]} | {:error, VllmBridge.Error.t()}
-  def in_the_same_node_as(pg, args, opts \\ []) do
+  def in_the_same_node_as(pg, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("in_the_same_node_as", [pg], [{:__args__, args} | opts])
   end
 
@@ -443,7 +453,9 @@ defmodule Vllm.Distributed do
     * `backend` (`String.t()`, default: `"nccl"`) (in `args`, position 4)
     * `timeout` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 5)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -451,7 +463,7 @@ defmodule Vllm.Distributed do
   """
   @spec init_distributed_environment([term()], keyword()) ::
           {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def init_distributed_environment(args, opts \\ []) do
+  def init_distributed_environment(args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("init_distributed_environment", [], [
       {:__args__, args} | opts
     ])
@@ -479,7 +491,9 @@ defmodule Vllm.Distributed do
     * `data_parallel_size` (`integer()`, default: `1`) (keyword option `data_parallel_size:`) - number of data parallel replicas that run together (vLLM
       reads it from its config).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -487,14 +501,14 @@ defmodule Vllm.Distributed do
   """
   @spec initialize_model_parallel([term()], keyword()) ::
           {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def initialize_model_parallel(args, opts \\ []) do
+  def initialize_model_parallel(args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("initialize_model_parallel", [], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   Check if tensor and pipeline parallel groups are initialized.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -516,7 +530,9 @@ defmodule Vllm.Distributed do
     * `contiguous_split_chunks` (`boolean()`, default: `false`) (in `args`, position 0) - If True, make each chunk contiguous
       in memory.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -524,7 +540,7 @@ defmodule Vllm.Distributed do
   """
   @spec split_tensor_along_last_dim(VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
           {:ok, [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
-  def split_tensor_along_last_dim(tensor, num_partitions, args, opts \\ []) do
+  def split_tensor_along_last_dim(tensor, num_partitions, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("split_tensor_along_last_dim", [tensor, num_partitions], [
       {:__args__, args} | opts
     ])
@@ -541,7 +557,7 @@ defmodule Vllm.Distributed do
 
     * `pg` (`VllmBridge.Ref.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -585,7 +601,9 @@ defmodule Vllm.Distributed do
     * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 3)
     * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `nil`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -606,7 +624,7 @@ defmodule Vllm.Distributed do
         port,
         rank,
         world_size,
-        args,
+        args \\ [],
         opts \\ []
       ) do
     VllmBridge.Runtime.call_function(
@@ -624,7 +642,9 @@ defmodule Vllm.Distributed do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -632,7 +652,7 @@ defmodule Vllm.Distributed do
   """
   @spec tensor_model_parallel_all_gather(VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def tensor_model_parallel_all_gather(input_, args, opts \\ []) do
+  def tensor_model_parallel_all_gather(input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("tensor_model_parallel_all_gather", [input_], [
       {:__args__, args} | opts
     ])
@@ -645,7 +665,7 @@ defmodule Vllm.Distributed do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -666,7 +686,9 @@ defmodule Vllm.Distributed do
     * `dst` (`integer()`, default: `0`) (in `args`, position 0)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -674,7 +696,7 @@ defmodule Vllm.Distributed do
   """
   @spec tensor_model_parallel_gather(VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def tensor_model_parallel_gather(input_, args, opts \\ []) do
+  def tensor_model_parallel_gather(input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("tensor_model_parallel_gather", [input_], [
       {:__args__, args} | opts
     ])
@@ -688,7 +710,9 @@ defmodule Vllm.Distributed do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -696,7 +720,7 @@ defmodule Vllm.Distributed do
   """
   @spec tensor_model_parallel_reduce_scatter(VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def tensor_model_parallel_reduce_scatter(input_, args, opts \\ []) do
+  def tensor_model_parallel_reduce_scatter(input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("tensor_model_parallel_reduce_scatter", [input_], [
       {:__args__, args} | opts
     ])

@@ -23,7 +23,9 @@ defmodule VllmBridge.Runtime do
   `store_timeout=30`), except two:
 
     * `:__args__` - a list appended to the positional arguments (the
-      generated modules put optional positional parameters there)
+      generated modules put their `args`, the optional positional
+      parameters, there); a keyword list there is taken as options, before
+      the others (so `SPG.barrier(group, timeout: 10)` passes `timeout=10`)
     * `:__runtime__` - how to run the call, a keyword list of:
       * `:pool` - the `VllmBridge.Pool` (default `VllmBridge.DefaultPool`),
         or `{pool, node}` for a pool of another node (same as `node:`)

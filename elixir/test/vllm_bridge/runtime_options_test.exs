@@ -85,7 +85,16 @@ defmodule VllmBridge.Runtime.OptionsTest do
     end
 
     test ":__args__" do
-      assert bad([], __args__: :nope) == {":__args__ must be a list", :nope}
+      assert bad([], __args__: :nope) ==
+               {"args (the optional positional arguments, in order) must be a list, or a " <>
+                  "keyword list of options", :nope}
+    end
+
+    test ":__args__ given as a keyword list is options, before the others" do
+      call = parse!([1], __args__: [timeout: 10, __runtime__: [timeout: 5]], b: 2)
+      assert {call.args, call.kwargs, call.timeout} == {[1], [timeout: 10, b: 2], 5}
+      # a list of tuples that is not a keyword list stays positional
+      assert parse!([], __args__: [{:a, 1}, 2]).args == [{:a, 1}, 2]
     end
 
     test ":__runtime__ not a keyword list" do
@@ -156,7 +165,8 @@ defmodule VllmBridge.Runtime.OptionsTest do
     end
 
     test "several invalid options: the first in the documented order" do
-      assert {":__args__ must be a list", :x} = bad([], __runtime__: [timeout: -1], __args__: :x)
+      assert {"args (the optional positional arguments" <> _, :x} =
+               bad([], __runtime__: [timeout: -1], __args__: :x)
 
       assert {"unknown :__runtime__ options [:nope]" <> _, _} =
                bad([], __runtime__: [worker: -1, nope: 1])

@@ -19,7 +19,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -27,7 +29,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec all_gather(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def all_gather(ref, input_, args, opts \\ []) do
+  def all_gather(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gather", [input_], [{:__args__, args} | opts])
   end
 
@@ -44,7 +46,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -52,7 +56,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec all_gatherv(t(), VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()], [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
-  def all_gatherv(ref, input_, args, opts \\ []) do
+  def all_gatherv(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gatherv", [input_], [{:__args__, args} | opts])
   end
 
@@ -69,7 +73,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -90,7 +94,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -98,14 +104,14 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec combine(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def combine(ref, hidden_states, args, opts \\ []) do
+  def combine(ref, hidden_states, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "combine", [hidden_states], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   Release what the communicator holds (its all-to-all manager); groups stay.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -129,7 +135,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
     * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -140,7 +148,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
            {VllmBridge.Tensor.t(), VllmBridge.Tensor.t()}
            | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
           | {:error, VllmBridge.Error.t()}
-  def dispatch(ref, hidden_states, router_logits, args, opts \\ []) do
+  def dispatch(ref, hidden_states, router_logits, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
       {:__args__, args} | opts
     ])
@@ -162,7 +170,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dst` (`integer()`, default: `0`) (in `args`, position 0)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -170,7 +180,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec gather(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def gather(ref, input_, args, opts \\ []) do
+  def gather(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "gather", [input_], [{:__args__, args} | opts])
   end
 
@@ -187,7 +197,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `unique_name` (`String.t()`, default: `""`) (in `args`, position 2)
     * `use_all2all` (`boolean()`, default: `false`) (keyword option `use_all2all:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -195,7 +207,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec new(VllmBridge.Ref.t(), [term()], keyword()) ::
           {:ok, t()} | {:error, VllmBridge.Error.t()}
-  def new(cpu_group, args, opts \\ []) do
+  def new(cpu_group, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_class("DeviceCommunicatorBase", [cpu_group], [
       {:__args__, args} | opts
     ])
@@ -208,7 +220,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
     * `model` (`VllmBridge.Ref.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -223,7 +235,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   The `rank` field of a `DeviceCommunicatorBase`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -237,7 +249,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   The `rank_in_group` field of a `DeviceCommunicatorBase`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -251,7 +263,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   The `ranks` field of a `DeviceCommunicatorBase`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -275,7 +287,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dtype` (`VllmBridge.Tensor.type()`)
     * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -283,7 +297,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec recv(t(), tuple(), VllmBridge.Tensor.type(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def recv(ref, size, dtype, args, opts \\ []) do
+  def recv(ref, size, dtype, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "recv", [size, dtype], [{:__args__, args} | opts])
   end
 
@@ -295,7 +309,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -303,7 +319,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec reduce_scatter(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def reduce_scatter(ref, input_, args, opts \\ []) do
+  def reduce_scatter(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "reduce_scatter", [input_], [{:__args__, args} | opts])
   end
 
@@ -319,7 +335,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -327,7 +345,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec reduce_scatterv(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def reduce_scatterv(ref, input_, args, opts \\ []) do
+  def reduce_scatterv(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [input_], [{:__args__, args} | opts])
   end
 
@@ -341,7 +359,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -349,14 +369,14 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   """
   @spec send(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def send(ref, tensor, args, opts \\ []) do
+  def send(ref, tensor, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "send", [tensor], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   The `unique_name` field of a `DeviceCommunicatorBase`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -370,7 +390,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @doc ~S"""
   The `world_size` field of a `DeviceCommunicatorBase`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 

@@ -15,7 +15,7 @@ defmodule Vllm.Distributed.GraphCaptureContext do
 
     * `stream` (`term()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -29,7 +29,7 @@ defmodule Vllm.Distributed.GraphCaptureContext do
   @doc ~S"""
   The `stream` field of a `GraphCaptureContext`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 

@@ -21,7 +21,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -41,7 +41,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -61,7 +61,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -81,7 +81,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -89,7 +91,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec all_gather(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def all_gather(ref, input_, args, opts \\ []) do
+  def all_gather(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gather", [input_], [{:__args__, args} | opts])
   end
 
@@ -104,7 +106,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -112,7 +116,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec all_gatherv(t(), VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()], [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
-  def all_gatherv(ref, input_, args, opts \\ []) do
+  def all_gatherv(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gatherv", [input_], [{:__args__, args} | opts])
   end
 
@@ -131,7 +135,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `input_` (`VllmBridge.Tensor.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -159,7 +163,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   Returns once every rank of the group has called it; it leaves the current CUDA
   device and stream alone, on any backend.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -182,7 +186,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `src` (`integer()`, default: `0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -190,7 +196,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec broadcast(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def broadcast(ref, input_, args, opts \\ []) do
+  def broadcast(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "broadcast", [input_], [{:__args__, args} | opts])
   end
 
@@ -210,7 +216,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `obj` (`term()`, default: `nil`) (in `args`, position 0)
     * `src` (`integer()`, default: `0`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -227,7 +235,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec broadcast_object(t(), [term()], keyword()) ::
           {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def broadcast_object(ref, args, opts \\ []) do
+  def broadcast_object(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "broadcast_object", [], [{:__args__, args} | opts])
   end
 
@@ -246,7 +254,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `src` (`integer()`, default: `0`) (in `args`, position 0)
     * `group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -261,7 +271,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec broadcast_object_list(t(), [term()], [term()], keyword()) ::
           {:ok, [term()]} | {:error, VllmBridge.Error.t()}
-  def broadcast_object_list(ref, obj_list, args, opts \\ []) do
+  def broadcast_object_list(ref, obj_list, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "broadcast_object_list", [obj_list], [
       {:__args__, args} | opts
     ])
@@ -287,7 +297,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 2)
     * `metadata_group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 3)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -302,7 +314,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec broadcast_tensor_dict(t(), [term()], keyword()) ::
           {:ok, %{optional(String.t()) => term()} | nil} | {:error, VllmBridge.Error.t()}
-  def broadcast_tensor_dict(ref, args, opts \\ []) do
+  def broadcast_tensor_dict(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "broadcast_tensor_dict", [], [{:__args__, args} | opts])
   end
 
@@ -314,7 +326,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -322,14 +336,14 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec combine(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def combine(ref, hidden_states, args, opts \\ []) do
+  def combine(ref, hidden_states, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "combine", [hidden_states], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   The `cpu_group` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -357,7 +371,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `external_writer_handle` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
     * `blocking` (`boolean()`, default: `true`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -365,7 +381,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec create_mq_broadcaster(t(), [term()], keyword()) ::
           {:ok, Vllm.Distributed.MessageQueue.t()} | {:error, VllmBridge.Error.t()}
-  def create_mq_broadcaster(ref, args, opts \\ []) do
+  def create_mq_broadcaster(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "create_mq_broadcaster", [], [{:__args__, args} | opts])
   end
 
@@ -387,7 +403,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `reader_rank_in_group` (`integer()`, default: `0`) (in `args`, position 0)
     * `blocking` (`boolean()`, default: `false`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -396,7 +414,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @spec create_single_reader_mq_broadcasters(t(), [term()], keyword()) ::
           {:ok, {Vllm.Distributed.MessageQueue.t(), [VllmBridge.Ref.t()]}}
           | {:error, VllmBridge.Error.t()}
-  def create_single_reader_mq_broadcasters(ref, args, opts \\ []) do
+  def create_single_reader_mq_broadcasters(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "create_single_reader_mq_broadcasters", [], [
       {:__args__, args} | opts
     ])
@@ -405,7 +423,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Destroy the group's process groups, communicator and message queue (idempotent).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -419,7 +437,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `device` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -433,7 +451,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `device_communicator` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -449,7 +467,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `device_group` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -473,7 +491,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
     * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -484,7 +504,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
            {VllmBridge.Tensor.t(), VllmBridge.Tensor.t()}
            | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
           | {:error, VllmBridge.Error.t()}
-  def dispatch(ref, hidden_states, router_logits, args, opts \\ []) do
+  def dispatch(ref, hidden_states, router_logits, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
       {:__args__, args} | opts
     ])
@@ -493,7 +513,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the first process in the group
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -521,7 +541,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dst` (`integer()`, default: `0`) (in `args`, position 0)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -529,7 +551,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec gather(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def gather(ref, input_, args, opts \\ []) do
+  def gather(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "gather", [input_], [{:__args__, args} | opts])
   end
 
@@ -543,21 +565,23 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `graph_capture_context` (`Vllm.Distributed.GraphCaptureContext.t() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
     * `term()`
   """
   @spec graph_capture(t(), [term()], keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def graph_capture(ref, args, opts \\ []) do
+  def graph_capture(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "graph_capture", [], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   Return whether the caller is the first process in the group
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -571,7 +595,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return whether the caller is the last process in the group
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -585,7 +609,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the last process in the group
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -599,7 +623,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `local_rank` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -613,7 +637,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `mq_broadcaster` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -644,7 +668,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `group_name` (`String.t() | nil`, default: `nil`) (in `args`, position 1)
     * `use_all2all` (`boolean()`, default: `false`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -663,7 +689,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
         local_rank,
         torch_distributed_backend,
         use_device_communicator,
-        args,
+        args \\ [],
         opts \\ []
       ) do
     VllmBridge.Runtime.call_class(
@@ -676,7 +702,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the process that follows the caller
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -694,7 +720,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `model` (`VllmBridge.Ref.t()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -709,7 +735,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   Return the global rank of the process that precedes the caller
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -723,7 +749,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `rank` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -737,7 +763,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `rank_in_group` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -751,7 +777,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `ranks` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -773,7 +799,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dtype` (`VllmBridge.Tensor.type()`)
     * `src` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -781,7 +809,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec recv(t(), tuple(), VllmBridge.Tensor.type(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def recv(ref, size, dtype, args, opts \\ []) do
+  def recv(ref, size, dtype, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "recv", [size, dtype], [{:__args__, args} | opts])
   end
 
@@ -794,7 +822,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `src` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -828,7 +856,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
       dictionary allows overriding the default behavior on a per-tensor
       basis.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -846,7 +876,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec recv_tensor_dict(t(), [term()], keyword()) ::
           {:ok, %{optional(String.t()) => term()} | nil} | {:error, VllmBridge.Error.t()}
-  def recv_tensor_dict(ref, args, opts \\ []) do
+  def recv_tensor_dict(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "recv_tensor_dict", [], [{:__args__, args} | opts])
   end
 
@@ -858,7 +888,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -866,7 +898,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec reduce_scatter(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def reduce_scatter(ref, input_, args, opts \\ []) do
+  def reduce_scatter(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "reduce_scatter", [input_], [{:__args__, args} | opts])
   end
 
@@ -879,7 +911,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
     * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -887,7 +921,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec reduce_scatterv(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def reduce_scatterv(ref, input_, args, opts \\ []) do
+  def reduce_scatterv(ref, input_, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [input_], [{:__args__, args} | opts])
   end
 
@@ -901,7 +935,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `dst` (`integer() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -909,7 +945,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec send(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def send(ref, tensor, args, opts \\ []) do
+  def send(ref, tensor, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "send", [tensor], [{:__args__, args} | opts])
   end
 
@@ -923,7 +959,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `obj` (`term()`)
     * `dst` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -960,7 +996,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
       dictionary allows overriding the default behavior on a per-tensor
       basis.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -978,7 +1016,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   """
   @spec send_tensor_dict(t(), %{optional(String.t()) => term()}, [term()], keyword()) ::
           {:ok, %{optional(String.t()) => term()} | nil} | {:error, VllmBridge.Error.t()}
-  def send_tensor_dict(ref, tensor_dict, args, opts \\ []) do
+  def send_tensor_dict(ref, tensor_dict, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "send_tensor_dict", [tensor_dict], [
       {:__args__, args} | opts
     ])
@@ -987,7 +1025,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `unique_name` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -1001,7 +1039,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   The `world_size` field of a `GroupCoordinator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 

@@ -20,7 +20,9 @@ defmodule Vllm.Distributed.MessageQueue do
     * `obj` (`term()`, default: `nil`) (in `args`, position 0)
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -28,7 +30,7 @@ defmodule Vllm.Distributed.MessageQueue do
   """
   @spec broadcast_object(t(), [term()], keyword()) ::
           {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def broadcast_object(ref, args, opts \\ []) do
+  def broadcast_object(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "broadcast_object", [], [{:__args__, args} | opts])
   end
 
@@ -38,7 +40,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
   Idempotent. Garbage collection and interpreter exit release the shared memory too.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -64,7 +66,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -123,7 +125,9 @@ defmodule Vllm.Distributed.MessageQueue do
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -131,7 +135,7 @@ defmodule Vllm.Distributed.MessageQueue do
   """
   @spec create_from_process_group(t() | nil, term(), integer(), integer(), [term()], keyword()) ::
           {:ok, Vllm.Distributed.MessageQueue.t()} | {:error, VllmBridge.Error.t()}
-  def create_from_process_group(ref, pg, max_chunk_bytes, max_chunks, args, opts \\ []) do
+  def create_from_process_group(ref, pg, max_chunk_bytes, max_chunks, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_static(
       ref,
       "MessageQueue.create_from_process_group",
@@ -157,14 +161,16 @@ defmodule Vllm.Distributed.MessageQueue do
     * `indefinite` (`boolean()`, default: `false`) (in `args`, position 1)
     * `cancel` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `cancel:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
     * `term()`
   """
   @spec dequeue(t(), [term()], keyword()) :: {:ok, term()} | {:error, VllmBridge.Error.t()}
-  def dequeue(ref, args, opts \\ []) do
+  def dequeue(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "dequeue", [], [{:__args__, args} | opts])
   end
 
@@ -188,21 +194,23 @@ defmodule Vllm.Distributed.MessageQueue do
     * `obj` (`term()`)
     * `timeout` (`float() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
     * `nil`
   """
   @spec enqueue(t(), term(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def enqueue(ref, obj, args, opts \\ []) do
+  def enqueue(ref, obj, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "enqueue", [obj], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   The handle readers pass to `create_from_handle/4` (picklable).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -246,7 +254,9 @@ defmodule Vllm.Distributed.MessageQueue do
     * `remote_reader_ranks` (`[integer()] | nil`, default: `nil`) (keyword option `remote_reader_ranks:`)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -264,7 +274,7 @@ defmodule Vllm.Distributed.MessageQueue do
   """
   @spec new(integer(), integer(), [term()], keyword()) ::
           {:ok, t()} | {:error, VllmBridge.Error.t()}
-  def new(n_reader, n_local_reader, args, opts \\ []) do
+  def new(n_reader, n_local_reader, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_class("MessageQueue", [n_reader, n_local_reader], [
       {:__args__, args} | opts
     ])
@@ -282,7 +292,7 @@ defmodule Vllm.Distributed.MessageQueue do
   A bridge worker runs this method at once, even while another call on the queue
   waits (it runs the other calls on one object one at a time).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -296,7 +306,7 @@ defmodule Vllm.Distributed.MessageQueue do
   @doc ~S"""
   Whether `shutdown/2` has been called on this end.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -321,14 +331,16 @@ defmodule Vllm.Distributed.MessageQueue do
 
     * `timeout` (`float() | nil`, default: `300.0`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
     * `nil`
   """
   @spec wait_until_ready(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def wait_until_ready(ref, args, opts \\ []) do
+  def wait_until_ready(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "wait_until_ready", [], [{:__args__, args} | opts])
   end
 end

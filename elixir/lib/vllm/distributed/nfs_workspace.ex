@@ -18,7 +18,7 @@ defmodule Vllm.Distributed.NFSWorkspace do
   @doc ~S"""
   Whether the workspace is initialized.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -39,14 +39,16 @@ defmodule Vllm.Distributed.NFSWorkspace do
     * `rank` (`integer() | nil`, default: `nil`) (keyword option `rank:`) - the rank that names this process's state file (keyword only, an extension);
       by default torch.distributed's rank when it is initialized, else 0.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
     * `Vllm.Distributed.NFSWorkspace.t()`
   """
   @spec new([term()], keyword()) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
-  def new(args, opts \\ []) do
+  def new(args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_class("NFSWorkspace", [], [{:__args__, args} | opts])
   end
 
@@ -57,7 +59,7 @@ defmodule Vllm.Distributed.NFSWorkspace do
 
     * `target_rank` (`integer()`) - the target rank
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -82,7 +84,7 @@ defmodule Vllm.Distributed.NFSWorkspace do
     * `config_json` (`%{optional(String.t()) => term()}`) - model or module config in json
     * `weights` (`%{optional(String.t()) => term()}`) - module weights in torch's state_dict format
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 

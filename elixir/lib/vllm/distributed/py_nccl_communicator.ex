@@ -22,7 +22,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `input_tensor` (`VllmBridge.Tensor.t()`)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -30,7 +32,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   """
   @spec all_gather(t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def all_gather(ref, output_tensor, input_tensor, args, opts \\ []) do
+  def all_gather(ref, output_tensor, input_tensor, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gather", [output_tensor, input_tensor], [
       {:__args__, args} | opts
     ])
@@ -47,7 +49,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `sizes` (`[integer()]`)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -61,7 +65,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
           [term()],
           keyword()
         ) :: {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def all_gatherv(ref, output_tensor, input_tensor, sizes, args, opts \\ []) do
+  def all_gatherv(ref, output_tensor, input_tensor, sizes, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_gatherv", [output_tensor, input_tensor, sizes], [
       {:__args__, args} | opts
     ])
@@ -79,7 +83,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 1)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 2)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -87,14 +93,14 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   """
   @spec all_reduce(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def all_reduce(ref, in_tensor, args, opts \\ []) do
+  def all_reduce(ref, in_tensor, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_reduce", [in_tensor], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   The `available` field of a `PyNcclCommunicator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -114,7 +120,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `src` (`integer()`)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -122,14 +130,14 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   """
   @spec broadcast(t(), VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def broadcast(ref, tensor, src, args, opts \\ []) do
+  def broadcast(ref, tensor, src, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "broadcast", [tensor, src], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   Release the shared memory and the torch group; the communicator is then disabled.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -143,7 +151,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   @doc ~S"""
   The `device` field of a `PyNcclCommunicator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -157,7 +165,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   @doc ~S"""
   The `disabled` field of a `PyNcclCommunicator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -187,7 +195,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -202,7 +212,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
           [term()],
           keyword()
         ) :: {:ok, Vllm.Distributed.PyNcclCommunicator.t()} | {:error, VllmBridge.Error.t()}
-  def from_unique_id_bytes(ref, unique_id_bytes, rank, world_size, device, args, opts \\ []) do
+  def from_unique_id_bytes(ref, unique_id_bytes, rank, world_size, device, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_static(
       ref,
       "PyNcclCommunicator.from_unique_id_bytes",
@@ -214,7 +224,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   @doc ~S"""
   The `group` field of a `PyNcclCommunicator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -238,7 +248,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `library_path` (`String.t() | nil`, default: `nil`) (in `args`, position 0) - NCCL's library, where NCCL is called directly (on vLLM's wire;
       None: `pynccl_wrapper.find_nccl_library()`); unused otherwise.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -250,7 +262,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
           [term()],
           keyword()
         ) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
-  def new(group, device, args, opts \\ []) do
+  def new(group, device, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_class("PyNcclCommunicator", [group, device], [
       {:__args__, args} | opts
     ])
@@ -259,7 +271,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   @doc ~S"""
   The `rank` field of a `PyNcclCommunicator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -283,7 +295,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `src` (`integer()`)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -291,7 +305,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   """
   @spec recv(t(), VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def recv(ref, tensor, src, args, opts \\ []) do
+  def recv(ref, tensor, src, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "recv", [tensor, src], [{:__args__, args} | opts])
   end
 
@@ -306,7 +320,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 0)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -314,7 +330,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   """
   @spec reduce_scatter(t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def reduce_scatter(ref, output_tensor, input_tensor, args, opts \\ []) do
+  def reduce_scatter(ref, output_tensor, input_tensor, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "reduce_scatter", [output_tensor, input_tensor], [
       {:__args__, args} | opts
     ])
@@ -332,7 +348,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 0)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -346,7 +364,7 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
           [term()],
           keyword()
         ) :: {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
-  def reduce_scatterv(ref, output_tensor, input_tensor, sizes, args, opts \\ []) do
+  def reduce_scatterv(ref, output_tensor, input_tensor, sizes, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [output_tensor, input_tensor, sizes], [
       {:__args__, args} | opts
     ])
@@ -365,7 +383,9 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
     * `dst` (`integer()`)
     * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -373,14 +393,14 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   """
   @spec send(t(), VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
           {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def send(ref, tensor, dst, args, opts \\ []) do
+  def send(ref, tensor, dst, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "send", [tensor, dst], [{:__args__, args} | opts])
   end
 
   @doc ~S"""
   The `world_size` field of a `PyNcclCommunicator`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 

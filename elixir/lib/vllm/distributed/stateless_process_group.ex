@@ -28,7 +28,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
     * `obj` (`term()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -59,7 +59,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `op` (`VllmBridge.Ref.t() | String.t()`, default: `"sum"`) (in `args`, position 0)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -67,7 +69,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   """
   @spec all_reduce(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
-  def all_reduce(ref, tensor, args, opts \\ []) do
+  def all_reduce(ref, tensor, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "all_reduce", [tensor], [{:__args__, args} | opts])
   end
 
@@ -94,7 +96,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
     * `timeout` (`float()`, default: `30.0`) (in `args`, position 0) - Maximum time in seconds to wait for each phase (in seconds)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -111,7 +115,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
       message says which and why), or a rank left the group.
   """
   @spec barrier(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
-  def barrier(ref, args, opts \\ []) do
+  def barrier(ref, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "barrier", [], [{:__args__, args} | opts])
   end
 
@@ -132,7 +136,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `src` (`integer()`)
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -159,7 +163,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `src` (`integer()`)
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -174,7 +178,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `broadcast_recv_src_counter` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -189,7 +193,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `broadcast_send_counter` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -258,7 +262,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   The first argument is `nil`, or a ref whose worker should run the call (placement only).
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -266,7 +272,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   """
   @spec create(t() | nil, String.t(), integer(), integer(), integer(), [term()], keyword()) ::
           {:ok, Vllm.Distributed.StatelessProcessGroup.t()} | {:error, VllmBridge.Error.t()}
-  def create(ref, host, port, rank, world_size, args, opts \\ []) do
+  def create(ref, host, port, rank, world_size, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_static(
       ref,
       "StatelessProcessGroup.create",
@@ -278,7 +284,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `data_expiration_seconds` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -297,7 +303,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   or not they were received), objects it sent that long ago that are still unreceived
   included, so that values nobody reads do not stay behind.
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -324,7 +330,9 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `broadcast_recv_src_counter` (`%{optional(integer()) => integer()}`, default: `%{}`) (in `args`, position 4)
     * `entries` (`term()`, default: a new `deque`) (in `args`, position 5)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
 
   ## Returns
 
@@ -338,7 +346,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
           [term()],
           keyword()
         ) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
-  def new(rank, world_size, store, socket, args, opts \\ []) do
+  def new(rank, world_size, store, socket, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_class("StatelessProcessGroup", [rank, world_size, store, socket], [
       {:__args__, args} | opts
     ])
@@ -347,7 +355,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `rank` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -374,7 +382,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `src` (`integer()`)
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -402,7 +410,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `src` (`integer()`)
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -416,7 +424,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `recv_src_counter` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -441,7 +449,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `tensor` (`VllmBridge.Tensor.t()`)
     * `dst` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -456,7 +464,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `send_dst_counter` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -479,7 +487,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `obj` (`term()`)
     * `dst` (`integer()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -493,7 +501,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `store` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -507,7 +515,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   "bridge" (this package's wire) or "vllm" (vLLM's: see `create`).
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -521,7 +529,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   @doc ~S"""
   The `world_size` field of a `StatelessProcessGroup`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 

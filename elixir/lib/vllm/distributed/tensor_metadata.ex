@@ -11,7 +11,7 @@ defmodule Vllm.Distributed.TensorMetadata do
   @doc ~S"""
   The `device` field of a `TensorMetadata`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -25,7 +25,7 @@ defmodule Vllm.Distributed.TensorMetadata do
   @doc ~S"""
   The `dtype` field of a `TensorMetadata`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 
@@ -45,7 +45,7 @@ defmodule Vllm.Distributed.TensorMetadata do
     * `dtype` (`term()`)
     * `size` (`term()`)
 
-  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:]` (see `VllmBridge.Runtime`).
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
   ## Returns
 
@@ -59,7 +59,7 @@ defmodule Vllm.Distributed.TensorMetadata do
   @doc ~S"""
   The `size` field of a `TensorMetadata`.
 
-  `opts` take only `__runtime__: [timeout:, session:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
+  `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
 
   ## Returns
 

@@ -60,6 +60,22 @@ defmodule VllmBridge.Runtime.Options do
   @spec parse(list(), keyword()) :: {:ok, t()} | {:error, Error.t()}
   def parse(args, opts) when is_list(args) do
     case split(opts) do
+      # A keyword list where the optional positional arguments go is options
+      # (`barrier(group, timeout: 10)`), given before the others.
+      {_runtime, [{key, _} | _] = extra, _kwargs} = split when is_atom(key) and is_proper(args) ->
+        if Keyword.keyword?(extra),
+          do: parse(args, extra ++ drop_args(opts)),
+          else: parse_split(args, opts, split)
+
+      split ->
+        parse_split(args, opts, split)
+    end
+  end
+
+  def parse(args, _opts), do: bad("positional arguments must be a list", args)
+
+  defp parse_split(args, opts, split) do
+    case split do
       {runtime, extra, kwargs} when is_proper(args) and is_proper(extra) ->
         with {:ok, pool, node, worker, timeout, session, owner} <- runtime(runtime) do
           {:ok,
@@ -77,7 +93,11 @@ defmodule VllmBridge.Runtime.Options do
         end
 
       {_runtime, extra, _kwargs} when is_proper(args) ->
-        bad(":__args__ must be a list", extra)
+        bad(
+          "args (the optional positional arguments, in order) must be a list, or a " <>
+            "keyword list of options",
+          extra
+        )
 
       {_runtime, _extra, _kwargs} ->
         bad("positional arguments must be a proper list", args)
@@ -87,7 +107,10 @@ defmodule VllmBridge.Runtime.Options do
     end
   end
 
-  def parse(args, _opts), do: bad("positional arguments must be a list", args)
+  # opts without its first :__args__ (the one split/1 took).
+  defp drop_args([{:__args__, _} | rest]), do: rest
+  defp drop_args([other | rest]), do: [other | drop_args(rest)]
+  defp drop_args([]), do: []
 
   @doc """
   Reads the options of a call that passes no Python keyword arguments

@@ -145,6 +145,37 @@ defmodule Vllm.Distributed.StatelessProcessGroupTest do
     assert SPG.expire_data(g0, rt()) == {:ok, nil}
   end
 
+  # Issue 37: SPG.barrier(g) was undefined, SPG.barrier(g, timeout: 10) sent the
+  # keyword list as positional arguments, SPG.barrier(g, 10) spoke of :__args__.
+  test "args may be left out, or given as a keyword list of options", %{groups: groups} do
+    all_nil = List.duplicate({:ok, nil}, @size)
+    assert on_all(groups, &SPG.barrier(&1)) == all_nil
+    assert on_all(groups, &SPG.barrier(&1, timeout: 10.0)) == all_nil
+    assert on_all(groups, &SPG.barrier(&1, [timeout: 10.0], rt())) == all_nil
+    # (a keyword list of options with __runtime__ in it too)
+    assert on_all(groups, &SPG.barrier(&1, timeout: 10.0, __runtime__: [timeout: 30_000])) ==
+             all_nil
+
+    {:ok, t} = Tensor.from_list([1.0, 2.0], {:f, 32})
+    sums = on_all(groups, &SPG.all_reduce(&1, t))
+
+    assert Enum.map(sums, fn {:ok, sum} -> Tensor.to_list(sum) end) ==
+             List.duplicate([3.0, 6.0], @size)
+
+    sums = on_all(groups, &SPG.all_reduce(&1, t, op: "max"))
+
+    assert Enum.map(sums, fn {:ok, max} -> Tensor.to_list(max) end) ==
+             List.duplicate([1.0, 2.0], @size)
+
+    [g0 | _] = groups
+
+    assert {:error, %Error{category: :bad_args, message: message}} = SPG.barrier(g0, 10)
+    assert message =~ "args (the optional positional arguments, in order) must be a list"
+    refute message =~ "__args__"
+    # the group is in step still
+    assert on_all(groups, &SPG.barrier(&1)) == all_nil
+  end
+
   test "new/5,6 build a group on an existing store", %{groups: groups} do
     [g0 | _] = groups
     {:ok, store} = Runtime.get_attr(g0, "store")
