@@ -169,6 +169,16 @@ defmodule VllmBridge.Pool do
     end
   end
 
+  # A failed start as the pool reports it: the pool stops, so no next try.
+  defp gave_up(%Error{details: %{why: why} = details} = error),
+    do: %{
+      error
+      | message: "#{why} (the pool was stopped)",
+        details: Map.delete(details, :retry_in)
+    }
+
+  defp gave_up(error), do: error
+
   # Waits for every worker's start handshake, all at once; the first failure.
   defp await_workers(pool, size, timeout) do
     deadline = if timeout == :infinity, do: :infinity, else: now() + timeout
@@ -189,8 +199,8 @@ defmodule VllmBridge.Pool do
           {:reply, :ok} ->
             {:cont, :ok}
 
-          {:reply, {:error, _} = error} ->
-            {:halt, error}
+          {:reply, {:error, error}} ->
+            {:halt, {:error, gave_up(error)}}
 
           :timeout ->
             {:halt,

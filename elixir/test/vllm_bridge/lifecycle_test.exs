@@ -42,6 +42,13 @@ defmodule VllmBridge.LifecycleTest do
       assert details.python == python
       assert details.exit_status == 1
       assert Enum.any?(details.stderr, &(&1 =~ "ModuleNotFoundError"))
+      # what to do about it, and no promise of a next try from a pool that stopped
+      assert message =~
+               "it is not an environment for vllm_bridge; `mix vllm_bridge.setup` makes one"
+
+      assert message =~ "(the pool was stopped)"
+      refute message =~ "next try"
+      refute Map.has_key?(details, :retry_in)
 
       # the pool is stopped, nothing is left running
       assert Process.whereis(pool) == nil

@@ -29,7 +29,7 @@ defmodule VllmBridge.MixTasksTest do
   test "mix vllm_bridge.setup makes a venv with the dependency's bridge_py", %{tmp_dir: dir} do
     app = user_app!(dir)
     venv = Path.join(dir, "venv")
-    args = ["vllm_bridge.setup", "--venv", venv, "--", "--no-deps", "--quiet"]
+    args = ["vllm_bridge.setup", "--venv", venv, "--torch", "none", "--", "--no-deps", "--quiet"]
     {out, status} = System.cmd("mix", args, cd: app, stderr_to_stdout: true, env: env())
     assert status == 0, out
     python = Path.join(venv, "bin/python")
@@ -48,6 +48,50 @@ defmodule VllmBridge.MixTasksTest do
       )
 
     assert status != 0 and out =~ "unexpected arguments"
+  end
+
+  # Issue 37: with no options the task installed the newest torch with the whole
+  # CUDA stack (5.5 GB), into the dependency's own folder (for a path dependency,
+  # that checkout's development venv).
+  test "mix vllm_bridge.setup: the CPU torch, into the app's _build, found by pools",
+       %{tmp_dir: dir} do
+    app = user_app!(dir)
+    mix = fn args -> System.cmd("mix", args, cd: app, stderr_to_stdout: true, env: env()) end
+    venv = Path.join(app, "_build/vllm_bridge_venv")
+
+    {out, 0} = mix.(["vllm_bridge.setup", "--dry-run"])
+    [make, torch, bridge] = out |> String.split("\n", trim: true) |> Enum.filter(&(&1 =~ "$ "))
+    assert make =~ ~r{ -m venv #{venv}$}
+
+    assert torch =~
+             "#{venv}/bin/python -m pip install torch --index-url " <>
+               "https://download.pytorch.org/whl/cpu"
+
+    assert bridge =~ "#{venv}/bin/python -m pip install #{@root}"
+    refute File.exists?(venv)
+
+    {out, 0} = mix.(["vllm_bridge.setup", "--dry-run", "--torch", "cuda"])
+    assert out =~ ~r{pip install torch$}m
+
+    {out, 0} = mix.(["vllm_bridge.setup", "--dry-run", "--torch", "none"])
+    refute out =~ "pip install torch"
+
+    {out, status} = mix.(["vllm_bridge.setup", "--torch", "gpu"])
+    assert status != 0 and out =~ "--torch must be cpu, cuda or none"
+
+    # the workers of the app's pools find that environment without any option
+    python = Path.join(venv, "bin/python")
+    File.mkdir_p!(Path.dirname(python))
+    File.write!(python, "")
+    # (without VLLM_BRIDGE_PYTHON, which would come first)
+    {out, 0} =
+      System.cmd("mix", ["run", "--no-start", "-e", "IO.puts(VllmBridge.Worker.find_python([]))"],
+        cd: app,
+        stderr_to_stdout: true,
+        env: [{"VLLM_BRIDGE_PYTHON", nil} | env()]
+      )
+
+    assert String.trim(out) |> String.split("\n") |> List.last() == python
   end
 
   defp user_app!(dir) do

@@ -19,22 +19,39 @@ defmodule VllmBridge.Worker.Command do
 
   @project_root Path.expand("../../../..", __DIR__)
 
+  # Where `mix vllm_bridge.setup` puts the environment by default: beside the
+  # build of the project being compiled (for a dependency: the app's
+  # `_build`), whichever Mix environment builds it.
+  @setup_venv Path.join(Path.dirname(Mix.Project.build_path()), "vllm_bridge_venv")
+
+  @doc """
+  Where `mix vllm_bridge.setup` makes the Python environment unless told
+  otherwise: `_build/vllm_bridge_venv` of the project that depends on
+  `:vllm_bridge` (fixed at compile time).
+  """
+  @spec setup_venv() :: Path.t()
+  def setup_venv, do: @setup_venv
+
   @doc "The project root, where `bridge_py` lives (fixed at compile time)."
   @spec project_root() :: Path.t()
   def project_root, do: @project_root
 
   @doc """
   The Python executable for a worker's `opts`: the `:python` option, else
-  the `VLLM_BRIDGE_PYTHON` environment variable, else `.venv/bin/python` of
-  the project when it exists, else `python3`.
+  the `VLLM_BRIDGE_PYTHON` environment variable, else the environment that
+  `mix vllm_bridge.setup` made (`setup_venv/0`) when it exists, else
+  `.venv/bin/python` of the `:vllm_bridge` checkout when it exists (its
+  development environment), else `python3`.
   """
   @spec find_python(keyword()) :: Path.t()
   def find_python(opts) do
+    setup = Path.join(@setup_venv, "bin/python")
     venv = Path.join(@project_root, ".venv/bin/python")
 
     cond do
       python = opts[:python] -> python
       (python = System.get_env("VLLM_BRIDGE_PYTHON")) not in [nil, ""] -> python
+      File.exists?(setup) -> setup
       File.exists?(venv) -> venv
       true -> "python3"
     end

@@ -22,6 +22,8 @@ defmodule VllmBridge.Worker.Startup do
 
   # this many of the last lines a failed start printed are kept
   @stderr_lines 8
+  # what an environment made for vllm_bridge has (bridge_py and its requirements)
+  @environment ~w(bridge_py torch msgpack numpy grpc)
 
   @typedoc """
   Why a start failed: the last lines Python printed, and the module it could
@@ -149,9 +151,8 @@ defmodule VllmBridge.Worker.Startup do
         do: "#{state.python} -m bridge_py.worker exited with status #{status} before answering: ",
         else: ""
 
-    message =
-      "#{prefix}: the Python worker could not start: #{what}#{summary} " <>
-        "(failed starts in a row: #{attempt}; next try in #{delay} ms)"
+    why = "#{prefix}: the Python worker could not start: #{what}#{summary}"
+    message = "#{why} (failed starts in a row: #{attempt}; next try in #{delay} ms)"
 
     details = %{
       pool: state.pool,
@@ -159,7 +160,9 @@ defmodule VllmBridge.Worker.Startup do
       python: state.python,
       exit_status: status,
       attempt: attempt,
-      retry_in: delay
+      retry_in: delay,
+      # the message without the next try, for a pool that gives up instead
+      why: why
     }
 
     details =
@@ -225,6 +228,12 @@ defmodule VllmBridge.Worker.Startup do
   """
   @spec summary(diagnosis()) :: String.t()
   def summary(%{stderr: []}), do: "it printed nothing on stderr"
+
+  def summary(%{missing_module: module, stderr: lines}) when module in @environment,
+    do:
+      "#{String.trim(List.last(lines))} (Python cannot import '#{module}': it is not an " <>
+        "environment for vllm_bridge; `mix vllm_bridge.setup` makes one, or point the " <>
+        "pool's :python option or VLLM_BRIDGE_PYTHON at one)"
 
   def summary(%{missing_module: module, stderr: lines}) when is_binary(module),
     do: "#{String.trim(List.last(lines))} (Python cannot import '#{module}')"
