@@ -81,6 +81,8 @@ def _partition_from_env(text: str, num_hidden_layers: int, pp_size: int) -> list
         raise ValueError(f"{len(partitions)=} does not match {pp_size=}.")
     if sum(partitions) != num_hidden_layers:
         raise ValueError(f"{sum(partitions)=} does not match {num_hidden_layers=}.")
+    if any(p < 0 for p in partitions):
+        raise ValueError(f"Negative layer count in {text=}.")
     return partitions
 
 

@@ -118,8 +118,8 @@ def _has_ipv6_loopback() -> bool:
     return True
 
 
-def _ipv6_group(rank: int, port: int) -> list:
-    group = StatelessProcessGroup.create("::1", port, rank, 2, store_timeout=30)
+def _ipv6_group(rank: int, port: int, host: str = "::1") -> list:
+    group = StatelessProcessGroup.create(host, port, rank, 2, store_timeout=30)
     if rank == 0:
         assert group.socket.family == socket.AF_INET6
     gathered = group.all_gather_obj(f"v6-{rank}")
@@ -131,6 +131,31 @@ def _ipv6_group(rank: int, port: int) -> list:
 def test_ipv6_loopback_group() -> None:
     results = run_ranks(_ipv6_group, 2, free_port("::1"))
     assert results == [["v6-0", "v6-1"]] * 2
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_host_in_brackets_as_torch_users_write_it() -> None:
+    # issue 38: "[::1]" failed with "cannot resolve the store host"
+    results = run_ranks(_ipv6_group, 2, free_port("::1"), "[::1]")
+    assert results == [["v6-0", "v6-1"]] * 2
+
+
+def _listen_socket_seventh(rank: int, sock: socket.socket, port: int) -> list:
+    # vLLM 0.34's order: (host, port, rank, world_size, data_expiration_seconds,
+    # store_timeout, listen_socket)
+    group = StatelessProcessGroup.create(
+        "127.0.0.1", port, rank, 2, 3600, 30, sock if rank == 0 else None
+    )
+    gathered = group.all_gather_obj(rank)
+    group.barrier()
+    return gathered
+
+
+def test_listen_socket_is_the_seventh_positional_argument_as_in_vllm() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        results = run_ranks(_listen_socket_seventh, 2, sock, sock.getsockname()[1])
+    assert results == [[0, 1]] * 2
 
 
 def _with_listen_socket(rank: int, sock: socket.socket, port: int) -> list:

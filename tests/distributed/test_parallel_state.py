@@ -242,3 +242,7 @@ def test_get_pp_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "a,b")
     with pytest.raises(ValueError, match="Invalid partition string"):
         get_pp_indices(4, 0, 2)
+    # vLLM 0.34 refuses a negative count (it would give a stage a backwards range)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "5,-1")
+    with pytest.raises(ValueError, match="Negative layer count"):
+        get_pp_indices(4, 0, 2)

@@ -63,6 +63,7 @@ from bridge_py.distributed.store import (
     format_seconds,
     join_group,
     open_store,
+    plain_host,
     require_queues,
 )
 
@@ -502,8 +503,8 @@ class StatelessProcessGroup:
         world_size: int,
         data_expiration_seconds: int = 3600,
         store_timeout: int = 300,
-        *,
         listen_socket: Socket | None = None,
+        *,
         auth_key: AuthKey | None = None,
         wire: str | None = None,
     ) -> StatelessProcessGroup:
@@ -522,7 +523,8 @@ class StatelessProcessGroup:
         can call `StatelessProcessGroup.create` to form a group, and then process A, B,
         C, and D can call `StatelessProcessGroup.create` to form another group.
 
-        Rank 0 serves the store on ``host:port`` only (IPv4 or IPv6), or on
+        Rank 0 serves the store on ``host:port`` only (IPv4 or IPv6, ``"::1"`` or
+        ``"[::1]"``), or on
         ``listen_socket``, a socket it has already bound (port 0 avoids port races).
         Every rank returns once all ``world_size`` ranks have joined, or raises
         ``StoreError`` (a RuntimeError) within ``store_timeout`` seconds (or by the running
@@ -550,6 +552,7 @@ class StatelessProcessGroup:
         with ``$VLLM_BRIDGE_ALLOW_VLLM_WIRE=1``.
         """
         validate_rank(rank, world_size)
+        host = plain_host(host)
         chosen = resolve_wire(wire)
         if chosen == "vllm" and auth_key is not None:
             raise ValueError(_NO_KEY_ON_VLLM_WIRE)

@@ -7,6 +7,7 @@ from bridge_py.distributed.store.connect import (
     format_seconds,
     join_group,
     open_store,
+    plain_host,
     remaining,
     require_queues,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "format_seconds",
     "join_group",
     "open_store",
+    "plain_host",
     "remaining",
     "require_queues",
 ]

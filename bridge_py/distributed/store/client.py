@@ -19,7 +19,15 @@ from bridge_py.distributed.errors import StoreError
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.watchdog import watched
 
-__all__ = ["connect_client", "first_line", "format_address"]
+__all__ = ["connect_client", "first_line", "format_address", "plain_host"]
+
+
+def plain_host(host: str) -> str:
+    """``host`` without the brackets of an IPv6 literal written as in a URL (``"[::1]"``
+    is ``"::1"``), which is how torch and vLLM users write it; any other host unchanged."""
+    if len(host) > 2 and host[0] == "[" and host[-1] == "]" and ":" in host:
+        return host[1:-1]
+    return host
 
 
 def format_address(host: str, port: int) -> str:

@@ -20,7 +20,12 @@ import time
 from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.errors import StoreError
-from bridge_py.distributed.store.client import connect_client, first_line, format_address
+from bridge_py.distributed.store.client import (
+    connect_client,
+    first_line,
+    format_address,
+    plain_host,
+)
 from bridge_py.distributed.store.quiet import QUIET
 from bridge_py.distributed.store.requests import StoreRequest
 from bridge_py.distributed.store.torch_api import set_bytes
@@ -35,6 +40,7 @@ __all__ = [
     "format_seconds",
     "join_group",
     "open_store",
+    "plain_host",
     "remaining",
     "require_queues",
 ]

@@ -221,7 +221,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   can call `StatelessProcessGroup.create` to form a group, and then process A, B,
   C, and D can call `StatelessProcessGroup.create` to form another group.
 
-  Rank 0 serves the store on `host:port` only (IPv4 or IPv6), or on
+  Rank 0 serves the store on `host:port` only (IPv4 or IPv6, `"::1"` or
+  `"[::1]"`), or on
   `listen_socket`, a socket it has already bound (port 0 avoids port races).
   Every rank returns once all `world_size` ranks have joined, or raises
   `StoreError` (a RuntimeError) within `store_timeout` seconds (or by the running
@@ -256,7 +257,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `world_size` (`integer()`)
     * `data_expiration_seconds` (`integer()`, default: `3600`) (in `args`, position 0)
     * `store_timeout` (`integer()`, default: `300`) (in `args`, position 1)
-    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (keyword option `listen_socket:`)
+    * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 2)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
     * `wire` (`String.t() | nil`, default: `nil`) (keyword option `wire:`)
 

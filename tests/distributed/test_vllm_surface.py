@@ -1,0 +1,255 @@
+"""vLLM 0.34's distributed surface, read from its released wheel, against ours (issue 38).
+
+For each module and class below, every public function and method of vLLM 0.34 (read
+with ``ast`` from the wheel's source: nothing of vLLM is imported) must exist at the same
+path in ``bridge_py.distributed``, and take vLLM's positional parameters by the same
+names in the same order (ours may add keyword-only ones after them), and vLLM's
+keyword-only ones by name. What is not there yet is listed in :data:`MISSING`, so that
+this test names what issue 38 has left; it fails when something not listed is missing
+or different, and when something listed has arrived (take it off the list).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import zipfile
+from functools import cache
+from typing import Any
+
+import pytest
+
+from tests.distributed.vllm_release import wheel
+
+pytestmark = pytest.mark.timeout(600)
+
+VERSION = "0.34.0"
+
+# vLLM's module (under vllm/distributed/) -> the classes whose methods are compared;
+# its public module-level functions are compared too.
+MODULES: dict[str, tuple[str, ...]] = {
+    "utils": ("StatelessProcessGroup",),
+    "parallel_state": ("GroupCoordinator",),
+    "communication_op": (),
+    "device_communicators/base_device_communicator": (
+        "DeviceCommunicatorBase",
+        "All2AllManagerBase",
+    ),
+    "device_communicators/cpu_communicator": ("CpuCommunicator",),
+    "device_communicators/pynccl": ("PyNcclCommunicator",),
+    "device_communicators/shm_broadcast": ("MessageQueue",),
+}
+
+MISSING: set[str] = {
+    "device_communicators/base_device_communicator:All2AllManagerBase.__init__",
+    "device_communicators/base_device_communicator:All2AllManagerBase.allocate_combine_input",
+    "device_communicators/base_device_communicator:All2AllManagerBase.checkpoint_prepare",
+    "device_communicators/base_device_communicator:All2AllManagerBase.checkpoint_restore",
+    "device_communicators/base_device_communicator:All2AllManagerBase.clean_buffers",
+    "device_communicators/base_device_communicator:All2AllManagerBase.combine_into_output",
+    "device_communicators/base_device_communicator:All2AllManagerBase.commit_ep_size",
+    "device_communicators/base_device_communicator:All2AllManagerBase.dispatch",
+    "device_communicators/base_device_communicator:All2AllManagerBase.dispatch_router_logits",
+    "device_communicators/base_device_communicator:All2AllManagerBase.get_handle",
+    "device_communicators/base_device_communicator:All2AllManagerBase.mask_remote_ranks",
+    "device_communicators/base_device_communicator:All2AllManagerBase.max_sms_used",
+    "device_communicators/base_device_communicator:All2AllManagerBase.query_active_mask",
+    "device_communicators/base_device_communicator:All2AllManagerBase.query_fault",
+    "device_communicators/base_device_communicator:All2AllManagerBase.set_num_sms",
+    "device_communicators/base_device_communicator:All2AllManagerBase.stage_ep_size",
+    "device_communicators/base_device_communicator:All2AllManagerBase.update_mask",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.__init__",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.allocate_combine_input",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.batch_isend_irecv",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.broadcast",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.checkpoint_prepare",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.checkpoint_restore",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.combine_into_output",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.dispatch",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.dispatch_router_logits",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.get_symmetric_memory_buffer",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.reduce_scatterv_into_output",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.resume",
+    "device_communicators/base_device_communicator:DeviceCommunicatorBase.suspend",
+    "device_communicators/cpu_communicator:CpuCommunicator.__init__",
+    "device_communicators/cpu_communicator:CpuCommunicator.dispatch",
+    "device_communicators/cpu_communicator:CpuCommunicator.dispatch_router_logits",
+    "device_communicators/cpu_communicator:CpuCommunicator.recv_tensor_dict",
+    "device_communicators/cpu_communicator:CpuCommunicator.send_tensor_dict",
+    "device_communicators/pynccl:PyNcclCommunicator.all_to_all_single",
+    "device_communicators/pynccl:PyNcclCommunicator.batch_isend_irecv",
+    "device_communicators/pynccl:PyNcclCommunicator.deregister_comm_window",
+    "device_communicators/pynccl:PyNcclCommunicator.reduce",
+    "device_communicators/pynccl:PyNcclCommunicator.register_comm_window",
+    "device_communicators/pynccl:PyNcclCommunicator.register_comm_window_raw",
+    "device_communicators/pynccl:PyNcclCommunicator.resume",
+    "device_communicators/pynccl:PyNcclCommunicator.scatter",
+    "device_communicators/pynccl:PyNcclCommunicator.suspend",
+    "device_communicators/pynccl:defer_comm_warmup_on_rocm",
+    "device_communicators/pynccl:register_nccl_symmetric_ops",
+    "device_communicators/shm_broadcast:MessageQueue.acquire_read",
+    "device_communicators/shm_broadcast:MessageQueue.acquire_write",
+    "device_communicators/shm_broadcast:MessageQueue.create_from_process_group_single_reader",
+    "device_communicators/shm_broadcast:MessageQueue.readable",
+    "device_communicators/shm_broadcast:MessageQueue.recv",
+    "device_communicators/shm_broadcast:MessageQueue.spin_until_readable",
+    "device_communicators/shm_broadcast:check_shm_free_space",
+    "device_communicators/shm_broadcast:memory_fence",
+    "device_communicators/shm_broadcast:to_bytes_big",
+    "parallel_state:GroupCoordinator.allocate_combine_input",
+    "parallel_state:GroupCoordinator.combine_into_output",
+    "parallel_state:GroupCoordinator.cpu_all_reduce_",
+    "parallel_state:GroupCoordinator.dispatch",
+    "parallel_state:GroupCoordinator.dispatch_router_logits",
+    "parallel_state:GroupCoordinator.irecv_tensor_dict",
+    "parallel_state:GroupCoordinator.isend_object",
+    "parallel_state:GroupCoordinator.isend_tensor_dict",
+    "parallel_state:GroupCoordinator.make_sibling_device_group",
+    "parallel_state:GroupCoordinator.reduce_scatterv_into_output",
+    "parallel_state:all_gather",
+    "parallel_state:all_gather_fake",
+    "parallel_state:all_reduce",
+    "parallel_state:all_reduce_fake",
+    "parallel_state:checkpoint_prepare_distributed_state",
+    "parallel_state:checkpoint_restore_distributed_state",
+    "parallel_state:cleanup_dist_env_and_memory",
+    "parallel_state:get_dcp_group",
+    "parallel_state:get_dcp_world_size_and_rank",
+    "parallel_state:get_engram_dp_group",
+    "parallel_state:get_engram_dp_size",
+    "parallel_state:get_eplb_group",
+    "parallel_state:get_etp_group",
+    "parallel_state:get_inner_dp_world_group",
+    "parallel_state:get_node_count",
+    "parallel_state:get_pcp_group",
+    "parallel_state:get_pipeline_model_parallel_rank",
+    "parallel_state:graph_capture",
+    "parallel_state:is_global_first_rank",
+    "parallel_state:is_local_first_rank",
+    "parallel_state:patched_fused_scaled_matmul_reduce_scatter",
+    "parallel_state:patched_fused_scaled_matmul_reduce_scatter_fake",
+    "parallel_state:reduce_scatter",
+    "parallel_state:reduce_scatter_fake",
+    "parallel_state:resume_device_comms",
+    "parallel_state:set_custom_all_reduce",
+    "parallel_state:suspend_device_comms",
+    "utils:all_reduce_int",
+    "utils:allocate_group_ports",
+    "utils:cpu_all_reduce_",
+    "utils:create_tcp_store",
+    "utils:enter_steady_state",
+    "utils:fetch_group_ports",
+    "utils:get_cached_tcp_store_client",
+    "utils:get_cpu_distributed_timeout_or_none",
+    "utils:get_distributed_timeout_or_none",
+    "utils:get_worker_rank_suffix",
+    "utils:init_gloo_process_group",
+    "utils:is_weak_contiguous",
+    "utils:sched_yield",
+    "utils:set_gloo_backend_timeout",
+    "utils:stateless_init_torch_distributed_process_group",
+    "utils:steady_state_entered",
+    "utils:verify_group_size_divides_partition",
+}
+"""``module:name`` or ``module:Class.method`` of vLLM 0.34 that bridge_py lacks or whose
+parameters differ (what is left of issue 38)."""
+
+
+def _source(module: str) -> str:
+    with zipfile.ZipFile(wheel(VERSION)) as whl:
+        return whl.read(f"vllm/distributed/{module}.py").decode()
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[list[str], list[str]]:
+    """(positional parameter names in order, keyword-only names) of a ``def``."""
+    args = fn.args
+    return [a.arg for a in [*args.posonlyargs, *args.args]], [a.arg for a in args.kwonlyargs]
+
+
+def _public(name: str) -> bool:
+    return not name.startswith("_") or name == "__init__"
+
+
+@cache
+def vllm_surface() -> dict[str, tuple[list[str], list[str]]]:
+    """``module:name`` / ``module:Class.method`` -> vLLM 0.34's parameters."""
+    surface = {}
+    for module, classes in MODULES.items():
+        tree = ast.parse(_source(module))
+        for node in tree.body:
+            is_def = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if is_def and _public(node.name) and node.name != "__init__":
+                surface[f"{module}:{node.name}"] = _params(node)
+            if isinstance(node, ast.ClassDef) and node.name in classes:
+                for item in node.body:
+                    is_def = isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    if is_def and _public(item.name):
+                        surface[f"{module}:{node.name}.{item.name}"] = _params(item)
+    return surface
+
+
+def _ours(path: str) -> Any:
+    module, _, name = path.partition(":")
+    try:
+        found: Any = importlib.import_module("bridge_py.distributed." + module.replace("/", "."))
+    except ModuleNotFoundError:
+        return None
+    for part in name.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found
+
+
+def _differs(path: str, theirs: tuple[list[str], list[str]]) -> str | None:
+    """Why ours at ``path`` does not take vLLM's parameters ``theirs`` (None: it does)."""
+    ours = _ours(path)
+    if ours is None:
+        return "missing"
+    if isinstance(ours, property) or not callable(ours):
+        return None  # an attribute or property where vLLM has a method of no arguments
+    try:
+        signature = inspect.signature(ours)
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    positional = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    named = {
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+    }
+    takes_any = any(p.kind is kinds.VAR_KEYWORD for p in signature.parameters.values())
+    wanted, keywords = theirs
+    if wanted and wanted[0] in ("self", "cls") and (not positional or positional[0] != wanted[0]):
+        wanted = wanted[1:]  # a bound or static method of ours
+    if positional[: len(wanted)] != wanted:
+        return f"positional parameters {positional}, vLLM's {wanted}"
+    absent = [k for k in keywords if k not in named and not takes_any]
+    if absent:
+        return f"no keyword parameters {absent}"
+    return None
+
+
+def test_the_wheel_has_the_surface_this_test_reads() -> None:
+    surface = vllm_surface()
+    assert "utils:StatelessProcessGroup.create" in surface
+    assert "parallel_state:GroupCoordinator.all_reduce" in surface
+    assert "device_communicators/shm_broadcast:MessageQueue.dequeue" in surface
+
+
+def test_every_public_function_and_method_of_vllm_is_ours_with_its_parameters() -> None:
+    problems = {
+        path: why
+        for path, theirs in sorted(vllm_surface().items())
+        if (why := _differs(path, theirs)) is not None
+    }
+    unexpected = {path: why for path, why in problems.items() if path not in MISSING}
+    arrived = sorted(MISSING - set(problems))
+    assert unexpected == {}, f"differs from vLLM {VERSION} (and not in MISSING): {unexpected}"
+    assert arrived == [], f"now as vLLM {VERSION} has them: take these off MISSING: {arrived}"
