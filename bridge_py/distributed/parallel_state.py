@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -61,6 +62,8 @@ __all__ = [
     "get_distributed_init_method",
     "get_dp_group",
     "get_ep_group",
+    "get_node_count",
+    "get_pipeline_model_parallel_rank",
     "get_pp_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
@@ -70,6 +73,8 @@ __all__ = [
     "in_the_same_node_as",
     "init_distributed_environment",
     "initialize_model_parallel",
+    "is_global_first_rank",
+    "is_local_first_rank",
     "model_parallel_is_initialized",
 ]
 
@@ -81,6 +86,8 @@ _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 _DP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
+# How many nodes the world's ranks run on, counted when the world group is made.
+_NODE_COUNT: int | None = None
 
 
 def _initialized(group: GroupCoordinator | None, what: str) -> GroupCoordinator:
@@ -122,6 +129,41 @@ def get_tensor_model_parallel_world_size() -> int:
 def get_tensor_model_parallel_rank() -> int:
     """Return my rank for the tensor model parallel group."""
     return get_tp_group().rank_in_group
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """Return my rank for the pipeline model parallel group."""
+    return get_pp_group().rank_in_group
+
+
+def get_node_count() -> int:
+    """The number of nodes the world's ranks run on (ranks that share shared memory are
+    one node), counted when :func:`init_distributed_environment` made the world group."""
+    if _NODE_COUNT is None:
+        raise StateError("the distributed environment is not initialized: no node count")
+    return _NODE_COUNT
+
+
+def is_global_first_rank() -> bool:
+    """Whether this process is rank 0 of the world, across every kind of parallelism;
+    True where there is no distributed world at all (a single process)."""
+    if _WORLD is not None:
+        return _WORLD.is_first_rank
+    if not dist.is_initialized():
+        return True
+    return dist.get_rank() == 0
+
+
+def is_local_first_rank() -> bool:
+    """Whether this process is the first rank of its node (local rank 0); True where
+    there is no distributed world. Without a world group it reads ``$LOCAL_RANK`` (set by
+    torchrun and other ``env://`` launchers), else torch's global rank."""
+    if _WORLD is not None:
+        return _WORLD.local_rank == 0
+    if not dist.is_initialized():
+        return True
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    return int(local) == 0 if local.lstrip("-").isdigit() else dist.get_rank() == 0
 
 
 def get_distributed_init_method(ip: str, port: int) -> str:
@@ -199,10 +241,11 @@ def init_distributed_environment(
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         else:
             local_rank = dist.get_rank()
-    global _WORLD
+    global _WORLD, _NODE_COUNT
     if _WORLD is None:
         _WORLD = init_world_group(list(range(dist.get_world_size())), local_rank, backend)
         atexit.register(_destroy_at_exit)  # (once: unregistered by the next destroy)
+        _NODE_COUNT = _node_count(_WORLD.cpu_group)  # (a collective: every rank is here)
     elif _WORLD.world_size != dist.get_world_size():
         raise StateError("world group already initialized with a different world size")
 
@@ -404,9 +447,10 @@ def destroy_distributed_environment() -> None:
     Afterwards :func:`init_distributed_environment` may be called again.
     """
     atexit.unregister(_destroy_at_exit)
-    global _WORLD
+    global _WORLD, _NODE_COUNT
     if _WORLD is not None:
         _WORLD.destroy()
     _WORLD = None
+    _NODE_COUNT = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ TP 2 x DP 2 (expert parallel dispatch/combine) -> destroy, in the same processes
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 from collections.abc import Callable
 
@@ -44,6 +45,9 @@ def _destroy() -> None:
     assert not ps.model_parallel_is_initialized()
     with pytest.raises(StateError, match="world group is not initialized"):
         ps.get_world_group()
+    with pytest.raises(StateError, match="no node count"):
+        ps.get_node_count()
+    assert ps.is_global_first_rank() and ps.is_local_first_rank()  # no world: one process
 
 
 def _tensor_parallel(rank: int) -> None:
@@ -99,6 +103,11 @@ def _tensor_parallel(rank: int) -> None:
 def _pipeline(rank: int) -> None:
     ps.initialize_model_parallel(2, 2)
     tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    assert ps.get_pipeline_model_parallel_rank() == pp.rank_in_group == rank // 2
+    # vLLM 0.34's: the world's node count (one machine here) and first ranks
+    assert ps.get_node_count() == 1
+    assert ps.is_global_first_rank() == (rank == 0)
+    assert ps.is_local_first_rank() == (rank == 0)
     assert pp.ranks == ([0, 2] if rank % 2 == 0 else [1, 3])
     assert pp.is_first_rank == (rank < 2) and pp.is_last_rank == (rank >= 2)
     assert ps.get_dp_group().ranks == [rank]
@@ -246,3 +255,19 @@ def test_get_pp_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "5,-1")
     with pytest.raises(ValueError, match="Negative layer count"):
         get_pp_indices(4, 0, 2)
+
+
+def _env_launched(rank: int, port: int) -> tuple[int, int, bool]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0")
+    ps.init_distributed_environment(
+        world_size=1, rank=0, distributed_init_method="env://", backend="gloo"
+    )
+    world = ps.get_world_group()
+    result = (world.local_rank, ps.get_node_count(), ps.is_local_first_rank())
+    _destroy()
+    return result
+
+
+def test_an_env_launched_rank_takes_its_local_rank_from_the_environment() -> None:
+    # local_rank=-1 with env:// reads $LOCAL_RANK (it raised NameError: no `import os`)
+    assert run_ranks(_env_launched, 1, free_port(), timeout=60) == [(0, 1, True)]
