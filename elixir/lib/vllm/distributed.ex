@@ -259,6 +259,36 @@ defmodule Vllm.Distributed do
   end
 
   @doc ~S"""
+  The number of nodes the world's ranks run on (ranks that share shared memory are
+  one node), counted when `init_distributed_environment/2` made the world group.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `integer()`
+  """
+  @spec get_node_count(keyword()) :: {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def get_node_count(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_node_count", [], opts)
+  end
+
+  @doc ~S"""
+  Return my rank for the pipeline model parallel group.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `integer()`
+  """
+  @spec get_pipeline_model_parallel_rank(keyword()) ::
+          {:ok, integer()} | {:error, VllmBridge.Error.t()}
+  def get_pipeline_model_parallel_rank(opts \\ []) do
+    VllmBridge.Runtime.call_function("get_pipeline_model_parallel_rank", [], opts)
+  end
+
+  @doc ~S"""
   The pipeline model parallel group the caller rank belongs to.
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
@@ -503,6 +533,37 @@ defmodule Vllm.Distributed do
           {:ok, nil} | {:error, VllmBridge.Error.t()}
   def initialize_model_parallel(args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("initialize_model_parallel", [], [{:__args__, args} | opts])
+  end
+
+  @doc ~S"""
+  Whether this process is rank 0 of the world, across every kind of parallelism;
+  True where there is no distributed world at all (a single process).
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `boolean()`
+  """
+  @spec is_global_first_rank(keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def is_global_first_rank(opts \\ []) do
+    VllmBridge.Runtime.call_function("is_global_first_rank", [], opts)
+  end
+
+  @doc ~S"""
+  Whether this process is the first rank of its node (local rank 0); True where
+  there is no distributed world. Without a world group it reads `$LOCAL_RANK` (set by
+  torchrun and other `env://` launchers), else torch's global rank.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `boolean()`
+  """
+  @spec is_local_first_rank(keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def is_local_first_rank(opts \\ []) do
+    VllmBridge.Runtime.call_function("is_local_first_rank", [], opts)
   end
 
   @doc ~S"""

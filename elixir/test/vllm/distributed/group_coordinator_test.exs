@@ -276,6 +276,11 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
     assert D.get_tensor_model_parallel_world_size(__runtime__: rt(0)) == {:ok, 2}
     assert D.get_tensor_model_parallel_rank(__runtime__: rt(1)) == {:ok, 1}
     assert D.model_parallel_is_initialized(__runtime__: rt(0)) == {:ok, true}
+    assert D.get_node_count(__runtime__: rt(0)) == {:ok, 1}
+    assert D.get_pipeline_model_parallel_rank(__runtime__: rt(1)) == {:ok, 0}
+    assert D.is_global_first_rank(__runtime__: rt(0)) == {:ok, true}
+    assert D.is_global_first_rank(__runtime__: rt(1)) == {:ok, false}
+    assert D.is_local_first_rank(__runtime__: rt(1)) == {:ok, false}
     assert {:ok, tp} = D.get_tp_group(__runtime__: rt(0))
     assert Ref.same_object?(tp, g0) and tp.owner == self()
     assert {:ok, %Ref{class: "GroupCoordinator"}} = D.get_world_group(__runtime__: rt(0))
