@@ -18,6 +18,7 @@ from bridge_py.distributed.device_communicators import (
 )
 from bridge_py.distributed.device_communicators.agreement import CHECK_ENV
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, for_transport
+from bridge_py.distributed.utils import stateless_init_torch_distributed_process_group
 from tests.distributed.harness import free_port, run_ranks
 
 
@@ -129,3 +130,32 @@ def _cuda(rank: int, port: int) -> str:
 )
 def test_cuda_communicator() -> None:
     assert run_ranks(_cuda, 2, free_port(), timeout=90) == ["ok"] * 2
+
+
+def _vllm_034_calls(rank: int, port: int, stateless_port: int) -> str:
+    """vLLM 0.34's calls of a communicator: the constructor's positional parameters,
+    broadcast's ``tensor``, the memory no-ops; a stateless group refused by name."""
+    _init(rank, port)
+    world = dist.new_group([0, 1])
+    # (cpu_group, device, device_group, unique_name, global_ranks, global_world_size,
+    # use_all2all): the world says the ranks, so the given ones are not needed
+    base = DeviceCommunicatorBase(world, None, None, "tp:0", [0, 1], 2, False)
+    assert (base.ranks, base.global_world_size, base.use_all2all) == ([0, 1], 2, False)
+    cpu = CpuCommunicator(world, None, None, "tp:0", False)
+    for comm in (base, cpu):
+        got = comm.broadcast(tensor=torch.full((3,), float(rank)), src=1)
+        assert torch.equal(got, torch.full((3,), 1.0))
+        for step in (comm.checkpoint_prepare, comm.suspend, comm.resume, comm.checkpoint_restore):
+            assert step() is None
+    stateless = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", stateless_port, rank, 2, "gloo", None, False, None, 30.0
+    )
+    with pytest.raises(NotImplementedError, match="stateless group"):
+        DeviceCommunicatorBase(stateless, None, None, "", [0, 1], 2)
+    dist.barrier()
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_vllm_034_calls_of_a_communicator() -> None:
+    assert run_ranks(_vllm_034_calls, 2, free_port(), free_port(), timeout=120) == ["ok"] * 2

@@ -1,4 +1,4 @@
-"""Our signatures against vLLM 0.33's: same parameter names, order and defaults.
+"""Our signatures against vLLM 0.33's and 0.34's: same parameter names, order and defaults.
 
 The expected lists are copied from vLLM's source (vllm/distributed/...). Every parameter
 vLLM has comes in its place, so a call written for vLLM, positional or by name, means the
@@ -113,6 +113,7 @@ VLLM: list[tuple[str, Callable[..., Any], list[tuple[str, Any]]]] = [
             ("group_name", None),
             ("return_store", False),
             ("listen_socket", None),
+            ("timeout", None),  # (vLLM 0.34)
         ],
     ),
 ]

@@ -120,6 +120,14 @@ class All2AllManagerBase:
         """Release the manager's resources."""
 
 
+def _registered(group: ProcessGroup) -> bool:
+    """Whether torch.distributed's world knows ``group`` (made by ``new_group`` or the
+    default group), as opposed to a stateless group made outside it."""
+    from torch.distributed.distributed_c10d import _world
+
+    return group in _world.pg_map
+
+
 class DeviceCommunicatorBase(CommunicatorChecks):
     """
     Base class for device-specific communicator.
@@ -138,7 +146,8 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         device: torch.device | None = None,
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
-        *,
+        global_ranks: list[int] | None = None,
+        global_world_size: int | None = None,
         use_all2all: bool = False,
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature.
@@ -146,11 +155,22 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         ``use_all2all`` asks subclasses for an all-to-all manager so that
         ``dispatch``/``combine`` move tokens; GroupCoordinator passes its own
         ``use_all2all`` (vLLM's rule: an expert-parallel group while data parallelism is on).
+        ``global_ranks`` and ``global_world_size`` are vLLM's, for a stateless
+        ``cpu_group`` (one torch.distributed's world does not know); such a group is refused
+        here (NotImplementedError), and for the groups of the world they are not needed
+        (the world says them) and are ignored, as in vLLM.
         """
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cpu_group = cpu_group
         self.device_group = device_group if device_group is not None else cpu_group
         self.unique_name = unique_name
+        if not _registered(cpu_group):
+            raise NotImplementedError(
+                f"{type(self).__name__}: cpu_group is not a group of torch.distributed's world "
+                "(a stateless group, as stateless_init_torch_distributed_process_group makes): "
+                "this communicator runs its collectives through torch.distributed, which cannot "
+                "reach such a group; make the group with torch.distributed.new_group"
+            )
         self.rank = dist.get_rank(cpu_group)
         self.world_size = dist.get_world_size(cpu_group)
         self.ranks = dist.get_process_group_ranks(cpu_group)
@@ -438,29 +458,42 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         parts = [restore(part).reshape(input_.shape) for part in gather_list]
         return torch.cat(parts, dim=dim_n)
 
-    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Broadcast ``input_`` from the group's rank ``src`` into every rank's ``input_``.
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``tensor`` from the group's rank ``src`` into every rank's ``tensor``.
 
-        Not in vLLM's communicator (its GroupCoordinator calls torch directly); here it
-        shares the checks and dtype handling of the other collectives. Returns ``input_``.
+        Shares the checks and dtype handling of the other collectives. Returns ``tensor``.
         """
         self._agree(
             "broadcast",
-            input_,
+            tensor,
             lambda: (self._check_peer("broadcast", "src", src, True),),
             ("src",),
             written=True,
         )
-        if input_.numel() == 0:
-            return input_
-        wire, restore = for_transport(input_, self.backend)
+        if tensor.numel() == 0:
+            return tensor
+        wire, restore = for_transport(tensor, self.backend)
         work = self.dist_module.broadcast(
             wire, src=self.ranks[src], group=self.device_group, async_op=True
         )
         self._finish(work, "broadcast")
-        if self.rank_in_group != src and wire.data_ptr() != input_.data_ptr():
-            input_.copy_(restore(wire).reshape(input_.shape))  # (received into a copy)
-        return input_
+        if self.rank_in_group != src and wire.data_ptr() != tensor.data_ptr():
+            tensor.copy_(restore(wire).reshape(tensor.shape))  # (received into a copy)
+        return tensor
+
+    # ------------------------------------------------------------------ memory
+
+    def checkpoint_prepare(self) -> None:
+        """Prepare reclaimable communicator state for a checkpoint (here: nothing to do)."""
+
+    def checkpoint_restore(self) -> None:
+        """Restore communicator state after a checkpoint (here: nothing to do)."""
+
+    def suspend(self) -> None:
+        """Release reclaimable communicator memory (here: none is held)."""
+
+    def resume(self) -> None:
+        """Restore memory released by ``suspend`` (here: none was)."""
 
     # ------------------------------------------------------------------ point to point
 

@@ -47,8 +47,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
         device: torch.device | None = None,
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
-        *,
         use_all2all: bool = False,
+        *,
         use_shm: bool | None = None,
     ) -> None:
         """Initialize self. See help(type(self)) for accurate signature.
@@ -98,28 +98,28 @@ class CpuCommunicator(DeviceCommunicatorBase):
         shm.all_reduce(wire.reshape(-1), out.view(-1), *self.agreement.step(signature))
         return input_ if in_place else restore(out).reshape(input_.shape)
 
-    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Broadcast ``input_`` from the group's rank ``src`` into every rank's ``input_``;
-        returns ``input_``. Over shared memory, the argument check travels in the data step."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``tensor`` from the group's rank ``src`` into every rank's ``tensor``;
+        returns ``tensor``. Over shared memory, the argument check travels in the data step."""
         shm = self.shm
         if shm is None:
-            return super().broadcast(input_, src)
+            return super().broadcast(tensor, src)
         op = "broadcast"
 
         def check() -> tuple[int]:
-            self._check_tensor(op, input_, written=True)
+            self._check_tensor(op, tensor, written=True)
             return (self._check_peer(op, "src", src, True),)
 
         params, error = self._validated(check)
-        signature = self._signature(op, input_, params or (), ("src",))
-        if error is not None or input_.numel() == 0:
+        signature = self._signature(op, tensor, params or (), ("src",))
+        if error is not None or tensor.numel() == 0:
             self.agreement.check(signature, error)  # raises on every rank if anyone failed
-            return input_
-        data = plain(input_).contiguous()
+            return tensor
+        data = plain(tensor).contiguous()
         shm.broadcast(data.view(-1).view(torch.uint8), src, *self.agreement.step(signature))
-        if data.data_ptr() != input_.data_ptr():
-            input_.copy_(data)
-        return input_
+        if data.data_ptr() != tensor.data_ptr():
+            tensor.copy_(data)
+        return tensor
 
     def _all_gather_wire(self, out: torch.Tensor, wire: torch.Tensor) -> None:
         if self.shm is None:

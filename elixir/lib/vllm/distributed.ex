@@ -660,7 +660,7 @@ defmodule Vllm.Distributed do
     * `group_name` (`String.t() | nil`, default: `nil`) (in `args`, position 1)
     * `return_store` (`boolean()`, default: `false`) (in `args`, position 2)
     * `listen_socket` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 3)
-    * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `nil`) (keyword option `timeout:`)
+    * `timeout` (`VllmBridge.Ref.t() | float() | nil`, default: `nil`) (in `args`, position 4)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 

@@ -188,6 +188,10 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   `use_all2all` asks subclasses for an all-to-all manager so that
   `dispatch`/`combine` move tokens; GroupCoordinator passes its own
   `use_all2all` (vLLM's rule: an expert-parallel group while data parallelism is on).
+  `global_ranks` and `global_world_size` are vLLM's, for a stateless
+  `cpu_group` (one torch.distributed's world does not know); such a group is refused
+  here (NotImplementedError), and for the groups of the world they are not needed
+  (the world says them) and are ignored, as in vLLM.
 
   ## Parameters
 
@@ -195,7 +199,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `device` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
     * `device_group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
     * `unique_name` (`String.t()`, default: `""`) (in `args`, position 2)
-    * `use_all2all` (`boolean()`, default: `false`) (keyword option `use_all2all:`)
+    * `global_ranks` (`[integer()] | nil`, default: `nil`) (in `args`, position 3)
+    * `global_world_size` (`integer() | nil`, default: `nil`) (in `args`, position 4)
+    * `use_all2all` (`boolean()`, default: `false`) (in `args`, position 5)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
