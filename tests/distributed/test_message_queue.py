@@ -216,3 +216,15 @@ def test_vllms_defaults_and_the_tensor_arena_flag() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def test_vllm_034_module_helpers(tmp_path) -> None:
+    from bridge_py.distributed.device_communicators import shm_broadcast as sb
+
+    assert sb.to_bytes_big(258, 4) == b"\x00\x00\x01\x02"
+    assert sb.from_bytes_big(b"\x00\x00\x01\x02") == 258
+    assert sb.memory_fence() is None
+    sb.check_shm_free_space(1, str(tmp_path))  # room for one byte
+    sb.check_shm_free_space(1 << 62, str(tmp_path / "absent"))  # not a directory: unchecked
+    with pytest.raises(RuntimeError, match=r"Insufficient space in .* for the ring: .* MiB req"):
+        sb.check_shm_free_space(1 << 62, str(tmp_path), allocation_name="the ring")

@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import socket
 import threading
 from typing import Any
@@ -58,7 +59,16 @@ from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.groups.torch_group import store_of
 from bridge_py.distributed.shm.wait import deadline_after
 
-__all__ = ["Handle", "MessageQueue", "PeerGoneError", "ShmRingBuffer"]
+__all__ = [
+    "Handle",
+    "MessageQueue",
+    "PeerGoneError",
+    "ShmRingBuffer",
+    "check_shm_free_space",
+    "from_bytes_big",
+    "memory_fence",
+    "to_bytes_big",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,49 @@ READY_TIMEOUT_SECONDS = 300.0
 _CLOSED = "this end of the message queue is closed"
 # The largest message a reader allocates room for (a corrupt length fails instead).
 MAX_MESSAGE_BYTES = 1 << 40
+SHM_PATH = "/dev/shm"
+
+_fence = threading.Lock()
+
+
+def memory_fence() -> None:
+    """A full memory barrier (taking and releasing a lock), as vLLM's helper of that name:
+    writes before it are seen by other processes before reads after it. This package's
+    ring orders its flags itself; the helper is here for code written against vLLM."""
+    with _fence:
+        pass
+
+
+def to_bytes_big(value: int, size: int) -> bytes:
+    """``value`` as ``size`` big-endian bytes (vLLM's helper)."""
+    return value.to_bytes(size, byteorder="big")
+
+
+def from_bytes_big(data: bytes | bytearray | memoryview) -> int:
+    """The unsigned big-endian integer in ``data`` (vLLM's helper)."""
+    return int.from_bytes(data, byteorder="big")
+
+
+def check_shm_free_space(
+    required_bytes: int,
+    shm_path: str = SHM_PATH,
+    *,
+    allocation_name: str = "shared-memory allocation",
+) -> None:
+    """Raise SharedMemoryError (a RuntimeError) when the filesystem at ``shm_path`` has
+    less room than ``required_bytes`` for ``allocation_name``; a path that is not a
+    directory is not checked. (vLLM also logs the cgroup's memory headroom; this does not.)
+    """
+    if not os.path.isdir(shm_path):
+        return
+    free = shutil.disk_usage(shm_path).free
+    if required_bytes > free:
+        mib = 1 << 20
+        raise SharedMemoryError(
+            f"Insufficient space in {shm_path} for {allocation_name}: "
+            f"{required_bytes / mib:.0f} MiB required, {free / mib:.0f} MiB free. Increase "
+            f"{shm_path} (e.g. --shm-size or --ipc=host)."
+        )
 
 
 @dataclasses.dataclass
