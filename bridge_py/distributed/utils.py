@@ -8,9 +8,12 @@ modules here so that ``from ...utils import StatelessProcessGroup`` works as it 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
 
 from bridge_py.distributed.groups.torch_group import (
     stateless_destroy_torch_distributed_process_group,
@@ -20,12 +23,16 @@ from bridge_py.distributed.spg.group import StatelessProcessGroup
 
 __all__ = [
     "StatelessProcessGroup",
+    "all_reduce_int",
     "divide",
     "ensure_divisibility",
     "get_pp_indices",
+    "is_weak_contiguous",
+    "sched_yield",
     "split_tensor_along_last_dim",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
+    "verify_group_size_divides_partition",
 ]
 
 # vLLM's environment variable for a hand-made pipeline partition, e.g. "4,4,5,3".
@@ -39,6 +46,55 @@ def ensure_divisibility(numerator: int, denominator: int) -> None:
     """
     if denominator == 0 or numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def sched_yield() -> None:
+    """Give up the CPU to another runnable thread or process (``os.sched_yield``, or a
+    zero sleep where the platform has none), as spinning waits do between looks."""
+    if hasattr(os, "sched_yield"):
+        os.sched_yield()
+    else:
+        time.sleep(0)
+
+
+def all_reduce_int(
+    group: ProcessGroup | None, value: int, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.MIN
+) -> int:
+    """``value`` reduced with ``op`` (default MIN) over the CPU process group ``group``,
+    for ranks to agree on a size or a decision; ``value`` itself with no group or a group
+    of one rank."""
+    if group is None or group.size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=op, group=group)
+    return int(tensor.item())
+
+
+def verify_group_size_divides_partition(
+    input_size_per_partition: int,
+    group_size: int,
+    layer_name: str | None = None,
+    extra_suggestion: str = "",
+) -> None:
+    """ValueError unless a tensor-parallel shard of ``input_size_per_partition`` holds a
+    whole number of quantization groups of ``group_size``."""
+    if group_size and input_size_per_partition % group_size == 0:
+        return
+    where = f" for layer '{layer_name}'" if layer_name else ""
+    raise ValueError(
+        f"Weight {input_size_per_partition=}{where} is not divisible by {group_size=}: "
+        "tensor_parallel_size splits the layer's input into shards that are not a whole "
+        f"number of quantization groups. Consider reducing tensor_parallel_size{extra_suggestion}."
+    )
+
+
+def is_weak_contiguous(inp: torch.Tensor) -> bool:
+    """Whether ``inp`` fills one block of memory: contiguous, or (column-major and the
+    like) its storage from its offset on holds exactly its elements."""
+    if inp.is_contiguous():
+        return True
+    left = inp.untyped_storage().nbytes() - inp.storage_offset() * inp.element_size()
+    return left == inp.numel() * inp.element_size()
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from bridge_py.distributed import communication_op as ops
 from bridge_py.distributed import parallel_state as ps
+from bridge_py.distributed import utils
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 from bridge_py.distributed.utils import (
@@ -271,3 +272,26 @@ def _env_launched(rank: int, port: int) -> tuple[int, int, bool]:
 def test_an_env_launched_rank_takes_its_local_rank_from_the_environment() -> None:
     # local_rank=-1 with env:// reads $LOCAL_RANK (it raised NameError: no `import os`)
     assert run_ranks(_env_launched, 1, free_port(), timeout=60) == [(0, 1, True)]
+
+
+def _agree_on_int(rank: int, port: int) -> tuple[int, int, int]:
+    join_gloo(rank, port, 2)
+    world = dist.group.WORLD
+    result = (
+        utils.all_reduce_int(world, 10 + rank),  # MIN
+        utils.all_reduce_int(world, 10 + rank, dist.ReduceOp.MAX),
+        utils.all_reduce_int(None, 7),  # no group: the value itself
+    )
+    dist.destroy_process_group()
+    return result
+
+
+def test_vllm_034_utils() -> None:
+    assert run_ranks(_agree_on_int, 2, free_port(), timeout=60) == [(10, 11, 7)] * 2
+    assert utils.sched_yield() is None
+    utils.verify_group_size_divides_partition(256, 128)
+    with pytest.raises(ValueError, match="input_size_per_partition=100 for layer 'q' is not"):
+        utils.verify_group_size_divides_partition(100, 64, "q")
+    base = torch.arange(12.0).reshape(3, 4)
+    assert utils.is_weak_contiguous(base) and utils.is_weak_contiguous(base.t())
+    assert not utils.is_weak_contiguous(base[:, :2])  # a slice: gaps in its storage

@@ -120,7 +120,6 @@ MISSING: set[str] = {
     "parallel_state:resume_device_comms",
     "parallel_state:set_custom_all_reduce",
     "parallel_state:suspend_device_comms",
-    "utils:all_reduce_int",
     "utils:allocate_group_ports",
     "utils:cpu_all_reduce_",
     "utils:create_tcp_store",
@@ -131,11 +130,8 @@ MISSING: set[str] = {
     "utils:get_distributed_timeout_or_none",
     "utils:get_worker_rank_suffix",
     "utils:init_gloo_process_group",
-    "utils:is_weak_contiguous",
-    "utils:sched_yield",
     "utils:set_gloo_backend_timeout",
     "utils:steady_state_entered",
-    "utils:verify_group_size_divides_partition",
 }
 """``module:name`` or ``module:Class.method`` of vLLM 0.34 that bridge_py lacks or whose
 parameters differ (what is left of issue 38)."""
