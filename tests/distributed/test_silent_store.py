@@ -50,6 +50,21 @@ def _serve(port: int, ready: str, op: str) -> None:
     time.sleep(120)
 
 
+def _until_stopped(pid: int) -> None:
+    """Wait until the kernel says every thread of ``pid`` is stopped (state T): SIGSTOP lands
+    asynchronously, and a request made before it does is answered (on a loaded machine,
+    expire_data's delete once was, and returned)."""
+    for _ in range(1000):
+        states = [
+            (task / "stat").read_text().rpartition(")")[2].split()[0]
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        ]
+        if set(states) == {"T"}:  # every thread (the store's server runs in its own)
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s of SIGSTOP")
+
+
 def _wait_on_frozen_host(rank: int, port: int, ready: str, host: int, op: str) -> list[Any]:
     os.environ["VLLM_BRIDGE_SPG_SHM"] = "0"
     group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, 1, 5, wire=_wire(op))
@@ -60,6 +75,7 @@ def _wait_on_frozen_host(rank: int, port: int, ready: str, host: int, op: str) -
     while not Path(ready).exists():
         time.sleep(0.01)
     os.kill(host, signal.SIGSTOP)  # the store's host freezes
+    _until_stopped(host)
     start = time.monotonic()
     try:
         if op == "recv_obj":
