@@ -7,6 +7,7 @@ modules here so that ``from ...utils import StatelessProcessGroup`` works as it 
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from bridge_py.distributed.spg.group import StatelessProcessGroup
 __all__ = [
     "StatelessProcessGroup",
     "all_reduce_int",
+    "cpu_all_reduce_",
     "divide",
     "ensure_divisibility",
     "get_pp_indices",
@@ -68,6 +70,27 @@ def all_reduce_int(
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(tensor, op=op, group=group)
     return int(tensor.item())
+
+
+def cpu_all_reduce_(
+    tensor: torch.Tensor, group: ProcessGroup, timeout: datetime.timedelta | None = None
+) -> torch.Tensor:
+    """Sum ``tensor`` over the gloo process ``group`` into ``tensor`` (returned), every rank
+    getting the same bits. ``group`` may be a group of torch.distributed's world or a
+    stateless one (``stateless_init_torch_distributed_process_group``): the call goes to
+    the group itself. ``timeout`` bounds the wait (None: the group's own); a tensor that
+    is not contiguous is summed through a contiguous copy."""
+    if group.size() == 1:
+        return tensor
+    data = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = group.allreduce([data])
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+    if data is not tensor:
+        tensor.copy_(data)
+    return tensor
 
 
 def verify_group_size_divides_partition(

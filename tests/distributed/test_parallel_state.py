@@ -11,6 +11,7 @@ import ctypes
 import os
 import subprocess
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch
@@ -295,3 +296,33 @@ def test_vllm_034_utils() -> None:
     base = torch.arange(12.0).reshape(3, 4)
     assert utils.is_weak_contiguous(base) and utils.is_weak_contiguous(base.t())
     assert not utils.is_weak_contiguous(base[:, :2])  # a slice: gaps in its storage
+
+
+def _cpu_sums(rank: int, port: int, stateless_port: int) -> list:
+    ps.init_distributed_environment(
+        world_size=2,
+        rank=rank,
+        distributed_init_method=ps.get_distributed_init_method("127.0.0.1", port),
+        backend="gloo",
+    )
+    ps.initialize_model_parallel(2, 1)
+    tp = ps.get_tp_group()
+    # in place, the same bits on every rank; a strided tensor through a copy
+    summed = tp.cpu_all_reduce_(torch.full((4,), rank + 0.25))
+    strided = torch.arange(8.0).reshape(2, 4).t()[1]  # (not contiguous)
+    utils.cpu_all_reduce_(strided, tp.cpu_group)
+    sibling = tp.make_sibling_device_group("sibling")
+    assert sibling is not tp.device_group
+    assert dist.get_process_group_ranks(sibling) == tp.ranks
+    dist.all_reduce(ones := torch.ones(2), group=sibling)
+    stateless = utils.stateless_init_torch_distributed_process_group(
+        "127.0.0.1", stateless_port, rank, 2, "gloo"
+    )
+    alone = utils.cpu_all_reduce_(torch.tensor([rank + 1]), stateless, timedelta(seconds=30))
+    _destroy()
+    return [summed.tolist(), strided.tolist(), ones.tolist(), alone.tolist()]
+
+
+def test_cpu_all_reduce_and_a_sibling_device_group() -> None:
+    results = run_ranks(_cpu_sums, 2, free_port(), free_port(), timeout=120)
+    assert results == [[[1.5] * 4, [2.0, 10.0], [2.0, 2.0], [3]]] * 2

@@ -110,6 +110,9 @@ class GroupCoordinator:
         own_device_group: ProcessGroup | None = None
         own_cpu_group: ProcessGroup | None = None
         timeout = default_group_timeout()  # init's, not torch's 30 minutes (see there)
+        self.group_ranks = [[int(r) for r in ranks] for ranks in group_ranks]
+        self.torch_distributed_backend = torch_distributed_backend
+        self.cpu_timeout = timeout
         for ranks in group_ranks:
             ranks = [int(r) for r in ranks]
             device_group = dist.new_group(ranks, backend=torch_distributed_backend, timeout=timeout)
@@ -597,6 +600,31 @@ class GroupCoordinator:
                 self._tensors.recv(tensor, src)
             received[key] = tensor
         return received
+
+    def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place SUM all-reduce of a small CPU tensor over ``cpu_group``, within the
+        group's timeout (``utils.cpu_all_reduce_``)."""
+        from bridge_py.distributed.utils import cpu_all_reduce_
+
+        return cpu_all_reduce_(tensor, self.cpu_group, self.cpu_timeout)
+
+    def make_sibling_device_group(self, group_desc: str | None = None) -> ProcessGroup:
+        """A new device-side group with the members of ``device_group`` but a communicator
+        of its own, for work that may run beside the group's. A collective of the whole
+        world: every rank calls it (each group of ``group_ranks`` is made anew)."""
+        sibling: ProcessGroup | None = None
+        for ranks in self.group_ranks:
+            group = dist.new_group(
+                ranks,
+                backend=self.torch_distributed_backend,
+                timeout=self.cpu_timeout,
+                group_desc=group_desc,
+            )
+            if self.rank in ranks:
+                sibling = group
+        if sibling is None:  # (the constructor found this rank in group_ranks)
+            raise StateError(f"rank {self.rank} is in none of {self.group_ranks}")
+        return sibling
 
     def barrier(self) -> None:
         """Barrier synchronization among the group.
