@@ -7,7 +7,6 @@ modules here so that ``from ...utils import StatelessProcessGroup`` works as it 
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from bridge_py.distributed.groups.torch_group import (
+    cpu_all_reduce_,
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
@@ -70,27 +70,6 @@ def all_reduce_int(
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(tensor, op=op, group=group)
     return int(tensor.item())
-
-
-def cpu_all_reduce_(
-    tensor: torch.Tensor, group: ProcessGroup, timeout: datetime.timedelta | None = None
-) -> torch.Tensor:
-    """Sum ``tensor`` over the gloo process ``group`` into ``tensor`` (returned), every rank
-    getting the same bits. ``group`` may be a group of torch.distributed's world or a
-    stateless one (``stateless_init_torch_distributed_process_group``): the call goes to
-    the group itself. ``timeout`` bounds the wait (None: the group's own); a tensor that
-    is not contiguous is summed through a contiguous copy."""
-    if group.size() == 1:
-        return tensor
-    data = tensor if tensor.is_contiguous() else tensor.contiguous()
-    work = group.allreduce([data])
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
-    if data is not tensor:
-        tensor.copy_(data)
-    return tensor
 
 
 def verify_group_size_divides_partition(

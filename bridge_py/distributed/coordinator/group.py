@@ -41,7 +41,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
 from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.objects import ObjectChannel
-from bridge_py.distributed.groups.torch_group import default_group_timeout
+from bridge_py.distributed.groups.torch_group import cpu_all_reduce_, default_group_timeout
 
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "TensorMetadata"]
 
@@ -603,9 +603,7 @@ class GroupCoordinator:
 
     def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place SUM all-reduce of a small CPU tensor over ``cpu_group``, within the
-        group's timeout (``utils.cpu_all_reduce_``)."""
-        from bridge_py.distributed.utils import cpu_all_reduce_
-
+        group's timeout (``utils.cpu_all_reduce_``, which is ``groups.torch_group``'s)."""
         return cpu_all_reduce_(tensor, self.cpu_group, self.cpu_timeout)
 
     def make_sibling_device_group(self, group_desc: str | None = None) -> ProcessGroup:

@@ -28,6 +28,7 @@ from bridge_py.distributed.spg.group import validate_rank
 from bridge_py.distributed.store import format_address, join_group, open_store
 
 __all__ = [
+    "cpu_all_reduce_",
     "default_group_timeout",
     "forget_rendezvous",
     "stateless_destroy_torch_distributed_process_group",
@@ -213,3 +214,24 @@ def stateless_destroy_torch_distributed_process_group(pg: ProcessGroup) -> None:
         from torch.distributed.distributed_c10d import _unregister_process_group
 
         _unregister_process_group(pg.group_name)
+
+
+def cpu_all_reduce_(
+    tensor: torch.Tensor, group: ProcessGroup, timeout: datetime.timedelta | None = None
+) -> torch.Tensor:
+    """Sum ``tensor`` over the gloo process ``group`` into ``tensor`` (returned), every rank
+    getting the same bits. ``group`` may be a group of torch.distributed's world or a
+    stateless one (``stateless_init_torch_distributed_process_group``): the call goes to
+    the group itself. ``timeout`` bounds the wait (None: the group's own); a tensor that
+    is not contiguous is summed through a contiguous copy."""
+    if group.size() == 1:
+        return tensor
+    data = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = group.allreduce([data])
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+    if data is not tensor:
+        tensor.copy_(data)
+    return tensor
