@@ -21,13 +21,23 @@ from bridge_py.distributed.groups.torch_group import (
     stateless_init_torch_distributed_process_group,
 )
 from bridge_py.distributed.spg.group import StatelessProcessGroup
+from bridge_py.distributed.store.ports import (
+    allocate_group_ports,
+    create_tcp_store,
+    fetch_group_ports,
+    get_cached_tcp_store_client,
+)
 
 __all__ = [
     "StatelessProcessGroup",
     "all_reduce_int",
+    "allocate_group_ports",
     "cpu_all_reduce_",
+    "create_tcp_store",
     "divide",
     "ensure_divisibility",
+    "fetch_group_ports",
+    "get_cached_tcp_store_client",
     "get_pp_indices",
     "is_weak_contiguous",
     "sched_yield",
