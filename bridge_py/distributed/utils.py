@@ -7,6 +7,7 @@ modules here so that ``from ...utils import StatelessProcessGroup`` works as it 
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from bridge_py.distributed.groups.torch_group import (
     cpu_all_reduce_,
+    default_group_timeout,
+    set_gloo_backend_timeout,
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
@@ -36,14 +39,19 @@ __all__ = [
     "create_tcp_store",
     "divide",
     "ensure_divisibility",
+    "enter_steady_state",
     "fetch_group_ports",
     "get_cached_tcp_store_client",
+    "get_cpu_distributed_timeout_or_none",
+    "get_distributed_timeout_or_none",
     "get_pp_indices",
     "is_weak_contiguous",
     "sched_yield",
+    "set_gloo_backend_timeout",
     "split_tensor_along_last_dim",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
+    "steady_state_entered",
     "verify_group_size_divides_partition",
 ]
 
@@ -58,6 +66,35 @@ def ensure_divisibility(numerator: int, denominator: int) -> None:
     """
     if denominator == 0 or numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+_steady_state = False
+
+
+def enter_steady_state() -> None:
+    """Note that this process is past its start-up (vLLM's engine calls it once its
+    warm-up is done; code may then choose shorter timeouts): see
+    :func:`steady_state_entered`."""
+    global _steady_state
+    _steady_state = True
+
+
+def steady_state_entered() -> bool:
+    """Whether :func:`enter_steady_state` has been called in this process."""
+    return _steady_state
+
+
+def get_distributed_timeout_or_none() -> datetime.timedelta | None:
+    """The timeout of the distributed environment: the one torch.distributed's default
+    group was made with (``init_distributed_environment``'s ``timeout``), or None when
+    there is none to read (vLLM reads its engine's configuration; there is none here)."""
+    return default_group_timeout()
+
+
+def get_cpu_distributed_timeout_or_none() -> datetime.timedelta | None:
+    """The timeout of CPU (gloo) collectives: :func:`get_distributed_timeout_or_none`'s,
+    since this package's CPU groups are made with it."""
+    return default_group_timeout()
 
 
 def sched_yield() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -326,3 +327,38 @@ def _cpu_sums(rank: int, port: int, stateless_port: int) -> list:
 def test_cpu_all_reduce_and_a_sibling_device_group() -> None:
     results = run_ranks(_cpu_sums, 2, free_port(), free_port(), timeout=120)
     assert results == [[[1.5] * 4, [2.0, 10.0], [2.0, 2.0], [3]]] * 2
+
+
+def _gloo_timeouts(rank: int, port: int) -> tuple:
+    ps.init_distributed_environment(
+        world_size=2,
+        rank=rank,
+        distributed_init_method=ps.get_distributed_init_method("127.0.0.1", port),
+        backend="gloo",
+        timeout=timedelta(seconds=60),
+    )
+    timeouts = (
+        utils.get_distributed_timeout_or_none(),
+        utils.get_cpu_distributed_timeout_or_none(),
+    )
+    lone = dist.new_group([0, 1], backend="gloo")
+    utils.set_gloo_backend_timeout(lone, timedelta(seconds=2))
+    took = None
+    if rank == 0:  # rank 1 never joins: gives up at the new 2 s, not the group's 60 s
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.ones(1), group=lone)
+        took = time.monotonic() - start
+    ps.get_world_group().barrier()
+    _destroy()
+    return timeouts, took
+
+
+def test_vllm_034_timeouts_and_steady_state() -> None:
+    assert utils.get_distributed_timeout_or_none() is None  # no distributed environment
+    results = run_ranks(_gloo_timeouts, 2, free_port(), timeout=120)
+    assert [timeouts for timeouts, _ in results] == [(timedelta(seconds=60),) * 2] * 2
+    assert 1.5 < results[0][1] < 20, results
+    assert not utils.steady_state_entered()
+    utils.enter_steady_state()
+    assert utils.steady_state_entered()

@@ -118,13 +118,8 @@ MISSING: set[str] = {
     "parallel_state:resume_device_comms",
     "parallel_state:set_custom_all_reduce",
     "parallel_state:suspend_device_comms",
-    "utils:enter_steady_state",
-    "utils:get_cpu_distributed_timeout_or_none",
-    "utils:get_distributed_timeout_or_none",
     "utils:get_worker_rank_suffix",
     "utils:init_gloo_process_group",
-    "utils:set_gloo_backend_timeout",
-    "utils:steady_state_entered",
 }
 """``module:name`` or ``module:Class.method`` of vLLM 0.34 that bridge_py lacks or whose
 parameters differ (what is left of issue 38)."""

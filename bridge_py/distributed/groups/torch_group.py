@@ -31,6 +31,7 @@ __all__ = [
     "cpu_all_reduce_",
     "default_group_timeout",
     "forget_rendezvous",
+    "set_gloo_backend_timeout",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
     "store_of",
@@ -54,6 +55,12 @@ def default_group_timeout() -> datetime.timedelta | None:
     except (AttributeError, RuntimeError):  # another backend, or a torch that says otherwise
         return None
     return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def set_gloo_backend_timeout(group: ProcessGroup, timeout: datetime.timedelta) -> None:
+    """Make ``timeout`` the default of the gloo backend of ``group`` (a CPU group): its
+    collectives from now on give up after it."""
+    group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
 
 
 def _as_timedelta(
