@@ -397,9 +397,16 @@ def prepare_communication_buffer_for_model(model: torch.nn.Module) -> None:
 
 
 @contextmanager
-def graph_capture(device: torch.device) -> Iterator[GraphCaptureContext]:
-    """Capture context for the TP and PP groups (a CUDA side stream; nothing on CPU)."""
-    stream = torch.cuda.Stream(device=device) if torch.device(device).type == "cuda" else None
+def graph_capture(
+    device: torch.device, stream: torch.cuda.Stream | None = None
+) -> Iterator[GraphCaptureContext]:
+    """Capture context for the TP and PP groups (a CUDA side stream; nothing on CPU).
+
+    ``stream`` is reused when given (so that graphs captured on it share the caching
+    allocator's free blocks of the graph pool), else a new one is made on ``device``.
+    """
+    if stream is None and torch.device(device).type == "cuda":
+        stream = torch.cuda.Stream(device=device)
     context = GraphCaptureContext(stream)
     with get_tp_group().graph_capture(context), get_pp_group().graph_capture(context):
         yield context

@@ -100,6 +100,8 @@ def _tensor_parallel(rank: int) -> None:
     ps.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))
     with ps.graph_capture(torch.device("cpu")) as context:
         assert context.stream is None
+    with ps.graph_capture(torch.device("cpu"), None) as context:  # (0.34: a stream to reuse)
+        assert context.stream is None
     world.barrier()
 
 

@@ -110,7 +110,6 @@ MISSING: set[str] = {
     "parallel_state:get_etp_group",
     "parallel_state:get_inner_dp_world_group",
     "parallel_state:get_pcp_group",
-    "parallel_state:graph_capture",
     "parallel_state:patched_fused_scaled_matmul_reduce_scatter",
     "parallel_state:patched_fused_scaled_matmul_reduce_scatter_fake",
     "parallel_state:reduce_scatter",
