@@ -221,8 +221,6 @@ def init_distributed_environment(
     default works on CPU machines. ``local_rank=-1`` means ``LOCAL_RANK`` from the
     environment with ``env://``, else ``rank``.
     """
-    import os
-
     backend = _resolve_backend(backend)
     if not dist.is_initialized():
         if distributed_init_method is None:

@@ -274,7 +274,7 @@ def _env_launched(rank: int, port: int) -> tuple[int, int, bool]:
 
 
 def test_an_env_launched_rank_takes_its_local_rank_from_the_environment() -> None:
-    # local_rank=-1 with env:// reads $LOCAL_RANK (it raised NameError: no `import os`)
+    # local_rank=-1 with env:// reads $LOCAL_RANK; the node count and first-rank checks too
     assert run_ranks(_env_launched, 1, free_port(), timeout=60) == [(0, 1, True)]
 
 
