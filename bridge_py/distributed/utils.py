@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +22,7 @@ from bridge_py.distributed.groups.torch_group import (
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
+from bridge_py.distributed.shm.wait import sched_yield
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 from bridge_py.distributed.store.ports import (
     allocate_group_ports,
@@ -95,15 +95,6 @@ def get_cpu_distributed_timeout_or_none() -> datetime.timedelta | None:
     """The timeout of CPU (gloo) collectives: :func:`get_distributed_timeout_or_none`'s,
     since this package's CPU groups are made with it."""
     return default_group_timeout()
-
-
-def sched_yield() -> None:
-    """Give up the CPU to another runnable thread or process (``os.sched_yield``, or a
-    zero sleep where the platform has none), as spinning waits do between looks."""
-    if hasattr(os, "sched_yield"):
-        os.sched_yield()
-    else:
-        time.sleep(0)
 
 
 def all_reduce_int(

@@ -35,6 +35,7 @@ from bridge_py.distributed.errors import (
     GroupTimeout,
     ObjectLoadError,
     SharedMemoryError,
+    StateError,
 )
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.shm import segments, wait
@@ -194,12 +195,7 @@ def test_dequeue_takes_vllms_positional_order(
 ) -> None:
     """``dequeue(timeout, indefinite)``: a True second argument silences the long-wait log."""
     monkeypatch.setattr(wait, "LOG_INTERVAL_SECONDS", 0.05)
-    writer = MessageQueue(2, 1, max_chunk_bytes=256, max_chunks=2)
-    local = MessageQueue.create_from_handle(writer.export_handle(), 0)
-    remote = MessageQueue.create_from_handle(writer.export_handle(), 1)
-    try:
-        for end in (writer, local, remote):
-            end.wait_until_ready(TIMEOUT)
+    with _writer_and_readers() as (_writer, local, remote):
         for reader in (local, remote):
             caplog.clear()
             with caplog.at_level(logging.INFO, logger=wait.__name__):
@@ -209,6 +205,19 @@ def test_dequeue_takes_vllms_positional_order(
                 with pytest.raises(TimeoutError):
                     reader.dequeue(0.3, False)
                 assert "still waiting for a message" in caplog.text
+
+
+@contextlib.contextmanager
+def _writer_and_readers() -> Iterator[tuple[MessageQueue, MessageQueue, MessageQueue]]:
+    """A writer with a local reader (rank 0) and a remote one (rank 1), all ready; closed
+    on leaving."""
+    writer = MessageQueue(2, 1, max_chunk_bytes=256, max_chunks=2)
+    local = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    remote = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    try:
+        for end in (writer, local, remote):
+            end.wait_until_ready(TIMEOUT)
+        yield writer, local, remote
     finally:
         for end in (remote, local, writer):
             end.close()
@@ -604,3 +613,26 @@ def test_the_same_node_probe_answers_on_a_full_dev_shm() -> None:
     # The probe a MessageQueue (and GroupCoordinator) asks before it makes a ring: with no
     # room for it, the rank that makes it shares memory with nobody but itself.
     assert call_with_small_dev_shm("1m", _probe_on_a_full_dev_shm) == [True]
+
+
+@pytest.mark.timeout(60)
+def test_readable_and_spin_until_readable_for_local_and_remote_readers() -> None:
+    """vLLM 0.34's non-blocking check and its spin, on both kinds of reader."""
+    with _writer_and_readers() as (writer, local, remote):
+        for reader in (local, remote):
+            assert not reader.readable()
+            start = time.monotonic()
+            reader.spin_until_readable([], start + 0.2)  # nothing comes: until the deadline
+            assert 0.2 <= time.monotonic() - start < 5
+            reader.spin_until_readable(["pending"], time.monotonic() + 30)  # at once
+        writer.enqueue({"step": 1}, timeout=TIMEOUT)
+        for reader in (local, remote):
+            reader.spin_until_readable([], time.monotonic() + TIMEOUT)
+            assert reader.readable()
+            assert reader.dequeue(timeout=TIMEOUT) == {"step": 1}
+            assert not reader.readable()
+        with pytest.raises(StateError, match="Only readers"):
+            writer.readable()
+        local.shutdown()
+        with pytest.raises(RuntimeError, match="cancelled"):
+            local.readable()

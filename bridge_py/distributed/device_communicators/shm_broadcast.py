@@ -40,26 +40,40 @@ import dataclasses
 import logging
 import os
 import secrets
-import shutil
 import socket
 import threading
+import time
+from collections.abc import Sized
 from typing import Any
 
 from bridge_py.deadline import clamp_until
 from bridge_py.distributed.auth import AuthKey, open_object, resolve_key, seal_object
+from bridge_py.distributed.device_communicators.shm_helpers import (
+    SHM_PATH,
+    check_shm_free_space,
+    from_bytes_big,
+    memory_fence,
+    to_bytes_big,
+)
 from bridge_py.distributed.device_communicators.shm_remote import (
     RemotePublisher,
     RemoteSubscriber,
     address_toward,
 )
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK_HEADER_BYTES, ShmRingBuffer
-from bridge_py.distributed.errors import PeerGoneError, SharedMemoryError, StateError
+from bridge_py.distributed.errors import (
+    PeerGoneError,
+    SharedMemoryError,
+    StateError,
+    WaitCancelled,
+)
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
 from bridge_py.distributed.groups.torch_group import store_of
-from bridge_py.distributed.shm.wait import deadline_after
+from bridge_py.distributed.shm.wait import deadline_after, sched_yield
 
 __all__ = [
+    "SHM_PATH",
     "Handle",
     "MessageQueue",
     "PeerGoneError",
@@ -78,49 +92,6 @@ READY_TIMEOUT_SECONDS = 300.0
 _CLOSED = "this end of the message queue is closed"
 # The largest message a reader allocates room for (a corrupt length fails instead).
 MAX_MESSAGE_BYTES = 1 << 40
-SHM_PATH = "/dev/shm"
-
-_fence = threading.Lock()
-
-
-def memory_fence() -> None:
-    """A full memory barrier (taking and releasing a lock), as vLLM's helper of that name:
-    writes before it are seen by other processes before reads after it. This package's
-    ring orders its flags itself; the helper is here for code written against vLLM."""
-    with _fence:
-        pass
-
-
-def to_bytes_big(value: int, size: int) -> bytes:
-    """``value`` as ``size`` big-endian bytes (vLLM's helper)."""
-    return value.to_bytes(size, byteorder="big")
-
-
-def from_bytes_big(data: bytes | bytearray | memoryview) -> int:
-    """The unsigned big-endian integer in ``data`` (vLLM's helper)."""
-    return int.from_bytes(data, byteorder="big")
-
-
-def check_shm_free_space(
-    required_bytes: int,
-    shm_path: str = SHM_PATH,
-    *,
-    allocation_name: str = "shared-memory allocation",
-) -> None:
-    """Raise SharedMemoryError (a RuntimeError) when the filesystem at ``shm_path`` has
-    less room than ``required_bytes`` for ``allocation_name``; a path that is not a
-    directory is not checked. (vLLM also logs the cgroup's memory headroom; this does not.)
-    """
-    if not os.path.isdir(shm_path):
-        return
-    free = shutil.disk_usage(shm_path).free
-    if required_bytes > free:
-        mib = 1 << 20
-        raise SharedMemoryError(
-            f"Insufficient space in {shm_path} for {allocation_name}: "
-            f"{required_bytes / mib:.0f} MiB required, {free / mib:.0f} MiB free. Increase "
-            f"{shm_path} (e.g. --shm-size or --ipc=host)."
-        )
 
 
 @dataclasses.dataclass
@@ -486,6 +457,35 @@ class MessageQueue:
                 source.release()
                 if message is not None:
                     return self._loads(message)
+
+    def readable(self) -> bool:
+        """Whether a message (its first chunk) is there to dequeue, without waiting.
+
+        WaitCancelled ("cancelled", a RuntimeError) once :meth:`shutdown` was called, and
+        StateError on the writer, as vLLM's raises for both."""
+        if self.shutting_down:
+            raise WaitCancelled("cancelled")
+        source = self._source
+        if source is None:
+            raise StateError("Only readers can check readability")
+        if isinstance(source, ShmRingBuffer):
+            return source.chunk_readable(source.current_idx, source.reader)
+        return source.readable()
+
+    def spin_until_readable(self, pending: Sized, deadline: float) -> None:
+        """Wait until a message is there to dequeue, ``pending`` is not empty, or
+        ``time.monotonic()`` reaches ``deadline``; the caller checks :meth:`readable` again.
+
+        A local reader spins, yielding the CPU between looks; a remote one sleeps on its
+        connection (without the GIL) a millisecond at a time."""
+        source = self._source
+        if source is None:
+            raise StateError("Only readers can check readability")
+        while not pending and time.monotonic() < deadline and not self.readable():
+            if isinstance(source, ShmRingBuffer):
+                sched_yield()
+            else:
+                source.wait_readable(min(0.001, deadline - time.monotonic()))
 
     def _assemble(
         self, source: ShmRingBuffer | RemoteSubscriber, total: int, part: int, view: memoryview

@@ -241,6 +241,15 @@ class RemoteSubscriber:
         end = CHUNK_HEADER_BYTES + CHUNK.unpack_from(self._rx)[2]
         return end if len(self._rx) >= end else 0
 
+    def readable(self) -> bool:
+        """Whether a whole chunk has arrived (receives what there is; never blocks)."""
+        return self._receive()
+
+    def wait_readable(self, seconds: float) -> None:
+        """Sleep up to ``seconds`` for the writer to send something (the GIL released)."""
+        if not self._complete():
+            select.select([self._sock], [], [], max(seconds, 0.0))
+
     def _receive(self) -> bool:
         """Receive what has arrived (never blocks); whether a whole chunk is buffered.
 

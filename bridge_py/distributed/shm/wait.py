@@ -46,6 +46,7 @@ __all__ = [
     "pid_namespace",
     "process_alive",
     "remaining",
+    "sched_yield",
     "wait_until",
 ]
 
@@ -193,3 +194,12 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def sched_yield() -> None:
+    """Give up the CPU to another runnable thread or process (``os.sched_yield``, or a
+    zero sleep where the platform has none), as spinning waits do between looks."""
+    if hasattr(os, "sched_yield"):
+        os.sched_yield()
+    else:
+        time.sleep(0)
