@@ -152,6 +152,23 @@ defmodule VllmBridge.RefOwnerTest do
     send(other, :stop)
   end
 
+  # A reply whose caller gave up (here: a request with no deadline for Python, and a
+  # caller that waits 100 ms for a call that takes 500 ms) still held the object Python
+  # counted as handed out; the worker now releases the refs of such a reply.
+  test "the refs of a reply that comes after its caller gave up are released", ctx do
+    %{worker: worker, rt: rt, before: before} = ctx
+    id = Worker.new_id()
+    {:ok, args} = VllmBridge.Msgpack.encode([0.5])
+    op = {:call_function, %{function: "counter_after", args: args, kwargs: ""}}
+    {:ok, frame} = VllmBridge.Proto.encode_request(%{id: id, session: "", op: op})
+
+    assert {:error, %Error{category: :timeout}} = Worker.request(channel_or_pid, id, frame, 100)
+
+    # made, and on its way back
+    assert live(rt) == before + 1
+    assert eventually(fn -> live(rt) == before end)
+  end
+
   test "an owner that is not a pid, a registered name or :none is refused", ctx do
     [runtime] = Keyword.values(ctx.rt)
 
