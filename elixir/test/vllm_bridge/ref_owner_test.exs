@@ -162,7 +162,7 @@ defmodule VllmBridge.RefOwnerTest do
     op = {:call_function, %{function: "counter_after", args: args, kwargs: ""}}
     {:ok, frame} = VllmBridge.Proto.encode_request(%{id: id, session: "", op: op})
 
-    assert {:error, %Error{category: :timeout}} = Worker.request(channel_or_pid, id, frame, 100)
+    assert {:error, %Error{category: :timeout}} = Worker.request(worker, id, frame, 100)
 
     # made, and on its way back
     assert live(rt) == before + 1
