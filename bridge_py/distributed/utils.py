@@ -94,7 +94,7 @@ def get_distributed_timeout_or_none() -> datetime.timedelta | None:
 def get_cpu_distributed_timeout_or_none() -> datetime.timedelta | None:
     """The timeout of CPU (gloo) collectives: :func:`get_distributed_timeout_or_none`'s,
     since this package's CPU groups are made with it."""
-    return default_group_timeout()
+    return get_distributed_timeout_or_none()
 
 
 def all_reduce_int(

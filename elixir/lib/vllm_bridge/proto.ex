@@ -166,6 +166,14 @@ defmodule VllmBridge.Proto do
   ## Requests -----------------------------------------------------------------
 
   @doc """
+  The most values one repeated field (a release's handles) may hold: the
+  worker refuses a request with more (docs/protocol.md, "Limits"), so a
+  longer list goes in several requests.
+  """
+  @spec max_repeated() :: pos_integer()
+  def max_repeated, do: 1_048_576
+
+  @doc """
   Encodes a `Request` as iodata.
 
   Returns `{:error, %VllmBridge.Error{category: :bad_args}}` when the map

@@ -124,10 +124,6 @@ defmodule VllmBridge.Runtime do
   # after the caller's own timer.
   @deadline_margin 250
 
-  # The most handles one release request names: the worker refuses a repeated
-  # field of more values (docs/protocol.md, "Limits").
-  @max_handles 1_048_576
-
   # The steps every call takes, compiled into their callers instead of called
   # one from the next (each call is a reduction of the calling process).
   @compile {:inline,
@@ -308,9 +304,9 @@ defmodule VllmBridge.Runtime do
           {:ok, target} ->
             # A ref with an owner gives back its owner's holds, as many as the
             # worker counted for it (none when given back already); one without
-            # gives back one. A request names at most @max_handles handles (the
-            # worker's bound on a repeated field): more go in several, counted
-            # together.
+            # gives back one. A request names at most Proto.max_repeated/0
+            # handles (the worker's bound on a repeated field): more go in
+            # several, counted together.
             free = for %Ref{owner: nil, id: id} <- group, uniq: true, do: id
 
             owned =
@@ -318,7 +314,7 @@ defmodule VllmBridge.Runtime do
 
             handles = free ++ Worker.disown(target.worker, session, owned)
 
-            for handles <- Enum.chunk_every(handles, @max_handles),
+            for handles <- Enum.chunk_every(handles, Proto.max_repeated()),
                 do: {target, %{ctx | session: session}, {:release, %{handles: handles}}}
 
           {:error, %Error{category: :stale_ref}} ->
@@ -643,7 +639,6 @@ defmodule VllmBridge.Runtime do
 
   ## Other nodes ---------------------------------------------------------------
 
-  # Runs the same public function on `node`, where the call is local.
   # The options of a call that runs on another node, with the owner of its
   # refs decided here when it is the default one (the process that runs the
   # call there exits at once): the caller, for calls in the default session
@@ -657,6 +652,7 @@ defmodule VllmBridge.Runtime do
       else: [{:__runtime__, [{:owner, caller()} | runtime]} | Keyword.delete(opts, :__runtime__)]
   end
 
+  # Runs the same public function on `node`, where the call is local.
   defp remote(node, fun, args, timeout) do
     :erpc.call(node, __MODULE__, fun, args, remote_timeout(timeout))
     |> on_node(node)

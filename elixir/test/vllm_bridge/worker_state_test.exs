@@ -95,7 +95,7 @@ defmodule VllmBridge.WorkerStateTest do
 
     test "spawned/4 starts afresh: nothing heard, printed or pinged yet", %{state: state} do
       port = hd(Port.list())
-      before = %{state | heard: 99, output_tail: ["old"], health: {1, make_ref()}}
+      before = %{state | heard: 99, output_tail: ["old"], health: {1, make_ref(), false}}
 
       spawned = Startup.spawned(%{before | phase: :backoff}, port, 1234, "/usr/bin/python3")
 
@@ -130,7 +130,13 @@ defmodule VllmBridge.WorkerStateTest do
       diagnosis = %{stderr: ["boom"], missing_module: nil}
       failure = %{attempt: 2, delay: 1_000, diagnosis: diagnosis, error: error}
       port = hd(Port.list())
-      starting = %{state | port: port, waiters: [{self(), make_ref()}], health: {1, make_ref()}}
+
+      starting = %{
+        state
+        | port: port,
+          waiters: [{self(), make_ref()}],
+          health: {1, make_ref(), false}
+      }
 
       assert %{
                port: nil,

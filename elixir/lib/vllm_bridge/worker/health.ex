@@ -24,8 +24,7 @@ defmodule VllmBridge.Worker.Health do
   `:table`, `:health_interval`, `:health_timeout`, `:heard` (the byte count
   read at the last look), `:told` (the byte counts written to Python when
   something was heard from it the last time but one, and the last time) and `:health` (the ping in flight,
-  `{id, timer}`, or `{id, timer, :extended}` once given more time, or
-  `nil`). They run in the worker process, whose mailbox gets the
+  `{id, timer, extended}`, `extended` once given more time, or `nil`). They run in the worker process, whose mailbox gets the
   `:health_tick` and `{:health_timeout, id}` messages.
   """
 
@@ -98,26 +97,22 @@ defmodule VllmBridge.Worker.Health do
     end
 
     timer = Process.send_after(self(), {:health_timeout, id}, ping_wait(state))
-    %{state | health: {id, timer}}
+    %{state | health: {id, timer, false}}
   end
 
   @doc "The reply to the health ping came: Python is alive; the next tick looks again."
   @spec answered(map()) :: map()
-  def answered(%{health: {_id, timer}} = state), do: answered_ping(state, timer)
-  def answered(%{health: {_id, timer, :extended}} = state), do: answered_ping(state, timer)
+  def answered(%{health: {_id, timer, _extended}} = state) do
+    Process.cancel_timer(timer)
+    heard(%{state | health: nil}, OSProcess.input_bytes(state.port))
+  end
 
   def answered(state), do: state
 
   @doc "Cancels the timer of the ping in flight, if any."
   @spec cancel(map()) :: non_neg_integer() | false
-  def cancel(%{health: {_id, timer}}), do: Process.cancel_timer(timer)
-  def cancel(%{health: {_id, timer, :extended}}), do: Process.cancel_timer(timer)
+  def cancel(%{health: {_id, timer, _extended}}), do: Process.cancel_timer(timer)
   def cancel(_state), do: false
-
-  defp answered_ping(state, timer) do
-    Process.cancel_timer(timer)
-    heard(%{state | health: nil}, OSProcess.input_bytes(state.port))
-  end
 
   # Python spoke: note how much it had been sent by then.
   defp heard(%{told: {_older, last}} = state, heard),
@@ -131,32 +126,22 @@ defmodule VllmBridge.Worker.Health do
   it was given more time.
   """
   @spec timed_out(map()) :: {:alive, map()} | :unresponsive
-  def timed_out(%{health: {id, _timer}} = state) do
-    case OSProcess.input_bytes(state.port) do
-      heard when heard != state.heard ->
+  def timed_out(%{health: {id, _timer, extended}} = state) do
+    heard = OSProcess.input_bytes(state.port)
+    backlog = OSProcess.output_bytes(state.port) - elem(state.told, 0)
+
+    cond do
+      heard != state.heard ->
         Pending.delete(state.table, id)
         {:alive, heard(%{state | health: nil}, heard)}
 
-      _same ->
-        case OSProcess.output_bytes(state.port) - elem(state.told, 0) do
-          backlog when backlog >= @large_backlog ->
-            more = div(backlog, @bytes_per_ms)
-            timer = Process.send_after(self(), {:health_timeout, id}, more)
-            {:alive, %{state | health: {id, timer, :extended}}}
+      not extended and backlog >= @large_backlog ->
+        timer = Process.send_after(self(), {:health_timeout, id}, div(backlog, @bytes_per_ms))
+        {:alive, %{state | health: {id, timer, true}}}
 
-          _small ->
-            Pending.delete(state.table, id)
-            :unresponsive
-        end
-    end
-  end
-
-  def timed_out(%{health: {id, _timer, :extended}} = state) do
-    Pending.delete(state.table, id)
-
-    case OSProcess.input_bytes(state.port) do
-      heard when heard != state.heard -> {:alive, heard(%{state | health: nil}, heard)}
-      _same -> :unresponsive
+      true ->
+        Pending.delete(state.table, id)
+        :unresponsive
     end
   end
 

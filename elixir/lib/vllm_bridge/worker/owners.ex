@@ -69,28 +69,18 @@ defmodule VllmBridge.Worker.Owners do
   @spec disown(t(), String.t(), [{pid(), non_neg_integer()}]) ::
           {[non_neg_integer()], [reference()], t()}
   def disown(owners, session, pairs) do
-    {ids, owners} =
-      Enum.reduce(pairs, {[], owners}, fn {owner, id}, {ids, owners} ->
-        with {ref, holds} <- Map.get(owners, owner),
-             {n, holds} when is_integer(n) <- Map.pop(holds, {session, id}) do
-          {List.duplicate(id, n) ++ ids, Map.put(owners, owner, {ref, holds})}
-        else
-          _ -> {ids, owners}
-        end
-      end)
+    Enum.reduce(pairs, {[], [], owners}, fn {owner, id}, {ids, done, owners} = acc ->
+      with {ref, holds} <- Map.get(owners, owner),
+           {n, holds} when is_integer(n) <- Map.pop(holds, {session, id}) do
+        ids = List.duplicate(id, n) ++ ids
 
-    {done, owners} =
-      Enum.reduce(pairs, {[], owners}, fn {owner, _id}, {done, owners} ->
-        case owners do
-          %{^owner => {ref, holds}} when map_size(holds) == 0 ->
-            {[ref | done], Map.delete(owners, owner)}
-
-          _ ->
-            {done, owners}
-        end
-      end)
-
-    {ids, done, owners}
+        if map_size(holds) == 0,
+          do: {ids, [ref | done], Map.delete(owners, owner)},
+          else: {ids, done, Map.put(owners, owner, {ref, holds})}
+      else
+        _ -> acc
+      end
+    end)
   end
 
   @doc "How many processes own refs here."

@@ -227,8 +227,7 @@ defmodule VllmBridge.Worker.Server do
     end
   end
 
-  def handle_info({:health_timeout, id}, %{health: health} = state)
-      when is_tuple(health) and elem(health, 0) == id do
+  def handle_info({:health_timeout, id}, %{health: {id, _timer, _extended}} = state) do
     case Health.timed_out(state) do
       {:alive, state} -> {:noreply, state}
       :unresponsive -> unresponsive(state)
@@ -427,13 +426,11 @@ defmodule VllmBridge.Worker.Server do
 
   ## Holds given back ----------------------------------------------------------
 
-  # One release per session (and per @max_handles handles, the worker's bound
-  # on a repeated field), written to the port as a request of the worker's
-  # own, whose answer is not waited for. Without a port the objects are gone.
-  @max_handles 1_048_576
-
+  # One release per session (and per Proto.max_repeated/0 handles), written to
+  # the port as a request of the worker's own, whose answer is not waited for.
+  # Without a port the objects are gone.
   defp give_back(%{port: port} = state, by_session) when port != nil do
-    for {session, ids} <- by_session, chunk <- Enum.chunk_every(ids, @max_handles) do
+    for {session, ids} <- by_session, chunk <- Enum.chunk_every(ids, Proto.max_repeated()) do
       id = Worker.new_id()
       request = %{id: id, session: session, op: {:release, %{handles: chunk}}}
       {:ok, frame} = Proto.encode_request(request)

@@ -67,9 +67,9 @@ defmodule VllmBridge.Worker.State do
           # the port's count of bytes written when Python was heard from the
           # last time but one, and the last time
           told: {non_neg_integer(), non_neg_integer()},
-          # the health ping in flight, {id, its timeout's timer}, if any (with
-          # :extended once given more time for a large backlog)
-          health: {pos_integer(), reference()} | {pos_integer(), reference(), :extended} | nil,
+          # the health ping in flight, {id, its timeout's timer, whether it was
+          # given more time for a large backlog}, if any
+          health: {pos_integer(), reference(), boolean()} | nil,
           # the processes that own refs to objects here, and their holds
           owners: Owners.t()
         }
