@@ -45,6 +45,7 @@ __all__ = [
     "StoreError",
     "WaitCancelled",
     "is_store_timeout",
+    "unusable_group",
 ]
 
 
@@ -113,6 +114,16 @@ class StateError(DistributedError):
 class WaitCancelled(DistributedError):
     """A wait ended early by its ``cancel`` event or by its queue's ``shutdown()``; the
     message is ``"cancelled"``, as vLLM's RuntimeError says."""
+
+
+def unusable_group(op: str, where: str, why: str) -> StateError:
+    """The error of an operation ``op`` on ``where`` (this rank and its group) refused
+    because an earlier one failed there (``why``), leaving the ranks out of step: the
+    group cannot pair this rank's calls with the others' again, it must be made anew."""
+    return StateError(
+        f"{op} on {where} refused: {why}, so the group is unusable: "
+        "destroy it and create it again on every rank"
+    )
 
 
 def is_store_timeout(exc: BaseException) -> bool:

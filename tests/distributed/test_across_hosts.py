@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -181,7 +182,8 @@ def test_a_link_cut_fails_a_64_mib_gloo_broadcast_within_the_group_timeout(
     for rank, result in enumerate(results):
         assert result["done"] >= 2 and result["after"] < 5 + 5, (rank, result)
         assert "CollectiveTimeout" in result["error"], result
-        assert f"broadcast on rank {rank}" in result["error"], result
+        # The cut may come in the broadcast or in the argument check before it.
+        assert re.search(rf"broadcast( \(its argument check\))? on rank {rank}", result["error"])
 
 
 def _coordinator(address: str, port: int, rank: int, interface: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""barrier(timeout) fails fast and clearly when a rank is missing, and the group stays usable."""
+"""barrier(timeout) fails fast and clearly when a rank is missing; the group then refuses
+every later operation at once instead of failing each after its timeout."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ def test_barrier_times_out_naming_rank_phase_and_the_missing_rank(transport: str
         assert "phase 1 (arrival)" in error
         assert "2 of 3 ranks arrived, rank 2 did not" in error
     # The late rank learns the same outcome at once instead of passing a barrier the others
-    # gave up on, so all ranks agree and number their next barrier alike.
+    # gave up on; then every rank refuses the next barrier at once.
     late = results[2]
     assert "failed on rank 2" in late["error"]
     assert "timed out after 1 s in phase 1 (arrival): 2 of 3 ranks arrived" in late["error"]
     assert late["elapsed"] < 0.5
-    for result in results:
-        assert result["gathered"] == [0, 1, 2]
+    for rank, result in enumerate(results):
+        assert result["next_s"] < 0.5, result
+        assert result["next"].startswith(f"StateError: barrier on rank {rank} "), result
+        assert "refused: barrier 0 failed on it (Barrier" in result["next"], result
 
 
 def _rank_0_gives_up_first(rank: int, port: int) -> str:
@@ -60,3 +63,48 @@ def test_the_rank_serving_the_store_names_the_missing_rank_too() -> None:
     for error in errors[:2]:
         assert "rank 0 timed out after 1 s in phase 1 (arrival)" in error, error
         assert "2 of 3 ranks arrived, rank 2 did not" in error, error
+
+
+def _skipped_barrier(rank: int, port: int, transport: str) -> list[tuple[str, float]]:
+    use_transport(transport)
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank, 2, store_timeout=300)
+    outcomes = []
+    calls = [lambda: group.barrier(timeout=TIMEOUT)] if rank == 0 else []  # rank 1 skips it
+    if rank == 1:
+        time.sleep(TIMEOUT + 1.0)  # the driver's next call comes after rank 0 gave up
+    # Then a driver retries in lockstep, as after any failure: barrier, barrier, gather.
+    calls += [lambda: group.barrier(timeout=10), lambda: group.barrier(timeout=10)]
+    calls.append(lambda: group.all_gather_obj(rank))
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+            outcomes.append(("passed", time.monotonic() - start))
+        except RuntimeError as exc:
+            outcomes.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    if rank == 0:
+        time.sleep(1)  # it serves the store
+    return outcomes
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_after_a_skipped_barrier_every_call_fails_at_once(transport: str) -> None:
+    """The ranks are a barrier apart: instead of every later barrier failing after its
+    full timeout, the group is unusable on both, and says why at once."""
+    first, skipper = run_ranks(_skipped_barrier, 2, free_port(), transport, timeout=60)
+    message, elapsed = first[0]
+    assert message.startswith("BarrierTimeout: barrier 0 failed on rank 0"), message
+    assert elapsed < TIMEOUT + 1.0
+    # Rank 1's first barrier is barrier 0, which failed: it learns that at once.
+    message, elapsed = skipper[0]
+    assert "Barrier" in message and "barrier 0 failed on rank 1: rank 0 timed out" in message
+    assert elapsed < 0.5, message
+    for rank, outcomes, ops in (
+        (0, first[1:], ["barrier", "barrier", "all_gather_obj"]),
+        (1, skipper[1:], ["barrier", "all_gather_obj"]),
+    ):
+        assert len(outcomes) == len(ops)
+        for (message, elapsed), op in zip(outcomes, ops, strict=True):
+            assert elapsed < 0.5, message
+            assert message.startswith(f"StateError: {op} on rank {rank} "), message
+            assert "refused: barrier 0 failed on it" in message, message

@@ -300,19 +300,21 @@ def _gather_alone(rank: int, port: int, transport: str) -> dict:
     group = _create(rank, port, 2, transport, store_timeout=2)
     result: dict = {}
     group.barrier(timeout=10)  # the first barrier learns where the ranks run
-    if rank == 0:
-        start = time.monotonic()
-        try:
-            group.all_gather_obj("alone")
-        except RuntimeError as exc:
-            result["error"] = str(exc)
-        result["elapsed"] = time.monotonic() - start
-    group.barrier(timeout=10)  # the main connection that timed out still works
-    if rank == 0:
+    if rank == 1:
+        time.sleep(4)  # skips the gather, and stays until rank 0 is done
+        return result
+    start = time.monotonic()
+    try:
+        group.all_gather_obj("alone")
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    result["elapsed"] = time.monotonic() - start
+    # The ranks are now a gather apart: the group refuses what comes next, at once.
+    start = time.monotonic()
+    try:
         group.send_obj("after", dst=1)
-    else:
-        result["after"] = group.recv_obj(0, timeout=10)
-    group.barrier(timeout=10)
+    except RuntimeError as exc:
+        result["after"] = (type(exc).__name__, str(exc), time.monotonic() - start)
     return result
 
 
@@ -320,11 +322,14 @@ def _gather_alone(rank: int, port: int, transport: str) -> dict:
 def test_all_gather_times_out_within_the_store_timeout_naming_the_missing_rank(
     transport: str,
 ) -> None:
-    results = run_ranks(_gather_alone, 2, free_port(), transport, timeout=60)
-    error = results[0]["error"]
+    (result,) = run_ranks(_gather_alone, 2, free_port(), transport, timeout=60)[:1]
+    error = result["error"]
     assert "all_gather_obj on rank 0 timed out" in error and "ranks [1]" in error, error
-    assert results[0]["elapsed"] < 2 * 2, results[0]  # one wait of the store timeout, not two
-    assert results[1]["after"] == "after"
+    assert result["elapsed"] < 2 * 2, result  # one wait of the store timeout, not two
+    kind, message, elapsed = result["after"]
+    assert kind == "StateError" and elapsed < 0.5, result
+    assert "send_obj on rank 0 of a StatelessProcessGroup of 2 refused" in message
+    assert "all_gather_obj failed on it (GroupTimeout: all_gather_obj on rank 0" in message
 
 
 def _too_large_for_the_store(rank: int, port: int) -> dict:

@@ -143,14 +143,13 @@ def _survivor_of_barrier_death(rank: int, port: int, transport: str) -> dict:
         result["first"] = ("passed", time.monotonic() - start)
     except RuntimeError as exc:
         result["first"] = (str(exc), time.monotonic() - start)
-    # The next barrier misses rank 2 from the start: both survivors fail in phase 1.
+    # The group is unusable on the rank whose barrier failed: rank 0 refuses the next
+    # barrier at once; rank 1, whose barrier passed, waits for it and fails in phase 1.
     result["second"] = _timed(lambda: group.barrier(timeout=TIMEOUT))
+    # Now both refuse everything at once, naming the barrier that failed there.
+    result["after"] = _timed(lambda: group.send_obj("ok", dst=1 - rank))
     if rank == 0:
-        group.send_obj("ok", dst=1)
-        result["after"] = group.recv_obj(1, timeout=10)  # rank 0 serves the store: stay
-    else:
-        result["after"] = group.recv_obj(0, timeout=10)
-        group.send_obj("ok too", dst=0)
+        time.sleep(TIMEOUT + 1)  # rank 0 serves the store: stay until rank 1 is done
     return result
 
 
@@ -164,14 +163,20 @@ def test_a_rank_killed_inside_a_barrier() -> None:
     assert elapsed < BOUND, message
     assert "failed on rank 0" in message and "phase 3 (departure): 2 of 3 ranks departed" in message
     assert results[1]["first"][0] == "passed"
-    for rank in (0, 1):
-        message, elapsed = results[rank]["second"]
-        assert elapsed < BOUND, message
-        # Rank 1 starts barrier 1 about when rank 0 gives up on barrier 0: 1 or 2 arrived.
-        assert f"failed on rank {rank}" in message and "phase 1 (arrival)" in message
-        assert "2 of 3 ranks arrived" in message or "1 of 3 ranks arrived" in message
-    assert results[1]["after"] == "ok"
-    assert results[0]["after"] == "ok too"
+    message, elapsed = results[0]["second"]
+    assert elapsed < 0.5, message
+    assert "barrier on rank 0 of a StatelessProcessGroup of 3 refused" in message, message
+    assert "barrier 0 failed on it (BarrierTimeout: barrier 0 failed on rank 0" in message
+    assert "create it again on every rank" in message
+    message, elapsed = results[1]["second"]
+    assert elapsed < BOUND, message
+    assert "barrier 1 failed on rank 1" in message and "phase 1 (arrival)" in message, message
+    assert "1 of 3 ranks arrived" in message, message
+    for rank, failed in ((0, "barrier 0"), (1, "barrier 1")):
+        message, elapsed = results[rank]["after"]
+        assert elapsed < 0.5, message
+        assert f"send_obj on rank {rank} of a StatelessProcessGroup of 3 refused" in message
+        assert f"{failed} failed on it" in message, message
 
 
 def _survivor_of_store_owner(rank: int, port: int, transport: str) -> tuple[str, float]:

@@ -28,7 +28,12 @@ from torch.distributed import ReduceOp, TCPStore
 from bridge_py import deadline
 from bridge_py.distributed import StatelessProcessGroup, auth, tensor_codec
 from bridge_py.distributed.auth import AuthenticationError
-from bridge_py.distributed.errors import CollectiveMismatchError, GroupTimeout, PeerGoneError
+from bridge_py.distributed.errors import (
+    CollectiveMismatchError,
+    GroupTimeout,
+    PeerGoneError,
+    StateError,
+)
 from bridge_py.distributed.spg import keys, values
 from bridge_py.distributed.spg import p2p as spg_p2p
 from tests.distributed.harness import (
@@ -406,11 +411,14 @@ def test_waits_end_at_the_timeout_and_at_the_deadline_taking_nothing(pair) -> No
         rank0.recv(torch.empty(1), src=1, timeout=0.3)
     with deadline.until(time.monotonic() + 0.3), pytest.raises(GroupTimeout):
         rank0.broadcast(torch.empty(1), src=1)
+    rank1.send(torch.ones(1), dst=0)
+    assert rank0.recv(torch.empty(1), src=1, timeout=5).tolist() == [1.0]
     with deadline.until(time.monotonic() + 0.3), pytest.raises(GroupTimeout):
         rank0.all_reduce(torch.empty(1))
     assert time.monotonic() - start < 5  # not the store's 10 s
-    rank1.send(torch.ones(1), dst=0)
-    assert rank0.recv(torch.empty(1), src=1, timeout=5).tolist() == [1.0]
+    # A collective that gave up leaves the ranks out of step: what follows is refused.
+    with pytest.raises(StateError, match="all_reduce failed on it"):
+        rank0.recv(torch.empty(1), src=1, timeout=5)
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

@@ -34,7 +34,7 @@ from typing import Any
 from torch.distributed import Work
 
 from bridge_py import deadline
-from bridge_py.distributed.errors import CollectiveTimeout, StateError
+from bridge_py.distributed.errors import CollectiveTimeout, unusable_group
 
 __all__ = ["finish", "mark_unusable", "refuse_if_unusable"]
 
@@ -54,10 +54,7 @@ def refuse_if_unusable(group: Any, op: str, where: str) -> None:
     what the other ranks still run of that one."""
     why = _unusable.get(group) if _unusable else None
     if why is not None:
-        raise StateError(
-            f"{op} on {where} refused: {why}, so the group is unusable: "
-            "destroy it and create it again on every rank"
-        )
+        raise unusable_group(op, where, why)
 
 
 def finish(work: Work | None, op: str, where: str, *, group: Any, bounded: bool = True) -> None:

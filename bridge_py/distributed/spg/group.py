@@ -8,6 +8,10 @@ counters, method signatures, pickled objects between ranks), and better in these
 * every wait is bounded (``recv_obj`` and ``broadcast_obj`` take a keyword-only
   ``timeout``, ``barrier`` keeps to its own) and fails with an error naming this rank, the
   peer and what it waited for; a rank that exits is reported within a second on one node;
+* a receive that gave up took nothing (the next one gets the object), but a collective
+  that failed (``barrier``, ``all_gather_obj``, ``all_reduce``) leaves the ranks out of
+  step, so the group refuses every later operation at once, naming that collective
+  (NCCL's abort rule), instead of failing each one after its full timeout;
 * the store stays small: values are deleted once every receiver has read them;
 * with a shared key (``create(..., auth_key=...)``, ``group.auth_key = ...`` or the
   environment variable ``VLLM_BRIDGE_AUTH_KEY``) every value carries an HMAC-SHA256 tag
@@ -51,7 +55,14 @@ from torch.distributed import ReduceOp, Store
 from bridge_py import deadline
 from bridge_py.distributed import tensor_codec
 from bridge_py.distributed.auth import AuthenticationError, AuthKey, resolve_key
-from bridge_py.distributed.errors import CollectiveMismatchError
+from bridge_py.distributed.errors import (
+    BarrierFailure,
+    CollectiveMismatchError,
+    GroupTimeout,
+    PeerGoneError,
+    StoreError,
+    unusable_group,
+)
 from bridge_py.distributed.shm import segments
 from bridge_py.distributed.spg import tensors, values
 from bridge_py.distributed.spg.board import Board, BoardError
@@ -74,6 +85,10 @@ logger = logging.getLogger(__name__)
 
 JOIN_NOTICE_AFTER = 5.0
 """Seconds a rank waits in ``create`` before it logs (once) that it is still waiting."""
+
+_OUT_OF_STEP = (GroupTimeout, PeerGoneError, StoreError, BarrierFailure)
+"""How a collective fails when its ranks may no longer agree on which call is which: the
+group is unusable after one (``StatelessProcessGroup._fail``)."""
 
 _NO_KEY_ON_VLLM_WIRE = "auth_key cannot be used with wire='vllm': vLLM's ranks could not check it"
 
@@ -129,6 +144,7 @@ class StatelessProcessGroup:
         self.broadcast_recv_src_counter = {i: 0 for i in range(self.world_size)}
         # Not dataclass fields: the documented field list stays vLLM's.
         self._barrier_count = 0
+        self._failed: str | None = None  # why the group is unusable (see _fail)
         self._others = [r for r in range(self.world_size) if r != self.rank]
         # create() sets the wire it resolved before constructing, as it does the key.
         wire = self.__dict__.get("_wire") or resolve_wire(None)
@@ -244,6 +260,8 @@ class StatelessProcessGroup:
         """
         if type(dst) is not int or not 0 <= dst < self.world_size:
             validate_rank(dst, self.world_size, "dst")
+        if self._failed is not None:
+            self._refuse("send_obj")
         if self._vllm is not None:
             self._vllm.send(self, "send_to", obj, dst)
             return
@@ -269,6 +287,8 @@ class StatelessProcessGroup:
         """``recv_obj``, or (``like``: a tensor like it is expected) ``recv``'s receive."""
         if type(src) is not int or not 0 <= src < self.world_size:
             validate_rank(src, self.world_size, "src")
+        if self._failed is not None:
+            self._refuse("recv_obj" if like is None else "recv")
         if self._vllm is not None:
             kind = "send_to" if like is None else "send_tensor"
             return self._vllm.recv(self, kind, src, timeout)
@@ -299,6 +319,8 @@ class StatelessProcessGroup:
         store's timeout) and raise as ``recv_obj`` does.
         """
         validate_rank(src, self.world_size, "src")
+        if self._failed is not None:
+            self._refuse("broadcast_obj")
         if self._vllm is not None:
             if self.rank == src:
                 self._vllm.broadcast_send(self, "broadcast_from", obj)
@@ -325,11 +347,18 @@ class StatelessProcessGroup:
         Returns the objects of all ranks in rank order. The counters advance as for vLLM's
         (one broadcast from every rank). Waits at most the store's timeout, then raises
         GroupTimeout naming the ranks whose values are missing, or PeerGoneError naming
-        those that exited.
+        those that exited; the group is unusable after either, as after a failed
+        ``barrier``.
         """
-        if self._vllm is not None:
-            return self._vllm.all_gather(self, obj, "all_gather_obj")
-        return self._all_gather(obj, None)
+        if self._failed is not None:
+            self._refuse("all_gather_obj")
+        try:
+            if self._vllm is not None:
+                return self._vllm.all_gather(self, obj, "all_gather_obj")
+            return self._all_gather(obj, None)
+        except _OUT_OF_STEP as exc:
+            self._fail("all_gather_obj", exc)
+            raise
 
     def _all_gather(self, obj: Any, like: torch.Tensor | None) -> list[Any]:
         """``all_gather_obj`` (``like``: of tensors, see ``_recv``). A value that arrived
@@ -370,8 +399,11 @@ class StatelessProcessGroup:
 
         Every rank must call barrier in the same order (barriers are numbered, not named).
         Each phase waits at most ``timeout`` seconds, whatever the store's own timeout is;
-        if any rank gives up, every rank of that barrier fails, so the next barrier starts
-        cleanly. On one machine a rank that exits fails the barrier within a second.
+        if any rank gives up, every rank of that barrier fails (a rank that comes late, or
+        skipped it, fails at its next barrier at once, with the same message). The group
+        is unusable after a failed barrier: every later operation of it raises StateError
+        at once, naming the barrier; create a new group on every rank. On one machine a
+        rank that exits fails the barrier within a second.
 
         Args:
             timeout: Maximum time in seconds to wait for each phase (in seconds)
@@ -382,16 +414,24 @@ class StatelessProcessGroup:
                 arrived.
             BarrierFailure: the barrier failed otherwise: another rank gave up on it (its
                 message says which and why), or a rank left the group.
+            StateError: an earlier barrier, ``all_gather_obj`` or ``all_reduce`` of the
+                group failed, so the group is unusable.
         """
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if self._failed is not None:
+            self._refuse("barrier")
         timeout = deadline.clamp(timeout)
-        if self._vllm is not None:
-            self._vllm.barrier(self, timeout)
-            return
         barrier_id = self._barrier_count
         self._barrier_count += 1
-        self._transport.barrier(barrier_id, timeout)
+        try:
+            if self._vllm is not None:
+                self._vllm.barrier(self, timeout)
+            else:
+                self._transport.barrier(barrier_id, timeout)
+        except _OUT_OF_STEP as exc:
+            self._fail(f"barrier {barrier_id}", exc)
+            raise
 
     # --- tensors ------------------------------------------------------------------------
 
@@ -409,6 +449,8 @@ class StatelessProcessGroup:
         vLLM's wire the tensor is pickled and received as vLLM's is: a new tensor.
         """
         validate_rank(src, self.world_size, "src")
+        if self._failed is not None:
+            self._refuse("broadcast")
         if self._vllm is not None:
             if self.rank == src:
                 self._vllm.broadcast_send(self, "broadcast_tensor", tensor)
@@ -430,6 +472,8 @@ class StatelessProcessGroup:
         """
         if self._vllm is not None:
             validate_rank(dst, self.world_size, "dst")
+            if self._failed is not None:
+                self._refuse("send")
             self._vllm.send(self, "send_tensor", tensor, dst)
             return
         self.send_obj(tensors.Encoded(tensor), dst)
@@ -464,13 +508,37 @@ class StatelessProcessGroup:
         counters advance, and waits end, as for ``all_gather_obj`` (whose errors name
         that operation).
         """
-        if self._vllm is not None:
-            return self._vllm.all_reduce(self, tensor, op)
-        fold = tensors.reducer(op)
-        mine = tensor_codec.on_cpu(tensor)
-        gathered = self._all_gather(tensors.Encoded(mine), tensors.spec(mine))
+        if self._failed is not None:
+            self._refuse("all_reduce")
+        try:
+            if self._vllm is not None:
+                return self._vllm.all_reduce(self, tensor, op)
+            fold = tensors.reducer(op)
+            mine = tensor_codec.on_cpu(tensor)
+            gathered = self._all_gather(tensors.Encoded(mine), tensors.spec(mine))
+        except _OUT_OF_STEP as exc:
+            self._fail("all_reduce", exc)
+            raise
         gathered[self.rank] = mine
         return tensors.reduce(gathered, fold).to(tensor.device)
+
+    # --- after a failure ----------------------------------------------------------------
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        """A collective (``what``) failed on this rank with ``exc``: the ranks may now
+        disagree on which call is which (one skipped it, or gave up on it while another
+        still waits), and every barrier or gather after it would fail after its full
+        timeout. Mark the group unusable, so that every later operation is refused at once
+        (``_refuse``), as NCCL's communicators are after an abort."""
+        if self._failed is None:
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            self._failed = f"{what} failed on it ({type(exc).__name__}: {reason})"
+
+    def _refuse(self, op: str) -> None:
+        """Raise the StateError of ``op`` on a group a collective failed on (``_fail``)."""
+        assert self._failed is not None
+        where = f"rank {self.rank} of a StatelessProcessGroup of {self.world_size}"
+        raise unusable_group(op, where, self._failed)
 
     # --- expiry -------------------------------------------------------------------------
 

@@ -589,6 +589,34 @@ defmodule VllmBridge.FaultsTest do
     assert {:error, %Error{category: :stale_ref}} = SPG.rank(g2)
   end
 
+  @tag timeout: 60_000
+  test "after a barrier one rank skipped, both ranks refuse every call at once",
+       %{test: test} do
+    pool = start_pool!(:"#{test}", 2, args: [])
+    [g0, g1] = create_groups(pool, 2)
+
+    # Rank 0 waits 1 s in barrier 0; rank 1's driver never calls it.
+    assert {:error, %Error{python_type: "BarrierTimeout"}} = SPG.barrier(g0, [1.0])
+
+    # The driver retries on both ranks: no call waits out its 10 s again.
+    for _ <- 1..2, {g, rank} <- [{g0, 0}, {g1, 1}] do
+      {micros, {:error, %Error{} = error}} = :timer.tc(fn -> SPG.barrier(g, [10.0]) end)
+      assert micros < 1_000_000, error.message
+
+      assert error.message =~ "barrier 0 failed on rank #{rank}" or
+               error.python_type == "StateError"
+    end
+
+    for {g, rank} <- [{g0, 0}, {g1, 1}] do
+      assert {:error, %Error{python_type: "StateError", message: message}} =
+               SPG.all_gather_obj(g, [rank])
+
+      assert message =~ "all_gather_obj on rank #{rank}"
+      assert message =~ "barrier 0 failed on it"
+      assert message =~ "create it again on every rank"
+    end
+  end
+
   @tag :capture_log
   @tag timeout: 90_000
   test "a rank whose worker dies before sending: recv_obj and broadcast_obj fail within their timeout",
