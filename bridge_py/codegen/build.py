@@ -4,7 +4,9 @@ The conventions (also in ``../shared/DESIGN.md``):
 
 * instance methods take the ref first; Python parameters without a default are
   positional Elixir parameters; if there are optional positional parameters, a
-  trailing ``args`` list carries them; then ``opts \\\\ []`` (Python keyword arguments
+  trailing ``args`` list carries them, up to the first that may itself be a list
+  (that one and those after it are given by name only, so that ``[7]`` is never
+  read as the argument list); then ``opts \\\\ []`` (Python keyword arguments
   plus ``:__runtime__``);
 * constructors are ``new/N``; static methods keep their documented arity with a
   ref (or nil) first, used only to choose the worker;
@@ -19,10 +21,12 @@ The conventions (also in ``../shared/DESIGN.md``):
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
 import json
 import re
+import types
 import typing
 from typing import Any
 
@@ -121,7 +125,7 @@ def _params(
     sig = inspect.signature(fn)
     untyped: Any = fn  # a class's __init__ is looked up as Python does (inherited too)
     hints = _hints(untyped.__init__ if isinstance(fn, type) else fn)
-    params = []
+    params: list[Param] = []
     items = list(sig.parameters.values())[1 if drop_first else 0 :]
     for p in items:
         if p.kind is p.VAR_KEYWORD:
@@ -135,9 +139,28 @@ def _params(
         spec = typespec(hints.get(p.name, p.annotation), exported)
         if p.kind is p.VAR_POSITIONAL:
             spec = f"[{spec}]"
+        if where == "args" and p.kind is not p.VAR_POSITIONAL:
+            hint = hints.get(p.name, p.annotation)
+            if _may_be_list(hint) or any(q.where == "named" for q in params):
+                where = "named"
         default = _default(p.default, fn, p.name, spec)
         params.append(Param(p.name, _var(p.name), spec, where, default))
     return params, hints
+
+
+def _may_be_list(hint: Any) -> bool:
+    """Whether a value of Python type ``hint`` may come from Elixir as a list: any value
+    (no annotation, ``Any``, ``object``) or a sequence type."""
+    if hint in (inspect.Parameter.empty, Any, object) or isinstance(hint, str):
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_may_be_list(arg) for arg in typing.get_args(hint))
+    return (
+        origin is not None
+        and issubclass(origin, (list, collections.abc.Sequence))
+        and (origin not in (tuple, str, bytes))
+    )
 
 
 def _returns(hints: dict[str, Any], exported: dict[type, str]) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Kind = Literal["constructor", "method", "static", "function", "getter"]
-Where = Literal["positional", "args", "opts"]
+Where = Literal["positional", "args", "named", "opts"]
 
 
 @dataclass
@@ -50,7 +50,13 @@ class Function:
     @property
     def has_args(self) -> bool:
         """Whether the function takes a trailing ``args`` list."""
-        return any(p.where == "args" for p in self.params)
+        return any(p.where in ("args", "named") for p in self.params)
+
+    @property
+    def named(self) -> list[Param]:
+        """Optional positional Python parameters that Elixir gives by name only: from the
+        first that may be a list on (a list there would read as the ``args`` list)."""
+        return [p for p in self.params if p.where == "named"]
 
     @property
     def takes_ref(self) -> bool:

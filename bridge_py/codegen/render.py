@@ -40,6 +40,7 @@ def _param_line(p: Param, position: int | None) -> str:
     where = {
         "positional": "",
         "args": f" (in `args`, position {position})",
+        "named": f" (by name only: `{p.name}:`)",
         "opts": f" (keyword option `{p.name}:`)",
     }[p.where]
     return _item(f"  * `{p.name}` (`{p.spec}`{default}){where}", p.doc)
@@ -112,6 +113,18 @@ def _spec(fn: Function, module: Module) -> str:
 
 
 def _body(fn: Function) -> str:
+    call = _call(fn)
+    if not fn.named:
+        return call
+    takes = sum(p.where == "args" for p in fn.params)
+    names = ", ".join(f'"{p.name}"' for p in fn.named)
+    return (
+        f"with {{:ok, args}} <- VllmBridge.Runtime.Options.by_name(args, {takes}, [{names}]) do\n"
+        f"      {call}\n    end"
+    )
+
+
+def _call(fn: Function) -> str:
     positional = "[" + ", ".join(p.var for p in fn.positional) + "]"
     opts = "[{:__args__, args} | opts]" if fn.has_args else "opts"
     if fn.kind == "constructor":

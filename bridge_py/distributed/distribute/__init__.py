@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS, Codec
-from bridge_py.distributed.distribute.group import CallId, GroupSync, as_group_sync
+from bridge_py.distributed.distribute.group import CallId, GroupSync, SyncGroup, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
 from bridge_py.distributed.distribute.shm import ShmChannel
 from bridge_py.distributed.errors import DistributedError
@@ -87,7 +87,7 @@ def _gather(
     name: str,
     value: Any,
     ranks: Sequence[int],
-    group: Any,
+    group: SyncGroup,
     timeout: float | None,
     codec: Codec,
     open_carrier: Callable[[CallId], ShmChannel | NfsChannel],
@@ -135,7 +135,7 @@ def _gather(
 def get_configs_parallel(
     config: Any,
     ranks: list[int],
-    group: Any,
+    group: SyncGroup,
     workspace_path: Path | str | None = None,
     *,
     timeout: float | None = None,
@@ -177,7 +177,7 @@ def get_configs_parallel(
 def get_tensors_parallel(
     tensor: torch.Tensor,
     ranks: list[int],
-    group: Any = None,
+    group: SyncGroup = None,
     *,
     timeout: float | None = None,
 ) -> Iterator[list[torch.Tensor]]:
@@ -209,7 +209,7 @@ def get_tensors_parallel(
 def gather_configs(
     config: Any,
     ranks: list[int],
-    group: Any,
+    group: SyncGroup,
     workspace_path: Path | str | None = None,
     *,
     timeout: float | None = None,
@@ -253,7 +253,7 @@ def gather_configs(
 def gather_tensors(
     tensor: torch.Tensor,
     ranks: list[int],
-    group: Any = None,
+    group: SyncGroup = None,
     *,
     timeout: float | None = None,
 ) -> list[torch.Tensor]:

@@ -25,18 +25,19 @@ import dataclasses
 import os
 import secrets
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from bridge_py.distributed.coordinator.group import GroupCoordinator
 from bridge_py.distributed.errors import DistributedError
 from bridge_py.distributed.groups.work import finish
 from bridge_py.distributed.shm.wait import pid_namespace
 from bridge_py.distributed.spg.group import StatelessProcessGroup
 
-__all__ = ["CallId", "GroupSync", "as_group_sync"]
+__all__ = ["CallId", "GroupSync", "SyncGroup", "as_group_sync"]
 
 # StatelessProcessGroup.barrier's own default, used when the caller gives no timeout.
 _DEFAULT_BARRIER_TIMEOUT = 30.0
@@ -117,6 +118,10 @@ def _stateless_sync(group: StatelessProcessGroup, timeout: float | None) -> Grou
         lambda: group.barrier(timeout=wait),
         lambda values, src: group.broadcast_obj(values, src),
     )
+
+
+SyncGroup: TypeAlias = ProcessGroup | StatelessProcessGroup | GroupCoordinator | None
+"""What a gather synchronizes over (see the module docstring)."""
 
 
 def as_group_sync(group: Any, timeout: float | None = None) -> GroupSync:

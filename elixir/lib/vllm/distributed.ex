@@ -172,7 +172,7 @@ defmodule Vllm.Distributed do
       tensors.
     * `ranks` (`[integer()]`) - the ranks (ranks in `group`) that contribute a config; the first of them
       receives them all. Ranks of the group not listed only synchronize.
-    * `group` (`term()`) - the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+    * `group` (`VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t() | Vllm.Distributed.GroupCoordinator.t() | nil`) - the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
       GroupCoordinator, or None (torch.distributed's default group if initialized).
     * `workspace_path` (`VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (in `args`, position 0) - a directory that every rank of `ranks` shares (NFS); None: the
       ranks share one node's memory instead.
@@ -200,8 +200,16 @@ defmodule Vllm.Distributed do
       GroupTimeout, PeerGoneError and the like when that is what happened. Every
       rank fails within the group's timeout; none is left waiting.
   """
-  @spec get_configs_parallel(term(), [integer()], term(), [term()], keyword()) ::
-          {:ok, [term()]} | {:error, VllmBridge.Error.t()}
+  @spec get_configs_parallel(
+          term(),
+          [integer()],
+          VllmBridge.Ref.t()
+          | Vllm.Distributed.StatelessProcessGroup.t()
+          | Vllm.Distributed.GroupCoordinator.t()
+          | nil,
+          [term()],
+          keyword()
+        ) :: {:ok, [term()]} | {:error, VllmBridge.Error.t()}
   def get_configs_parallel(config, ranks, group, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_function("get_configs_parallel", [config, ranks, group], [
       {:__args__, args} | opts
@@ -377,7 +385,7 @@ defmodule Vllm.Distributed do
       the tensors may differ in dtype and shape across the ranks.
     * `ranks` (`[integer()]`) - the ranks (ranks in `group`) that contribute a tensor; the first of them
       receives them all. Ranks of the group not listed only synchronize.
-    * `group` (`term()`, default: `nil`) (in `args`, position 0) - the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
+    * `group` (`VllmBridge.Ref.t() | Vllm.Distributed.StatelessProcessGroup.t() | Vllm.Distributed.GroupCoordinator.t() | nil`, default: `nil`) (in `args`, position 0) - the barrier sync group: a torch ProcessGroup, a StatelessProcessGroup, a
       GroupCoordinator, or None (torch.distributed's default group if initialized).
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`) - (keyword only, an extension) seconds each barrier of a
       StatelessProcessGroup may wait (default 30).

@@ -180,7 +180,7 @@ defmodule Mix.Tasks.VllmBridge.Demo do
         |> on_all(fn {mq, r} ->
           results =
             for message <- messages do
-              MQ.broadcast_object(mq, [if(r == 0, do: message)], timeout: @barrier_timeout)
+              MQ.broadcast_object(mq, obj: if(r == 0, do: message), timeout: @barrier_timeout)
             end
 
           {results, MQ.close(mq)}

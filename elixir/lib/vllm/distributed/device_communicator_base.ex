@@ -44,7 +44,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
     * `input_` (`VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]`)
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (by name only: `sizes:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -57,7 +57,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @spec all_gatherv(t(), VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()], [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
   def all_gatherv(ref, input_, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "all_gatherv", [input_], [{:__args__, args} | opts])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["sizes"]) do
+      VllmBridge.Runtime.call_method(ref, "all_gatherv", [input_], [{:__args__, args} | opts])
+    end
   end
 
   @doc ~S"""
@@ -133,7 +135,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `router_logits` (`VllmBridge.Tensor.t()`)
     * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
-    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (in `args`, position 1)
+    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (by name only: `extra_tensors:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -149,9 +151,11 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
            | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
           | {:error, VllmBridge.Error.t()}
   def dispatch(ref, hidden_states, router_logits, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
-      {:__args__, args} | opts
-    ])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["extra_tensors"]) do
+      VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
+        {:__args__, args} | opts
+      ])
+    end
   end
 
   @doc ~S"""
@@ -199,9 +203,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
     * `device` (`String.t() | nil`, default: `nil`) (in `args`, position 0)
     * `device_group` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
     * `unique_name` (`String.t()`, default: `""`) (in `args`, position 2)
-    * `global_ranks` (`[integer()] | nil`, default: `nil`) (in `args`, position 3)
-    * `global_world_size` (`integer() | nil`, default: `nil`) (in `args`, position 4)
-    * `use_all2all` (`boolean()`, default: `false`) (in `args`, position 5)
+    * `global_ranks` (`[integer()] | nil`, default: `nil`) (by name only: `global_ranks:`)
+    * `global_world_size` (`integer() | nil`, default: `nil`) (by name only: `global_world_size:`)
+    * `use_all2all` (`boolean()`, default: `false`) (by name only: `use_all2all:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -214,9 +218,16 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @spec new(VllmBridge.Ref.t(), [term()], keyword()) ::
           {:ok, t()} | {:error, VllmBridge.Error.t()}
   def new(cpu_group, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_class("DeviceCommunicatorBase", [cpu_group], [
-      {:__args__, args} | opts
-    ])
+    with {:ok, args} <-
+           VllmBridge.Runtime.Options.by_name(args, 3, [
+             "global_ranks",
+             "global_world_size",
+             "use_all2all"
+           ]) do
+      VllmBridge.Runtime.call_class("DeviceCommunicatorBase", [cpu_group], [
+        {:__args__, args} | opts
+      ])
+    end
   end
 
   @doc ~S"""
@@ -339,7 +350,7 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
 
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (by name only: `sizes:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -352,7 +363,9 @@ defmodule Vllm.Distributed.DeviceCommunicatorBase do
   @spec reduce_scatterv(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
   def reduce_scatterv(ref, input_, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [input_], [{:__args__, args} | opts])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["sizes"]) do
+      VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [input_], [{:__args__, args} | opts])
+    end
   end
 
   @doc ~S"""

@@ -104,7 +104,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `input_` (`VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]`)
     * `dim` (`integer()`, default: `0`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (by name only: `sizes:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -117,7 +117,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @spec all_gatherv(t(), VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()], [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t() | [VllmBridge.Tensor.t()]} | {:error, VllmBridge.Error.t()}
   def all_gatherv(ref, input_, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "all_gatherv", [input_], [{:__args__, args} | opts])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["sizes"]) do
+      VllmBridge.Runtime.call_method(ref, "all_gatherv", [input_], [{:__args__, args} | opts])
+    end
   end
 
   @doc ~S"""
@@ -213,8 +215,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
   ## Parameters
 
-    * `obj` (`term()`, default: `nil`) (in `args`, position 0)
-    * `src` (`integer()`, default: `0`) (in `args`, position 1)
+    * `obj` (`term()`, default: `nil`) (by name only: `obj:`)
+    * `src` (`integer()`, default: `0`) (by name only: `src:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -236,7 +238,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @spec broadcast_object(t(), [term()], keyword()) ::
           {:ok, term()} | {:error, VllmBridge.Error.t()}
   def broadcast_object(ref, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "broadcast_object", [], [{:__args__, args} | opts])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 0, ["obj", "src"]) do
+      VllmBridge.Runtime.call_method(ref, "broadcast_object", [], [{:__args__, args} | opts])
+    end
   end
 
   @doc ~S"""
@@ -489,7 +493,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
     * `hidden_states` (`VllmBridge.Tensor.t()`)
     * `router_logits` (`VllmBridge.Tensor.t()`)
     * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
-    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (in `args`, position 1)
+    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (by name only: `extra_tensors:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -505,9 +509,11 @@ defmodule Vllm.Distributed.GroupCoordinator do
            | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
           | {:error, VllmBridge.Error.t()}
   def dispatch(ref, hidden_states, router_logits, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
-      {:__args__, args} | opts
-    ])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["extra_tensors"]) do
+      VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
+        {:__args__, args} | opts
+      ])
+    end
   end
 
   @doc ~S"""
@@ -909,7 +915,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
 
     * `input_` (`VllmBridge.Tensor.t()`)
     * `dim` (`integer()`, default: `-1`) (in `args`, position 0)
-    * `sizes` (`[integer()] | nil`, default: `nil`) (in `args`, position 1)
+    * `sizes` (`[integer()] | nil`, default: `nil`) (by name only: `sizes:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -922,7 +928,9 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @spec reduce_scatterv(t(), VllmBridge.Tensor.t(), [term()], keyword()) ::
           {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
   def reduce_scatterv(ref, input_, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [input_], [{:__args__, args} | opts])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["sizes"]) do
+      VllmBridge.Runtime.call_method(ref, "reduce_scatterv", [input_], [{:__args__, args} | opts])
+    end
   end
 
   @doc ~S"""

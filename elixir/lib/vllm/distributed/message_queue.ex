@@ -17,7 +17,7 @@ defmodule Vllm.Distributed.MessageQueue do
 
   ## Parameters
 
-    * `obj` (`term()`, default: `nil`) (in `args`, position 0)
+    * `obj` (`term()`, default: `nil`) (by name only: `obj:`)
     * `timeout` (`float() | nil`, default: `nil`) (keyword option `timeout:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
@@ -31,7 +31,9 @@ defmodule Vllm.Distributed.MessageQueue do
   @spec broadcast_object(t(), [term()], keyword()) ::
           {:ok, term()} | {:error, VllmBridge.Error.t()}
   def broadcast_object(ref, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_method(ref, "broadcast_object", [], [{:__args__, args} | opts])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 0, ["obj"]) do
+      VllmBridge.Runtime.call_method(ref, "broadcast_object", [], [{:__args__, args} | opts])
+    end
   end
 
   @doc ~S"""
@@ -246,11 +248,11 @@ defmodule Vllm.Distributed.MessageQueue do
 
     * `n_reader` (`integer()`)
     * `n_local_reader` (`integer()`)
-    * `local_reader_ranks` (`[integer()] | nil`, default: `nil`) (in `args`, position 0)
-    * `max_chunk_bytes` (`integer()`, default: `25165824`) (in `args`, position 1)
-    * `max_chunks` (`integer()`, default: `10`) (in `args`, position 2)
-    * `connect_ip` (`String.t() | nil`, default: `nil`) (in `args`, position 3)
-    * `enable_shm_tensor_arena` (`boolean()`, default: `false`) (in `args`, position 4)
+    * `local_reader_ranks` (`[integer()] | nil`, default: `nil`) (by name only: `local_reader_ranks:`)
+    * `max_chunk_bytes` (`integer()`, default: `25165824`) (by name only: `max_chunk_bytes:`)
+    * `max_chunks` (`integer()`, default: `10`) (by name only: `max_chunks:`)
+    * `connect_ip` (`String.t() | nil`, default: `nil`) (by name only: `connect_ip:`)
+    * `enable_shm_tensor_arena` (`boolean()`, default: `false`) (by name only: `enable_shm_tensor_arena:`)
     * `remote_reader_ranks` (`[integer()] | nil`, default: `nil`) (keyword option `remote_reader_ranks:`)
     * `auth_key` (`binary() | VllmBridge.Ref.t() | String.t() | nil`, default: `nil`) (keyword option `auth_key:`)
 
@@ -275,9 +277,18 @@ defmodule Vllm.Distributed.MessageQueue do
   @spec new(integer(), integer(), [term()], keyword()) ::
           {:ok, t()} | {:error, VllmBridge.Error.t()}
   def new(n_reader, n_local_reader, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_class("MessageQueue", [n_reader, n_local_reader], [
-      {:__args__, args} | opts
-    ])
+    with {:ok, args} <-
+           VllmBridge.Runtime.Options.by_name(args, 0, [
+             "local_reader_ranks",
+             "max_chunk_bytes",
+             "max_chunks",
+             "connect_ip",
+             "enable_shm_tensor_arena"
+           ]) do
+      VllmBridge.Runtime.call_class("MessageQueue", [n_reader, n_local_reader], [
+        {:__args__, args} | opts
+      ])
+    end
   end
 
   @doc ~S"""

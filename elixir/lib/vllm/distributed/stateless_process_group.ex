@@ -22,7 +22,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
   Returns the objects of all ranks in rank order. The counters advance as for vLLM's
   (one broadcast from every rank). Waits at most the store's timeout, then raises
   GroupTimeout naming the ranks whose values are missing, or PeerGoneError naming
-  those that exited.
+  those that exited; the group is unusable after either, as after a failed
+  `barrier`.
 
   ## Parameters
 
@@ -89,8 +90,11 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
 
   Every rank must call barrier in the same order (barriers are numbered, not named).
   Each phase waits at most `timeout` seconds, whatever the store's own timeout is;
-  if any rank gives up, every rank of that barrier fails, so the next barrier starts
-  cleanly. On one machine a rank that exits fails the barrier within a second.
+  if any rank gives up, every rank of that barrier fails (a rank that comes late, or
+  skipped it, fails at its next barrier at once, with the same message). The group
+  is unusable after a failed barrier: every later operation of it raises StateError
+  at once, naming the barrier; create a new group on every rank. On one machine a
+  rank that exits fails the barrier within a second.
 
   ## Parameters
 
@@ -113,6 +117,8 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
       arrived.
     * `BarrierFailure` - the barrier failed otherwise: another rank gave up on it (its
       message says which and why), or a rank left the group.
+    * `StateError` - an earlier barrier, `all_gather_obj` or `all_reduce` of the
+      group failed, so the group is unusable.
   """
   @spec barrier(t(), [term()], keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def barrier(ref, args \\ [], opts \\ []) do
@@ -329,7 +335,7 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
     * `recv_src_counter` (`%{optional(integer()) => integer()}`, default: `%{}`) (in `args`, position 2)
     * `broadcast_send_counter` (`integer()`, default: `0`) (in `args`, position 3)
     * `broadcast_recv_src_counter` (`%{optional(integer()) => integer()}`, default: `%{}`) (in `args`, position 4)
-    * `entries` (`term()`, default: a new `deque`) (in `args`, position 5)
+    * `entries` (`term()`, default: a new `deque`) (by name only: `entries:`)
 
   `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
 
@@ -348,9 +354,11 @@ defmodule Vllm.Distributed.StatelessProcessGroup do
           keyword()
         ) :: {:ok, t()} | {:error, VllmBridge.Error.t()}
   def new(rank, world_size, store, socket, args \\ [], opts \\ []) do
-    VllmBridge.Runtime.call_class("StatelessProcessGroup", [rank, world_size, store, socket], [
-      {:__args__, args} | opts
-    ])
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 5, ["entries"]) do
+      VllmBridge.Runtime.call_class("StatelessProcessGroup", [rank, world_size, store, socket], [
+        {:__args__, args} | opts
+      ])
+    end
   end
 
   @doc ~S"""

@@ -113,6 +113,46 @@ defmodule VllmBridge.Runtime.Options do
   defp drop_args([]), do: []
 
   @doc """
+  Checks the `args` of a generated function whose later optional parameters
+  are taken by name only (`names`): parameters that may themselves be lists,
+  such as `MessageQueue.broadcast_object/3`'s `obj`. `args` may hold at most
+  `max` positional arguments (the parameters before those), or be a keyword
+  list of options; anything longer is refused, so that a list meant as the
+  value is never read as the argument list.
+
+  ## Examples
+
+      iex> VllmBridge.Runtime.Options.by_name([], 0, ["obj"])
+      {:ok, []}
+
+      iex> VllmBridge.Runtime.Options.by_name([obj: [7]], 0, ["obj"])
+      {:ok, [obj: [7]]}
+
+      iex> {:error, error} = VllmBridge.Runtime.Options.by_name([7], 0, ["obj"])
+      iex> error.message
+      "obj is given by name only (obj: value), as a value that is a list would read as the positional arguments: args may hold 0 of them, got [7]"
+  """
+  @spec by_name(term(), non_neg_integer(), [String.t()]) ::
+          {:ok, list()} | {:error, Error.t()}
+  def by_name(args, max, names) when is_proper(args) do
+    if length(args) <= max or Keyword.keyword?(args) do
+      {:ok, args}
+    else
+      named = Enum.join(names, ", ")
+      example = Enum.map_join(names, ", ", &"#{&1}: value")
+
+      bad(
+        "#{named} #{if match?([_], names), do: "is", else: "are"} given by name only " <>
+          "(#{example}), as a value that is a list would read as the positional " <>
+          "arguments: args may hold #{max} of them, got #{inspect(args, charlists: :as_lists)}",
+        args
+      )
+    end
+  end
+
+  def by_name(args, _max, _names), do: {:ok, args}
+
+  @doc """
   Reads the options of a call that passes no Python keyword arguments
   (`VllmBridge.Runtime.ping/2`, `describe/1`, `release/2`,
   `release_session/2`, named `function` in errors): its runtime options given

@@ -118,7 +118,7 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
 
         {ok!(GroupCoordinator.all_gather(g, x, [0])), ok!(GroupCoordinator.all_gather(g, x, [])),
          ok!(GroupCoordinator._all_gather_out_place(g, x, 0)),
-         ok!(GroupCoordinator.all_gatherv(g, input(r, r + 1, 2), [0, [1, 2]], []))}
+         ok!(GroupCoordinator.all_gatherv(g, input(r, r + 1, 2), [0], sizes: [1, 2]))}
       end)
 
     for {dim0, last, out_place, v} <- results do
@@ -137,7 +137,7 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
 
         {ok!(GroupCoordinator.reduce_scatter(g, x, [0])),
          ok!(GroupCoordinator._reduce_scatter_out_place(g, x, 0)),
-         ok!(GroupCoordinator.reduce_scatterv(g, x, [0, [1, 3]])),
+         ok!(GroupCoordinator.reduce_scatterv(g, x, [0], sizes: [1, 3])),
          ok!(GroupCoordinator.reduce_scatter(g, input(r, 2, 4), []))}
       end)
 
@@ -175,7 +175,7 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
 
     assert both(fn r ->
              g = Enum.at(groups, r)
-             GroupCoordinator.broadcast_object(g, [if(r == 0, do: obj, else: nil), 0])
+             GroupCoordinator.broadcast_object(g, obj: if(r == 0, do: obj), src: 0)
            end) == [{:ok, obj}, {:ok, obj}]
 
     assert both(fn r ->
