@@ -329,6 +329,8 @@ class PyNcclCommunicator(PyNcclPointToPoint):
             else:
                 self._open(self.group)
         except BaseException:
+            if not isinstance(self._pg, NcclGroup):
+                self._release()  # (what was made of it: the next resume starts afresh)
             self._suspended = True
             raise
 
