@@ -45,6 +45,7 @@ from bridge_py.distributed.groups.objects import all_gather_bytes
 from bridge_py.distributed.groups.work import finish, refuse_if_unusable
 
 __all__ = [
+    "ANY_DIM",
     "CHECK_ENV",
     "ROW_BYTES",
     "Agreement",
@@ -67,7 +68,7 @@ _MAX_PARAMS = 4
 _WIDTH = 4 + _MAX_DIMS + _MAX_PARAMS
 _ROW = struct.Struct(f"<{_WIDTH}q")
 ROW_BYTES = _ROW.size  # one encoded row, as the carriers move it
-_ANY = -2  # a shape entry that may differ between ranks (the gathered dim of all_gatherv)
+ANY_DIM = -2  # a shape entry that may differ between ranks (the gathered dim of all_gatherv)
 _MAX_TEXT = 4096  # bytes of a rank's complaint shared with the others
 
 # A carrier's verdict on the rows of every rank (rank order); raises to refuse.
@@ -181,7 +182,7 @@ def shape_text(row: Sequence[int]) -> str:
     ndim = row[3]
     if ndim < 0:
         return "no tensor"
-    dims = ["*" if d == _ANY else str(d) for d in row[4 : 4 + min(ndim, _MAX_DIMS)]]
+    dims = ["*" if d == ANY_DIM else str(d) for d in row[4 : 4 + min(ndim, _MAX_DIMS)]]
     if ndim > _MAX_DIMS:
         dims[-1] = "..."
     return "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"

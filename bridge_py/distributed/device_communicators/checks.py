@@ -110,16 +110,16 @@ class CommunicatorChecks:
             raise self._error(op, f"{name} ({peer}) is this rank itself")
         return peer
 
-    def _check_sizes(self, op: str, sizes: Any) -> list[int]:
-        """``sizes`` as one non-negative int per rank."""
+    def _check_sizes(self, op: str, sizes: Any, name: str = "sizes") -> list[int]:
+        """``sizes`` (the parameter ``name``) as one non-negative int per rank."""
         if not isinstance(sizes, Sequence) or isinstance(sizes, (str, bytes)):
-            raise self._error(op, f"sizes must be a list of ints, got {sizes!r}", TypeError)
+            raise self._error(op, f"{name} must be a list of ints, got {sizes!r}", TypeError)
         if len(sizes) != self.world_size:
             raise self._error(
-                op, f"sizes has {len(sizes)} entries but the group has {self.world_size} ranks"
+                op, f"{name} has {len(sizes)} entries but the group has {self.world_size} ranks"
             )
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
-            raise self._error(op, f"sizes must be non-negative ints, got {list(sizes)}")
+            raise self._error(op, f"{name} must be non-negative ints, got {list(sizes)}")
         return list(sizes)
 
     @staticmethod

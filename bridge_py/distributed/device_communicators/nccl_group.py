@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bridge_py.distributed.device_communicators.pynccl_wrapper import (
+    NCCL_SUSPEND_MEM,
     NCCL_UNIQUE_ID_BYTES,
     NCCLLibrary,
     buffer_type,
@@ -65,6 +66,7 @@ class NcclGroup:
         self.rank_in_group = rank
         self.world_size = world_size
         self.device = device
+        self.suspended = False  # (by ncclCommSuspend)
         with torch.cuda.device(device):
             self.comm = library.ncclCommInitRank(world_size, unique_id, rank)
 
@@ -111,6 +113,20 @@ class NcclGroup:
             tensor.numel(),
             ncclDataTypeEnum.from_torch(tensor.dtype),
             ncclRedOpTypeEnum.from_torch(options.reduceOp),
+            self.comm,
+            _stream(),
+        )
+
+    def reduce(self, tensors: list[torch.Tensor], options: Any) -> None:
+        """``tensors[0]`` reduced in place into rank ``options.rootRank``'s."""
+        (tensor,) = tensors
+        self.nccl.ncclReduce(
+            _pointer(tensor),
+            _pointer(tensor),
+            tensor.numel(),
+            ncclDataTypeEnum.from_torch(tensor.dtype),
+            ncclRedOpTypeEnum.from_torch(options.reduceOp),
+            options.rootRank,
             self.comm,
             _stream(),
         )
@@ -165,6 +181,21 @@ class NcclGroup:
 
     def _end_coalescing(self, device: torch.device) -> None:
         self.nccl.ncclGroupEnd()
+
+    def suspend(self) -> None:
+        """Free the communicator's memory, keeping it (a collective), as vLLM's
+        ``suspend``: where NCCL lacks ``ncclCommSuspend`` nothing is freed, as there."""
+        if self.nccl.has_symbol("ncclCommSuspend"):
+            with torch.cuda.device(self.device):
+                self.nccl.ncclCommSuspend(self.comm, NCCL_SUSPEND_MEM)
+            self.suspended = True
+
+    def resume(self) -> None:
+        """Restore what ``suspend`` freed (a collective)."""
+        if self.suspended:
+            with torch.cuda.device(self.device):
+                self.nccl.ncclCommResume(self.comm)
+            self.suspended = False
 
     def destroy(self) -> None:
         """Free the communicator (once its queued work has run)."""

@@ -24,13 +24,24 @@ Same constructor, attributes and methods as vLLM's
   before data moves (`VLLM_BRIDGE_CHECK_COLLECTIVES=0` turns that off; the shared-memory
   path checks anyway, at no cost), so a mismatch raises on every rank instead of aborting
   a process. Tensors must be contiguous (vLLM's would read the wrong memory).
-* The methods that fill a tensor return it (vLLM's return None, but `all_reduce`): a caller
-  from Elixir needs that, its tensors being copies.
+* The methods that fill a tensor return it (`batch_isend_irecv`: those it received;
+  vLLM's return None, but `all_reduce`): a caller from Elixir needs that, its tensors
+  being copies.
 * A CUDA device without CUDA or NCCL raises at construction; vLLM's disables itself there,
   and a weight sync then silently does nothing. In a group of one rank `available` is
   False, `disabled` True and every method returns None at once, as in vLLM.
-* No NCCL windows (`register_comm_window`), no `batch_isend_irecv`: use `send` and `recv`
-  between `group_start` and `group_end`.
+* `scatter` and `all_to_all_single` are grouped sends and receives, as vLLM's are; on
+  CPU the ranks agree on the split sizes first (`all_to_all_single`: that every rank
+  expects the rows the others send it). `batch_isend_irecv` checks every operation
+  before posting any (vLLM's skips one it does not know).
+* `suspend` frees NCCL's memory with `ncclCommSuspend` where NCCL is called directly, as
+  vLLM's; elsewhere it closes the torch group and the shared memory, and `resume` makes
+  them anew. In between, operations raise StateError (vLLM's leave that to NCCL).
+* No NCCL windows (`register_comm_window`).
+
+The class is built in layers: `pynccl_core` (state, checks, how data moves),
+`pynccl_p2p` (sends, receives and what is made of them), and this module (set-up, life,
+collectives).
 
 Streams (CUDA): torch's NCCL backend runs each operation on an internal stream, ordered
 after the work queued on `stream` (default: the current stream) before the call and
@@ -44,8 +55,7 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
-from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +64,6 @@ from torch.distributed.distributed_c10d import _get_default_timeout
 
 from bridge_py.distributed.device_communicators.agreement import (
     Agreement,
-    Judge,
     Signature,
     checks_enabled,
     hash_ints,
@@ -64,14 +73,14 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
     spread_rows,
     unpad_rows,
 )
-from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
 from bridge_py.distributed.device_communicators.nccl_group import (
     NcclGroup,
     check_unique_id_bytes,
 )
+from bridge_py.distributed.device_communicators.pynccl_core import flat_bytes
+from bridge_py.distributed.device_communicators.pynccl_p2p import PyNcclPointToPoint
 from bridge_py.distributed.device_communicators.pynccl_wrapper import operator_library
 from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
-from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.torch_group import (
     _assemble,
@@ -85,11 +94,6 @@ from bridge_py.distributed.store.requests import StoreRequest
 
 __all__ = ["PyNcclCommunicator"]
 
-_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
-# An operation over shared memory (given the agreement row and its judge), or on the group.
-ShmRun = Callable[[ShmCollectives, bytes, Judge], None]
-Run = Callable[[], Any]
-
 
 def _as_device(device: int | str | torch.device) -> torch.device:
     if isinstance(device, bool):
@@ -98,11 +102,6 @@ def _as_device(device: int | str | torch.device) -> torch.device:
     if found.type == "cuda" and found.index is None and torch.cuda.is_available():
         found = torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu") if found.type == "cpu" else found  # CPU tensors have no index
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as flat bytes (exact for every dtype, on every backend)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _on_vllm_wire(group: ProcessGroup | StatelessProcessGroup) -> bool:
@@ -126,20 +125,13 @@ def _agreed_token(group: ProcessGroup | StatelessProcessGroup, rank: int) -> str
     return bytes(tensor.tolist()).hex()
 
 
-class PyNcclCommunicator(CommunicatorChecks):
+class PyNcclCommunicator(PyNcclPointToPoint):
     """vLLM's NCCL communicator for a group of ranks, on CUDA (torch's NCCL) or on CPU.
 
     Made from a `StatelessProcessGroup` (or a gloo ProcessGroup) and a device; its
     operations take tensors on that device, and group ranks as `src` and `dst`. On CPU,
     ranks on one machine move data through shared memory, others through gloo.
     """
-
-    group: ProcessGroup | StatelessProcessGroup
-    rank: int
-    world_size: int
-    device: torch.device
-    available: bool
-    disabled: bool
 
     def __init__(
         self,
@@ -211,10 +203,9 @@ class PyNcclCommunicator(CommunicatorChecks):
         self._device_blocks = cpu  # gloo's waits block the CPU, NCCL's order a stream
         self._shm: ShmCollectives | None = None
         self._pg: ProcessGroup | NcclGroup | None = None
-        self._depth = 0  # group_start nesting
-        self._sends: list[Any] = []  # CPU, inside a group: posted sends, waited by group_end
-        self._recvs: list[tuple[torch.Tensor, int]] = []  # ... and receives, run by group_end
-        rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
+        self._depth, self._suspended = 0, False
+        self._shm_offer: bool | None = None  # None: the environment's choice
+        self._sends, self._recvs = [], []
         if self.available and (group is None or (not cpu and _on_vllm_wire(group))):
             operator_library(library_path)  # a caller's library is refused before all else
             self._require_cuda(cpu)
@@ -223,7 +214,16 @@ class PyNcclCommunicator(CommunicatorChecks):
                 vllm_group, self.rank, self.world_size, self.device, library_path, unique_id
             )
             self._pg, self.nccl_version = nccl, nccl.version
-        elif self.available and group is not None:
+            group = None  # (joined)
+        self._open(group if self.available else None)
+
+    def _open(self, group: ProcessGroup | StatelessProcessGroup | None) -> None:
+        """Make this communicator's torch group on `group`'s store (None: keep `_pg`), its
+        agreement and (CPU) shared memory, or run (CUDA) NCCL's set-up all-reduce: the
+        constructor's work, and `resume`'s."""
+        cpu = self.device.type == "cpu"
+        rendezvous: dist.Store | None = None  # the store gloo's rendezvous used
+        if group is not None:
             self._pg, rendezvous = self._connect(group, cpu)
         self.agreement = Agreement(
             cast(ProcessGroup, self._pg),
@@ -234,7 +234,11 @@ class PyNcclCommunicator(CommunicatorChecks):
         )
         if self._pg is not None and cpu:
             ranks = list(range(self.world_size))
-            self._shm = ShmCollectives.create(self._group, self.rank, ranks, self.label)
+            offer = self._shm_offer
+            self._shm = ShmCollectives.create(
+                self._group, self.rank, ranks, self.label, enabled=offer
+            )
+            self._shm_offer = self._shm is not None  # (resume takes the same transport)
             if self._shm is not None:
                 self.agreement.carrier = self._shm.exchange
             # The set-up's all-reduce needed every rank inside the gloo group, so no rank
@@ -275,8 +279,8 @@ class PyNcclCommunicator(CommunicatorChecks):
         pg = _assemble(cast(TCPStore, store), self.rank, self.world_size, backend, timeout)
         return pg, store
 
-    def destroy(self) -> None:
-        """Release the shared memory and the torch group; the communicator is then disabled."""
+    def _release(self) -> None:
+        """Close the shared memory and the torch group (or destroy NCCL's communicator)."""
         if self._shm is not None:
             self._shm.close()
             self._shm = None
@@ -286,137 +290,49 @@ class PyNcclCommunicator(CommunicatorChecks):
             with contextlib.suppress(Exception):
                 stateless_destroy_torch_distributed_process_group(self._pg)
         self._pg = None
+
+    def destroy(self) -> None:
+        """Release the shared memory and the torch group; the communicator is then disabled."""
+        self._release()
         self.available, self.disabled = False, True
 
-    # ----------------------------------------------------------------- plumbing
+    def suspend(self) -> None:
+        """Release the communicator's memory until `resume`: a collective (every rank
+        suspends), idempotent. Meanwhile its operations raise StateError.
 
-    @property
-    def _group(self) -> ProcessGroup:
-        if self._pg is None:
-            raise StateError(f"{self.label} was destroyed")
-        return cast(ProcessGroup, self._pg)  # an NcclGroup answers the calls made of it
-
-    def _check(self, op: str, name: str, tensor: Any, like: torch.Tensor | None = None) -> None:
-        """The shared tensor check, strict: the memory is read as it is, so `tensor` must
-        be contiguous and on this very device (and of `like`'s dtype)."""
-        self._check_tensor(op, tensor, name=name, like=like, strict=True)
-
-    def _check_numel(self, op: str, name: str, tensor: torch.Tensor, numel: int, how: str) -> None:
-        if tensor.numel() != numel:
-            shape = tuple(tensor.shape)
-            raise self._error(
-                op, f"{name} has {tensor.numel()} elements (shape {shape}), {how} = {numel}"
-            )
-
-    def _check_rows(self, op: str, output: Any, inp: Any, sizes: Any, scatter: bool) -> list[int]:
-        """The checks of `all_gatherv` and (`scatter`) `reduce_scatterv`: `sizes` rows."""
-        self._check(op, "input_tensor", inp)
-        self._check(op, "output_tensor", output, inp)
-        counts, rest = self._check_sizes(op, sizes), tuple(inp.shape[1:])
-        rows = (sum(counts), counts[self.rank]) if scatter else (counts[self.rank], sum(counts))
-        for name, tensor, n in zip(
-            ("input_tensor", "output_tensor"), (inp, output), rows, strict=True
-        ):
-            if tensor.dim() == 0 or tuple(tensor.shape) != (n, *rest):
-                shape = tuple(tensor.shape)
-                raise self._error(op, f"{name} has shape {shape}, not {(n, *rest)} ({sizes=})")
-        return counts
-
-    def _check_op(self, op: str, reduce_op: Any, dtype: torch.dtype) -> int:
-        if reduce_op not in _OPS:
-            raise self._error(
-                op,
-                f"op must be ReduceOp.SUM, AVG, PRODUCT, MIN or MAX, not {reduce_op!r}",
-                TypeError,
-            )
-        # Sums work for every dtype (bool: a logical OR), averages for floating types; the
-        # others are not defined for complex numbers, nor MIN and MAX for uint64 (which
-        # travels as int64 bits).
-        defined = reducible(dtype, self.backend)
-        if reduce_op == ReduceOp.AVG:
-            defined = defined and (dtype.is_floating_point or dtype.is_complex)
-        elif reduce_op != ReduceOp.SUM:
-            order = reduce_op == ReduceOp.PRODUCT or dtype != torch.uint64
-            defined = defined and not dtype.is_complex and order
-        if not defined:
-            raise self._error(op, f"op={reduce_op!r} is not defined for dtype {dtype}", TypeError)
-        return int(reduce_op)
-
-    def _signed(self, op: str, check: Callable[[], Signature]) -> Signature:
-        """`check()`: the arguments every rank must share; a TypeError or ValueError it raises
-        about this rank's arguments is raised on every rank (with checks on)."""
-        signature, error = self._validated(check)
-        if error is not None:
-            self.agreement.check(Signature(op), error)  # raises, here and on every rank
-        assert signature is not None
-        return signature
-
-    def _move(self, signature: Signature, shm_run: ShmRun | None, run: Run) -> None:
-        """Over shared memory when there is some and `shm_run` is given (its first step
-        carries the agreement row), else `run()` on the group after agreeing."""
-        if self._shm is not None and shm_run is not None:
-            shm_run(self._shm, *self.agreement.step(signature))
+        vLLM's frees NCCL's buffers with ``ncclCommSuspend`` (NCCL 2.29.7 and later) and
+        keeps the communicator; so does this one where it calls NCCL itself (on vLLM's wire,
+        or from a unique id; with an older NCCL nothing is freed, as in vLLM). Elsewhere it
+        closes its shared memory and its torch group (gloo or NCCL), which `resume` makes
+        anew. On CPU the ranks first agree that all of them are suspending.
+        """
+        if self.disabled or self._suspended:
             return
-        self.agreement.check(signature)
-        work = run()
-        # On CUDA inside group_start/group_end, group_end waits for the coalesced work.
-        if work is not None and not (self._depth and self.device.type == "cuda"):
-            self._finish(work, signature.op)
+        if self._depth:
+            raise StateError(f"suspend on {self.agreement.where}: inside group_start/group_end")
+        self.agreement.check(Signature("suspend"))
+        if isinstance(self._pg, NcclGroup):
+            self._pg.suspend()
+        else:
+            self._release()
+        self._suspended = True
 
-    def _on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        if self.device.type == "cuda" and stream is not None:
-            return torch.cuda.stream(stream)
-        return contextlib.nullcontext()
-
-    def _reduce(
-        self, signature: Signature, kind: str, out: torch.Tensor, inp: torch.Tensor, op: Any
-    ) -> None:
-        """All-reduce (`kind` "all_reduce") or reduce-scatter (else) of `inp` into `out`."""
-        group = self._group
-        wire, restore = for_reduction(inp, self.backend)
-        wire = wire.reshape(-1)
-        n = wire.numel() if kind == "all_reduce" else wire.numel() // self.world_size
-        same = out.dtype == wire.dtype  # else: the result is narrowed back into out below
-        target = out.view(-1) if same else torch.empty(n, dtype=wire.dtype, device=out.device)
-        # gloo has no average: a sum, divided here. NCCL averages itself (and must, to
-        # pair with vLLM's ranks, which ask NCCL for an average).
-        divide = op == ReduceOp.AVG and self.backend == "gloo"
-        total = ReduceOp.SUM if divide else op
-
-        def shm_run(shm: ShmCollectives, row: bytes, judge: Judge) -> None:
-            if kind == "all_reduce":
-                shm.all_reduce(wire, target, row, judge)
+    def resume(self) -> None:
+        """Make a suspended communicator usable again (a collective: every rank resumes,
+        and its torch group is made anew over the group's store); else nothing."""
+        if self.disabled or not self._suspended:
+            return
+        self._suspended = False
+        try:
+            if isinstance(self._pg, NcclGroup):
+                self._pg.resume()
             else:
-                shm.reduce_scatter(target, wire, row, judge)
-
-        def run() -> Any:
-            if wire.numel() == 0:
-                return None
-            if kind == "all_reduce":
-                options = dist.AllreduceOptions()
-                options.reduceOp = ReduceOp(total)
-                if target.data_ptr() != wire.data_ptr():
-                    target.copy_(wire)
-                return group.allreduce([target], options)
-            scatter = dist.ReduceScatterOptions()
-            scatter.reduceOp = ReduceOp(total)
-            return group._reduce_scatter_base(target, wire, scatter)
-
-        self._move(signature, shm_run if total == ReduceOp.SUM else None, run)
-        if divide:
-            target.div_(self.world_size)
-        if not same:
-            out.copy_(restore(target).reshape(out.shape))
-
-    def _gather(self, signature: Signature, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Every rank's `inp` into `out`, rank after rank, as bytes."""
-        out_bytes, in_bytes = _bytes(out), _bytes(inp)
-
-        self._move(
-            signature,
-            lambda shm, row, judge: shm.all_gather(out_bytes, in_bytes, row, judge),
-            lambda: self._group._allgather_base(out_bytes, in_bytes) if inp.numel() else None,
-        )
+                self._open(self.group)
+        except BaseException:
+            if not isinstance(self._pg, NcclGroup):
+                self._release()  # (what was made of it: the next resume starts afresh)
+            self._suspended = True
+            raise
 
     # -------------------------------------------------------------- collectives
 
@@ -557,6 +473,37 @@ class PyNcclCommunicator(CommunicatorChecks):
             output_tensor.copy_(mine[: sizes[self.rank]])
         return output_tensor
 
+    def reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        root: int,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """Reduce `input_tensor` over the group (a sum, or `op`) into rank `root`'s
+        `output_tensor` (it may be `input_tensor` itself); returns `output_tensor`, which
+        the other ranks neither read nor write (nor check)."""
+        if self.disabled:
+            return None
+        name = "reduce"
+
+        def check() -> Signature:
+            self._check(name, "input_tensor", input_tensor)
+            code = self._check_op(name, op, input_tensor.dtype)
+            target, numel = self._check_peer(name, "root", root, True), input_tensor.numel()
+            if self.rank == target:
+                self._check(name, "output_tensor", output_tensor, input_tensor)
+                how = "not input_tensor's"
+                self._check_numel(name, "output_tensor", output_tensor, numel, how)
+            params = (code, target)
+            return Signature(name, input_tensor.dtype, (numel,), params, ("op", "root"))
+
+        signature = self._signed(name, check)
+        with self._on(stream):
+            self._reduce(signature, name, output_tensor, input_tensor, op, root)
+        return output_tensor
+
     def broadcast(
         self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None
     ) -> torch.Tensor | None:
@@ -571,7 +518,7 @@ class PyNcclCommunicator(CommunicatorChecks):
             return Signature(name, tensor.dtype, (tensor.numel(),), (source,), ("src",))
 
         signature = self._signed(name, check)
-        data = _bytes(tensor)
+        data = flat_bytes(tensor)
 
         with self._on(stream):
             self._move(
@@ -580,89 +527,3 @@ class PyNcclCommunicator(CommunicatorChecks):
                 lambda: self._group.broadcast(data, src) if data.numel() else None,
             )
         return tensor
-
-    # ----------------------------------------------------------- point to point
-
-    def send(self, tensor: torch.Tensor, dst: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Send `tensor` to rank `dst`, which receives it with `recv`.
-
-        Inside `group_start`/`group_end` the send is posted at once and completes by
-        `group_end`; on CPU with checks on, a small header goes first and `recv` compares it
-        with what it expects.
-        """
-        if self.disabled:
-            return
-        self._check("send", "tensor", tensor)
-        peer = self._check_peer("send", "dst", dst, False)
-        group, works, data = self._group, [], _bytes(tensor)
-        with self._on(stream):
-            if self.agreement.enabled:
-                works.append(group.send([self._header(tensor, data, (tensor.numel(),))], peer, 0))
-            if tensor.numel():
-                works.append(group.send([data], peer, 0))
-        if self._depth and self.device.type == "cpu":
-            self._sends.extend(works)
-        elif not self._depth:
-            for work in works:
-                self._finish(work, "send")
-
-    def recv(
-        self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None
-    ) -> torch.Tensor | None:
-        """Receive into `tensor` what rank `src` sends; returns `tensor`.
-
-        Inside `group_start`/`group_end` it is filled by `group_end`. With checks on (CPU),
-        a message of another dtype or size is received, dropped and reported (ValueError),
-        and the pair stays in step.
-        """
-        if self.disabled:
-            return None
-        self._check("recv", "tensor", tensor)
-        peer = self._check_peer("recv", "src", src, False)
-        if self._depth and self.device.type == "cpu":
-            self._recvs.append((tensor, peer))
-            return tensor
-        with self._on(stream):
-            self._receive(tensor, peer)
-        return tensor
-
-    def _receive(self, tensor: torch.Tensor, peer: int) -> None:
-        group, data = self._group, _bytes(tensor)
-        if self.agreement.enabled:
-            header = self._header(tensor, data, (tensor.numel(),))
-            self._expect(header, peer, lambda buffer, _: group.recv([buffer], peer, 0))
-        if tensor.numel():
-            work = group.recv([data], peer, 0)
-            if not self._depth:
-                self._finish(work, "recv")
-
-    def group_start(self) -> None:
-        """Start a group of operations (as `ncclGroupStart`): sends and receives inside it
-        complete together at `group_end`, so that two ranks may send to each other."""
-        if self.disabled:
-            return
-        if self._depth == 0 and self.device.type == "cuda":
-            self._group._start_coalescing(self.device)
-        self._depth += 1
-
-    def group_end(self) -> None:
-        """End the group that `group_start` began: its operations have then completed (on
-        CUDA: are queued, ordered on the current stream)."""
-        if self.disabled:
-            return
-        if self._depth == 0:
-            raise StateError(f"group_end on rank {self.rank} of {self.label}: no group_start")
-        self._depth -= 1
-        if self._depth:
-            return
-        if self.device.type == "cuda":
-            work = self._group._end_coalescing(self.device)
-            if work is not None:
-                work.wait()
-            return
-        recvs, self._recvs = self._recvs, []
-        sends, self._sends = self._sends, []
-        for tensor, peer in recvs:
-            self._receive(tensor, peer)
-        for work in sends:
-            self._finish(work, "send")

@@ -33,6 +33,7 @@ from bridge_py.distributed.errors import DistributedError, StateError
 from bridge_py.distributed.vllm_pickle import UNIQUE_ID_BYTES, ncclUniqueId
 
 __all__ = [
+    "NCCL_SUSPEND_MEM",
     "NCCL_UNIQUE_ID_BYTES",
     "NCCLLibrary",
     "NcclError",
@@ -162,6 +163,12 @@ _FUNCTIONS: dict[str, tuple[list[Any], Any]] = {
     "ncclCommDestroy": ([ncclComm_t], ncclResult_t),
     "ncclCommAbort": ([ncclComm_t], ncclResult_t),
 }
+# Bound where the library has them (NCCL 2.29.7 and later): see NCCLLibrary.has_symbol.
+_OPTIONAL: dict[str, tuple[list[Any], Any]] = {
+    "ncclCommSuspend": ([ncclComm_t, _int], ncclResult_t),  # (comm, flags)
+    "ncclCommResume": ([ncclComm_t], ncclResult_t),
+}
+NCCL_SUSPEND_MEM = 0x01  # ncclCommSuspend's flag: release the communicator's memory
 
 
 def find_nccl_library() -> str:
@@ -224,15 +231,23 @@ class NCCLLibrary:
             ) from exc
         self.path = path
         self._fn: dict[str, Any] = {}
-        for name, (argtypes, restype) in _FUNCTIONS.items():
+        for name, (argtypes, restype) in {**_FUNCTIONS, **_OPTIONAL}.items():
             try:
                 fn = getattr(self.lib, name)
             except AttributeError as exc:
+                if name in _OPTIONAL:
+                    continue
                 raise StateError(f"{path} has no {name}: not an NCCL library") from exc
             fn.argtypes, fn.restype = argtypes, restype
             self._fn[name] = fn
 
+    def has_symbol(self, name: str) -> bool:
+        """Whether the library has NCCL's function ``name`` (bound by this class)."""
+        return name in self._fn
+
     def _call(self, name: str, *args: Any) -> None:
+        if name not in self._fn:
+            raise StateError(f"{self.path} has no {name} (NCCL 2.29.7 and later have it)")
         result = self._fn[name](*args)
         if result != 0:
             raise NcclError(f"{name} failed: {self.ncclGetErrorString(result)} ({result})")
@@ -287,3 +302,5 @@ class NCCLLibrary:
     ncclGroupEnd = _forward("ncclGroupEnd")
     ncclCommDestroy = _forward("ncclCommDestroy")  # (comm), once its work has run
     ncclCommAbort = _forward("ncclCommAbort")  # (comm), its work cancelled
+    ncclCommSuspend = _forward("ncclCommSuspend")  # (comm, flags): where has_symbol says
+    ncclCommResume = _forward("ncclCommResume")  # (comm), after ncclCommSuspend

@@ -98,6 +98,55 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   end
 
   @doc ~S"""
+  All-to-all along dim 0, as `torch.distributed.all_to_all_single`: the next
+  `input_split_sizes[r]` rows of `input_tensor` go to rank `r`, and the next
+  `output_split_sizes[r]` rows of `output_tensor` come from it; returns
+  `output_tensor`. With checks on, the ranks also agree that each receives from
+  every other as many rows as that one sends it.
+
+  ## Parameters
+
+    * `output_tensor` (`VllmBridge.Tensor.t()`)
+    * `input_tensor` (`VllmBridge.Tensor.t()`)
+    * `output_split_sizes` (`[integer()]`)
+    * `input_split_sizes` (`[integer()]`)
+    * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 0)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t() | nil`
+  """
+  @spec all_to_all_single(
+          t(),
+          VllmBridge.Tensor.t(),
+          VllmBridge.Tensor.t(),
+          [integer()],
+          [integer()],
+          [term()],
+          keyword()
+        ) :: {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
+  def all_to_all_single(
+        ref,
+        output_tensor,
+        input_tensor,
+        output_split_sizes,
+        input_split_sizes,
+        args \\ [],
+        opts \\ []
+      ) do
+    VllmBridge.Runtime.call_method(
+      ref,
+      "all_to_all_single",
+      [output_tensor, input_tensor, output_split_sizes, input_split_sizes],
+      [{:__args__, args} | opts]
+    )
+  end
+
+  @doc ~S"""
   The `available` field of a `PyNcclCommunicator`.
 
   `opts` take only `__runtime__: [timeout:, session:, owner:]` (see `VllmBridge.Runtime`): the read runs in the worker that holds the object.
@@ -310,6 +359,35 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   end
 
   @doc ~S"""
+  Reduce `input_tensor` over the group (a sum, or `op`) into rank `root`'s
+  `output_tensor` (it may be `input_tensor` itself); returns `output_tensor`, which
+  the other ranks neither read nor write (nor check).
+
+  ## Parameters
+
+    * `output_tensor` (`VllmBridge.Tensor.t()`)
+    * `input_tensor` (`VllmBridge.Tensor.t()`)
+    * `root` (`integer()`)
+    * `op` (`VllmBridge.Ref.t()`, default: Python's `ReduceOp.SUM` (leave the argument out for it)) (in `args`, position 0)
+    * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t() | nil`
+  """
+  @spec reduce(t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), integer(), [term()], keyword()) ::
+          {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
+  def reduce(ref, output_tensor, input_tensor, root, args \\ [], opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "reduce", [output_tensor, input_tensor, root], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
   Reduce `input_tensor` over the group (a sum, or `op`) and keep this rank's piece
   (piece `rank` of `world_size` equal ones) in `output_tensor`; returns it.
 
@@ -371,6 +449,56 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
   end
 
   @doc ~S"""
+  Make a suspended communicator usable again (a collective: every rank resumes,
+  and its torch group is made anew over the group's store); else nothing.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec resume(t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def resume(ref, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "resume", [], opts)
+  end
+
+  @doc ~S"""
+  Rank `root`'s `input_tensor`, cut along dim 0 into `sizes[r]` rows for each rank
+  `r`, into every rank's `output_tensor` (`sizes[rank]` rows, shaped like the input
+  otherwise); returns `output_tensor`. `input_tensor` is read on `root` only.
+
+  ## Parameters
+
+    * `output_tensor` (`VllmBridge.Tensor.t()`)
+    * `input_tensor` (`VllmBridge.Tensor.t()`)
+    * `sizes` (`[integer()]`)
+    * `root` (`integer()`, default: `0`) (in `args`, position 0)
+    * `stream` (`VllmBridge.Ref.t() | nil`, default: `nil`) (in `args`, position 1)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
+
+  ## Returns
+
+    * `VllmBridge.Tensor.t() | nil`
+  """
+  @spec scatter(
+          t(),
+          VllmBridge.Tensor.t(),
+          VllmBridge.Tensor.t(),
+          [integer()],
+          [term()],
+          keyword()
+        ) :: {:ok, VllmBridge.Tensor.t() | nil} | {:error, VllmBridge.Error.t()}
+  def scatter(ref, output_tensor, input_tensor, sizes, args \\ [], opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "scatter", [output_tensor, input_tensor, sizes], [
+      {:__args__, args} | opts
+    ])
+  end
+
+  @doc ~S"""
   Send `tensor` to rank `dst`, which receives it with `recv`.
 
   Inside `group_start`/`group_end` the send is posted at once and completes by
@@ -395,6 +523,27 @@ defmodule Vllm.Distributed.PyNcclCommunicator do
           {:ok, nil} | {:error, VllmBridge.Error.t()}
   def send(ref, tensor, dst, args \\ [], opts \\ []) do
     VllmBridge.Runtime.call_method(ref, "send", [tensor, dst], [{:__args__, args} | opts])
+  end
+
+  @doc ~S"""
+  Release the communicator's memory until `resume`: a collective (every rank
+  suspends), idempotent. Meanwhile its operations raise StateError.
+
+  vLLM's frees NCCL's buffers with `ncclCommSuspend` (NCCL 2.29.7 and later) and
+  keeps the communicator; so does this one where it calls NCCL itself (on vLLM's wire,
+  or from a unique id; with an older NCCL nothing is freed, as in vLLM). Elsewhere it
+  closes its shared memory and its torch group (gloo or NCCL), which `resume` makes
+  anew. On CPU the ranks first agree that all of them are suspending.
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `nil`
+  """
+  @spec suspend(t(), keyword()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
+  def suspend(ref, opts \\ []) do
+    VllmBridge.Runtime.call_method(ref, "suspend", [], opts)
   end
 
   @doc ~S"""

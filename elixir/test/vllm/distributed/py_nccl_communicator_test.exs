@@ -83,4 +83,24 @@ defmodule Vllm.Distributed.PyNcclCommunicatorTest do
 
     assert length(for {:error, _} <- errors, do: :error) == 2
   end
+
+  test "reduce sums into the root's tensor; a suspended communicator refuses it", %{
+    comms: comms
+  } do
+    reduce = fn r ->
+      Comm.reduce(Enum.at(comms, r), t([0.0, 0.0], {:f, 32}), t([r + 1.0, 5.0], {:f, 32}), 1, [])
+    end
+
+    assert Enum.map(both(reduce), fn {:ok, out} -> Tensor.to_list(out) end) ==
+             [[0.0, 0.0], [3.0, 10.0]]
+
+    assert both(fn r -> Comm.suspend(Enum.at(comms, r), []) end) == [{:ok, nil}, {:ok, nil}]
+
+    assert [{:error, %Error{message: m0}}, {:error, %Error{message: m1}}] = both(reduce)
+    assert m0 =~ "rank 0" and m1 =~ "rank 1" and m0 =~ "suspended" and m1 =~ "resume()"
+
+    assert both(fn r -> Comm.resume(Enum.at(comms, r), []) end) == [{:ok, nil}, {:ok, nil}]
+    assert [{:ok, _}, {:ok, out}] = both(reduce)
+    assert Tensor.to_list(out) == [3.0, 10.0]
+  end
 end
