@@ -37,8 +37,7 @@ class ExpertExchange:
         """Move each rank's tokens to the ranks that need them (expert parallelism).
 
         Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;
-        unchanged unless the device communicator has an all-to-all manager, which gathers
-        the tokens of every rank here.
+        unchanged unless the device communicator has an all-to-all manager.
         """
         return self._comm.dispatch_router_logits(
             hidden_states, router_logits, is_sequence_parallel, extra_tensors
@@ -57,7 +56,7 @@ class ExpertExchange:
         ``topk_weights`` and ``topk_ids`` say each token's experts and their weights (one
         row per token). Returns ``(hidden_states, topk_weights, topk_ids)``, plus the extra
         tensors when given; unchanged unless the device communicator has an all-to-all
-        manager, which gathers the tokens of every rank here.
+        manager.
         """
         return self._comm.dispatch(
             hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors

@@ -569,11 +569,11 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
     ) -> Dispatched:
-        """Dispatch the hidden states and router logits to the appropriate device.
+        """
+        Dispatch the hidden states and router logits to the appropriate device.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
 
-        With an all-to-all manager, its ``dispatch_router_logits`` moves the tokens; without
-        one (always, in the base class) this is a no-op. Returns ``(hidden_states,
-        router_logits)``, plus ``extra_tensors`` when given.
+        Returns ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
         """
         if self.all2all_manager is not None:
             return self.all2all_manager.dispatch_router_logits(
@@ -591,12 +591,13 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
     ) -> DispatchedTopk:
-        """Dispatch the hidden states and top-k weights and ids to the appropriate device.
+        """
+        Dispatch the hidden states and topk weights/ids to the appropriate device.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
 
-        The tokens are routed already (``topk_weights``, ``topk_ids``: each token's experts
-        and their weights). With an all-to-all manager, its ``dispatch`` moves them; without
-        one (always, in the base class) this is a no-op. Returns ``(hidden_states,
-        topk_weights, topk_ids)``, plus ``extra_tensors`` when given.
+        The tokens are routed already: ``topk_weights`` and ``topk_ids`` hold each token's
+        experts and their weights, a row per token. Returns ``(hidden_states, topk_weights,
+        topk_ids)``, plus ``extra_tensors`` when given.
         """
         if self.all2all_manager is not None:
             return self.all2all_manager.dispatch(
