@@ -224,6 +224,22 @@ def _class_module(entry: ExportedClass, exported: dict[type, str]) -> Module:
                 origin=fn,
             )
         )
+    for alias, name in entry.elixir_aliases:
+        fn = getattr(cls, name)
+        params, hints = _params(fn, exported, drop_first=True)
+        module.functions.append(
+            Function(
+                name=alias,
+                kind="method",
+                target=name,
+                params=params,
+                returns=_returns(hints, exported),
+                python_doc=python_doc(fn),
+                fallback=f"The method `{name}` of a `{entry.name}`.",
+                origin=fn,
+            )
+        )
+    _settle_arities(module)
     taken = {f.name for f in module.functions}
     class_hints = _hints(cls)
     for name in entry.attributes:
@@ -240,6 +256,21 @@ def _class_module(entry: ExportedClass, exported: dict[type, str]) -> Module:
             Function(name, "getter", name, [], spec, doc, fallback, origin=member if doc else None)
         )
     return module
+
+
+def _settle_arities(module: Module) -> None:
+    """Give functions that share a name distinct arities: the shortest keeps its defaults,
+    a longer one whose arities would overlap is defined at its full arity only (as
+    ``dispatch/6``, vLLM 0.34's dispatch, beside ``dispatch/3..5``, the router-logits one).
+    ValueError where two full arities are equal."""
+    taken: dict[str, set[int]] = {}
+    for fn in sorted(module.functions, key=lambda f: (f.name, f.arity)):
+        used = taken.setdefault(fn.name, set())
+        if used & set(fn.arities):
+            fn.defaults = False
+        if fn.arity in used:
+            raise ValueError(f"{module.name}.{fn.name}/{fn.arity} would be generated twice")
+        used.update(fn.arities)
 
 
 def _convert(doc: str, fallback: str, where: str, **how: Any) -> Converted:
@@ -284,6 +315,9 @@ def document(modules: list[Module]) -> None:
                 results=True,
             )
             fn.doc, fn.returns_doc, fn.errors = own.text, own.returns, own.raises
+            twin = next((f for f in module.functions if f.name == fn.python_name), None)
+            if fn.name != fn.python_name and twin is not None:  # an alias
+                fn.doc += f"\n\nThe same call as `{twin.name}/{twin.arity}`."
             for p in fn.params:
                 # A class docstring's Args describe the constructor's parameters.
                 inherited = converted.params if fn is constructor else {}

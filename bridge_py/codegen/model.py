@@ -41,6 +41,9 @@ class Function:
     doc: str = ""  # Markdown, once built
     returns_doc: str | None = None
     errors: tuple[tuple[str, str], ...] = ()
+    # False when the shorter arities belong to another function of the same name: then
+    # ``args`` and ``opts`` have no defaults (see ``build``).
+    defaults: bool = True
 
     @property
     def positional(self) -> list[Param]:
@@ -69,9 +72,18 @@ class Function:
         return int(self.takes_ref) + len(self.positional) + int(self.has_args) + 1
 
     @property
+    def arities(self) -> range:
+        """Every Elixir arity the function is defined at (several with defaults)."""
+        least = self.arity - int(self.has_args) - 1 if self.defaults else self.arity
+        return range(least, self.arity + 1)
+
+    @property
     def python_name(self) -> str:
-        """The member name in Python (``__init__`` for ``new``)."""
-        return "__init__" if self.kind == "constructor" else self.name
+        """The member name in Python (``__init__`` for ``new``; a method's own name for an
+        alias, which calls it under another name)."""
+        if self.kind == "constructor":
+            return "__init__"
+        return self.target if self.kind == "method" else self.name
 
 
 @dataclass

@@ -72,11 +72,17 @@ def _doc(fn: Function) -> str:
             "`opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, "
             "timeout:, session:, owner:]` (see `VllmBridge.Runtime`)."
         )
-    if fn.has_args:
+    if fn.has_args and fn.defaults:
         parts.append(
             "`args` (the optional positional parameters, in order) may be left out, or "
             "given as a keyword list instead: a keyword list there is taken as `opts` "
             "(each parameter can be given by name)."
+        )
+    elif fn.has_args:
+        parts.append(
+            "`args` (the optional positional parameters, in order) and `opts` cannot be "
+            f"left out here (pass `[]`): `{fn.name}` with fewer arguments is another "
+            "function. A keyword list in `args` is taken as `opts`."
         )
     parts.append("## Returns\n\n" + _item(f"  * `{fn.returns}`", fn.returns_doc))
     if fn.errors:
@@ -91,9 +97,10 @@ def _doc(fn: Function) -> str:
 def _elixir_params(fn: Function) -> list[str]:
     params = ["ref"] if fn.takes_ref else []
     params += [p.var for p in fn.positional]
+    default = " \\\\ []" if fn.defaults else ""
     if fn.has_args:
-        params.append("args \\\\ []")
-    params.append("opts \\\\ []")
+        params.append("args" + default)
+    params.append("opts" + default)
     return params
 
 
@@ -157,7 +164,7 @@ def render_module(module: Module) -> str:
             f'  @typedoc "A `{module.python_name}` held by a Python worker."\n'
             "  @type t :: VllmBridge.Ref.t()\n"
         )
-    for fn in sorted(module.functions, key=lambda f: f.name):
+    for fn in sorted(module.functions, key=lambda f: (f.name, f.arity)):
         out.append("\n" + render_function(fn, module))
     out.append("end\n")
     return "".join(out)

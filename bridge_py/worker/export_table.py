@@ -27,6 +27,7 @@ _GROUP_COORDINATOR_METHODS = (
     "create_single_reader_mq_broadcasters",
     "destroy",
     "dispatch",
+    "dispatch_router_logits",
     "gather",
     "graph_capture",
     "prepare_communication_buffer_for_model",
@@ -40,6 +41,10 @@ _GROUP_COORDINATOR_METHODS = (
     "send_tensor_dict",
 )
 
+# The seeds' dispatch(hidden_states, router_logits, ...) is vLLM 0.34's
+# dispatch_router_logits; vLLM 0.34's dispatch (top-k weights and ids) is dispatch/6.
+_DISPATCH_ALIASES = (("dispatch", "dispatch_router_logits"),)
+
 _DEVICE_COMMUNICATOR_METHODS = (
     "all_gather",
     "all_gatherv",
@@ -47,6 +52,7 @@ _DEVICE_COMMUNICATOR_METHODS = (
     "combine",
     "destroy",
     "dispatch",
+    "dispatch_router_logits",
     "gather",
     "prepare_communication_buffer_for_model",
     "recv",
@@ -107,6 +113,7 @@ def default_exports() -> ExportTable:
                 cls=parallel_state.GroupCoordinator,
                 elixir_module=f"{_DISTRIBUTED}.GroupCoordinator",
                 methods=_GROUP_COORDINATOR_METHODS,
+                elixir_aliases=_DISPATCH_ALIASES,
                 attributes=(
                     "rank",
                     "ranks",
@@ -132,6 +139,7 @@ def default_exports() -> ExportTable:
                 cls=DeviceCommunicatorBase,
                 elixir_module=f"{_DISTRIBUTED}.DeviceCommunicatorBase",
                 methods=_DEVICE_COMMUNICATOR_METHODS,
+                elixir_aliases=_DISPATCH_ALIASES,
                 attributes=("rank", "world_size", "ranks", "rank_in_group", "unique_name"),
             ),
             ExportedClass(

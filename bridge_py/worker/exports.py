@@ -36,6 +36,11 @@ class ExportedClass:
     be called while another call on the object waits, such as a MessageQueue's
     ``shutdown``, which ends its ``dequeue``. Only a method that is safe to run beside
     any other method of its object belongs here.
+
+    ``elixir_aliases`` are ``(elixir_name, method)`` pairs: one more generated function,
+    ``elixir_name``, that calls the exported ``method`` (a name an earlier API gave it, as
+    ``dispatch`` for vLLM 0.34's ``dispatch_router_logits``). Codegen only: the wire
+    knows the method by its own name.
     """
 
     name: str
@@ -46,6 +51,7 @@ class ExportedClass:
     attributes: tuple[str, ...] = ()
     constructible: bool = True
     unordered: tuple[str, ...] = ()
+    elixir_aliases: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,12 @@ class ExportTable:
                 if member not in entry.methods:
                     raise ValueError(
                         f"{entry.name}.{member} is unordered but not an exported method"
+                    )
+            for alias, member in entry.elixir_aliases:
+                if member not in entry.methods or _is_dunder(alias):
+                    raise ValueError(
+                        f"{entry.name}: the Elixir alias {alias!r} must name an exported "
+                        f"method, not {member!r}"
                     )
             table.classes[entry.name] = entry
         for fn in functions:

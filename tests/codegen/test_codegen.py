@@ -13,7 +13,9 @@ import torch
 from bridge_py.codegen.__main__ import generate, main
 from bridge_py.codegen.build import build
 from bridge_py.codegen.model import underscore
+from bridge_py.codegen.render import render_module
 from bridge_py.codegen.typespecs import typespec
+from bridge_py.worker.exports import ExportedClass, ExportTable
 from tests.worker.sample_exports import table as sample_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,13 +99,66 @@ def test_tuple_annotations_become_tuple_typespecs() -> None:
 
 
 def test_dispatch_returns_the_tensors_it_moves() -> None:
-    """vLLM's annotation: (hidden_states, router_logits), plus the extra tensors if given."""
+    """vLLM's annotations. dispatch/5 (the seeds' arity) is vLLM 0.34's
+    dispatch_router_logits: (hidden_states, router_logits), plus the extra tensors if
+    given; dispatch/6 is vLLM 0.34's dispatch: (hidden_states, topk_weights, topk_ids)."""
     tensor = "VllmBridge.Tensor.t()"
+    error = "| {:error, VllmBridge.Error.t()}"
     for path in ("device_communicator_base.ex", "group_coordinator.ex"):
         source = (ROOT / "elixir" / "lib" / "vllm" / "distributed" / path).read_text()
-        spec = source[source.index("@spec dispatch(") :].split("def dispatch(")[0]
-        assert " ".join(spec.split()) == (
-            f"@spec dispatch(t(), {tensor}, {tensor}, [term()], keyword()) :: "
-            f"{{:ok, {{{tensor}, {tensor}}} | {{{tensor}, {tensor}, [{tensor}]}}}} "
-            "| {:error, VllmBridge.Error.t()}"
+        specs = [" ".join(part.split()) for part in source.split("@spec dispatch(")[1:3]]
+        assert specs[0].startswith(
+            f"t(), {tensor}, {tensor}, [term()], keyword()) :: "
+            f"{{:ok, {{{tensor}, {tensor}}} | {{{tensor}, {tensor}, [{tensor}]}}}} {error} "
+            "def dispatch(ref, hidden_states, router_logits, args \\\\ [], opts \\\\ []) do "
+            'VllmBridge.Runtime.call_method( ref, "dispatch_router_logits",'
         ), path
+        three = f"{tensor}, {tensor}, {tensor}"
+        assert specs[1].startswith(
+            f"t(), {three}, [term()], keyword() ) :: "
+            f"{{:ok, {{{three}}} | {{{three}, [{tensor}]}}}} {error} "
+            "def dispatch(ref, hidden_states, topk_weights, topk_ids, args, opts) do "
+            'VllmBridge.Runtime.call_method(ref, "dispatch",'
+        ), path
+
+
+class _Mover:
+    def dispatch(self, h: int, w: int, ids: int, sp: bool = False) -> int:
+        """Routed tokens."""
+        return h + w + ids
+
+    def dispatch_router_logits(self, h: int, logits: int, sp: bool = False) -> int:
+        """Tokens with logits."""
+        return h + logits
+
+    def other(self, h: int, logits: int, sp: bool = False) -> int:
+        """The arities of dispatch_router_logits."""
+        return h
+
+
+def _mover_table(aliases: tuple[tuple[str, str], ...], methods: tuple[str, ...]) -> ExportTable:
+    entry = ExportedClass("Mover", _Mover, "Sample.Mover", methods, elixir_aliases=aliases)
+    return ExportTable.build([entry])
+
+
+def test_an_alias_calls_its_method_and_a_longer_namesake_loses_its_defaults() -> None:
+    methods = ("dispatch", "dispatch_router_logits")
+    (module,) = build(_mover_table((("dispatch", "dispatch_router_logits"),), methods))
+    source = render_module(module)
+    # The alias keeps the short arities (3..5) and calls the other method on the wire.
+    alias = source.split("def dispatch(ref, h, logits, args \\\\ [], opts \\\\ []) do")[1]
+    assert (
+        alias.split("end")[0]
+        .strip()
+        .startswith('VllmBridge.Runtime.call_method(ref, "dispatch_router_logits", [h, logits]')
+    )
+    assert "The same call as `dispatch_router_logits/5`." in source
+    # The method of that name is defined at its full arity only, and says so.
+    assert "def dispatch(ref, h, w, ids, args, opts) do" in source
+    assert "cannot be left out here (pass `[]`)" in source
+    assert "def dispatch_router_logits(ref, h, logits, args \\\\ [], opts \\\\ []) do" in source
+    assert source.index("def dispatch(ref, h, logits") < source.index("def dispatch(ref, h, w")
+    with pytest.raises(ValueError, match=r"Sample.Mover.other/5 would be generated twice"):
+        build(_mover_table((("other", "dispatch_router_logits"),), (*methods, "other")))
+    with pytest.raises(ValueError, match="must name an exported method, not 'other'"):
+        _mover_table((("alias", "other"),), methods)

@@ -44,7 +44,7 @@ def _communicators(rank: int, port: int) -> str:
     assert base.use_all2all is False and base.all2all_manager is None
     assert torch.equal(base.all_reduce(torch.ones(2)), torch.full((2,), 2.0))
     hidden, logits = torch.ones(2, 3), torch.zeros(2, 4)
-    out = base.dispatch(hidden, logits)
+    out = base.dispatch_router_logits(hidden, logits)
     assert out[0] is hidden and out[1] is logits
     assert base.combine(hidden) is hidden
     base.prepare_communication_buffer_for_model(torch.nn.Linear(1, 1))
@@ -58,7 +58,7 @@ def _communicators(rank: int, port: int) -> str:
     hidden = torch.arange(tokens * 2, dtype=torch.float32).reshape(tokens, 2) + 100 * rank
     logits = torch.full((tokens, 5), float(rank))
     ids = torch.full((tokens,), rank, dtype=torch.int64)
-    all_hidden, all_logits, extra = comm.dispatch(hidden, logits, False, [ids])
+    all_hidden, all_logits, extra = comm.dispatch_router_logits(hidden, logits, False, [ids])
     assert all_hidden.shape == (4, 2) and all_logits.shape == (4, 5)
     assert extra[0].tolist() == [0, 0, 0, 1]
     mine = slice(0, 3) if rank == 0 else slice(3, 4)

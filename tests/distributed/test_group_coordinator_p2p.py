@@ -169,10 +169,10 @@ def _check_objects(rank: int, world: GroupCoordinator, tp: GroupCoordinator) -> 
 
 def _check_model_hooks(tp: GroupCoordinator) -> None:
     hidden, logits = torch.ones(2, 4), torch.zeros(2, 3)
-    out = tp.dispatch(hidden, logits)  # no all-to-all manager on a TP group: no-op
+    out = tp.dispatch_router_logits(hidden, logits)  # no all-to-all manager on a TP group: no-op
     assert out[0] is hidden and out[1] is logits and len(out) == 2
     extra = [torch.ones(2)]
-    out = tp.dispatch(hidden, logits, False, extra)
+    out = tp.dispatch_router_logits(hidden, logits, False, extra)
     assert len(out) == 3 and out[2] is extra
     assert tp.combine(hidden) is hidden
     tp.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))

@@ -137,7 +137,7 @@ def _expert_parallel(rank: int) -> None:
     tokens = rank + 1  # uneven token counts
     hidden = torch.full((tokens, 3), float(rank))
     logits = torch.full((tokens, 2), float(10 * rank))
-    all_hidden, all_logits = ep.dispatch(hidden, logits)
+    all_hidden, all_logits = ep.dispatch_router_logits(hidden, logits)
     counts = [1, 2, 3, 4]
     expected = torch.cat([torch.full((n, 3), float(r)) for r, n in enumerate(counts)])
     assert torch.equal(all_hidden, expected)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.auth import resolve_key
+from bridge_py.distributed.coordinator.experts import ExpertExchange
 from bridge_py.distributed.coordinator.layout import (
     check_group_ranks,
     communicator_class,
@@ -36,7 +37,6 @@ from bridge_py.distributed.coordinator.tensor_dicts import (
 from bridge_py.distributed.device_communicators.agreement import Signature
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
-    Dispatched,
 )
 from bridge_py.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from bridge_py.distributed.errors import StateError
@@ -53,7 +53,7 @@ class GraphCaptureContext:
     stream: Any
 
 
-class GroupCoordinator:
+class GroupCoordinator(ExpertExchange):
     """
     PyTorch ProcessGroup wrapper for a group of processes.
     PyTorch ProcessGroup is bound to one specific communication backend,
@@ -671,25 +671,3 @@ class GroupCoordinator:
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Let the device communicator size its buffers for ``model`` (a no-op without one)."""
         self._comm.prepare_communication_buffer_for_model(model)
-
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        router_logits: torch.Tensor,
-        is_sequence_parallel: bool = False,
-        extra_tensors: list[torch.Tensor] | None = None,
-    ) -> Dispatched:
-        """Move each rank's tokens to the ranks that need them (expert parallelism).
-
-        Returns ``(hidden_states, router_logits)``, plus the extra tensors when given;
-        unchanged unless the device communicator has an all-to-all manager.
-        """
-        return self._comm.dispatch(
-            hidden_states, router_logits, is_sequence_parallel, extra_tensors
-        )
-
-    def combine(
-        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
-    ) -> torch.Tensor:
-        """Bring processed tokens back to their ranks (the inverse of :meth:`dispatch`)."""
-        return self._comm.combine(hidden_states, is_sequence_parallel)

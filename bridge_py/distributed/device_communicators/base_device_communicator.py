@@ -38,20 +38,20 @@ from bridge_py.distributed.device_communicators.agreement import (
     dtype_code,
     hash_ints,
 )
+from bridge_py.distributed.device_communicators.all2all_base import (
+    All2AllManagerBase,
+    Dispatched,
+    DispatchedTopk,
+)
 from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
+from bridge_py.distributed.device_communicators.p2p_batch import run_batch
 from bridge_py.distributed.device_communicators.torch_compat import (
     all_gather_into,
     reduce_scatter_into,
 )
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, for_transport
 
-__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase", "Dispatched"]
-
-# What ``dispatch`` returns (vLLM's annotation): the hidden states and router logits of the
-# tokens, then the extra tensors when some were given.
-Dispatched = (
-    tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
-)
+__all__ = ["All2AllManagerBase", "DeviceCommunicatorBase", "Dispatched", "DispatchedTopk"]
 
 
 def pad_rows(rows: torch.Tensor, longest: int) -> torch.Tensor:
@@ -71,53 +71,6 @@ def unpad_rows(stacked: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """The first ``sizes[r]`` rows of every ``stacked[r]`` (rank-major padded pieces),
     concatenated: what :func:`pad_rows` padded, all-gathered, unpadded."""
     return torch.cat([stacked[r, :n] for r, n in enumerate(sizes)])
-
-
-class All2AllManagerBase:
-    """Moves the tokens of a mixture-of-experts layer between the ranks of one group.
-
-    vLLM builds its managers from the cpu group and reads token counts from its forward
-    context; here a manager works through the communicator that owns it, and learns the
-    token counts from the ranks themselves.
-    """
-
-    def __init__(self, communicator: DeviceCommunicatorBase) -> None:
-        self.communicator = communicator
-        self.cpu_group = communicator.cpu_group
-        self.rank = communicator.rank_in_group
-        self.world_size = communicator.world_size
-        self._internode: bool | None = None
-
-    @property
-    def internode(self) -> bool:
-        """Whether the group spans several nodes (a collective probe, run on first use)."""
-        if self._internode is None:
-            from bridge_py.distributed.groups.node import in_the_same_node_as
-
-            self._internode = not all(in_the_same_node_as(self.cpu_group, source_rank=0))
-        return self._internode
-
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        router_logits: torch.Tensor,
-        is_sequence_parallel: bool = False,
-        extra_tensors: list[torch.Tensor] | None = None,
-    ) -> Dispatched:
-        """Send each rank's tokens to the ranks that need them."""
-        raise NotImplementedError
-
-    def combine(
-        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
-    ) -> torch.Tensor:
-        """Bring the processed tokens back to the ranks they came from."""
-        raise NotImplementedError
-
-    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
-        """Allocate whatever buffers ``model``'s shapes call for (none here)."""
-
-    def destroy(self) -> None:
-        """Release the manager's resources."""
 
 
 def _registered(group: ProcessGroup) -> bool:
@@ -412,6 +365,33 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         dim_n, _ = self._agree(op, input_, check, ("dim", "sizes#"), reduce=True)
         return self._reduce_rows(input_, dim_n, list(sizes))
 
+    def reduce_scatterv_into_output(
+        self,
+        input_: torch.Tensor,
+        output: torch.Tensor,
+        dim: int = -1,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`reduce_scatterv`, with this rank's part written into ``output`` (a tensor
+        of that part's shape and a dtype it can be copied into); returns ``output``."""
+        return self._into(
+            "reduce_scatterv_into_output", output, self.reduce_scatterv(input_, dim, sizes)
+        )
+
+    def _into(self, op: str, output: Any, result: torch.Tensor) -> torch.Tensor:
+        """``result`` copied into ``output`` (the parameter of ``op``), which is returned.
+        Called after the collective, so that a bad ``output`` leaves the group in step."""
+        if not isinstance(output, torch.Tensor):
+            kind = type(output).__name__
+            raise self._error(op, f"output: expected a torch.Tensor, got {kind}", TypeError)
+        if output.shape != result.shape:
+            raise self._error(
+                op,
+                f"output has shape {tuple(output.shape)} but the result has shape "
+                f"{tuple(result.shape)}",
+            )
+        return output.copy_(result)
+
     def _reduce_rows(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         rows = tensor.movedim(dim, 0)
         rest = tuple(rows.shape[1:])
@@ -489,6 +469,17 @@ class DeviceCommunicatorBase(CommunicatorChecks):
     def checkpoint_restore(self) -> None:
         """Restore communicator state after a checkpoint (here: nothing to do)."""
 
+    def get_symmetric_memory_buffer(
+        self,
+        role: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """A symmetric-memory tensor for ``role`` (vLLM's NCCL windows), or None: there is
+        no symmetric memory here, so callers allocate ordinary tensors."""
+        return None
+
     def suspend(self) -> None:
         """Release reclaimable communicator memory (here: none is held)."""
 
@@ -542,6 +533,20 @@ class DeviceCommunicatorBase(CommunicatorChecks):
             self._finish(self.dist_module.irecv(wire, peer, group=self.device_group), op)
         return tensor
 
+    def batch_isend_irecv(self, p2p_ops: list[Any]) -> None:
+        """Run a batch of sends and receives together; returns once all have completed.
+
+        Each of ``p2p_ops`` is a ``torch.distributed.P2POp`` or an object with its fields
+        (as vLLM builds them): ``op`` (``torch.distributed.isend`` or ``irecv``),
+        ``tensor``, and ``group_peer``, the peer's rank in this group (else ``peer``, its
+        global rank). Every send is posted before any receive waits, so ranks may send to
+        each other in one batch; two ranks list their messages to each other in the same
+        order, as with NCCL. With checks on, a message whose shape or dtype differs from
+        the receiving tensor's is received and dropped, and a ValueError raised once the
+        batch is done.
+        """
+        run_batch(self, p2p_ops, self.ranks, self.cpu_group, self.device_group)
+
     # ----------------------------------------------------------------- model & all2all
 
     def destroy(self) -> None:
@@ -557,7 +562,7 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         if self.all2all_manager is not None:
             self.all2all_manager.prepare_communication_buffer_for_model(model)
 
-    def dispatch(
+    def dispatch_router_logits(
         self,
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
@@ -571,12 +576,36 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         Returns ``(hidden_states, router_logits)``, plus ``extra_tensors`` when given.
         """
         if self.all2all_manager is not None:
-            return self.all2all_manager.dispatch(
+            return self.all2all_manager.dispatch_router_logits(
                 hidden_states, router_logits, is_sequence_parallel, extra_tensors
             )
         if extra_tensors is not None:
             return hidden_states, router_logits, extra_tensors
         return hidden_states, router_logits
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> DispatchedTopk:
+        """
+        Dispatch the hidden states and topk weights/ids to the appropriate device.
+        Without an all-to-all manager (always, in the base class) this is a no-op.
+
+        The tokens are routed already: ``topk_weights`` and ``topk_ids`` hold each token's
+        experts and their weights, a row per token. Returns ``(hidden_states, topk_weights,
+        topk_ids)``, plus ``extra_tensors`` when given.
+        """
+        if self.all2all_manager is not None:
+            return self.all2all_manager.dispatch(
+                hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors
+            )
+        if extra_tensors is not None:
+            return hidden_states, topk_weights, topk_ids, extra_tensors
+        return hidden_states, topk_weights, topk_ids
 
     def combine(
         self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
@@ -588,3 +617,33 @@ class DeviceCommunicatorBase(CommunicatorChecks):
         if self.all2all_manager is not None:
             return self.all2all_manager.combine(hidden_states, is_sequence_parallel)
         return hidden_states
+
+    def allocate_combine_input(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor | None:
+        """A buffer for :meth:`combine`'s input that the transport reads directly, from the
+        all-to-all manager; None (always, here): allocate an ordinary tensor."""
+        if self.all2all_manager is None:
+            return None
+        return self.all2all_manager.allocate_combine_input(
+            shape, dtype, device, is_sequence_parallel
+        )
+
+    def combine_into_output(
+        self,
+        hidden_states: torch.Tensor,
+        output: torch.Tensor,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`combine`, with the result written into ``output``; returns ``output``."""
+        if self.all2all_manager is not None:
+            return self.all2all_manager.combine_into_output(
+                hidden_states, output, is_sequence_parallel
+            )
+        return self._into(
+            "combine_into_output", output, self.combine(hidden_states, is_sequence_parallel)
+        )

@@ -18,6 +18,9 @@ on every rank and every run) while gloo's ring may round differently in the last
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -67,7 +70,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if self.shm is not None:
             self.agreement.carrier = self.shm.exchange
         if self.use_all2all:
-            self.all2all_manager = NaiveAll2AllManager(self)
+            self.all2all_manager = NaiveAll2AllManager(self.cpu_group, communicator=self)
 
     def _step(self, op: str, wire: torch.Tensor) -> tuple[bytes, Judge]:
         """The agreement row and judge of a shared-memory step of ``op`` on ``wire``."""
@@ -133,6 +136,53 @@ class CpuCommunicator(DeviceCommunicatorBase):
         else:
             flat = wire.view(-1)
             self.shm.reduce_scatter(out.view(-1), flat, *self._step("reduce_scatter", flat))
+
+    def send_tensor_dict(self, tensor_dict: dict[str, torch.Tensor | Any], dst: int) -> None:
+        """Send a dictionary of tensors to the group's rank ``dst`` (blocking), for
+        :meth:`recv_tensor_dict` there.
+
+        As vLLM's CPU communicator, every value must be a tensor (RuntimeError otherwise,
+        before anything is sent). vLLM offers this only over its shared-memory extension;
+        here the keys, dtypes and shapes travel first (as JSON, never a pickle), then each
+        tensor, over the point-to-point path of :meth:`send`.
+        """
+        op = "send_tensor_dict"
+        if not isinstance(tensor_dict, dict):
+            kind = type(tensor_dict).__name__
+            raise self._error(op, f"tensor_dict: expected a dict, got {kind}", TypeError)
+        self._check_peer(op, "dst", dst, False)
+        entries = []
+        for key, value in tensor_dict.items():
+            if not isinstance(value, torch.Tensor):
+                kind = type(value).__name__
+                raise self._error(
+                    op, f"tensor_dict[{key!r}] is a {kind}: only tensors are sent", RuntimeError
+                )
+            if not isinstance(key, str):
+                raise self._error(op, f"tensor_dict key {key!r} is not a str", TypeError)
+            self._check_tensor(op, value, name=f"tensor_dict[{key!r}]")
+            entries.append([key, str(value.dtype).removeprefix("torch."), list(value.shape)])
+        header = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
+        self.send(torch.tensor([header.numel()], dtype=torch.int64), dst)
+        self.send(header, dst)
+        for value in tensor_dict.values():
+            self.send(value, dst)
+
+    def recv_tensor_dict(self, src: int) -> dict[str, torch.Tensor | Any]:
+        """Receive the dictionary of tensors that the group's rank ``src`` sent with
+        :meth:`send_tensor_dict`: the same keys, in the same order, each with a new tensor
+        of the dtype and shape sent."""
+        op = "recv_tensor_dict"
+        self._check_peer(op, "src", src, False)
+        (length,) = self.recv(torch.Size([1]), torch.int64, src).tolist()
+        raw = self.recv(torch.Size([length]), torch.uint8, src)
+        received: dict[str, torch.Tensor | Any] = {}
+        for key, name, shape in json.loads(raw.numpy().tobytes()):
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise self._error(op, f"{self.agreement.who(src)} sent an unknown dtype {name!r}")
+            received[key] = self.recv(torch.Size(shape), dtype, src)
+        return received
 
     def destroy(self) -> None:
         """Release the all-to-all manager and unmap the shared memory; groups stay."""

@@ -40,4 +40,4 @@ class CudaCommunicator(DeviceCommunicatorBase):
             raise ValueError(f"CudaCommunicator needs a CUDA device, got {device}")
         super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
         if self.use_all2all:
-            self.all2all_manager = NaiveAll2AllManager(self)
+            self.all2all_manager = NaiveAll2AllManager(self.cpu_group, communicator=self)

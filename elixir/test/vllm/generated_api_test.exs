@@ -37,7 +37,9 @@ defmodule Vllm.GeneratedApiTest do
     create_mq_broadcaster: [2, 3],
     create_single_reader_mq_broadcasters: [2, 3],
     destroy: [1, 2],
-    dispatch: [4, 5],
+    # dispatch/3..5 as the seed documents it; dispatch/6 is vLLM 0.34's (top-k).
+    dispatch: [4, 5, 6],
+    dispatch_router_logits: [3, 4, 5],
     first_rank: [1],
     gather: [3, 4],
     graph_capture: [2, 3],
@@ -65,7 +67,8 @@ defmodule Vllm.GeneratedApiTest do
     all_reduce: [2, 3],
     combine: [3, 4],
     destroy: [1, 2],
-    dispatch: [4, 5],
+    dispatch: [4, 5, 6],
+    dispatch_router_logits: [3, 4, 5],
     gather: [3, 4],
     new: [2, 3],
     prepare_communication_buffer_for_model: [2, 3],
@@ -139,6 +142,22 @@ defmodule Vllm.GeneratedApiTest do
         # A long result type is rendered over several lines: "{:ok," ends one of them.
         assert rendered =~ ~r/\{:ok,\s/ and rendered =~ "{:error, VllmBridge.Error.t()}", rendered
       end
+    end
+  end
+
+  test "dispatch/5 takes the seeds' router logits, dispatch/6 vLLM 0.34's top-k routing" do
+    for module <- [Vllm.Distributed.GroupCoordinator, Vllm.Distributed.DeviceCommunicatorBase] do
+      {:docs_v1, _, _, _, _, _, docs} = Code.fetch_docs(module)
+
+      signature = fn arity ->
+        Enum.find_value(docs, fn
+          {{:function, :dispatch, ^arity}, _, [text], _, _} -> text
+          _ -> nil
+        end)
+      end
+
+      assert signature.(5) =~ "dispatch(ref, hidden_states, router_logits, args"
+      assert signature.(6) == "dispatch(ref, hidden_states, topk_weights, topk_ids, args, opts)"
     end
   end
 

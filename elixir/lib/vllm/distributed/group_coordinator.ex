@@ -323,7 +323,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
   end
 
   @doc ~S"""
-  Bring processed tokens back to their ranks (the inverse of `dispatch/5`).
+  Bring processed tokens back to their ranks (the inverse of `dispatch/6`
+  and `dispatch_router_logits/5`).
 
   ## Parameters
 
@@ -488,6 +489,8 @@ defmodule Vllm.Distributed.GroupCoordinator do
   Returns `(hidden_states, router_logits)`, plus the extra tensors when given;
   unchanged unless the device communicator has an all-to-all manager.
 
+  The same call as `dispatch_router_logits/5`.
+
   ## Parameters
 
     * `hidden_states` (`VllmBridge.Tensor.t()`)
@@ -510,9 +513,100 @@ defmodule Vllm.Distributed.GroupCoordinator do
           | {:error, VllmBridge.Error.t()}
   def dispatch(ref, hidden_states, router_logits, args \\ [], opts \\ []) do
     with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["extra_tensors"]) do
-      VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, router_logits], [
+      VllmBridge.Runtime.call_method(
+        ref,
+        "dispatch_router_logits",
+        [hidden_states, router_logits],
+        [{:__args__, args} | opts]
+      )
+    end
+  end
+
+  @doc ~S"""
+  Move each rank's routed tokens to the ranks that need them (expert parallelism).
+
+  `topk_weights` and `topk_ids` say each token's experts and their weights (one
+  row per token). Returns `(hidden_states, topk_weights, topk_ids)`, plus the extra
+  tensors when given; unchanged unless the device communicator has an all-to-all
+  manager.
+
+  ## Parameters
+
+    * `hidden_states` (`VllmBridge.Tensor.t()`)
+    * `topk_weights` (`VllmBridge.Tensor.t()`)
+    * `topk_ids` (`VllmBridge.Tensor.t()`)
+    * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
+    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (by name only: `extra_tensors:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) and `opts` cannot be left out here (pass `[]`): `dispatch` with fewer arguments is another function. A keyword list in `args` is taken as `opts`.
+
+  ## Returns
+
+    * `{VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t()} | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}`
+  """
+  @spec dispatch(
+          t(),
+          VllmBridge.Tensor.t(),
+          VllmBridge.Tensor.t(),
+          VllmBridge.Tensor.t(),
+          [term()],
+          keyword()
+        ) ::
+          {:ok,
+           {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t()}
+           | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), VllmBridge.Tensor.t(),
+              [VllmBridge.Tensor.t()]}}
+          | {:error, VllmBridge.Error.t()}
+  def dispatch(ref, hidden_states, topk_weights, topk_ids, args, opts) do
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["extra_tensors"]) do
+      VllmBridge.Runtime.call_method(ref, "dispatch", [hidden_states, topk_weights, topk_ids], [
         {:__args__, args} | opts
       ])
+    end
+  end
+
+  @doc ~S"""
+  Move each rank's tokens to the ranks that need them (expert parallelism).
+
+  Returns `(hidden_states, router_logits)`, plus the extra tensors when given;
+  unchanged unless the device communicator has an all-to-all manager.
+
+  ## Parameters
+
+    * `hidden_states` (`VllmBridge.Tensor.t()`)
+    * `router_logits` (`VllmBridge.Tensor.t()`)
+    * `is_sequence_parallel` (`boolean()`, default: `false`) (in `args`, position 0)
+    * `extra_tensors` (`[VllmBridge.Tensor.t()] | nil`, default: `nil`) (by name only: `extra_tensors:`)
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  `args` (the optional positional parameters, in order) may be left out, or given as a keyword list instead: a keyword list there is taken as `opts` (each parameter can be given by name).
+
+  ## Returns
+
+    * `{VllmBridge.Tensor.t(), VllmBridge.Tensor.t()} | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}`
+  """
+  @spec dispatch_router_logits(
+          t(),
+          VllmBridge.Tensor.t(),
+          VllmBridge.Tensor.t(),
+          [term()],
+          keyword()
+        ) ::
+          {:ok,
+           {VllmBridge.Tensor.t(), VllmBridge.Tensor.t()}
+           | {VllmBridge.Tensor.t(), VllmBridge.Tensor.t(), [VllmBridge.Tensor.t()]}}
+          | {:error, VllmBridge.Error.t()}
+  def dispatch_router_logits(ref, hidden_states, router_logits, args \\ [], opts \\ []) do
+    with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["extra_tensors"]) do
+      VllmBridge.Runtime.call_method(
+        ref,
+        "dispatch_router_logits",
+        [hidden_states, router_logits],
+        [{:__args__, args} | opts]
+      )
     end
   end
 

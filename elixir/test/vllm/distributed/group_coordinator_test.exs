@@ -243,14 +243,17 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
         g = Enum.at(groups, r)
         {:ok, {h, l}} = GroupCoordinator.dispatch(g, input(r, 2, 2), input(r, 2, 1), [])
         {:ok, c} = GroupCoordinator.combine(g, h, [])
-        {rows(h), rows(l), rows(c)}
+        ids = input(r, 2, 1, {:s, 64})
+        {:ok, {_, w, i}} = GroupCoordinator.dispatch(g, h, input(r, 2, 1), ids, [], [])
+        {rows(h), rows(l), rows(c), rows(w), rows(i)}
       end)
 
-    for {r, {h, l, c}} <- Enum.with_index(results, fn x, i -> {i, x} end) do
+    for {r, {h, l, c, w, i}} <- Enum.with_index(results, fn x, i -> {i, x} end) do
       # Without an all-to-all manager dispatch and combine leave tokens where they are.
       assert h == rows(input(r, 2, 2))
       assert l == rows(input(r, 2, 1))
       assert c == h
+      assert w == l and i == rows(input(r, 2, 1, {:s, 64}))
     end
 
     assert [{:ok, %Ref{}}, {:ok, %Ref{}}] =
@@ -270,6 +273,48 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
              GroupCoordinator.prepare_communication_buffer_for_model(Enum.at(groups, r), nil)
            end) ==
              [{:ok, nil}, {:ok, nil}]
+  end
+
+  test "dispatch/5 (router logits) and dispatch/6 (top-k) gather an EP group's tokens" do
+    eps =
+      both(fn r ->
+        opts = [group_name: "ep", use_all2all: true, __runtime__: rt(r)]
+        ok!(GroupCoordinator.new([[0, 1]], r, "gloo", true, [], opts))
+      end)
+
+    # Rank r has r + 1 tokens (uneven), its rows from input/4; every rank gets all of them.
+    all = fn cols, type -> Enum.flat_map(0..1, &rows(input(&1, &1 + 1, cols, type))) end
+
+    results =
+      both(fn r ->
+        g = Enum.at(eps, r)
+        comm = ok!(GroupCoordinator.device_communicator(g))
+        {hidden, logits} = {input(r, r + 1, 2), input(r, r + 1, 3)}
+        {weights, ids} = {input(r, r + 1, 2), input(r, r + 1, 2, {:s, 64})}
+        {:ok, {h, l}} = GroupCoordinator.dispatch(g, hidden, logits)
+        {:ok, {_, _, [x]}} = GroupCoordinator.dispatch(g, hidden, logits, [false, [ids]])
+        {:ok, {h6, w, i}} = GroupCoordinator.dispatch(g, hidden, weights, ids, [], [])
+
+        {:ok, {_, _, _, [x6]}} =
+          GroupCoordinator.dispatch(g, hidden, weights, ids, [false, [logits]], [])
+
+        {:ok, {hd, ld}} = DeviceCommunicatorBase.dispatch(comm, hidden, logits)
+        {:ok, {_, wd, id}} = DeviceCommunicatorBase.dispatch(comm, hidden, weights, ids, [], [])
+        # Each rank's "experts" scale every token; combine sums and keeps this rank's rows.
+        scaled = t(Enum.map(rows(h), fn row -> Enum.map(row, &(&1 * (r + 1))) end))
+        {:ok, c} = GroupCoordinator.combine(g, scaled)
+        Enum.map([h, l, x, h6, w, i, x6, hd, ld, wd, id, c], &rows/1)
+      end)
+
+    for {[h, l, x, h6, w, i, x6, hd, ld, wd, id, c], r} <- Enum.with_index(results) do
+      assert h == all.(2, {:f, 32}) and h6 == h and hd == h
+      assert l == all.(3, {:f, 32}) and x6 == l and ld == l
+      assert w == all.(2, {:f, 32}) and wd == w
+      assert i == all.(2, {:s, 64}) and x == i and id == i
+      assert c == Enum.map(rows(input(r, r + 1, 2)), fn row -> Enum.map(row, &(&1 * 3)) end)
+    end
+
+    assert both(fn r -> GroupCoordinator.destroy(Enum.at(eps, r)) end) == [{:ok, nil}, {:ok, nil}]
   end
 
   test "module functions", %{tp: [g0, _]} do
