@@ -85,19 +85,6 @@ MISSING: set[str] = {
     "parallel_state:GroupCoordinator.dispatch",
     "parallel_state:GroupCoordinator.dispatch_router_logits",
     "parallel_state:GroupCoordinator.reduce_scatterv_into_output",
-    "parallel_state:all_gather",
-    "parallel_state:all_gather_fake",
-    "parallel_state:all_reduce",
-    "parallel_state:all_reduce_fake",
-    "parallel_state:checkpoint_prepare_distributed_state",
-    "parallel_state:checkpoint_restore_distributed_state",
-    "parallel_state:cleanup_dist_env_and_memory",
-    "parallel_state:reduce_scatter",
-    "parallel_state:reduce_scatter_fake",
-    "parallel_state:resume_device_comms",
-    "parallel_state:suspend_device_comms",
-    "utils:get_worker_rank_suffix",
-    "utils:init_gloo_process_group",
 }
 """``module:name`` or ``module:Class.method`` of vLLM 0.34 that bridge_py lacks or whose
 parameters differ (what is left of issue 38)."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.auth import resolve_key
+from bridge_py.distributed.coordinator.by_name import register_group
 from bridge_py.distributed.coordinator.layout import (
     check_group_ranks,
     communicator_class,
@@ -27,7 +28,6 @@ from bridge_py.distributed.coordinator.layout import (
 )
 from bridge_py.distributed.coordinator.p2p import PointToPoint
 from bridge_py.distributed.coordinator.queues import CHUNK_BYTES, CHUNKS, single_reader_queues
-from bridge_py.distributed.coordinator.registry import register_group
 from bridge_py.distributed.coordinator.tensor_dicts import (
     TensorMetadata,
     TensorWire,
