@@ -27,7 +27,7 @@ from bridge_py.distributed.coordinator.layout import (
     unique_name,
 )
 from bridge_py.distributed.coordinator.p2p import PointToPoint
-from bridge_py.distributed.coordinator.queues import CHUNK_BYTES, CHUNKS, single_reader_queues
+from bridge_py.distributed.coordinator.queues import CHUNK_BYTES, CHUNKS
 from bridge_py.distributed.coordinator.tensor_dicts import (
     TensorMetadata,
     TensorWire,
@@ -195,7 +195,7 @@ class GroupCoordinator(PointToPoint):
     ) -> tuple[MessageQueue, list[Handle]]:
         """One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
 
-        As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
+        Through ``MessageQueue.create_from_process_group_single_reader``, as vLLM: every rank
         (the reader too) gets a queue that it writes and that only the reader reads; the
         queues' handles are gathered on the reader. Returns ``(queue, handles)``:
         ``handles`` lists every rank's handle (in group rank order) on the reader and is
@@ -206,8 +206,13 @@ class GroupCoordinator(PointToPoint):
         its queue after opening the handles.
         """
         self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
-        return single_reader_queues(
-            self.cpu_group, self._objects, reader_rank_in_group, blocking, self._auth_key
+        return MessageQueue.create_from_process_group_single_reader(
+            self.cpu_group,
+            CHUNK_BYTES,
+            CHUNKS,
+            reader_rank=self.ranks[reader_rank_in_group],
+            blocking=blocking,
+            auth_key=self._auth_key,
         )
 
     # ------------------------------------------------------------------- ranks
