@@ -46,6 +46,8 @@ def _dicts(rank: int, tp: GroupCoordinator, pp: GroupCoordinator) -> None:
             pp.isend_tensor_dict([1, 2])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="no all_gather_group"):
             pp.isend_tensor_dict(sent, all_gather_tensors={"hidden": True})
+        with pytest.raises(TypeError, match="all_gather_group must be a GroupCoordinator"):
+            pp.isend_tensor_dict(sent, all_gather_group="tp")  # type: ignore[arg-type]
         # Nothing went out for those: the next dictionary is the first the peer gets.
         handles = pp.isend_tensor_dict(sent)
         sent_tensors = [v for v in sent.values() if isinstance(v, torch.Tensor) and v.numel()]

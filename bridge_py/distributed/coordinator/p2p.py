@@ -113,7 +113,9 @@ class PointToPoint:
         call first waits for the oldest).
 
         Raises:
-            TypeError: ``tensor_dict`` is not a dict, or holds a tensor that is not dense.
+            TypeError: ``tensor_dict`` is not a dict, or holds a tensor that is not dense;
+                ``all_gather_group`` is not a GroupCoordinator, or ``all_gather_tensors``
+                not a dict.
             ValueError: ``dst`` is not another rank of the group, or
                 ``all_gather_tensors`` asks for the all-gather without an
                 ``all_gather_group``.
@@ -123,6 +125,7 @@ class PointToPoint:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self._comm._check_peer("isend_tensor_dict", "dst", dst, False)
+        _check_all_gather(all_gather_group, all_gather_tensors)
         if not isinstance(tensor_dict, dict):
             raise TypeError(f"Expecting a dictionary, got {type(tensor_dict)}")
         metadata, _ = split_tensor_dict(tensor_dict)
@@ -178,6 +181,8 @@ class PointToPoint:
         initialized.
 
         Raises:
+            TypeError: ``all_gather_group`` is not a GroupCoordinator, or
+                ``all_gather_tensors`` not a dict.
             ValueError: ``src`` is not another rank of the group, or
                 ``all_gather_tensors`` asks for the all-gather without an
                 ``all_gather_group``.
@@ -187,6 +192,7 @@ class PointToPoint:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self._comm._check_peer("irecv_tensor_dict", "src", src, False)
+        _check_all_gather(all_gather_group, all_gather_tensors)
         received: dict[str, Any] = {}
         handles: list[PendingWork] = []
         postprocess: list[Callable[[], None]] = []
@@ -206,6 +212,17 @@ class PointToPoint:
                 tensor = part
             handles.append(self._tensors.irecv(tensor, src))
         return received, handles, postprocess
+
+
+def _check_all_gather(group: Any, tensors: Any) -> None:
+    """TypeError unless ``group`` is a group to gather over (or None) and ``tensors`` a
+    dict of key -> bool (or None)."""
+    if group is not None and not all(
+        hasattr(group, name) for name in ("world_size", "rank_in_group", "all_gather")
+    ):
+        raise TypeError(f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}")
+    if tensors is not None and not isinstance(tensors, dict):
+        raise TypeError(f"all_gather_tensors must be a dict, got {type(tensors).__name__}")
 
 
 def _gather_into(
