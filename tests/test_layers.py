@@ -142,9 +142,10 @@ def _code_lines(path: Path) -> int:
     return len(lines)
 
 
-def test_the_distributed_layer_stays_within_9500_code_lines() -> None:
+def test_the_distributed_layer_stays_within_10700_code_lines() -> None:
+    # 9,500 until vLLM 0.34's whole surface (issue 38) added about 1,150 lines.
     total = sum(_code_lines(path) for path in PACKAGE.rglob("*.py"))
-    assert total <= 9_500, total
+    assert total <= 10_700, total
 
 
 def test_no_module_over_700_lines() -> None:

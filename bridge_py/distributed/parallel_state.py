@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -42,10 +44,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
+from bridge_py.distributed.coordinator.by_name import (
+    all_gather,
+    all_gather_fake,
+    all_reduce,
+    all_reduce_fake,
+    live_groups,
+    reduce_scatter,
+    reduce_scatter_fake,
+)
 from bridge_py.distributed.coordinator.group import (
     GraphCaptureContext,
     GroupCoordinator,
     TensorMetadata,
+)
+from bridge_py.distributed.device_communicators.base_device_communicator import (
+    DeviceCommunicatorBase,
 )
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.node import in_the_same_node_as
@@ -56,6 +70,13 @@ __all__ = [
     "GraphCaptureContext",
     "GroupCoordinator",
     "TensorMetadata",
+    "all_gather",
+    "all_gather_fake",
+    "all_reduce",
+    "all_reduce_fake",
+    "checkpoint_prepare_distributed_state",
+    "checkpoint_restore_distributed_state",
+    "cleanup_dist_env_and_memory",
     "destroy_distributed_environment",
     "destroy_model_parallel",
     "ensure_model_parallel_initialized",
@@ -76,6 +97,10 @@ __all__ = [
     "is_global_first_rank",
     "is_local_first_rank",
     "model_parallel_is_initialized",
+    "reduce_scatter",
+    "reduce_scatter_fake",
+    "resume_device_comms",
+    "suspend_device_comms",
 ]
 
 
@@ -459,3 +484,76 @@ def destroy_distributed_environment() -> None:
     _NODE_COUNT = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """Tear down the distributed state of this process and free what it held, as vLLM's
+    (its tests call it between cases).
+
+    Destroys the model parallel groups and the world group, then torch.distributed's
+    default group if it is initialized (:func:`destroy_model_parallel`,
+    :func:`destroy_distributed_environment`), collects garbage (their shared memory and
+    tensors go with it), and empties CUDA's cache where CUDA is in use. The process may
+    then initialize again. bridge_py starts no Ray: with ``shutdown_ray`` a Ray that this
+    process imported itself is shut down (``ray.shutdown()``), as vLLM does; without one
+    there is nothing to do.
+
+    Raises:
+        TypeError: ``shutdown_ray`` is not a bool.
+    """
+    if not isinstance(shutdown_ray, bool):
+        raise TypeError(f"shutdown_ray must be a bool, got {type(shutdown_ray).__name__}")
+    gc.unfreeze()  # frozen objects are never collected
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    ray = sys.modules.get("ray")
+    if shutdown_ray and ray is not None:
+        ray.shutdown()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------ every group's communicator
+
+
+def _apply_to_device_comms(action: Callable[[DeviceCommunicatorBase], None]) -> None:
+    """``action`` on the device communicator of every live GroupCoordinator (oldest
+    first), skipping those without one (a group of one, the world group)."""
+    comms = [g.device_communicator for g in live_groups() if g.device_communicator is not None]
+    for comm in comms:
+        action(comm)
+
+
+def _synchronize() -> None:
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def suspend_device_comms() -> None:
+    """Release what every group's device communicator can give back (``suspend``), as
+    vLLM's before the engine sleeps. A collective: every rank calls it, while no
+    communication is under way."""
+    _apply_to_device_comms(lambda comm: comm.suspend())
+
+
+def resume_device_comms() -> None:
+    """Restore what :func:`suspend_device_comms` released (each communicator's
+    ``resume``). A collective, as that."""
+    _apply_to_device_comms(lambda comm: comm.resume())
+
+
+def checkpoint_prepare_distributed_state() -> None:
+    """Prepare every group's device communicator for a checkpoint of the process
+    (``checkpoint_prepare``), with the accelerator's work finished before and after."""
+    _synchronize()
+    _apply_to_device_comms(lambda comm: comm.checkpoint_prepare())
+    _synchronize()
+
+
+def checkpoint_restore_distributed_state() -> None:
+    """Restore every group's device communicator after a checkpoint of the process
+    (``checkpoint_restore``), with the accelerator's work finished before and after."""
+    _synchronize()
+    _apply_to_device_comms(lambda comm: comm.checkpoint_restore())
+    _synchronize()

@@ -15,9 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from bridge_py.distributed import parallel_state
+from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.torch_group import (
     cpu_all_reduce_,
     default_group_timeout,
+    init_gloo_process_group,
     set_gloo_backend_timeout,
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
@@ -45,6 +48,8 @@ __all__ = [
     "get_cpu_distributed_timeout_or_none",
     "get_distributed_timeout_or_none",
     "get_pp_indices",
+    "get_worker_rank_suffix",
+    "init_gloo_process_group",
     "is_weak_contiguous",
     "sched_yield",
     "set_gloo_backend_timeout",
@@ -203,3 +208,29 @@ def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[
             partitions[-i] += 1
     start_layer = sum(partitions[:pp_rank])
     return start_layer, start_layer + partitions[pp_rank]
+
+
+def get_worker_rank_suffix(global_rank: int | None = None) -> str:
+    """This worker's place in the parallel layout, for names of files and logs:
+    ``"dp0_pp1_tp0_dcp0_ep0"`` (its rank in the data, pipeline, tensor, decode context
+    and expert parallel groups; decode context parallelism is always 1 here, so ``dcp0``),
+    then ``"_rank{global_rank}"`` when ``global_rank`` is given. Before the model parallel
+    groups exist: ``"rank{global_rank}"``, or ``""`` without one, as vLLM's.
+
+    Raises:
+        TypeError: ``global_rank`` is neither None nor an int.
+        ValueError: ``global_rank`` is negative.
+    """
+    if global_rank is not None:
+        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
+            raise TypeError(f"global_rank must be an int or None, got {type(global_rank).__name__}")
+        if global_rank < 0:
+            raise ValueError(f"global_rank must not be negative, got {global_rank}")
+    ps = parallel_state
+    try:
+        ranks = [g().rank_in_group for g in (ps.get_dp_group, ps.get_pp_group, ps.get_tp_group)]
+        ep = ps.get_ep_group().rank_in_group
+    except StateError:  # the model parallel groups are not initialized
+        return "" if global_rank is None else f"rank{global_rank}"
+    suffix = "dp{}_pp{}_tp{}_dcp0_ep{}".format(*ranks, ep)
+    return suffix if global_rank is None else f"{suffix}_rank{global_rank}"

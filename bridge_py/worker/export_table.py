@@ -191,7 +191,7 @@ def default_exports() -> ExportTable:
                     "shutdown",
                     "wait_until_ready",
                 ),
-                static_methods=("create_from_handle", "create_from_process_group"),
+                static_methods=("create_from_handle", "create_from_process_group", "recv"),
                 attributes=("shutting_down",),
                 unordered=("shutdown",),  # it exists to end a wait on the queue
             ),

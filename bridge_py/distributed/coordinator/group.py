@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import Backend, ProcessGroup
 
 from bridge_py.distributed.auth import resolve_key
+from bridge_py.distributed.coordinator.by_name import register_group
 from bridge_py.distributed.coordinator.experts import ExpertExchange
 from bridge_py.distributed.coordinator.layout import (
     check_group_ranks,
@@ -26,13 +27,12 @@ from bridge_py.distributed.coordinator.layout import (
     device_for,
     unique_name,
 )
-from bridge_py.distributed.coordinator.queues import CHUNK_BYTES, CHUNKS, single_reader_queues
+from bridge_py.distributed.coordinator.p2p import PointToPoint
+from bridge_py.distributed.coordinator.queues import CHUNK_BYTES, CHUNKS
 from bridge_py.distributed.coordinator.tensor_dicts import (
     TensorMetadata,
     TensorWire,
-    own_slice,
     split_tensor_dict,
-    use_all_gather,
 )
 from bridge_py.distributed.device_communicators.agreement import Signature
 from bridge_py.distributed.device_communicators.base_device_communicator import (
@@ -53,7 +53,7 @@ class GraphCaptureContext:
     stream: Any
 
 
-class GroupCoordinator(ExpertExchange):
+class GroupCoordinator(ExpertExchange, PointToPoint):
     """
     PyTorch ProcessGroup wrapper for a group of processes.
     PyTorch ProcessGroup is bound to one specific communication backend,
@@ -155,6 +155,7 @@ class GroupCoordinator(ExpertExchange):
         self.mq_broadcaster: MessageQueue | None = None
         if use_message_queue_broadcaster and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
+        register_group(self)  # found by unique_name (parallel_state.all_reduce & co.)
 
     def _check_peer(self, op: str, name: str, peer: Any, allow_self: bool = True) -> None:
         """Raise (TypeError, ValueError) unless ``peer`` is a rank of the group."""
@@ -194,7 +195,7 @@ class GroupCoordinator(ExpertExchange):
     ) -> tuple[MessageQueue, list[Handle]]:
         """One queue per rank, all read by the rank ``reader_rank_in_group`` (a collective).
 
-        As vLLM's ``MessageQueue.create_from_process_group_single_reader``: every rank
+        Through ``MessageQueue.create_from_process_group_single_reader``, as vLLM: every rank
         (the reader too) gets a queue that it writes and that only the reader reads; the
         queues' handles are gathered on the reader. Returns ``(queue, handles)``:
         ``handles`` lists every rank's handle (in group rank order) on the reader and is
@@ -205,8 +206,13 @@ class GroupCoordinator(ExpertExchange):
         its queue after opening the handles.
         """
         self._check_peer("create_single_reader_mq_broadcasters", "reader", reader_rank_in_group)
-        return single_reader_queues(
-            self.cpu_group, self._objects, reader_rank_in_group, blocking, self._auth_key
+        return MessageQueue.create_from_process_group_single_reader(
+            self.cpu_group,
+            CHUNK_BYTES,
+            CHUNKS,
+            reader_rank=self.ranks[reader_rank_in_group],
+            blocking=blocking,
+            auth_key=self._auth_key,
         )
 
     # ------------------------------------------------------------------- ranks
@@ -428,22 +434,6 @@ class GroupCoordinator(ExpertExchange):
         obj_list[:] = got
         return obj_list
 
-    def send_object(self, obj: Any, dst: int) -> None:
-        """Send the input object list to the destination rank.
-
-        NOTE: `dst` is the local rank of the destination rank.
-        """
-        self._check_peer("send_object", "dst", dst, allow_self=False)
-        self._objects.send(obj, dst)
-
-    def recv_object(self, src: int) -> Any:
-        """Receive the input object list from the source rank.
-
-        NOTE: `src` is the local rank of the source rank.
-        """
-        self._check_peer("recv_object", "src", src, allow_self=False)
-        return self._objects.recv(src)
-
     def broadcast_tensor_dict(
         self,
         tensor_dict: dict[str, Any] | None = None,
@@ -529,19 +519,9 @@ class GroupCoordinator(ExpertExchange):
         """
         if not dist.is_initialized() or self.world_size == 1:
             return tensor_dict
-        if dst is None:
-            dst = (self.rank_in_group + 1) % self.world_size
-        self._check_peer("send_tensor_dict", "dst", dst, allow_self=False)
-        if not isinstance(tensor_dict, dict):
-            raise TypeError(f"Expecting a dictionary, got {type(tensor_dict)}")
-        self.send_object(split_tensor_dict(tensor_dict)[0], dst=dst)
-        for key, value in tensor_dict.items():
-            if not isinstance(value, torch.Tensor) or value.numel() == 0:
-                continue
-            tensor = value
-            if use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
-                tensor = own_slice(tensor, all_gather_group)
-            self._tensors.send(tensor, dst)
+        self._wait_all(
+            self.isend_tensor_dict(tensor_dict, dst, all_gather_group, all_gather_tensors), []
+        )
         return None
 
     def recv_tensor_dict(
@@ -580,25 +560,10 @@ class GroupCoordinator(ExpertExchange):
                 ``all_gather_tensors`` asks for the all-gather without an
                 ``all_gather_group``.
         """
-        if not dist.is_initialized() or self.world_size == 1:
-            return None
-        if src is None:
-            src = (self.rank_in_group - 1) % self.world_size
-        self._check_peer("recv_tensor_dict", "src", src, allow_self=False)
-        received: dict[str, Any] = {}
-        for key, value in self.recv_object(src=src):
-            if not isinstance(value, TensorMetadata):
-                received[key] = value
-                continue
-            tensor = self._tensors.empty_like(value)
-            if tensor.numel() and use_all_gather(key, tensor, all_gather_group, all_gather_tensors):
-                assert all_gather_group is not None
-                part = torch.empty_like(own_slice(tensor, all_gather_group))
-                self._tensors.recv(part, src)
-                tensor = all_gather_group.all_gather(part, dim=0).reshape(tensor.shape)
-            elif tensor.numel():
-                self._tensors.recv(tensor, src)
-            received[key] = tensor
+        received, handles, postprocess = self.irecv_tensor_dict(
+            src, all_gather_group, all_gather_tensors
+        )
+        self._wait_all(handles, postprocess)
         return received
 
     def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
-from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.groups.work import PendingWork, finish, refuse_if_unusable
 from bridge_py.distributed.tensor_codec import non_dense
 
 __all__ = ["TensorMetadata", "TensorWire", "own_slice", "split_tensor_dict", "use_all_gather"]
@@ -115,21 +115,36 @@ class TensorWire:
         for work, cpu in pending:
             finish(work, "broadcast_tensor_dict", self._where, bounded=cpu, group=self._cpu_group)
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
-        """Send ``tensor`` to group rank ``peer``."""
+    def isend(self, tensor: torch.Tensor, peer: int) -> PendingWork:
+        """Post the send of ``tensor`` to group rank ``peer``; the handle keeps it (or its
+        wire copy) alive until sent."""
         group = self._group(tensor)
+        refuse_if_unusable(self._cpu_group, "send_tensor_dict", self._where)
         wire, _ = for_transport(tensor, str(dist.get_backend(group)))
         work = dist.isend(wire, dst=self._ranks[peer], group=group)
-        finish(work, "send_tensor_dict", self._where, bounded=tensor.is_cpu, group=self._cpu_group)
+        if wire.is_cuda:  # its memory is not reused before the send has read it
+            wire.record_stream(torch.cuda.current_stream(wire.device))
+        return self._pending(work, "send_tensor_dict", tensor, keep=(tensor, wire))
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> None:
-        """Receive into ``tensor`` from group rank ``peer``."""
+    def irecv(self, tensor: torch.Tensor, peer: int) -> PendingWork:
+        """Post the receive into ``tensor`` from group rank ``peer``; ``tensor`` holds what
+        came once the handle has been waited for."""
         group = self._group(tensor)
+        refuse_if_unusable(self._cpu_group, "recv_tensor_dict", self._where)
         wire, restore = for_transport(tensor, str(dist.get_backend(group)))
         work = dist.irecv(wire, src=self._ranks[peer], group=group)
-        finish(work, "recv_tensor_dict", self._where, bounded=tensor.is_cpu, group=self._cpu_group)
-        if wire.data_ptr() != tensor.data_ptr():
+
+        def copy_out() -> None:  # received into a copy of another dtype or layout
             tensor.copy_(restore(wire).reshape(tensor.shape))
+
+        then = copy_out if wire.data_ptr() != tensor.data_ptr() else None
+        return self._pending(work, "recv_tensor_dict", tensor, keep=(wire,), then=then)
+
+    def _pending(self, work: Any, op: str, tensor: torch.Tensor, **kwargs: Any) -> PendingWork:
+        # A CPU tensor's wait is bounded by the caller's deadline; see groups.work.finish.
+        return PendingWork(
+            [work], op, self._where, group=self._cpu_group, bounded=tensor.is_cpu, **kwargs
+        )
 
     def receive_broadcast(self, metadata_list: list[tuple[str, Any]], src: int) -> dict[str, Any]:
         """The dictionary ``src`` broadcasts, from its metadata and then its tensors."""

@@ -58,9 +58,14 @@ from bridge_py.distributed.device_communicators.shm_helpers import (
 from bridge_py.distributed.device_communicators.shm_remote import (
     RemotePublisher,
     RemoteSubscriber,
-    address_toward,
+    address_toward_group,
 )
-from bridge_py.distributed.device_communicators.shm_ring import CHUNK_HEADER_BYTES, ShmRingBuffer
+from bridge_py.distributed.device_communicators.shm_ring import (
+    CHUNK_HEADER_BYTES,
+    RAW_PART,
+    ShmRingBuffer,
+)
+from bridge_py.distributed.device_communicators.shm_slots import QueueSlots
 from bridge_py.distributed.errors import (
     PeerGoneError,
     SharedMemoryError,
@@ -69,7 +74,6 @@ from bridge_py.distributed.errors import (
 )
 from bridge_py.distributed.groups.node import same_node_as
 from bridge_py.distributed.groups.objects import object_group
-from bridge_py.distributed.groups.torch_group import store_of
 from bridge_py.distributed.shm.wait import deadline_after, sched_yield
 
 __all__ = [
@@ -126,14 +130,6 @@ class _Incoming:
     part: int = 0
 
 
-def _address_toward_store(pg: Any) -> str | None:
-    """The writer's address toward the store of ``pg`` (or of its ``cpu_group``), if any."""
-    try:
-        return address_toward(store_of(getattr(pg, "cpu_group", pg)))
-    except (ValueError, AttributeError):
-        return None
-
-
 def _handle_context(writer_rank: int) -> str:
     """What the tag of a handle broadcast by ``create_from_process_group`` is bound to."""
     return f"mq/handle/{writer_rank}"
@@ -151,7 +147,7 @@ def _check_ranks(ranks: list[int], what: str, count: int, expected: str) -> list
     return ranks
 
 
-class MessageQueue:
+class MessageQueue(QueueSlots):
     """A one-writer, many-reader queue of picklable objects (shared memory, and TCP).
 
     The writer constructs it and hands :meth:`export_handle` to the readers, who call
@@ -285,6 +281,7 @@ class MessageQueue:
         # interrupts it (its parts or the streams' flush), finished by the next call.
         self._outgoing: tuple[memoryview, int] | None = None
         self._incoming: _Incoming | None = None
+        self._slot_open = False  # acquire_write/acquire_read's block runs (shm_slots)
         self._lock = threading.Lock()
         self._shutdown = threading.Event()  # ends every wait of this end (shutdown())
 
@@ -396,8 +393,7 @@ class MessageQueue:
             raise StateError("call wait_until_ready() before enqueue: remote readers join there")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
-            if self._closed:
-                raise StateError(_CLOSED)
+            self._enter_slot("enqueue")
             self._flush(deadline)  # a message an earlier timeout interrupted
             payload = seal_object(self._auth_key, self._context(self._sent), obj)
             if self.buffer is not None:
@@ -448,8 +444,7 @@ class MessageQueue:
             raise StateError("Only readers can dequeue")
         deadline = clamp_until(deadline_after(timeout))  # the caller's, if sooner
         with self._lock:
-            if self._closed:
-                raise StateError(_CLOSED)
+            self._enter_slot("dequeue")
             while True:  # one chunk at a time, from the ring or the writer's stream alike
                 total, part, view = source.take(deadline, (cancel, self._shutdown), not indefinite)
                 with view:
@@ -457,6 +452,32 @@ class MessageQueue:
                 source.release()
                 if message is not None:
                     return self._loads(message)
+
+    @staticmethod
+    def recv(socket: MessageQueue, timeout: float | None) -> Any:
+        """The next message of a reader's end of a queue, within ``timeout`` seconds.
+
+        vLLM's reads one whole message from a reader's ZeroMQ socket. This queue has no
+        ZeroMQ: a reader's connection (the ring, or TCP to the writer) lives in its end of
+        the queue, so ``socket`` is that end (the result of ``create_from_handle`` or of
+        ``create_from_process_group`` on a reader). ``timeout`` as vLLM's: None waits as
+        long as the writer lives, a negative one counts as 0 (a message already there is
+        returned, none waited for); otherwise as :meth:`dequeue`.
+
+        Raises:
+            TypeError: ``socket`` is not a MessageQueue, or ``timeout`` not a number.
+            StateError: ``socket`` is the writer's end, or is closed.
+            GroupTimeout: a TimeoutError, when no message came within ``timeout``.
+            PeerGoneError: the writer has closed the queue or exited, and every message
+                it wrote has been read.
+        """
+        if not isinstance(socket, MessageQueue):
+            raise TypeError(f"socket must be a MessageQueue, got {type(socket).__name__}")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number or None, got {type(timeout).__name__}")
+            timeout = max(0.0, float(timeout))
+        return socket.dequeue(timeout)
 
     def readable(self) -> bool:
         """Whether a message (its first chunk) is there to dequeue, without waiting.
@@ -497,6 +518,8 @@ class MessageQueue:
             return bytes(view)  # a message in one chunk: the common case
         if total == 0:
             raise source.broken("expected a message, got the READY signal")
+        if part == RAW_PART:  # left unread, for acquire_read
+            raise StateError("dequeue: the next chunk is a raw slot of acquire_write")
         expected = 0 if incoming is None else incoming.part
         if part != expected:
             raise source.broken(f"holds part {part} of a message, expected {expected}")
@@ -627,7 +650,7 @@ class MessageQueue:
             if not external:
                 readers = [rank for rank in range(group.world_size) if rank != writer_rank]
                 if not all(local) and connect_ip is None and not os.environ.get("VLLM_HOST_IP"):
-                    connect_ip = _address_toward_store(pg)
+                    connect_ip = address_toward_group(pg)
                 queue = MessageQueue(
                     n_reader=len(readers),
                     n_local_reader=sum(local[rank] for rank in readers),

@@ -23,11 +23,13 @@ import logging
 import select
 import socket
 import struct
+from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from bridge_py.distributed.device_communicators.shm_ring import CHUNK, CHUNK_HEADER_BYTES
 from bridge_py.distributed.errors import DistributedError, PeerGoneError
+from bridge_py.distributed.groups.torch_group import store_of
 from bridge_py.distributed.shm.wait import Cancel, wait_until
 from bridge_py.distributed.store.client import format_address
 
@@ -36,10 +38,20 @@ __all__ = [
     "RemotePublisher",
     "RemoteSubscriber",
     "address_toward",
+    "address_toward_group",
     "parse_tcp_address",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def address_toward_group(pg: Any) -> str | None:
+    """:func:`address_toward` the store of ``pg`` (or of its ``cpu_group``), if it has one
+    that tells (a writer's address for the readers of a group on other hosts)."""
+    try:
+        return address_toward(store_of(getattr(pg, "cpu_group", pg)))
+    except (ValueError, AttributeError):
+        return None
 
 
 def address_toward(store: Store) -> str | None:

@@ -55,7 +55,7 @@ from bridge_py.distributed.shm.header import Header
 from bridge_py.distributed.shm.segments import NAME_PREFIX
 from bridge_py.distributed.shm.wait import Cancel, fence, pid_namespace, process_alive, wait_until
 
-__all__ = ["CHUNK", "CHUNK_HEADER_BYTES", "NAME_SUFFIX", "ShmRingBuffer"]
+__all__ = ["CHUNK", "CHUNK_HEADER_BYTES", "NAME_SUFFIX", "RAW_PART", "ShmRingBuffer"]
 
 NAME_SUFFIX = "_mq"
 # n_reader, max_chunks, max_chunk_bytes, token, writer pid, writer pid namespace
@@ -66,6 +66,8 @@ _SLOTS_AT = 64
 _SLOT = struct.Struct("<B3xIQ")  # state, pid, pid namespace
 CHUNK = struct.Struct("<QII")  # total message length, part index, bytes in this part
 CHUNK_HEADER_BYTES = CHUNK.size
+# The part index of a raw slot (MessageQueue.acquire_write), which is part of no message.
+RAW_PART = 0xFFFFFFFF
 
 SLOT_EMPTY, SLOT_ATTACHED, SLOT_DETACHED = 0, 1, 2
 
@@ -267,6 +269,28 @@ class ShmRingBuffer:
         buf[at] = 1
         fence()
 
+    @contextlib.contextmanager
+    def raw_slot(self, idx: int) -> Iterator[memoryview]:
+        """Writer: free chunk ``idx`` as a raw slot: hidden from the readers, then a view of
+        its payload (the chunk less its part header) for the caller to fill; published to
+        every reader, marked :data:`RAW_PART`, when the block ends without an exception,
+        left unwritten (never seen) when it raises. SharedMemoryError first when
+        ``/dev/shm`` has no room for the chunk."""
+        self._take_memory(idx, self.max_chunk_bytes, "a raw slot")
+        at, buf = self._flags(idx), self._buf
+        buf[at] = 0  # not written while the caller fills it
+        fence()
+        start = self.data_offset + idx * self.max_chunk_bytes
+        size = self.max_chunk_bytes - CHUNK_HEADER_BYTES
+        with buf[start + CHUNK_HEADER_BYTES : start + self.max_chunk_bytes] as view:
+            yield view
+        CHUNK.pack_into(buf, start, size, RAW_PART, size)
+        buf[at + 1 : at + 1 + self.n_reader] = self._no_reads
+        fence()  # read flags cleared before the chunk is marked written
+        buf[at] = 1
+        fence()
+        self.current_idx = (idx + 1) % self.max_chunks
+
     def chunk_readable(self, idx: int, reader: int) -> bool:
         """Whether chunk ``idx`` holds a part that ``reader`` has not read yet."""
         at = self._flags(idx)
@@ -344,6 +368,13 @@ class ShmRingBuffer:
         self, total: int, part: int, payload: memoryview, deadline: float | None, cancel: Cancel
     ) -> None:
         """Writer: wait for the next chunk to be free, then fill it with one part."""
+        idx = self.wait_free(deadline, cancel)
+        self.write_chunk(idx, total, part, payload)
+        self.current_idx = (idx + 1) % self.max_chunks
+
+    def wait_free(self, deadline: float | None, cancel: Cancel) -> int:
+        """Writer: wait for the next chunk to be free (every local reader has read it);
+        returns its index."""
         idx = self.current_idx
         wait_until(
             lambda: self.chunk_writable(idx),
@@ -355,8 +386,7 @@ class ShmRingBuffer:
             check=self._check_readers,
             cancel=cancel,
         )
-        self.write_chunk(idx, total, part, payload)
-        self.current_idx = (idx + 1) % self.max_chunks
+        return idx
 
     def flush(self, deadline: float | None, cancel: Cancel) -> None:
         """Writer: nothing to do, a chunk is visible once :meth:`put` returns."""

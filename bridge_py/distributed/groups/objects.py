@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup, Work
 
 from bridge_py.distributed.auth import open_object, seal_object
 from bridge_py.distributed.errors import DistributedError
-from bridge_py.distributed.groups.work import finish
+from bridge_py.distributed.groups.work import PendingWork, finish, refuse_if_unusable
 
 __all__ = ["ObjectChannel", "ObjectGroup", "all_gather_bytes", "object_group"]
 
@@ -130,10 +130,18 @@ class ObjectChannel:
 
     def send(self, obj: Any, dst: int) -> None:
         """Send ``obj`` to group rank ``dst`` (its size, then its sealed bytes)."""
+        self.isend(obj, dst).wait()
+
+    def isend(self, obj: Any, dst: int) -> PendingWork:
+        """Post the sends of ``obj`` to group rank ``dst`` (as :meth:`send`) and return
+        without waiting; the handle keeps the bytes until they are sent."""
+        refuse_if_unusable(self._group, "send of an object", self._where)
         seq = self._sent[dst]
         self._sent[dst] = seq + 1
         data = seal_object(self._key, f"{self._prefix}/p2p/{self.rank}/{dst}/{seq}", obj)
-        self._sized(lambda tensor: self._wait(self._group.send([tensor], dst, 0), "send"), data, "")
+        tensors = (torch.tensor([len(data)], dtype=torch.int64), _tensor(data))
+        works = [self._group.send([tensor], dst, 0) for tensor in tensors]
+        return PendingWork(works, "send of an object", self._where, group=self._group, keep=tensors)
 
     def recv(self, src: int) -> Any:
         """The next object from group rank ``src``, checked and unpickled."""

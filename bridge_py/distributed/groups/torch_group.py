@@ -31,6 +31,7 @@ __all__ = [
     "cpu_all_reduce_",
     "default_group_timeout",
     "forget_rendezvous",
+    "init_gloo_process_group",
     "set_gloo_backend_timeout",
     "stateless_destroy_torch_distributed_process_group",
     "stateless_init_torch_distributed_process_group",
@@ -76,7 +77,7 @@ def _as_timedelta(
 
 
 def _make_backend(
-    backend: Backend, store: PrefixStore, rank: int, world_size: int, timeout: datetime.timedelta
+    backend: Backend, store: Store, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> tuple[torch._C._distributed_c10d.Backend, ProcessGroup.BackendType, torch.device]:
     """The backend object for ``backend``, its type tag and the device it serves."""
     if backend == Backend.GLOO:
@@ -101,7 +102,12 @@ def _assemble(
 ) -> ProcessGroup:
     """A ProcessGroup over ``store`` with one backend registered for its device."""
     # The backend's keys get their own prefix, apart from the join keys.
-    prefix_store = PrefixStore("pg/", store)
+    return _on_store(PrefixStore("pg/", store), rank, world_size, backend, timeout)
+
+
+def _on_store(
+    prefix_store: Store, rank: int, world_size: int, backend: Backend, timeout: datetime.timedelta
+) -> ProcessGroup:
     pg = ProcessGroup(prefix_store, rank, world_size)
     backend_obj, backend_type, device = _make_backend(
         backend, prefix_store, rank, world_size, timeout
@@ -110,6 +116,39 @@ def _assemble(
     backend_obj._set_sequence_number_for_group()
     pg._register_backend(device, backend_type, backend_obj)
     return pg
+
+
+def init_gloo_process_group(
+    prefix_store: Store, group_rank: int, group_size: int, timeout: datetime.timedelta
+) -> ProcessGroup:
+    """A gloo ProcessGroup of ``group_size`` ranks whose rendezvous runs over
+    ``prefix_store``, without torch.distributed's global state (vLLM's building block of
+    its stateless groups).
+
+    Every rank calls it with its ``group_rank`` and the same store (a ``PrefixStore`` that
+    no other group uses, over a store every rank reaches); it returns once all have joined.
+    ``timeout`` (a positive timedelta) bounds the rendezvous and every collective. The
+    group answers collectives called on it (``pg.allreduce([t]).wait()``), with group ranks.
+
+    Raises:
+        TypeError: ``prefix_store`` is not a torch Store, ``timeout`` not a timedelta, or
+            ``group_rank``/``group_size`` not ints.
+        ValueError: ``group_size`` below 1, ``group_rank`` outside ``[0, group_size)``, or
+            ``timeout`` not positive.
+    """
+    if not isinstance(prefix_store, Store):
+        raise TypeError(f"prefix_store must be a torch Store, got {type(prefix_store).__name__}")
+    for name, value in (("group_size", group_size), ("group_rank", group_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    validate_rank(group_rank, group_size, "group_rank")
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return _on_store(prefix_store, group_rank, group_size, Backend(Backend.GLOO), timeout)
 
 
 def store_of(group: Any) -> Store:

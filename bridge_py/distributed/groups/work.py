@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed import Work
@@ -36,7 +37,7 @@ from torch.distributed import Work
 from bridge_py import deadline
 from bridge_py.distributed.errors import CollectiveTimeout, unusable_group
 
-__all__ = ["finish", "mark_unusable", "refuse_if_unusable"]
+__all__ = ["PendingWork", "finish", "mark_unusable", "refuse_if_unusable"]
 
 # The torch groups whose ranks are out of step, with why (the first reason is kept).
 _unusable: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -98,3 +99,52 @@ def _timed_out(op: str, where: str, left: float | None, group: Any) -> Collectiv
         "call something else?); the collective was abandoned, not cancelled, so the group is "
         "unusable now: destroy it and create it again on every rank"
     )
+
+
+class PendingWork:
+    """Sends or receives posted without waiting: vLLM's ``Handle`` (``is_completed``,
+    ``wait``), as ``GroupCoordinator.isend_object`` and the tensor dictionaries' non-blocking
+    forms return it.
+
+    It keeps the tensors the works read from or fill (``keep``) alive until they are done,
+    so that a caller may drop its own references at once; ``then`` runs once they are (a
+    copy out of a wire tensor into the caller's). :meth:`wait` waits as :func:`finish` does
+    (``op``, ``where``, ``group`` and ``bounded`` are its) and may be called again: each
+    work is waited for once (a second wait on a gloo send never returns).
+    """
+
+    def __init__(
+        self,
+        works: Sequence[Work | None],
+        op: str,
+        where: str,
+        *,
+        group: Any,
+        bounded: bool = True,
+        keep: Sequence[Any] = (),
+        then: Callable[[], object] | None = None,
+    ) -> None:
+        self._works = [work for work in works if work is not None]
+        self._op, self._where, self._group, self._bounded = op, where, group, bounded
+        self._keep: Sequence[Any] = keep
+        self._then = then
+        self._done = False
+
+    def is_completed(self) -> bool:
+        """Whether the works are done (and ``then`` has run), without waiting. A gloo send
+        or receive says so only once waited for; NCCL's as soon as the GPU is done."""
+        if not self._done and all(work.is_completed() for work in self._works):
+            self.wait()
+        return self._done
+
+    def wait(self) -> None:
+        """Wait for every work, then run ``then`` and let go of the kept tensors."""
+        while self._works:
+            finish(self._works[0], self._op, self._where, group=self._group, bounded=self._bounded)
+            self._works.pop(0)
+        if not self._done:
+            then, self._then = self._then, None
+            if then is not None:
+                then()
+            self._done = True
+            self._keep = ()

@@ -78,12 +78,13 @@ defmodule Vllm.GeneratedApiTest do
     send: [3, 4]
   ]
 
-  # MessageQueue, with vLLM 0.33's shutdown and shutting_down.
+  # MessageQueue, with vLLM 0.33's shutdown and shutting_down, and 0.34's recv.
   @message_queue [
     broadcast_object: [2, 3],
     close: [1, 2],
     dequeue: [2, 3],
     enqueue: [3, 4],
+    recv: [3, 4],
     shutdown: [1, 2],
     shutting_down: [1, 2],
     wait_until_ready: [2, 3]

@@ -393,7 +393,7 @@ defmodule Vllm.Distributed.GroupCoordinator do
   @doc ~S"""
   One queue per rank, all read by the rank `reader_rank_in_group` (a collective).
 
-  As vLLM's `MessageQueue.create_from_process_group_single_reader`: every rank
+  Through `MessageQueue.create_from_process_group_single_reader`, as vLLM: every rank
   (the reader too) gets a queue that it writes and that only the reader reads; the
   queues' handles are gathered on the reader. Returns `(queue, handles)`:
   `handles` lists every rank's handle (in group rank order) on the reader and is

@@ -292,6 +292,45 @@ defmodule Vllm.Distributed.MessageQueue do
   end
 
   @doc ~S"""
+  The next message of a reader's end of a queue, within `timeout` seconds.
+
+  vLLM's reads one whole message from a reader's ZeroMQ socket. This queue has no
+  ZeroMQ: a reader's connection (the ring, or TCP to the writer) lives in its end of
+  the queue, so `socket` is that end (the result of `create_from_handle` or of
+  `create_from_process_group` on a reader). `timeout` as vLLM's: None waits as
+  long as the writer lives, a negative one counts as 0 (a message already there is
+  returned, none waited for); otherwise as `dequeue/3`.
+
+  ## Parameters
+
+    * `socket` (`Vllm.Distributed.MessageQueue.t()`)
+    * `timeout` (`float() | nil`)
+
+  The first argument is `nil`, or a ref whose worker should run the call (placement only).
+
+  `opts` are Python keyword arguments, plus `__runtime__: [pool:, node:, worker:, timeout:, session:, owner:]` (see `VllmBridge.Runtime`).
+
+  ## Returns
+
+    * `term()`
+
+  ## Errors
+
+  Python exceptions come back as `{:error, %VllmBridge.Error{}}` with category `:python` and `python_type` the exception's name:
+
+    * `TypeError` - `socket` is not a MessageQueue, or `timeout` not a number.
+    * `StateError` - `socket` is the writer's end, or is closed.
+    * `GroupTimeout` - a TimeoutError, when no message came within `timeout`.
+    * `PeerGoneError` - the writer has closed the queue or exited, and every message
+      it wrote has been read.
+  """
+  @spec recv(t() | nil, Vllm.Distributed.MessageQueue.t(), float() | nil, keyword()) ::
+          {:ok, term()} | {:error, VllmBridge.Error.t()}
+  def recv(ref, socket, timeout, opts \\ []) do
+    VllmBridge.Runtime.call_static(ref, "MessageQueue.recv", [socket, timeout], opts)
+  end
+
+  @doc ~S"""
   Wake whatever waits on this end, so that its process can clean up and stop.
 
   Safe from any thread, and idempotent. A `dequeue/3` waiting on this end (a

@@ -50,6 +50,19 @@ defmodule Vllm.Distributed.MessageQueueTest do
     assert for(_ <- 1..3, do: MQ.dequeue(reader, [5], __runtime__: @rt)) == [ok: 1, ok: 2, ok: 3]
   end
 
+  test "recv reads the next message of a reader's end, as vLLM's static recv",
+       %{writer: writer, reader: reader} do
+    {:ok, nil} = MQ.enqueue(writer, "one", [5], __runtime__: @rt)
+    assert MQ.recv(reader, reader, 5.0, __runtime__: @rt) == {:ok, "one"}
+
+    # A negative timeout looks once, as 0: nothing is there.
+    assert {:error, %Error{python_type: "GroupTimeout"}} =
+             MQ.recv(reader, reader, -1.0, __runtime__: @rt)
+
+    assert {:error, %Error{python_type: "StateError"}} =
+             MQ.recv(writer, writer, 1.0, __runtime__: @rt)
+  end
+
   defp timed(fun) do
     start = System.monotonic_time(:millisecond)
     result = fun.()
