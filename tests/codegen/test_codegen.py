@@ -107,18 +107,23 @@ def test_dispatch_returns_the_tensors_it_moves() -> None:
     for path in ("device_communicator_base.ex", "group_coordinator.ex"):
         source = (ROOT / "elixir" / "lib" / "vllm" / "distributed" / path).read_text()
         specs = [" ".join(part.split()) for part in source.split("@spec dispatch(")[1:3]]
+        # extra_tensors, a list, is given by name only (Options.by_name/3).
+        by_name = (
+            'with {:ok, args} <- VllmBridge.Runtime.Options.by_name(args, 1, ["extra_tensors"])'
+        )
         assert specs[0].startswith(
             f"t(), {tensor}, {tensor}, [term()], keyword()) :: "
             f"{{:ok, {{{tensor}, {tensor}}} | {{{tensor}, {tensor}, [{tensor}]}}}} {error} "
             "def dispatch(ref, hidden_states, router_logits, args \\\\ [], opts \\\\ []) do "
-            'VllmBridge.Runtime.call_method( ref, "dispatch_router_logits",'
+            f"{by_name} do VllmBridge.Runtime.call_method( ref, "
+            '"dispatch_router_logits",'
         ), path
         three = f"{tensor}, {tensor}, {tensor}"
         assert specs[1].startswith(
             f"t(), {three}, [term()], keyword() ) :: "
             f"{{:ok, {{{three}}} | {{{three}, [{tensor}]}}}} {error} "
             "def dispatch(ref, hidden_states, topk_weights, topk_ids, args, opts) do "
-            'VllmBridge.Runtime.call_method(ref, "dispatch",'
+            f'{by_name} do VllmBridge.Runtime.call_method(ref, "dispatch",'
         ), path
 
 
