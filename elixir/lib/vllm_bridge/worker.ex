@@ -163,6 +163,10 @@ defmodule VllmBridge.Worker do
   first 4096 bytes, and past a burst of 1000 lines at most 100 lines a second
   are sent; the others are dropped, and the count of dropped lines is logged.
   A flood of output therefore costs neither memory nor the worker's answers.
+  What Python prints while it starts is held until it has started, then
+  logged; a Python that fails to start logs one error, whose
+  `details.stderr` holds the last lines it printed (a traceback's end) and
+  whose message names the cause, instead of its traceback line by line.
 
   ## Lifecycle limits
 

@@ -106,7 +106,7 @@ defmodule VllmBridge.OutputTest do
     assert logged <= 1_000 + 100 * (div(ended - started, 1000) + 1)
   end
 
-  test "a Python that fails at start logs its traceback and reports the missing module",
+  test "a Python that fails at start logs one error naming the missing module, no traceback",
        %{tmp_dir: dir} do
     python = torchless_python!(dir)
 
@@ -126,9 +126,36 @@ defmodule VllmBridge.OutputTest do
 
     # Only this worker's lines: tests running beside this one start torchless Pythons too.
     assert_received {:worker, worker}
+    log = log |> lines(inspect(worker)) |> Enum.join("\n")
+    assert lines(log, ~r/Traceback|File "/) == []
+    assert [error] = lines(log, ~r/No module named 'torch'/)
+    assert error =~ "[error]"
+    assert error =~ "could not start"
+    assert error =~ "`mix vllm_bridge.setup` makes one"
+  end
+
+  test "what Python prints while it starts is logged once it has started", %{tmp_dir: dir} do
+    File.write!(Path.join(dir, "printing_exports.py"), """
+    print("loading the export table", flush=True)
+    from bridge_py.worker.export_table import default_exports
+    """)
+
+    log =
+      capture_log(@log, fn ->
+        {:ok, worker} =
+          Worker.start_link(
+            args: ["--exports", "printing_exports:default_exports"],
+            env: [{"PYTHONPATH", dir}]
+          )
+
+        assert :ok = Worker.await_started(worker)
+        GenServer.stop(worker)
+        send(self(), {:worker, worker})
+      end)
+
+    assert_received {:worker, worker}
     log = log |> lines(inspect(worker) <> " ") |> Enum.join("\n")
-    assert [_] = lines(log, ~r/\(os pid \d+\): ModuleNotFoundError: No module named 'torch'/)
-    assert [_ | _] = lines(log, ~r/\(os pid \d+\): Traceback \(most recent call last\):/)
+    assert [_] = lines(log, ~r/\(os pid \d+\): loading the export table$/)
   end
 
   test "a Python that cannot import bridge_py at all is still diagnosed", %{tmp_dir: dir} do

@@ -21,17 +21,17 @@ defmodule VllmBridge.Worker.Output do
   alias VllmBridge.Proto
 
   @doc """
-  Handles a reply with id 0 from Python: an output frame is logged line by
-  line, and its lines are returned (the worker keeps the last ones while
-  Python starts, for the diagnosis of a failed start); a request Python
-  could not read, or a reply that cannot be decoded, is logged, and `[]` is
-  returned.
+  Handles a reply with id 0 from Python: an output frame's lines are
+  returned, and logged line by line unless Python is still starting (the
+  worker holds those: it logs them once Python has started, and a failed
+  start reports them in its error instead); a request Python could not
+  read, or a reply that cannot be decoded, is logged, and `[]` is returned.
   """
   @spec unsolicited(map(), binary()) :: [String.t()]
   def unsolicited(state, reply) do
     case Proto.decode_reply(reply) do
       {:ok, %{result: {:output, output}}} ->
-        log(state, output)
+        log(state, output, state.phase != :starting)
 
       {:ok, %{result: {:error, %{message: message}}}} ->
         Logger.warning(
@@ -48,11 +48,11 @@ defmodule VllmBridge.Worker.Output do
   end
 
   @doc """
-  Logs an output frame's `text`, line by line, and the count of lines Python
-  `dropped` before it, if any; returns the lines.
+  Logs an output frame's `text`, line by line (when `lines?`), and the count
+  of lines Python `dropped` before it, if any; returns the lines.
   """
-  @spec log(map(), %{text: iodata(), dropped: non_neg_integer()}) :: [String.t()]
-  def log(state, %{text: text, dropped: dropped}) do
+  @spec log(map(), %{text: iodata(), dropped: non_neg_integer()}, boolean()) :: [String.t()]
+  def log(state, %{text: text, dropped: dropped}, lines? \\ true) do
     metadata = metadata(state)
 
     if dropped > 0 do
@@ -64,12 +64,20 @@ defmodule VllmBridge.Worker.Output do
     end
 
     lines = text |> IO.iodata_to_binary() |> String.split("\n", trim: true)
+    if lines?, do: log_lines(state, lines)
+    lines
+  end
+
+  @doc "Logs `lines` Python printed, one message each."
+  @spec log_lines(map(), [String.t()]) :: :ok
+  def log_lines(state, lines) do
+    metadata = metadata(state)
 
     for line <- lines do
       Logger.warning("#{describe(state)} (os pid #{state.os_pid}): #{printable(line)}", metadata)
     end
 
-    lines
+    :ok
   end
 
   @doc """

@@ -255,6 +255,8 @@ defmodule VllmBridge.Worker.Server do
       Logger.info("#{describe(state)}: the Python worker started after #{state.attempt} failures")
     end
 
+    Output.log_lines(state, state.output_tail)
+
     Startup.ready(state, OSProcess.input_bytes(state.port))
   end
 

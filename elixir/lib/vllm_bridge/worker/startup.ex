@@ -20,8 +20,10 @@ defmodule VllmBridge.Worker.Startup do
   alias VllmBridge.Error
   alias VllmBridge.Worker.OSProcess
 
-  # this many of the last lines a failed start printed are kept
+  # this many of the last lines a failed start printed are kept in its error
   @stderr_lines 8
+  # at most this many lines printed while starting are held (Python's burst)
+  @held_lines 1000
   # what an environment made for vllm_bridge has (bridge_py and its requirements)
   @environment ~w(bridge_py torch msgpack numpy grpc)
 
@@ -115,22 +117,16 @@ defmodule VllmBridge.Worker.Startup do
   end
 
   @doc """
-  Keeps the `lines` Python printed while the worker is `:starting`, for the
-  diagnosis of a failed start (`keep_tail/2`); in any other phase the state
-  is returned as it is.
+  Holds the `lines` Python printed while the worker is `:starting` (the last
+  #{@held_lines}): the worker logs them once Python has started, and a
+  failed start is diagnosed from them, not logged line by line. In any other
+  phase the state is returned as it is.
   """
   @spec printed(map(), [String.t()]) :: map()
   def printed(%{phase: :starting} = state, lines),
-    do: %{state | output_tail: keep_tail(state.output_tail, lines)}
+    do: %{state | output_tail: Enum.take(state.output_tail ++ lines, -@held_lines)}
 
   def printed(state, _lines), do: state
-
-  @doc """
-  Adds the `lines` Python printed to the `tail` kept for a diagnosis: the
-  last #{@stderr_lines} lines.
-  """
-  @spec keep_tail([String.t()], [String.t()]) :: [String.t()]
-  def keep_tail(tail, lines), do: Enum.take(tail ++ lines, -@stderr_lines)
 
   @doc """
   Builds what the worker does with a failed start. `state` is the worker's

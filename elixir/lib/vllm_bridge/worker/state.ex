@@ -55,7 +55,7 @@ defmodule VllmBridge.Worker.State do
           waiters: [GenServer.from()],
           # when the Python process was spawned (monotonic, native units)
           spawned_at: integer() | nil,
-          # the last lines Python printed while :starting (output frames)
+          # the lines Python printed while :starting (output frames), held
           output_tail: [String.t()],
           # calls answered, and when memory was last read (monotonic ms)
           calls: non_neg_integer(),
