@@ -155,3 +155,13 @@ def test_no_module_over_700_lines() -> None:
         if (lines := len(path.read_text().splitlines())) > 700
     ]
     assert not long, "\n".join(long)
+
+
+def test_no_class_name_is_defined_twice() -> None:
+    """One name, one class: a reader who meets ``Segment`` knows which one it is."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT.parent)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

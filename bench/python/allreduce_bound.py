@@ -1,6 +1,6 @@
 """The memory-bandwidth floor of a 4 MiB f32 all-reduce between 2 ranks on this machine.
 
-In ``ShmCollectives`` (bridge_py/distributed/device_communicators/shm_allreduce.py) each of
+In ``ShmCollectives`` (bridge_py/distributed/device_communicators/shm_collectives.py) each of
 2 ranks, for a 4 MiB message: copies the half the other rank sums into the segment, sums
 its own half (its input and the other's copy) into its result, copies that sum into the
 segment, and copies the other's sum into its result: four 2 MiB passes, 18 MiB of reads
@@ -35,7 +35,7 @@ def _rank(rank: int, port: int) -> dict[str, float]:
     """Milliseconds per call on this rank: the transport alone, and through the group."""
     import torch.distributed as dist
 
-    from bridge_py.distributed.device_communicators.shm_allreduce import _ROW_BYTES
+    from bridge_py.distributed.device_communicators.shm_collectives import _ROW_BYTES
     from bridge_py.distributed.parallel_state import GroupCoordinator
 
     dist.init_process_group(

@@ -423,7 +423,7 @@ def test_a_segment_of_another_kind_is_refused_naming_it() -> None:
 
 
 def test_an_all_reduce_segment_of_another_layout_is_unusable() -> None:
-    from bridge_py.distributed.device_communicators.shm_allreduce import (
+    from bridge_py.distributed.device_communicators.shm_collectives import (
         MIN_SLOT_BYTES,
         ShmCollectives,
     )

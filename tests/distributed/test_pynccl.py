@@ -25,7 +25,7 @@ from bridge_py.distributed import (
 from bridge_py.distributed.device_communicators import CollectiveMismatchError
 from bridge_py.distributed.device_communicators.pynccl import PyNcclCommunicator
 from bridge_py.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
-from bridge_py.distributed.device_communicators.shm_allreduce import (
+from bridge_py.distributed.device_communicators.shm_collectives import (
     BYTES_ENV,
     ENABLE_ENV,
     NAME_PREFIX,

@@ -1,8 +1,8 @@
 """CpuCommunicator: collectives of a CPU group, over shared memory on one node, else gloo.
 
 When every rank of the group can map one shared-memory segment (probed once, collectively,
-at construction; see ``shm_allreduce``), ``self.shm`` holds the group's
-:class:`~bridge_py.distributed.device_communicators.shm_allreduce.ShmCollectives` (like
+at construction; see ``shm_collectives``), ``self.shm`` holds the group's
+:class:`~bridge_py.distributed.device_communicators.shm_collectives.ShmCollectives` (like
 vLLM's ``_CPUSHMDistributed``): all-reduce, all-gather, reduce-scatter and broadcast go
 through shared memory, everything else through ``torch.distributed`` on the gloo group;
 the pre-collective argument check (``agreement``) exchanges its table through shared memory
@@ -29,7 +29,7 @@ from bridge_py.distributed.device_communicators.all2all import NaiveAll2AllManag
 from bridge_py.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
-from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
+from bridge_py.distributed.device_communicators.shm_collectives import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
 from bridge_py.distributed.tensor_codec import plain
 

@@ -80,7 +80,7 @@ from bridge_py.distributed.device_communicators.nccl_group import (
 from bridge_py.distributed.device_communicators.pynccl_core import flat_bytes
 from bridge_py.distributed.device_communicators.pynccl_p2p import PyNcclPointToPoint
 from bridge_py.distributed.device_communicators.pynccl_wrapper import operator_library
-from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
+from bridge_py.distributed.device_communicators.shm_collectives import ShmCollectives
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.groups.torch_group import (
     _assemble,

@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from bridge_py.distributed.device_communicators.agreement import Judge, Signature
 from bridge_py.distributed.device_communicators.checks import CommunicatorChecks
 from bridge_py.distributed.device_communicators.nccl_group import NcclGroup
-from bridge_py.distributed.device_communicators.shm_allreduce import ShmCollectives
+from bridge_py.distributed.device_communicators.shm_collectives import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction, reducible
 from bridge_py.distributed.errors import StateError
 from bridge_py.distributed.spg.group import StatelessProcessGroup

@@ -76,7 +76,7 @@ def _align(offset: int) -> int:
     return (offset + 63) // 64 * 64
 
 
-def _release(shm: posix.Segment, creator: bool, slot: list[int], pid: int) -> None:
+def _release(shm: posix.SharedMemory, creator: bool, slot: list[int], pid: int) -> None:
     """Mark the writer closed (or this reader detached), unlink if creator, unmap.
 
     In a process forked from the owner (``pid``) only the mapping is released: the queue
@@ -130,7 +130,7 @@ class ShmRingBuffer:
         self.total_bytes_of_buffer = self.data_offset + max_chunk_bytes * max_chunks
         self._namespace = pid_namespace()
         self.is_creator = name is None
-        self.shared_memory: posix.Segment
+        self.shared_memory: posix.SharedMemory
         if name is not None:
             # A reader checks the file against the handle's layout before it sizes anything
             # by the handle's numbers: a file that passes holds that many readers and chunks.

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS, Codec
+from bridge_py.distributed.distribute.codec import CONFIGS, TENSORS, GatherCodec
 from bridge_py.distributed.distribute.group import CallId, GroupSync, SyncGroup, as_group_sync
 from bridge_py.distributed.distribute.nfs import NfsChannel, NFSWorkspace
 from bridge_py.distributed.distribute.shm import ShmChannel
@@ -89,7 +89,7 @@ def _gather(
     ranks: Sequence[int],
     group: SyncGroup,
     timeout: float | None,
-    codec: Codec,
+    codec: GatherCodec,
     open_carrier: Callable[[CallId], ShmChannel | NfsChannel],
 ) -> Iterator[list[Any]]:
     """The protocol of the module docstring, for one value per rank of ``ranks``, moved by

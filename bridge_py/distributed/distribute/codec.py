@@ -1,6 +1,6 @@
 """How configs and tensors travel in a gather: plain data, never arbitrary pickles.
 
-A gather moves a value as a :class:`Codec` says: as bytes, the same for every carrier (a
+A gather moves a value as a :class:`GatherCodec` says: as bytes, the same for every carrier (a
 shared-memory segment or a workspace file).
 
 * A config is ``None`` or a dict with str keys whose values are ``None``, bools, ints,
@@ -33,10 +33,10 @@ import torch
 from bridge_py.distributed import tensor_codec
 from bridge_py.distributed.errors import CollectiveMismatchError
 
-__all__ = ["CONFIGS", "TENSORS", "Codec", "load_saved"]
+__all__ = ["CONFIGS", "TENSORS", "GatherCodec", "load_saved"]
 
 
-class Codec(NamedTuple):
+class GatherCodec(NamedTuple):
     """How one kind of value travels through a carrier.
 
     ``encode(value)`` gives the value's bytes as bytes-like parts, to be written one after
@@ -148,6 +148,6 @@ def _config_from_bytes(view: memoryview, what: str) -> Any:
 
 
 #: A config (``None`` or plain data): its torch.save file.
-CONFIGS = Codec(_config_to_bytes, _config_from_bytes)
+CONFIGS = GatherCodec(_config_to_bytes, _config_from_bytes)
 #: A tensor: the tensor codec's payload (read into a new CPU tensor).
-TENSORS = Codec(tensor_codec.parts, lambda view, what: tensor_codec.decode(view, None, what))
+TENSORS = GatherCodec(tensor_codec.parts, lambda view, what: tensor_codec.decode(view, None, what))

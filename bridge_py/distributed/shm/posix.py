@@ -2,9 +2,9 @@
 
 Every mapped segment the package makes or opens (the MessageQueue's ring, the CPU
 all-reduce, the same-node probe; large values go through ``shm.segments``) is a
-:class:`Segment` from these functions: a file under ``/dev/shm``, mapped, with the names of
+:class:`SharedMemory` from these functions: a file under ``/dev/shm``, mapped, with the names of
 ``multiprocessing``'s ``SharedMemory`` (``name``, ``size``, ``buf``, ``close``,
-``unlink``). It is not a SharedMemory, because that
+``unlink``). It is not ``multiprocessing.shared_memory.SharedMemory``, because that
 class has a trap: it registers a segment with the process's *resource tracker*, which
 unlinks it when the process exits, and before Python 3.13 it does so for a segment the
 process only *opened* too (python/cpython#82300), so a reader that exits would remove the
@@ -20,7 +20,7 @@ writer's segment from under everyone else.
 * :func:`attach` opens another process's segment, never telling the tracker, and checks it
   before anything is read from it (``files.open_peer_file``: not a link, this user's
   regular file, writable by this user only).
-* :meth:`Segment.unlink` (or :func:`unlink`) removes a segment's name (the memory goes
+* :meth:`SharedMemory.unlink` (or :func:`unlink`) removes a segment's name (the memory goes
   with its last mapping), and takes it off the tracker's list if it was on it.
 """
 
@@ -35,8 +35,7 @@ from bridge_py.distributed.errors import SharedMemoryError
 from bridge_py.distributed.shm.files import SHM_DIR, UntrustedFileError, open_peer_file
 
 __all__ = [
-    "Attached",
-    "Segment",
+    "SharedMemory",
     "attach",
     "create",
     "fileno",
@@ -47,7 +46,7 @@ __all__ = [
 ]
 
 
-class Segment:
+class SharedMemory:
     """A segment open and mapped: ``name``, ``size``, ``buf`` (None once closed)."""
 
     def __init__(self, name: str, fd: int, *, tracked: bool = False) -> None:
@@ -86,10 +85,9 @@ class Segment:
         return self._fd
 
 
-Attached = Segment  # the name segments opened by attach() had
-
-
-def create(name: str, size: int, *, tracked: bool = True, reserve: int | None = None) -> Segment:
+def create(
+    name: str, size: int, *, tracked: bool = True, reserve: int | None = None
+) -> SharedMemory:
     """A new segment ``name`` of ``size`` bytes (FileExistsError if the name is taken),
     with the memory of its first ``reserve`` bytes (None: all of it) taken now.
 
@@ -106,7 +104,7 @@ def create(name: str, size: int, *, tracked: bool = True, reserve: int | None = 
         except BaseException:
             os.close(fd)
             raise
-        segment = Segment(name, fd)  # (which closes fd if it fails)
+        segment = SharedMemory(name, fd)  # (which closes fd if it fails)
         try:
             reserve_memory(segment, 0, size if reserve is None else reserve)
         except BaseException:
@@ -121,7 +119,7 @@ def create(name: str, size: int, *, tracked: bool = True, reserve: int | None = 
     return segment
 
 
-def attach(name: str) -> Segment:
+def attach(name: str) -> SharedMemory:
     """Open the existing segment ``name`` that another process made, never telling the
     resource tracker; UntrustedFileError (a PermissionError) naming the file when it is not
     this user's own regular file, or others may write it, or it is a link, or ``name``
@@ -130,10 +128,10 @@ def attach(name: str) -> Segment:
     path = f"{SHM_DIR}/{name}"
     if "/" in name or name in ("", ".", ".."):
         raise UntrustedFileError(path, "it is not a file directly in /dev/shm")
-    return Segment(name, open_peer_file(path, os.O_RDWR))  # checked
+    return SharedMemory(name, open_peer_file(path, os.O_RDWR))  # checked
 
 
-def reserve_memory(segment: Segment, offset: int, length: int, what: str = "") -> None:
+def reserve_memory(segment: SharedMemory, offset: int, length: int, what: str = "") -> None:
     """Take the memory of ``length`` bytes of ``segment`` from ``offset`` on, so that stores
     through the mapping there cannot fail (memory taken once stays until the segment goes).
 
@@ -161,12 +159,12 @@ def no_room(name: str, what: str, exc: OSError) -> SharedMemoryError:
     )
 
 
-def fileno(segment: Segment) -> int:
+def fileno(segment: SharedMemory) -> int:
     """The file descriptor of a segment from :func:`create` or :func:`attach`."""
     return segment.fileno()
 
 
-def unlink(segment: Segment, *, tracked: bool = True) -> None:
+def unlink(segment: SharedMemory, *, tracked: bool = True) -> None:
     """Remove ``segment``'s name; FileNotFoundError if it is gone already.
 
     ``tracked`` is kept for callers written for SharedMemory: a segment knows whether the
@@ -175,7 +173,7 @@ def unlink(segment: Segment, *, tracked: bool = True) -> None:
     segment.unlink()
 
 
-def view(segment: Segment) -> memoryview:
+def view(segment: SharedMemory) -> memoryview:
     """The memory of ``segment``; SharedMemoryError naming it once it has been closed."""
     buf = segment.buf
     if buf is None:

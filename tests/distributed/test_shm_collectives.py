@@ -8,7 +8,7 @@ another order). Every dtype the communicator supports (all-gather, reduce-scatte
 broadcast too), sizes 0, 1, odd, 4 KiB, 4 MiB and larger than the buffer (chunked), 500
 back-to-back all-reduces, the fallback to gloo, a killed rank (the creator of the segment),
 and a timing table (printed, run with ``-s``; or
-``python -m tests.distributed.test_shm_allreduce``).
+``python -m tests.distributed.test_shm_collectives``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from bridge_py.distributed.device_communicators import CollectiveMismatchError, CpuCommunicator
 from bridge_py.distributed.device_communicators.agreement import CHECK_ENV
-from bridge_py.distributed.device_communicators.shm_allreduce import (
+from bridge_py.distributed.device_communicators.shm_collectives import (
     BYTES_ENV,
     ENABLE_ENV,
     NAME_PREFIX,

@@ -188,7 +188,7 @@ def _release(mapping: mmap.mmap, views: dict[Any, Any]) -> None:
         mapping.close()
 
 
-def _own_mapping(shm: posix.Segment) -> mmap.mmap:
+def _own_mapping(shm: posix.SharedMemory) -> mmap.mmap:
     """A mapping of ``shm``'s segment owned by us, and ``shm`` closed.
 
     ``SharedMemory.close`` (also run by its ``__del__``) fails while torch tensors view its
@@ -283,7 +283,7 @@ class ShmCollectives:
         world_size = len(ranks)
         offer = shm_enabled() if enabled is None else enabled
         why = "" if offer else f"disabled by {ENABLE_ENV}"
-        shm: posix.Segment | None = None
+        shm: posix.SharedMemory | None = None
         slot_bytes = 0
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         if rank == 0 and offer:
@@ -341,7 +341,7 @@ class ShmCollectives:
         )
 
     @staticmethod
-    def _create_segment(world_size: int, slot_bytes: int) -> tuple[posix.Segment, bytes]:
+    def _create_segment(world_size: int, slot_bytes: int) -> tuple[posix.SharedMemory, bytes]:
         _, size = _layout(world_size, slot_bytes)
         token = secrets.token_bytes(16)
         shm = posix.create(NAME_PREFIX + secrets.token_hex(8), size)  # its memory taken
@@ -356,7 +356,7 @@ class ShmCollectives:
         return shm, token
 
     @staticmethod
-    def _attach(handle: bytes, world_size: int) -> tuple[posix.Segment | None, int, str]:
+    def _attach(handle: bytes, world_size: int) -> tuple[posix.SharedMemory | None, int, str]:
         if not handle:
             return None, 0, "rank 0 has no segment"
         try:
