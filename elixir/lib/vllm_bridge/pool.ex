@@ -16,14 +16,14 @@ defmodule VllmBridge.Pool do
       │   └── VllmBridge.Worker ...
       └── VllmBridge.Pool.Replacer (replaces workers over their limits)
 
-  Each worker registers under its index (`0..size-1`), with its channel
-  (see `VllmBridge.Worker`) as the value, so `worker/2` is one ETS lookup.
-  What every call needs of the pool (its registry, size, default timeout and
-  a round-robin counter, an `:atomics` array) is one `:persistent_term`
-  read, so placing a call (`route/3`, `route_at/2`, `next_route/1`) is that
-  read and one registry lookup, lock-free and without a process. `size/1`
-  and `timeout/1` read the same settings once the pool's Registry answers
-  (so they also tell whether the pool is running).
+  A pool's state is its own, and goes with it: its `Registry` holds the
+  running workers (each under its index, with its channel as the value,
+  see `VllmBridge.Worker`), and a table named after the pool, owned by its
+  supervisor, holds what every call reads (the registry, size, default
+  timeout and round-robin counter). `route/2` places a call: one read of
+  that table and one registry lookup, in the caller, without a process.
+  `worker/2` and `workers/1` are the same lookups for callers that want
+  pids.
 
   Workers are independent Python processes: objects (and the handles of
   `VllmBridge.Ref`s) live in exactly one of them. A worker that dies is
@@ -185,7 +185,7 @@ defmodule VllmBridge.Pool do
 
     0..(size - 1)
     |> Enum.map(fn index ->
-      with {:ok, pid} <- lookup(pool, index),
+      with {:ok, pid} <- __MODULE__.worker(pool, index),
            do: {index, :gen_server.send_request(pid, :await_started)}
     end)
     |> Enum.reduce_while(:ok, fn
@@ -231,7 +231,7 @@ defmodule VllmBridge.Pool do
   def init(opts) do
     name = Keyword.fetch!(opts, :name)
     size = Keyword.fetch!(opts, :size)
-    registry = registry(name)
+    registry = Module.concat(name, Registry)
 
     worker_opts =
       Keyword.take(opts, [
@@ -248,6 +248,9 @@ defmodule VllmBridge.Pool do
         :reply_spin_us
       ])
 
+    # starts per index, for the worker restarted event (VllmBridge.Telemetry)
+    starts = :atomics.new(size, signed: false)
+
     workers =
       for index <- 0..(size - 1) do
         Supervisor.child_spec(
@@ -256,7 +259,8 @@ defmodule VllmBridge.Pool do
              name: {:via, Registry, {registry, index}},
              registry: {registry, index},
              pool: name,
-             index: index
+             index: index,
+             starts: starts
            ] ++ worker_opts},
           id: {Worker, index}
         )
@@ -277,15 +281,15 @@ defmodule VllmBridge.Pool do
          ]}
     }
 
-    # starts per index, for the worker restarted event (VllmBridge.Telemetry)
-    starts = :atomics.new(size, signed: false)
-    timeout = Keyword.fetch!(opts, :timeout)
-    :ok = remember(name, registry, size, timeout)
-    meta = [starts: starts]
+    # What every call reads (settings/1): a table named after the pool, owned
+    # by this supervisor, so it goes when the pool stops.
+    :ets.new(name, [:named_table, :protected, read_concurrency: true])
+    counter = :atomics.new(1, signed: false)
+    true = :ets.insert(name, {:settings, registry, size, Keyword.fetch!(opts, :timeout), counter})
 
     Supervisor.init(
       [
-        {Registry, keys: :unique, name: registry, meta: meta},
+        {Registry, keys: :unique, name: registry},
         workers_sup,
         {VllmBridge.Pool.Replacer, registry: registry, pool: name}
       ],
@@ -294,70 +298,83 @@ defmodule VllmBridge.Pool do
   end
 
   @doc """
-  The pid of the worker at `index`.
+  Where a call goes: `{:ok, index, pid, via, timeout}`, where `via` is the
+  worker's `t:VllmBridge.Worker.channel/0` once it has published one (else
+  its pid; `VllmBridge.Worker.request/4` takes either) and `timeout` the
+  pool's default per-call timeout. `to` is:
 
-  Errors: `:bad_args` for an index outside the pool, `:worker` when the pool
-  does not exist or that worker is restarting.
+    * `:next` - the next worker in round-robin order; a worker that is
+      restarting is skipped, and the error is `:worker` only when no worker
+      runs;
+    * an index - the worker at that index (`:bad_args` outside the pool,
+      `:worker` while it restarts);
+    * a pid - that worker, found by pid (`:worker` when it is not a running
+      worker of the pool: it died, was replaced, or never belonged);
+    * `{index, pid}` - that worker, checked in one lookup (what a ref knows).
+
+  One read of the pool's table and one registry lookup, in the caller's
+  process. A worker that has just died is still registered for a moment: a
+  request to it then fails with a `:worker` error (`details.reason`
+  `:noproc`).
   """
-  @spec worker(name(), non_neg_integer()) :: {:ok, pid()} | {:error, Error.t()}
-  def worker(pool, index) when is_integer(index) do
-    with {:ok, size} <- size(pool) do
-      if index >= 0 and index < size do
-        lookup(pool, index)
-      else
-        {:error,
-         Error.new(
-           :bad_args,
-           "worker index #{index} is outside pool #{inspect(pool)} (size #{size})",
-           details: %{pool: pool, index: index}
-         )}
-      end
-    end
-  end
-
-  def worker(pool, index) do
-    {:error,
-     Error.new(:bad_args, "worker index must be an integer, got #{inspect(index)}",
-       details: %{pool: pool}
-     )}
-  end
-
-  @doc """
-  The next worker in round-robin order. A worker that is restarting is
-  skipped; the error is `:worker` only when no worker is running.
-  """
-  @spec next_worker(name()) :: {:ok, pid()} | {:error, Error.t()}
-  def next_worker(pool) do
-    with {:ok, {_index, pid}} <- next_worker_at(pool), do: {:ok, pid}
-  end
-
-  @doc """
-  Like `next_worker/1`, with the worker's index: `{:ok, {index, pid}}`.
-  """
-  @spec next_worker_at(name()) :: {:ok, {non_neg_integer(), pid()}} | {:error, Error.t()}
-  def next_worker_at(pool) do
-    with {:ok, index, pid, _via, _timeout} <- next_route(pool), do: {:ok, {index, pid}}
-  end
-
-  @doc """
-  Where the next call in round-robin order goes, in one read of the pool's
-  settings and one registry lookup: `{:ok, index, pid, via, timeout}`, where
-  `via` is as for `route/3` and `timeout` is the pool's default per-call
-  timeout. A worker that is restarting is skipped; errors as for
-  `next_worker_at/1`.
-  """
-  @spec next_route(name()) ::
+  @spec route(name(), :next | non_neg_integer() | pid() | {non_neg_integer(), pid()}) ::
           {:ok, non_neg_integer(), pid(), Worker.channel() | pid(), timeout()}
           | {:error, Error.t()}
-  def next_route(pool) do
+  def route(pool, to) do
     case settings(pool) do
-      {registry, size, timeout, counter} ->
-        start = :atomics.add_get(counter, 1, 1)
-        first_running(pool, registry, timeout, start, size, size)
-
-      nil ->
-        {:error, no_pool(pool)}
+      {registry, size, timeout, counter} -> route(pool, to, registry, size, timeout, counter)
+      nil -> {:error, no_pool(pool)}
     end
+  rescue
+    # the registry went away between the two reads: the pool is stopping
+    ArgumentError -> {:error, no_pool(pool)}
+  end
+
+  defp route(pool, :next, registry, size, timeout, counter) do
+    first_running(pool, registry, timeout, :atomics.add_get(counter, 1, 1), size, size)
+  end
+
+  defp route(pool, index, registry, size, timeout, _counter) when is_integer(index) do
+    if index >= 0 and index < size do
+      case Registry.lookup(registry, index) do
+        [{pid, via}] -> {:ok, index, pid, via || pid, timeout}
+        [] -> {:error, not_running(pool, index)}
+      end
+    else
+      {:error,
+       Error.new(
+         :bad_args,
+         "worker index #{index} is outside pool #{inspect(pool)} (size #{size})",
+         details: %{pool: pool, index: index}
+       )}
+    end
+  end
+
+  defp route(pool, {index, pid}, registry, _size, timeout, _counter)
+       when is_integer(index) and is_pid(pid) do
+    case Registry.values(registry, index, pid) do
+      [via] -> {:ok, index, pid, via || pid, timeout}
+      [] -> {:error, not_a_worker(pool, pid)}
+    end
+  end
+
+  defp route(pool, pid, registry, _size, timeout, _counter) when is_pid(pid) do
+    with true <- node(pid) != node() or Process.alive?(pid),
+         [index] <- Registry.keys(registry, pid),
+         [via] <- Registry.values(registry, index, pid) do
+      {:ok, index, pid, via || pid, timeout}
+    else
+      _ -> {:error, not_a_worker(pool, pid)}
+    end
+  end
+
+  defp route(pool, to, _registry, _size, _timeout, _counter) do
+    {:error,
+     Error.new(
+       :bad_args,
+       "a worker is :next, an index, a pid or {index, pid}, got #{inspect(to)}",
+       details: %{pool: pool}
+     )}
   end
 
   defp first_running(pool, _registry, _timeout, _n, _size, 0) do
@@ -372,79 +389,45 @@ defmodule VllmBridge.Pool do
       [{pid, via}] -> {:ok, index, pid, via || pid, timeout}
       [] -> first_running(pool, registry, timeout, n + 1, size, tries - 1)
     end
-  rescue
-    ArgumentError -> {:error, no_pool(pool)}
   end
 
   @doc """
-  Where a call to the worker at `index` goes: `{:ok, pid, via, timeout}` as
-  for `next_route/1`, in one read of the pool's settings and one registry
-  lookup. Errors as for `worker/2`.
+  The pid of the worker at `index` (`route/2` with an index, for a caller
+  that wants only the pid). Errors as for `route/2`.
   """
-  @spec route_at(name(), non_neg_integer()) ::
-          {:ok, pid(), Worker.channel() | pid(), timeout()} | {:error, Error.t()}
-  def route_at(pool, index) when is_integer(index) do
+  @spec worker(name(), non_neg_integer()) :: {:ok, pid()} | {:error, Error.t()}
+  def worker(pool, index) when is_integer(index) do
+    with {:ok, _index, pid, _via, _timeout} <- route(pool, index), do: {:ok, pid}
+  end
+
+  def worker(pool, index) do
+    {:error,
+     Error.new(:bad_args, "worker index must be an integer, got #{inspect(index)}",
+       details: %{pool: pool}
+     )}
+  end
+
+  @doc """
+  The running workers as `{index, pid}`, by index (a restarting worker is
+  missing).
+  """
+  @spec workers(name()) :: {:ok, [{non_neg_integer(), pid()}]} | {:error, Error.t()}
+  def workers(pool) do
     case settings(pool) do
-      {registry, size, timeout, _counter} when index >= 0 and index < size ->
-        case Registry.lookup(registry, index) do
-          [{pid, via}] -> {:ok, pid, via || pid, timeout}
-          [] -> lookup(pool, index)
-        end
-
-      _ ->
-        # outside the pool, or no such pool: worker/2 says which
-        __MODULE__.worker(pool, index)
-    end
-  rescue
-    ArgumentError -> {:error, no_pool(pool)}
-  end
-
-  def route_at(pool, index), do: __MODULE__.worker(pool, index)
-
-  @doc """
-  Whether `pid` is the running worker at `index` of `pool`: `index_of/2` for a
-  caller that knows the index, at the cost of one registry lookup instead of a
-  search of the registry by pid.
-  """
-  @spec worker_at?(name(), non_neg_integer(), pid()) :: boolean()
-  def worker_at?(pool, index, pid) when is_integer(index) and is_pid(pid) do
-    (node(pid) != node() or Process.alive?(pid)) and lookup(pool, index) == {:ok, pid}
-  end
-
-  def worker_at?(_pool, _index, _pid), do: false
-
-  @doc """
-  Where a caller sends requests for the worker `pid` at `index`, and the
-  pool's default per-call timeout: `{:ok, via, timeout}`, where `via` is the
-  worker's `t:VllmBridge.Worker.channel/0` once it has published one, else
-  `pid` (both are taken by `VllmBridge.Worker.request/4`). `:error` when
-  `pid` is not registered at `index`, so one read of the pool's settings and
-  one registry read both check a ref and find its way in.
-
-  Unlike `worker_at?/3` it does not ask whether `pid` is alive (a signal
-  round trip to the worker): a worker that has just died is still registered
-  for a moment, and a request to it then fails with a `:worker` error whose
-  `details.reason` is `:noproc`.
-  """
-  @spec route(name(), non_neg_integer(), pid()) ::
-          {:ok, Worker.channel() | pid(), timeout()} | :error
-  def route(pool, index, pid) when is_integer(index) and is_pid(pid) do
-    case settings(pool) do
-      {registry, _size, timeout, _counter} ->
-        case Registry.values(registry, index, pid) do
-          [nil] -> {:ok, pid, timeout}
-          [channel] -> {:ok, channel, timeout}
-          [] -> :error
-        end
+      {registry, size, _timeout, _counter} ->
+        {:ok,
+         for(
+           index <- 0..(size - 1),
+           [{pid, _}] <- [Registry.lookup(registry, index)],
+           do: {index, pid}
+         )}
 
       nil ->
-        :error
+        {:error, no_pool(pool)}
     end
   rescue
-    ArgumentError -> :error
+    ArgumentError -> {:error, no_pool(pool)}
   end
-
-  def route(_pool, _index, _pid), do: :error
 
   @doc "The number of workers of a pool."
   @spec size(name()) :: {:ok, pos_integer()} | {:error, Error.t()}
@@ -454,100 +437,41 @@ defmodule VllmBridge.Pool do
   @spec timeout(name()) :: {:ok, timeout()} | {:error, Error.t()}
   def timeout(pool), do: setting(pool, 2)
 
-  @doc """
-  The running workers as `{index, pid}`, by index (a restarting worker is
-  missing).
-  """
-  @spec workers(name()) :: {:ok, [{non_neg_integer(), pid()}]} | {:error, Error.t()}
-  def workers(pool) do
-    with {:ok, size} <- size(pool) do
-      workers = for index <- 0..(size - 1), {:ok, pid} <- [lookup(pool, index)], do: {index, pid}
-
-      {:ok, workers}
+  defp setting(pool, at) do
+    case settings(pool) do
+      nil -> {:error, no_pool(pool)}
+      settings -> {:ok, elem(settings, at)}
     end
   end
-
-  @doc """
-  The index of the worker `pid` in `pool`, or `:error` when `pid` is not one
-  of the pool's running workers (it died, was replaced, or never belonged).
-  """
-  @spec index_of(name(), pid()) :: {:ok, non_neg_integer()} | :error
-  def index_of(pool, pid) when is_pid(pid) do
-    if node(pid) == node() and not Process.alive?(pid) do
-      :error
-    else
-      case Registry.keys(registry(pool), pid) do
-        [index] -> {:ok, index}
-        _ -> :error
-      end
-    end
-  rescue
-    ArgumentError -> :error
-  end
-
-  def index_of(_pool, _pid), do: :error
-
-  defp lookup(pool, index) do
-    case Registry.lookup(registry(pool), index) do
-      [{pid, _}] ->
-        {:ok, pid}
-
-      [] ->
-        {:error,
-         Error.new(:worker, "worker #{index} of pool #{inspect(pool)} is not running",
-           details: %{pool: pool, index: index}
-         )}
-    end
-  rescue
-    ArgumentError -> {:error, no_pool(pool)}
-  end
-
-  # Element `at` of the pool's settings (see remember/4), while the pool runs:
-  # its registry, which the settings outlive, must answer.
-  defp setting(pool, at) when is_atom(pool) do
-    case Registry.meta(registry(pool), :starts) do
-      {:ok, _starts} -> {:ok, elem(settings(pool), at)}
-      :error -> {:error, no_pool(pool)}
-    end
-  rescue
-    ArgumentError -> {:error, no_pool(pool)}
-  end
-
-  defp setting(pool, _at), do: {:error, no_pool(pool)}
 
   defp no_pool(pool) do
     Error.new(:worker, "no pool named #{inspect(pool)} is running", details: %{pool: pool})
   end
 
-  # What every call needs to know of a pool, in one :persistent_term read:
-  # {registry, size, default timeout, round-robin counter}. Written when the
-  # pool starts; a restart with the same settings keeps the same term (and
-  # counter, reset), so it stores nothing new.
-  defp remember(name, registry, size, timeout) do
-    counter =
-      case settings(name) do
-        {^registry, ^size, _timeout, counter} ->
-          :atomics.put(counter, 1, 0)
-          counter
-
-        _ ->
-          :atomics.new(1, signed: false)
-      end
-
-    settings = {registry, size, timeout, counter}
-    if settings(name) != settings, do: :persistent_term.put({__MODULE__, name}, settings)
-    :ok
+  defp not_running(pool, index) do
+    Error.new(:worker, "worker #{index} of pool #{inspect(pool)} is not running",
+      details: %{pool: pool, index: index}
+    )
   end
 
+  defp not_a_worker(pool, pid) do
+    Error.new(:worker, "#{inspect(pid)} is not a running worker of pool #{inspect(pool)}",
+      details: %{pool: pool, worker: pid}
+    )
+  end
+
+  # What every call needs to know of a pool, in one read of the pool's table
+  # (see init/1): {registry, size, default timeout, round-robin counter}; nil
+  # when no pool of that name runs.
   @compile {:inline, settings: 1}
-  defp settings(pool), do: :persistent_term.get({__MODULE__, pool}, nil)
-
-  defp registry(pool) do
-    case settings(pool) do
-      {registry, _size, _timeout, _counter} -> registry
-      nil when is_atom(pool) -> Module.concat(pool, Registry)
-      # (every caller turns an ArgumentError into its "no such pool" answer)
-      nil -> raise ArgumentError, "not a pool name: #{inspect(pool)}"
+  defp settings(pool) when is_atom(pool) do
+    case :ets.lookup(pool, :settings) do
+      [{:settings, registry, size, timeout, counter}] -> {registry, size, timeout, counter}
+      [] -> nil
     end
+  rescue
+    ArgumentError -> nil
   end
+
+  defp settings(_pool), do: nil
 end

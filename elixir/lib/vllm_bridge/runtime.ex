@@ -342,8 +342,8 @@ defmodule VllmBridge.Runtime do
   def release_session(session, opts) when is_binary(session) do
     with {:ok, ctx} <- Options.parse_plain(opts, "release_session/2"),
          :ok <- local_node(ctx),
-         {:ok, workers} <- Pool.workers(ctx.pool),
-         {:ok, timeout} <- Pool.timeout(ctx.pool) do
+         {:ok, timeout} <- Pool.timeout(ctx.pool),
+         {:ok, workers} <- Pool.workers(ctx.pool) do
       ctx = %{ctx | session: session}
 
       workers
@@ -449,11 +449,9 @@ defmodule VllmBridge.Runtime do
     do: {:remote, node(pid), ctx.timeout}
 
   defp place(%{worker: pid, pool: pool}) when is_pid(pid) do
-    with {:ok, index} <- Pool.index_of(pool, pid),
-         {:ok, via, timeout} <- Pool.route(pool, index, pid) do
-      {:ok, worker_target(pool, index, pid, via, timeout)}
-    else
-      :error -> bad("#{inspect(pid)} is not a running worker of pool #{inspect(pool)}", pid)
+    case Pool.route(pool, pid) do
+      {:ok, index, pid, via, timeout} -> {:ok, worker_target(pool, index, pid, via, timeout)}
+      {:error, _} -> bad("#{inspect(pid)} is not a running worker of pool #{inspect(pool)}", pid)
     end
   end
 
@@ -470,12 +468,12 @@ defmodule VllmBridge.Runtime do
     do: {:remote, on, ctx.timeout}
 
   defp place_in_pool(%{worker: index, pool: pool}) when is_integer(index) do
-    with {:ok, pid, via, timeout} <- Pool.route_at(pool, index),
+    with {:ok, index, pid, via, timeout} <- Pool.route(pool, index),
          do: {:ok, worker_target(pool, index, pid, via, timeout)}
   end
 
   defp place_in_pool(%{pool: pool}) do
-    with {:ok, index, pid, via, timeout} <- Pool.next_route(pool),
+    with {:ok, index, pid, via, timeout} <- Pool.route(pool, :next),
          do: {:ok, worker_target(pool, index, pid, via, timeout)}
   end
 
@@ -511,16 +509,10 @@ defmodule VllmBridge.Runtime do
     # tells whether that worker still runs there (a search by pid costs ~3 us)
     # and gives the way in to it (its channel, see VllmBridge.Worker).
     found =
-      if is_integer(index) and ref_pool != nil do
-        with {:ok, via, timeout} <- Pool.route(pool, index, pid), do: {:ok, index, via, timeout}
-      else
-        with {:ok, index} <- Pool.index_of(pool, pid),
-             {:ok, via, timeout} <- Pool.route(pool, index, pid),
-             do: {:ok, index, via, timeout}
-      end
+      Pool.route(pool, if(is_integer(index) and ref_pool != nil, do: {index, pid}, else: pid))
 
     case found do
-      {:ok, index, via, timeout} ->
+      {:ok, index, _pid, via, timeout} ->
         {:ok,
          %{
            pool: pool,
@@ -532,7 +524,7 @@ defmodule VllmBridge.Runtime do
            ref: ref
          }}
 
-      :error ->
+      {:error, _} ->
         {:error, stale(ref, pool)}
     end
   end
@@ -617,7 +609,7 @@ defmodule VllmBridge.Runtime do
   defp foreign_ref(ref, target) do
     pool = ref.pool || target.pool
 
-    if is_pid(ref.worker) and Pool.index_of(pool, ref.worker) != :error do
+    if is_pid(ref.worker) and match?({:ok, _, _, _, _}, Pool.route(pool, ref.worker)) do
       bad(
         "#{describe_ref(ref)} lives in worker #{inspect(ref.worker)}, but this call runs in " <>
           "worker #{inspect(target.worker)}: pass refs only to calls on their own worker",

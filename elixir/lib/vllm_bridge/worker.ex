@@ -223,6 +223,7 @@ defmodule VllmBridge.Worker do
           | {:pool, atom()}
           | {:index, non_neg_integer()}
           | {:registry, {Registry.registry(), Registry.key()}}
+          | {:starts, :atomics.atomics_ref()}
           | {:health_interval, pos_integer() | false}
           | {:health_timeout, pos_integer()}
           | {:max_calls, pos_integer() | nil}
@@ -257,6 +258,9 @@ defmodule VllmBridge.Worker do
     * `:registry` - `{registry, key}`, the `Registry` key this worker is
       registered under (through `:name`): the worker stores its
       `t:channel/0` there as the key's value once its port is open
+    * `:starts` - an `:atomics` array that counts the starts at each index
+      of a pool (the pool sets it): a worker that is not the first at its
+      `:index` emits the `[:vllm_bridge, :worker, :restarted]` event
     * `:health_interval` - ms of silence from Python after which the worker
       pings it, or `false` for no health checks (default `#{@defaults[:health_interval]}`;
       see "Health checks")

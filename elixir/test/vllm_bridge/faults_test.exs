@@ -212,7 +212,7 @@ defmodule VllmBridge.FaultsTest do
       monitor = Process.monitor(worker)
       Process.exit(worker, :kill)
       assert_receive {:DOWN, ^monitor, :process, ^worker, :killed}, 5_000
-      assert {:ok, _, _} = Pool.route(pool, 0, worker)
+      assert {:ok, 0, ^worker, _, _} = Pool.route(pool, {0, worker})
 
       assert {:error, %Error{category: :stale_ref, message: message}} =
                Runtime.call_method(counter, "incr", [])

@@ -123,7 +123,7 @@ defmodule VllmBridge.HostileInputTest do
        %{pool: pool, worker: worker} = ctx do
     payload = tuples_bin(300)
     assert byte_size(payload) < 1500
-    {:ok, channel, _timeout} = Pool.route(pool, 0, worker)
+    {:ok, 0, ^worker, channel, _timeout} = Pool.route(pool, {0, worker})
 
     # through the worker process and through its channel
     for via <- [worker, channel] do

@@ -19,6 +19,19 @@ defmodule VllmBridge.PoolTest do
     :ok
   end
 
+  test "a pool's state goes when it stops", %{test: test} do
+    pool = start_pool!(:"#{test}", 1)
+    assert {:ok, 0, _pid, _via, _timeout} = Pool.route(pool, :next)
+    assert :ets.info(pool, :owner) == Process.whereis(pool)
+
+    stop_supervised!(pool)
+
+    assert :ets.info(pool) == :undefined
+    assert Process.whereis(Module.concat(pool, Registry)) == nil
+    assert for({{VllmBridge.Pool, _}, _} = entry <- :persistent_term.get(), do: entry) == []
+    assert {:error, %Error{message: "no pool named " <> _}} = Pool.route(pool, :next)
+  end
+
   test "pool functions", %{test: test} do
     pool = start_pool!(:"#{test}", 2)
 
@@ -27,25 +40,30 @@ defmodule VllmBridge.PoolTest do
     assert {:ok, [{0, w0}, {1, w1}]} = Pool.workers(pool)
     assert w0 != w1
     assert {:ok, ^w0} = Pool.worker(pool, 0)
-    assert {:ok, 1} = Pool.index_of(pool, w1)
-    assert :error = Pool.index_of(pool, self())
+    assert {:ok, 1, ^w1, _via, 60_000} = Pool.route(pool, w1)
+    assert {:ok, 1, ^w1, _via, 60_000} = Pool.route(pool, {1, w1})
+    assert {:error, %Error{category: :worker}} = Pool.route(pool, self())
+    assert {:error, %Error{category: :worker}} = Pool.route(pool, {0, w1})
     assert {:error, %Error{category: :bad_args}} = Pool.worker(pool, 2)
     assert {:error, %Error{category: :bad_args}} = Pool.worker(pool, -1)
     assert {:error, %Error{category: :bad_args}} = Pool.worker(pool, :zero)
     assert {:error, %Error{category: :worker}} = Pool.worker(:no_such_pool, 0)
-    assert {:error, %Error{category: :worker}} = Pool.next_worker(:no_such_pool)
+    assert {:error, %Error{category: :worker}} = Pool.route(:no_such_pool, :next)
     assert {:error, %Error{category: :worker}} = Pool.size("not an atom")
     # the lookups the runtime places calls with answer wrong arguments, not raise
-    assert {:error, %Error{category: :bad_args}} = Pool.route_at(pool, :zero)
-    assert {:error, %Error{category: :worker}} = Pool.route_at(1.5, 0)
-    assert :error = Pool.route(pool, :zero, w0)
-    assert :error = Pool.route({:not, :a, :name}, 0, w0)
-    refute Pool.worker_at?(pool, 0, :not_a_pid)
-    refute Pool.worker_at?(self(), 0, w0)
-    assert :error = Pool.index_of(pool, :not_a_pid)
-    assert :error = Pool.index_of(1.5, w0)
+    assert {:error, %Error{category: :bad_args}} = Pool.route(pool, :zero)
+    assert {:error, %Error{category: :bad_args}} = Pool.route(pool, {:zero, w0})
+    assert {:error, %Error{category: :bad_args}} = Pool.route(pool, 2)
+    assert {:error, %Error{category: :worker}} = Pool.route(1.5, 0)
+    assert {:error, %Error{category: :worker}} = Pool.route({:not, :a, :name}, {0, w0})
+    assert {:error, %Error{category: :worker}} = Pool.workers(:no_such_pool)
 
-    picks = for _ <- 1..4, do: elem(Pool.next_worker(pool), 1)
+    picks =
+      for _ <- 1..4 do
+        {:ok, _index, pid, _via, _timeout} = Pool.route(pool, :next)
+        pid
+      end
+
     assert Enum.frequencies(picks) == %{w0 => 2, w1 => 2}
 
     assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: :bad_pool, size: 0)
@@ -247,10 +265,10 @@ defmodule VllmBridge.PoolTest do
       pool = start_pool!(:"#{test}", 1)
       {:ok, worker} = Pool.worker(pool, 0)
       # the worker published its channel in the pool's registry
-      assert {:ok, channel, _timeout} = Pool.route(pool, 0, worker)
+      assert {:ok, 0, ^worker, channel, _timeout} = Pool.route(pool, {0, worker})
       refute channel == worker
-      assert Pool.route(pool, 1, worker) == :error
-      assert Pool.route(pool, 0, self()) == :error
+      assert {:error, _} = Pool.route(pool, {1, worker})
+      assert {:error, _} = Pool.route(pool, {0, self()})
 
       id = Worker.new_id()
       {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: <<7>>}}})

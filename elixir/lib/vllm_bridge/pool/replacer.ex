@@ -14,7 +14,8 @@ defmodule VllmBridge.Pool.Replacer do
 
   @impl true
   def init(opts) do
-    Registry.put_meta(Keyword.fetch!(opts, :registry), :replacer, self())
+    # the pool's workers find it in their registry
+    {:ok, _} = Registry.register(Keyword.fetch!(opts, :registry), :replacer, nil)
     {:ok, %{pool: Keyword.fetch!(opts, :pool)}}
   end
 

@@ -69,16 +69,11 @@ defmodule VllmBridge.Worker.Events do
 
   @doc """
   Counts a worker's start in its pool's array of starts per index (the
-  `:starts` meta of the pool's registry): true when a worker ran at this
-  index before.
+  worker's `:starts` option): true when a worker ran at this index before.
   """
-  @spec started_before?({Registry.registry(), term()} | nil) :: boolean()
-  def started_before?({registry, index}) when is_integer(index) do
-    case Registry.meta(registry, :starts) do
-      {:ok, starts} -> :atomics.add_get(starts, index + 1, 1) > 1
-      :error -> false
-    end
-  end
+  @spec started_before?(:atomics.atomics_ref() | nil, non_neg_integer() | nil) :: boolean()
+  def started_before?(starts, index) when is_reference(starts) and is_integer(index),
+    do: :atomics.add_get(starts, index + 1, 1) > 1
 
-  def started_before?(_registry), do: false
+  def started_before?(_starts, _index), do: false
 end

@@ -59,7 +59,7 @@ defmodule VllmBridge.Worker.Server do
     Process.flag(:trap_exit, true)
     state = State.new(opts, Pending.new())
 
-    if Events.started_before?(opts[:registry]), do: Events.restarted(state, 0, 0)
+    if Events.started_before?(opts[:starts], opts[:index]), do: Events.restarted(state, 0, 0)
 
     {:ok, state |> spawn_python() |> Health.schedule_tick()}
   end
@@ -352,9 +352,9 @@ defmodule VllmBridge.Worker.Server do
   end
 
   defp replacer({registry, _key}) do
-    case Registry.meta(registry, :replacer) do
-      {:ok, pid} -> pid
-      :error -> nil
+    case Registry.lookup(registry, :replacer) do
+      [{pid, nil}] -> pid
+      [] -> nil
     end
   rescue
     ArgumentError -> nil
