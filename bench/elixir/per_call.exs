@@ -1,5 +1,5 @@
 # The BEAM's work per call, per call shape: counts, not times, so they hold still on
-# a loaded machine (see "Per-call cost on the BEAM" in bench/README.md).
+# a loaded machine (see "What each benchmark measures, and why" in bench/README.md).
 #
 #   mix run bench/elixir/per_call.exs [--quick] [--top N] [--detail]
 #

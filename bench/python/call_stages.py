@@ -11,8 +11,8 @@ figure least moved by other work on a shared machine), in microseconds.
     python bench/python/call_stages.py [--calls 20000] [--repeats 5]
 
 Not part of ``make bench`` (it has no peer: it says which part of our own figure is
-which); bench/README.md ("Every shape of call") has its output beside the end-to-end
-rows of RESULTS.md.
+which); bench/README.md ("Where the time goes today") sets its figures beside the
+end-to-end rows of RESULTS.md.
 """
 
 from __future__ import annotations

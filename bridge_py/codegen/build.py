@@ -1,6 +1,7 @@
 """The export table and Python signatures -> the modules to generate (``model``), with docs.
 
-The conventions (also in ``../shared/DESIGN.md``):
+The conventions (users' view: docs/guide-elixir.md, "Calling the generated functions";
+how the docs are converted: docs/architecture.md, after its first diagram):
 
 * instance methods take the ref first; Python parameters without a default are
   positional Elixir parameters; if there are optional positional parameters, a

@@ -10,7 +10,7 @@ Most turns find nobody ahead of them; those take no lock at all: a number from a
 update that only the turn's holder makes. Only a turn that must wait takes the lock and
 sleeps, and only then does leaving a turn take the lock to wake it. The lock and its
 condition are made by the first turn that waits (every object the worker holds has a
-sequencer, and a condition costs most of one: 2 us of making an object).
+sequencer, and making a condition is most of the cost of making one).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ it does better in these ways:
   ``timeout=None`` a wait still ends with :class:`PeerGoneError` when the peer it waits for
   closes its end or its process exits (local peers: their PID is checked a few times a
   second while sleeping; remote ones: the connection closes or TCP keepalive gives up);
-* waiting spins for 2 ms, then sleeps in naps of at most 1 ms (10 ms after a second idle):
-  an idle queue costs about 1% of a core, not a whole one;
+* waiting spins for 2 ms, then sleeps in naps of at most 1 ms (10 ms after a second idle),
+  so an idle queue does not keep a core busy (vLLM's spins on for seconds after each
+  message);
 * :meth:`MessageQueue.shutdown` ends every wait of that end within 10 ms (vLLM's wakes only
   a local reader's): a reader's dequeue, shared memory or TCP, and a writer's enqueue;
 * clear errors: a rank that is not a reader, a local handle used on another host, a reader

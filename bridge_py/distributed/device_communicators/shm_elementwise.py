@@ -4,9 +4,8 @@ torch runs an elementwise op of more than 32768 elements on its intra-op (OpenMP
 threads. The ranks of a group on one node already use its cores: where this rank's
 threads would take CPUs from the others (its threads, times the ranks that may run on
 some of its CPUs, outnumber those CPUs: the default whenever no thread count is set), the
-woken threads mostly compete with the ranks the group waits for. A 4 MiB all-reduce of 2
-ranks on 2 CPUs took 12 ms with 2 threads each and 1 ms without; 500 all-reduces of
-40-280 KB took 50 s instead of 1 s (bench/README.md). So an op runs whole, on torch's
+woken threads mostly compete with the ranks the group waits for, and the collectives
+slow down many times over (bench/README.md has the figures). So an op runs whole, on torch's
 threads, only when it is at least ``PARALLEL_BYTES`` long and the threads have CPUs of
 their own (or there is one thread); otherwise it stays on the calling thread: a copy is
 one ``memcpy`` by numpy (which copies without threads, and without the GIL), a sum is cut

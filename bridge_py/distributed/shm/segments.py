@@ -4,9 +4,9 @@ A *segment* is a file under ``/dev/shm`` that carries one large value to the ran
 node (``spg.values`` pickles values into them and reads them back; ModelOpt's gathers carry
 their configs and tensors in one-shot segments of the same format, see :func:`write_once`
 and :func:`read_once`). Writing a value into a fresh file costs far more than the copy
-itself: every page is allocated and zeroed by the kernel on first touch (about 7 ms against
-0.5 ms for a 4 MiB value on a small VM). So a rank keeps a few segments and writes its next
-value over one whose readers are all done.
+itself: every page is allocated and zeroed by the kernel on first touch (bench/README.md).
+So a rank keeps a few segments and writes its next value over one whose readers are all
+done.
 
 Every segment starts with the shared-memory header (``shm.header``), then the marks the
 readers report to::
@@ -100,7 +100,7 @@ _CHUNK = 1 << 20
 
 def data_offset(slots: int) -> int:
     """Where the value starts in a segment with ``slots`` reader marks: on a page boundary
-    (copying into tmpfs at an unaligned offset is several times slower)."""
+    (copying into tmpfs at an unaligned offset is slow)."""
     return (_MARKS_AT + _MARK.size * slots + _PAGE - 1) // _PAGE * _PAGE
 
 

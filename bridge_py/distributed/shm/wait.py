@@ -8,12 +8,12 @@ yielding the CPU, which keeps latency low while messages are flowing, then sleep
 looking between them. How long it spins and naps is its :class:`Pace`:
 
 * :data:`POLLING`, where nothing wakes a sleeper early (a MessageQueue, the all-reduce):
-  2 ms of spinning, then naps growing from 20 us to 1 ms (10 ms once the wait is a second
-  old), so an idle queue costs about 1% of a core (vLLM keeps one core busy for 10 s after
-  each message, then sleeps 0.1 s at a time);
+  spins for up to 2 ms, then naps growing from 20 us to at most 1 ms (at most 10 ms once
+  the wait is a second old), so an idle queue does not keep a core busy (vLLM's spins on
+  for seconds after each message);
 * :data:`DOORBELL`, where the other side wakes a sleeper (a board's FIFO doorbell, rung by
-  a writer that sees the waiter asleep): 100 us of spinning, which is when most answers
-  come (then nobody rings and nobody is woken), then sleeps until rung or until the next
+  a writer that sees the waiter asleep): spins for up to 100 us (an answer that comes
+  meanwhile needs no ring and wakes nobody), then sleeps until rung or until the next
   liveness check.
 
 Every wait takes a deadline (``GroupTimeout``, a TimeoutError, names what was awaited),

@@ -1,7 +1,7 @@
 """New TCPStore clients, connected within a deadline and without torch's log lines.
 
 torch's TCPStore client retries a refused connect until its timeout, then once more after a
-random delay of up to several seconds (a 5 s timeout took 6 to 8 s), logging each try with
+random delay of up to several seconds (so it overruns its timeout), logging each try with
 a C++ stack trace. :func:`connect_client` first tries the port with a plain socket, closed
 at once (the server drops it), until something accepts or the deadline passes; the client
 then connects on its first try.

@@ -3,7 +3,7 @@
 A worker behind an Erlang Port answers one request and, under a sequential caller,
 gets the next within tens of microseconds. If it sleeps in ``read`` in between, each
 request pays for a wake-up, and on a virtual machine whose idle CPU has halted that
-wake-up alone costs 50-150 us, several times the work of a small call. So after a read
+wake-up alone can cost more than the work of a small call (bench/README.md). So after a read
 that finds nothing, the reader keeps trying for ``spin`` seconds (the BEAM's own
 schedulers busy-wait before sleeping for the same reason), and only then sleeps in
 ``poll``.

@@ -3,9 +3,8 @@
 Linux counts, per thread, the time it spent waiting in a run queue (the second field of
 ``/proc/thread-self/schedstat``). Over a stretch of wall time, that share says whether
 the machine's CPUs are all taken: a thread that sleeps between requests and finds a
-free CPU each time it wakes seldom waits there (typically under 3% of the time for a
-worker serving one sequential caller on two CPUs, measured), while four workers and
-their callers on two CPUs wait there a tenth to a half of the time. The port reader
+free CPU each time it wakes seldom waits there, while one of more busy threads than CPUs
+waits there a large share of the time (bench/README.md has the shares seen). The port reader
 uses it to stop spinning where a spin can only take a CPU from someone else (see
 :mod:`~bridge_py.worker.transports.spin_policy`).
 """

@@ -1,55 +1,38 @@
 """Whether the port transport should spin while it waits for the next request, by measurement.
 
-Spinning saves the wake-up of a sleeping reader, which costs 50-150 us on a virtual
-machine whose idle CPU has halted, and a few microseconds where wake-ups are fast. It
-also takes a CPU away from the BEAM, which on a machine with few cores is the process
-that must produce the next request. Which effect wins depends on the machine, so the
-worker measures it instead of guessing: the time from asking for the next request to
-getting it (the BEAM's turnaround, plus our wake-up when we slept) is exactly what the
-choice changes, and is what a sequential caller waits for.
+Spinning saves the wake-up of a sleeping reader, which is slow on a virtual machine whose
+idle CPU has halted and fast elsewhere. It also takes a CPU away from the BEAM, which on a
+machine with few cores is the process that must produce the next request. Which effect
+wins depends on the machine, so the worker measures it instead of guessing: the time from
+asking for the next request to getting it (the BEAM's turnaround, plus our wake-up when we
+slept) is exactly what the choice changes, and is what a sequential caller waits for.
 
-The policy alternates between the two modes: it measures a window of waits in each, keeps
-the one with the shorter median (spinning only when it is shorter by ``MARGIN``: a spin
-takes a CPU, so a tie goes to sleeping), and tries the other again after a run that
-doubles each time the same mode wins again (up to ``LONGEST_RUN`` waits), so once the
-choice is settled fewer than one wait in 200 is spent trying the losing mode. Waits
-longer than ``IDLE`` are the caller's own pauses, which no waiting strategy changes, and
-are left out; so are shorter pauses, by the median: one pause of 0.5 ms in a window of
-32 turnarounds of 15 us would double the window's mean and decide the choice alone (seen
-in ``bench/elixir/calls.exs``, where each batch of calls starts with such a pause).
+The rules (bench/README.md, "Where the time goes today", has what they were measured
+against):
 
-A spin lasts no longer than the median wait measured while sleeping
-(:meth:`SpinPolicy.spin_time`): past that, a sleeping reader would usually have had its
-request already, so spinning on gains nothing, and it can delay the request. The spinner
-holds a CPU that a thread of the BEAM may need before the next request can be written
-(on two CPUs: the caller's scheduler, and the thread that brings the caller its reply),
-and then the request comes only once the spin gives up. With a fixed spin of 200 us,
-1-5% of a sequential caller's calls took 200 us longer. The bound comes from sleeping
-waits because those cannot be delayed that way; a bound from spinning waits would grow
-with the very delays it should cut.
-
-A spin also needs a CPU that nobody else is waiting for. Where all of them are taken
-(more workers and callers than CPUs, all busy), every microsecond spent spinning is
-taken from a process with work to do, and a worker that gets its requests sooner by
-spinning gets them at the others' expense: four callers on four workers on two CPUs made
-0.8x the calls per second of workers that sleep at once, though half of the workers
-measured their own waits shorter when spinning. So the reader also tells the policy how
-much of the time it spent ready to run but without a CPU
-(:class:`~bridge_py.worker.transports.run_delay.RunDelay`, about every 10 ms); after a
-few such shares in a row above ``CROWDED`` the policy sleeps, and measures spinning
-again only after as many in a row below it (:meth:`SpinPolicy.crowding`). Beside one
-busy program the verdict changes every 30-60 ms, and the spin loses each time the
-program takes back the CPU it was using (spinning waits grow from 5 us to 25-85 us while
-sleeping ones stay at 12-17 us). So a crowd that comes while spinning is being measured
-again ends that measurement, and sleeping goes on for as long a run as before (starting
-each run afresh measured spinning every nine windows); and a run of spinning ends early
-once ``LOSING_WINDOWS`` windows in a row measure no shorter than sleeping did (one alone
-is noise). Those windows are compared with a sleeping wait measured up to a run before,
-and on a machine that is not crowded spinning's median also jumps for a window or two
-now and then (in spells of slow wake-ups, seen with the raw echo at 31-36 us). So an
-early end does not choose sleeping: it measures both modes afresh, sleeping first, and
-the faster one starts a first run. Sleeping for a run after each such jump made the
-worker 1.10-1.22x slower than one that always spins; measuring afresh costs one window.
+* The policy alternates between the two modes: it measures a window of ``WINDOW`` waits
+  in each, keeps the one with the shorter median (spinning only when it is shorter by
+  ``MARGIN``: a spin takes a CPU, so a tie goes to sleeping), and tries the other again
+  after a run of ``FIRST_RUN`` waits that doubles each time the same mode wins again (up
+  to ``LONGEST_RUN``). Waits longer than ``IDLE`` are the caller's own pauses, which no
+  waiting strategy changes, and are left out; shorter pauses are left out by taking the
+  median rather than the mean.
+* A spin lasts no longer than the median wait measured while sleeping
+  (:meth:`SpinPolicy.spin_time`): past that, a sleeping reader would usually have had its
+  request already, and the spinner may hold the CPU that the BEAM needs to write it. The
+  bound comes from sleeping waits because a bound from spinning waits would grow with the
+  very delays it should cut.
+* A spin needs a CPU that nobody else is waiting for. The reader reports how much of the
+  recent time it spent ready to run but without a CPU
+  (:class:`~bridge_py.worker.transports.run_delay.RunDelay`); after ``CROWDED_SHARES``
+  such shares in a row above ``CROWDED`` the policy sleeps, and measures spinning again
+  only after as many in a row below it (:meth:`SpinPolicy.crowding`). A crowd that comes
+  while spinning is being measured again ends that measurement, and sleeping goes on for
+  as long a run as before.
+* A chosen run of spinning ends early once ``LOSING_WINDOWS`` windows in a row measure no
+  shorter than sleeping did (one alone is noise). Such an early end does not choose
+  sleeping: it measures both modes afresh, sleeping first, and the faster one starts a
+  first run.
 
 This module is pure bookkeeping: it reads no clock and does no I/O.
 """

@@ -1,29 +1,24 @@
 defmodule VllmBridge.Worker do
   @moduledoc """
   A process that owns one Python worker (`python -m bridge_py.worker`) through
-  one Erlang port, and routes replies back to the callers that wait for them.
+  one Erlang port, and routes each reply to the caller that waits for it.
 
-  The worker does as little as possible: it does not encode or decode
-  anything but a reply's id. A caller encodes its `Request`
-  (`VllmBridge.Proto`) in its own process and calls `request/4`; when a
-  `Reply` frame comes back, the worker reads its id with
-  `VllmBridge.Proto.reply_id/1` and hands the still-encoded reply to the
-  caller waiting under that id, who decodes it. Encoding and decoding cost
-  therefore spreads over the callers instead of queueing in the worker.
+  A caller encodes its `Request` (`VllmBridge.Proto`) itself and calls
+  `request/4`; the reply comes back still encoded, for the caller to decode.
+  Most code reaches workers through `VllmBridge.Runtime` and
+  `VllmBridge.Pool` instead of calling this module.
 
   ## Two ways in
 
   `request/4` takes either the worker (a pid or name) or its `t:channel/0`.
 
     * Through the worker: the caller sends the frame to this process, which
-      remembers the caller and writes the frame to the port.
-    * Through the channel: the caller writes the frame to the port itself,
-      after leaving its reply address in the worker's table of pending calls
-      (a public ETS table the worker owns). A call then passes through this
-      process once (the reply) instead of twice, which saves a message and a
-      wake-up per call. The worker publishes its channel as its value in the
-      `Registry` named by `:registry` once its port is open;
-      `VllmBridge.Pool.route/3` hands it to `VllmBridge.Runtime`.
+      writes it to the port.
+    * Through the channel: the caller writes the frame to the port itself;
+      the reply still comes through this process. The worker publishes its
+      channel as its value in the `Registry` named by `:registry` once its
+      port is open; `VllmBridge.Pool.route/3` hands it to
+      `VllmBridge.Runtime`.
 
   Both give the same results, timeouts and errors.
 
@@ -37,36 +32,18 @@ defmodule VllmBridge.Worker do
 
   A caller that writes to the channel, while its call is the only one in
   flight on this worker and the VM has more than one scheduler online, looks
-  for its reply for up to `:reply_spin_us` microseconds (default 50),
-  giving up a whole time slice in between (so every other process of its
-  scheduler runs, and the scheduler checks its ports for input), before it
-  sleeps in `receive`. The reason is the VM's: a port that is read often is
-  watched by the schedulers themselves (scheduler polling), and measured on
-  OTP 25, a reply that lands more than a microsecond or two after its caller
-  went to sleep reaches it about 10 us later than one that lands sooner.
-  Python takes longer than that to answer even a small call, so without the
-  look nearly every sequential call pays it; with it, a small sequential call
-  costs about what a raw port echo does. A look that only yielded was seen
-  by the scheduler as little work, and it checked for input only every ~20
-  looks: a call's time then rose in steps of ~6 us with its Python time,
-  which is why each look is charged a full slice (it shows in the caller's
-  `:reductions`).
+  for its reply for up to `:reply_spin_us` microseconds (default 50) before
+  it sleeps in `receive`, letting the other processes of its scheduler run
+  between looks. The look ends as soon as another call is entered on the
+  worker. It keeps the caller's scheduler busy for at most `:reply_spin_us`
+  per call, which is also the most a call's timeout can be overrun by, and
+  each look is charged a full time slice of reductions (it shows in the
+  caller's `:reductions`). `reply_spin_us: 0` turns it off.
 
-  The look costs CPU only while a call is in flight, at most
-  `:reply_spin_us` per call (which is also the most a call's timeout can be
-  overrun by). It ends as soon as another call is entered on the worker:
-  their replies keep the VM awake, and looking callers would only take turns
-  with the process that delivers them. `reply_spin_us: 0` turns it off.
-  Starting the VM with `+IOs false` (no scheduler polling) also removes the
-  wait, at the cost of throughput under many callers.
-
-  A look pays only while a CPU is free for it. One that was away from its
-  CPU for more than 20 us between two turns (other processes of its
-  scheduler ran, or the machine ran another thread in its place) ends, and
-  no call in the VM looks for a while: 200 us, doubling while looks keep
-  being away, up to 50 ms (`VllmBridge.Worker.LookGate`). With four callers
-  on four workers on two CPUs, callers that looked made 0.86x of the calls
-  per second of callers that sleep at once; with the gate, 0.88-0.98x.
+  After a look finds its CPU taken by someone else, no caller in the VM looks
+  for a while (`VllmBridge.Worker.LookGate`), so callers do not spin where
+  every CPU has work. Why the look pays is in docs/architecture.md ("The
+  Worker process"); what it gains and costs, in bench/README.md.
 
   ## Timeouts
 
@@ -87,47 +64,42 @@ defmodule VllmBridge.Worker do
 
   ## Health checks
 
-  A Python process that stops answering (stopped, wedged, starved) without
-  exiting would otherwise hold its callers until their deadlines, and the
-  worker forever. So this process checks: every `:health_interval` ms
-  (default 5000) it looks whether anything has come from Python since the
-  last look, by the port's count of bytes read (any reply is proof of life;
-  nothing is added to a call's path). When nothing has, it writes a `Ping`
-  request of its own (under its own id, entered in the table of pending
-  calls as a health entry, so its reply is never taken for a caller's). When
-  nothing at all arrives within `:health_timeout` ms (default 5000) after
-  that ping, the worker logs an error naming the pool, index and OS pid,
-  kills the Python process (SIGKILL), answers every pending caller with
+  A Python process that stops answering without exiting (stopped, wedged,
+  starved) would otherwise hold its callers until their deadlines, and the
+  worker forever. So every `:health_interval` ms (default 5000) the worker
+  checks whether anything has come from Python since the last check (any
+  reply is proof of life; nothing is added to a call's path), and when
+  nothing has, it pings Python with a request of its own. When nothing at
+  all arrives within `:health_timeout` ms (default 5000) after that ping, the
+  worker logs an error naming the pool, index and OS pid, kills the Python
+  process (SIGKILL), answers every pending caller with
   `{:error, %VllmBridge.Error{category: :worker}}` saying that the worker
   stopped answering, and stops; under a pool it is restarted with a fresh
   Python process, and refs into the old one are stale.
 
   A call that blocks in Python (a barrier, a sleep) does not make a worker
-  unhealthy: the Python worker reads and answers other requests, the ping
-  included, while calls block. A call that holds Python's GIL for longer than
+  unhealthy: the Python worker answers other requests, the ping included,
+  while calls block. A call that holds Python's GIL for longer than
   `:health_timeout` does: raise the timeout for such work, or turn the checks
-  off with `health_interval: false`. Except a large request: decoding it and
-  encoding its reply holds the GIL for seconds (1 GiB: about 20 s), so a ping
-  unanswered while 1 MiB or more was recently written to Python gets more
-  time, once, 1 s per 32 MiB (`VllmBridge.Worker.Health`). Until Python has answered anything at
+  off with `health_interval: false`. Two cases get more time. A ping
+  unanswered while 1 MiB or more was recently written to Python (a large
+  request, whose decoding holds the GIL) gets, once, 1 s more per 32 MiB
+  written (`VllmBridge.Worker.Health`). Until Python has answered anything at
   all (it is still starting, importing torch), the first ping waits at least
   60 s.
 
   On the same tick, the worker forgets pending entries whose caller process
-  has died (a caller killed while Python never answers would otherwise leave
-  its entry behind for good); with `health_interval: false` this sweep still
-  runs every 5000 ms.
+  has died; with `health_interval: false` this sweep still runs every
+  5000 ms.
 
   ## Refs and their owners
 
   Python counts each time it hands a handle out; each such hold belongs to
   the process the ref was made for (see "Lifetime" in `VllmBridge.Ref`). The
-  worker monitors those processes, and when one exits it writes one release
-  per session to Python for all of that owner's holds (a request of its own,
-  like a health ping, whose answer nobody waits for). A reply that arrives
-  after its caller gave up is not lost either: the refs in it are released
-  at once (in the default session; the reply does not say which session its
-  request named).
+  worker monitors those processes, and when one exits it releases all of
+  that owner's holds in Python. A reply that arrives after its caller gave
+  up is not lost either: the refs in it are released at once (in the default
+  session; the reply does not say which session its request named).
 
   ## Start-up
 
@@ -139,17 +111,15 @@ defmodule VllmBridge.Worker do
   at all, that is a failed start: the worker builds a `:worker` error naming
   the executable, the exit status and the missing module
   (`details.missing_module`, and the last lines Python printed under
-  `details.stderr`), from the output Python sent before it exited (see
-  "Output"). A Python that fails before it can send any (it cannot import
-  `bridge_py` itself) is run once more with its stdin at end-of-file, to read
-  what it prints on stderr. Callers that
-  were waiting get that error, and so does every call until a start succeeds.
+  `details.stderr`). Callers that were waiting get that error, and so does
+  every call until a start succeeds.
 
   A failed start is not a crash: the worker process stays up (its supervisor
   sees no restart) and starts Python again after a back-off, `:backoff_min` ms
-  doubled for each failure in a row, at most `:backoff_max` ms. A Python that
-  cannot start therefore costs one attempt every 30 s at most, not a crash
-  loop that brings the supervision tree down.
+  doubled for each failure in a row, at most `:backoff_max` ms (default
+  30 s). A Python that cannot start is therefore tried at most once per
+  `:backoff_max` once the back-off has grown, never in a crash loop that
+  brings the supervision tree down.
 
   ## Output
 
@@ -157,16 +127,13 @@ defmodule VllmBridge.Worker do
   code alike (a `print`, a traceback, torch's C++ warnings), is logged here,
   line by line, at the `:warning` level, as `"<pool> worker <index> (os pid
   <pid>): <line>"` with Logger metadata `:pool`, `:index` and `:os_pid`.
-  The worker starts Python with `--output frames`: its fds 1 and 2 are a pipe
-  whose lines come back over the port as frames of their own (docs/protocol.md,
-  "Output"), never mixed with replies. Python bounds them: a line keeps its
-  first 4096 bytes, and past a burst of 1000 lines at most 100 lines a second
-  are sent; the others are dropped, and the count of dropped lines is logged.
-  A flood of output therefore costs neither memory nor the worker's answers.
-  What Python prints while it starts is held until it has started, then
-  logged; a Python that fails to start logs one error, whose
-  `details.stderr` holds the last lines it printed (a traceback's end) and
-  whose message names the cause, instead of its traceback line by line.
+  It never mixes with replies (docs/protocol.md, "Output"). Python bounds
+  it: a line keeps its first 4096 bytes, and past a burst of 1000 lines at
+  most 100 lines a second are sent; the others are dropped, and the count of
+  dropped lines is logged. What Python prints while it starts is held until
+  it has started, then logged; a Python that fails to start logs one error,
+  whose `details.stderr` holds the last lines it printed (a traceback's end)
+  and whose message names the cause.
 
   ## Lifecycle limits
 
@@ -187,15 +154,6 @@ defmodule VllmBridge.Worker do
   environment variable, else `.venv/bin/python` of the project when it exists,
   else `python3` from `PATH`. The project root is prepended to `PYTHONPATH`,
   so `bridge_py` imports without being installed.
-
-  ## How it is built
-
-  This module is the worker's API: the functions below run in the caller's
-  process. The worker process is a `VllmBridge.Worker.Server`, which keeps a
-  `VllmBridge.Worker.State` and leaves the decisions to small modules that
-  take that state and return data (start-up, health checks, limits, the
-  table of pending calls, output); `VllmBridge.Worker.Call` is the caller's
-  side of a call.
   """
 
   alias VllmBridge.Error

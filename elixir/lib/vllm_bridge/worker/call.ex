@@ -80,15 +80,15 @@ defmodule VllmBridge.Worker.Call do
   end
 
   # Look for the reply for up to spin_us before sleeping in `receive` (see
-  # "Waiting for a reply" in VllmBridge.Worker: measured, a reply that lands
-  # more than a microsecond or two after its caller went to sleep reaches it
-  # ~10 us later), while this is the worker's only call in flight: other
-  # calls' replies keep the VM busy, and looking callers would only take turns
-  # with the Worker that delivers them. Checked here and on every look: a
-  # call that starts with company sleeps at once, without a first look (that
-  # pass cost 8 callers 7-9% of their calls per second). Not with one
-  # scheduler: the look would hold the VM's only CPU while Python needs one
-  # (2 us slower per call, measured).
+  # "Waiting for a reply" in VllmBridge.Worker, and docs/architecture.md for
+  # why: a reply that lands after its caller went to sleep reaches it later),
+  # while this is the worker's only call in flight: other calls' replies keep
+  # the VM busy, and looking callers would only take turns with the Worker
+  # that delivers them. Checked here and on every look: a call that starts
+  # with company sleeps at once, without a first look (that pass alone cost
+  # concurrent callers throughput). Not with one scheduler: the look would
+  # hold the VM's only CPU while Python needs one. bench/README.md has what
+  # each of these was measured at.
   # And only while the VM's look gate is open: a look that was away from its
   # CPU too long closes it for a while (VllmBridge.Worker.LookGate).
   defp await_reply(tag, table, id, pid, spin_us, timeout) do
@@ -130,9 +130,9 @@ defmodule VllmBridge.Worker.Call do
             # reply, for one) runs first. The look is charged a full time
             # slice: a scheduler polls its ports for input once enough
             # reductions have run, and a bare yield counts as few, so the
-            # reply used to be seen only every ~20 looks (every ~5.7 us,
-            # measured: a call's time rose in steps of that size with its
-            # Python time); charged, it is seen on the next look.
+            # reply used to be seen only every few looks (a call's time rose
+            # in steps with its Python time); charged, it is seen on the
+            # next look.
             :erlang.bump_reductions(@look_reductions)
             :erlang.yield()
             wait(tag, table, id, pid, timeout, until, now)

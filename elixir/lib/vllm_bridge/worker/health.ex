@@ -16,16 +16,16 @@ defmodule VllmBridge.Worker.Health do
   meanwhile. So when the timer fires with nothing heard but 1 MiB or more
   written to Python since the time before it last spoke (the port's count of
   bytes written; the time before, since its last words may have been on their
-  way when the frame was written), the ping gets more time, once: as long as
-  taking in that backlog at 32 MiB/s would take (32 s for 1 GiB), before
-  Python is called unresponsive.
+  way when the frame was written), the ping gets more time, once: 1 s per
+  32 MiB of that backlog, before Python is called unresponsive.
 
   These functions take and return the worker's state: its `:port`,
   `:table`, `:health_interval`, `:health_timeout`, `:heard` (the byte count
   read at the last look), `:told` (the byte counts written to Python when
-  something was heard from it the last time but one, and the last time) and `:health` (the ping in flight,
-  `{id, timer, extended}`, `extended` once given more time, or `nil`). They run in the worker process, whose mailbox gets the
-  `:health_tick` and `{:health_timeout, id}` messages.
+  something was heard from it the last time but one, and the last time) and
+  `:health` (the ping in flight, `{id, timer, extended}`, `extended` once
+  given more time, or `nil`). They run in the worker process, whose mailbox
+  gets the `:health_tick` and `{:health_timeout, id}` messages.
   """
 
   alias VllmBridge.Proto

@@ -9,17 +9,14 @@ defmodule VllmBridge.Worker.LookGate do
   than 20 microseconds between two of its turns found its CPU taken: by
   another process of its scheduler, or by another thread of the machine that
   the kernel ran in its place (a Python worker, another program). Either way
-  the look gains nothing there, and it holds a CPU that others need: four
-  callers looking on four workers on two CPUs (workers that never spin) made
-  0.86x of the calls per second of callers that sleep at once.
+  the look gains nothing there, and it holds a CPU that others need (what
+  that costs is in bench/README.md, "Where the time goes today").
 
   Such a look ends, and the gate closes for 200 microseconds, twice as long
   each time it closes again before 64 looks in a row have ended without
-  being away (up to 50,000), and 200 again after such a calm. On a machine
-  with a free CPU a look is seldom away that long (one call in 280-1,700 with
-  one caller, measured), so the gate is open nearly all the time; where every
-  CPU is taken (a quarter of the looks away), it stays closed but for a look
-  now and then.
+  being away (up to 50,000), and 200 again after such a calm. So where a CPU
+  is free the gate is open nearly all the time, and where every CPU is taken
+  it stays closed but for a look now and then.
 
   The state is three `:atomics` cells, read by every caller and written when
   a look is away, and while the gate is on its way back to the first length,
