@@ -556,6 +556,7 @@ def _huge_token(rank: int, port: int) -> str:
     sync = as_group_sync(group, timeout=TIMEOUT)
     if rank == 0:
         sync.broadcast([1 << 1100, os.getpid(), pid_namespace()], 0)
+        time.sleep(3)  # it serves the store: stay while rank 1 reads the broadcast
         return "sent"
     try:
         gather_configs({"rank": 1}, [0, 1], group, timeout=TIMEOUT)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from bridge_py.distributed import auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.device_communicators.agreement import CHECK_ENV, Signature
-from bridge_py.distributed.device_communicators.shm_collectives import ENABLE_ENV
 from bridge_py.distributed.device_communicators.shm_broadcast import MessageQueue
+from bridge_py.distributed.device_communicators.shm_collectives import ENABLE_ENV
 from bridge_py.distributed.device_communicators.torch_compat import all_gather_into
 from bridge_py.distributed.errors import DistributedError
 from bridge_py.distributed.parallel_state import GroupCoordinator, in_the_same_node_as

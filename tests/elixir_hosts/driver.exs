@@ -10,8 +10,8 @@
 # broadcast_obj, all_gather_obj, barrier and send_obj/recv_obj across (a wrong
 # result raises). Then it creates SIGNAL_DIR/formed and waits for the peer's
 # nodedown (the test kills the peer's BEAM), and records, each call bounded so
-# that a hang is recorded rather than waited out: a barrier and an
-# all_gather_obj on ranks 0-1 (5 s timeouts), calls on the ranks 2-3 refs, the
+# that a hang is recorded rather than waited out: a barrier (5 s timeout) and
+# an all_gather_obj after it on ranks 0-1, calls on the ranks 2-3 refs, the
 # release of the group, and a fresh 2-rank group on this pool alone. It prints
 # what it saw as one line (msgpack, base64) and exits.
 
@@ -156,6 +156,7 @@ defmodule Driver do
     # ranks 0-1 wait for ranks 2-3, which are gone: each fails at its timeout
     barrier = on_ranks([0, 1], 30_000, &SPG.barrier(group.(&1), [5]))
 
+    # after a failed barrier the group is unusable: refused at once
     all_gather =
       on_ranks([0, 1], 30_000, &SPG.all_gather_obj(group.(&1), &1, __runtime__: [timeout: 5_000]))
 
