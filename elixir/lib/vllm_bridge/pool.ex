@@ -120,52 +120,32 @@ defmodule VllmBridge.Pool do
   @spec start_link(keyword()) :: Supervisor.on_start()
   def start_link(opts \\ []) do
     # the workers' options first (a keyword list of them, each valid), then the pool's
-    with :ok <- Worker.Options.check_all(opts), do: start(opts)
+    with :ok <- Worker.Options.check_all(opts),
+         :ok <- Worker.Options.check_pool(opts),
+         do: start(opts)
   end
 
   defp start(opts) do
     name = Keyword.get(opts, :name, @default_name)
     size = Keyword.get(opts, :size, 1)
-    timeout = Keyword.get(opts, :timeout, @default_timeout)
-    startup = Keyword.get(opts, :startup_timeout, @startup_timeout)
 
-    cond do
-      not is_atom(name) or name == nil ->
-        {:error, Error.new(:bad_args, "pool name must be an atom, got #{inspect(name)}")}
+    opts =
+      Keyword.merge(opts,
+        name: name,
+        size: size,
+        timeout: Keyword.get(opts, :timeout, @default_timeout)
+      )
 
-      not (is_integer(size) and size > 0) ->
-        {:error,
-         Error.new(:bad_args, "pool size must be a positive integer, got #{inspect(size)}")}
+    with {:ok, sup} <- Supervisor.start_link(__MODULE__, opts, name: name) do
+      case await_workers(name, size, Keyword.get(opts, :startup_timeout, @startup_timeout)) do
+        :ok ->
+          {:ok, sup}
 
-      not Worker.Options.timeout?(timeout, 0) ->
-        {:error,
-         Error.new(
-           :bad_args,
-           "timeout must be ms (at most 4294967295) or :infinity, got #{inspect(timeout)}"
-         )}
-
-      not Worker.Options.timeout?(startup, 1) ->
-        {:error,
-         Error.new(
-           :bad_args,
-           ":startup_timeout must be a positive integer (ms, at most 4294967295) or " <>
-             ":infinity, got #{inspect(startup)}"
-         )}
-
-      true ->
-        opts = Keyword.merge(opts, name: name, size: size, timeout: timeout)
-
-        with {:ok, sup} <- Supervisor.start_link(__MODULE__, opts, name: name) do
-          case await_workers(name, size, startup) do
-            :ok ->
-              {:ok, sup}
-
-            {:error, _} = error ->
-              Process.unlink(sup)
-              Supervisor.stop(sup, :shutdown)
-              error
-          end
-        end
+        {:error, _} = error ->
+          Process.unlink(sup)
+          Supervisor.stop(sup, :shutdown)
+          error
+      end
     end
   end
 

@@ -66,8 +66,22 @@ defmodule VllmBridge.PoolTest do
 
     assert Enum.frequencies(picks) == %{w0 => 2, w1 => 2}
 
-    assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: :bad_pool, size: 0)
-    assert {:error, %Error{category: :bad_args}} = Pool.start_link(name: "x")
+    # the pool's own options, checked as the workers' are: each named in its error
+    for {key, _} = opt <- [
+          size: 0,
+          name: "x",
+          name: nil,
+          timeout: -1,
+          startup_timeout: 0,
+          max_restarts: -1,
+          max_seconds: 0
+        ] do
+      assert {:error, %Error{category: :bad_args, message: message, details: details}} =
+               Pool.start_link(Keyword.merge([name: :bad_pool], [opt]))
+
+      assert message =~ "#{inspect(key)} must be", message
+      assert details == Map.new([opt])
+    end
 
     # times in ms past the longest wait the BEAM can time (4294967295 ms)
     for {key, _} = opt <- [

@@ -149,10 +149,10 @@ defmodule VllmBridge.WorkerStateTest do
              } = Startup.failed(starting, failure)
     end
 
-    test "printed/2 keeps the last lines only while starting", %{state: state} do
-      lines = for n <- 1..10, do: "line #{n}"
+    test "printed/2 holds the last 1000 lines only while starting", %{state: state} do
+      lines = for n <- 1..1005, do: "line #{n}"
 
-      assert Startup.printed(state, lines).output_tail == Enum.drop(lines, 2)
+      assert Startup.printed(state, lines).output_tail == Enum.drop(lines, 5)
       assert Startup.printed(%{state | phase: :ready}, lines).output_tail == []
     end
   end

@@ -3,7 +3,8 @@ defmodule VllmBridge.Worker.Options do
   Checks of the options of `VllmBridge.Worker.start_link/1` that must be
   valid before a worker starts: the health-check timings, the lifecycle
   limits, how callers wait for replies and what the Python process is
-  started with, and the defaults of those that have one. Each check looks
+  started with, and the defaults of those that have one; and of the options
+  `VllmBridge.Pool.start_link/1` adds (`check_pool/1`). Each check looks
   only at the options it names, and only when they are given (a missing one
   takes its valid default, `defaults/0`).
 
@@ -174,6 +175,30 @@ defmodule VllmBridge.Worker.Options do
          &(is_list(&1) and proper?(&1) and Enum.all?(&1, fn a -> text?(a) end))},
       env: {"a list or map of {name, value} strings", &env?/1},
       cd: {"a string (a directory)", &text?/1}
+    )
+  end
+
+  @doc """
+  Checks the options `VllmBridge.Pool.start_link/1` adds to a worker's:
+  `:name`, `:size`, `:timeout`, `:startup_timeout`, `:max_restarts` and
+  `:max_seconds`.
+
+  ## Examples
+
+      iex> {:error, error} = VllmBridge.Worker.Options.check_pool(size: 0)
+      iex> error.message
+      ":size must be a positive integer, got 0"
+  """
+  @spec check_pool(keyword()) :: :ok | {:error, Error.t()}
+  def check_pool(opts) do
+    check(opts,
+      name: {"an atom other than nil", &(is_atom(&1) and &1 != nil)},
+      size: {"a positive integer", &positive?/1},
+      timeout: {"ms (at most #{@longest_ms}) or :infinity", &timeout?(&1, 0)},
+      startup_timeout:
+        {"a positive integer (ms, at most #{@longest_ms}) or :infinity", &timeout?(&1, 1)},
+      max_restarts: {"a non-negative integer", &(is_integer(&1) and &1 >= 0)},
+      max_seconds: {"a positive integer (s)", &positive?/1}
     )
   end
 
