@@ -83,7 +83,7 @@ def _skipped_barrier(rank: int, port: int, transport: str) -> list[tuple[str, fl
         except RuntimeError as exc:
             outcomes.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
     if rank == 0:
-        time.sleep(1)  # it serves the store
+        time.sleep(TIMEOUT + 3)  # it serves the store: stay until rank 1 is done
     return outcomes
 
 
