@@ -1,6 +1,6 @@
 """The bridge.proto envelope: Request and Reply, encoded and decoded by hand.
 
-``bridge_py/proto/bridge.proto`` is the schema; this module is a small proto3 codec for just
+``proto/bridge.proto`` is the schema; this module is a small proto3 codec for just
 those messages, so the worker needs no generated code and no particular protobuf
 runtime. It follows the rules in ``docs/protocol.md`` (fields in number order,
 defaults left out, the set member of a oneof always written), which is what the

@@ -1,6 +1,6 @@
 defmodule VllmBridge.Proto do
   @moduledoc """
-  A hand-written proto3 codec for the envelopes of `bridge_py/proto/bridge.proto`.
+  A hand-written proto3 codec for the envelopes of `proto/bridge.proto`.
 
   The schema is small and fixed, so this module encodes and decodes it with
   binary pattern matching instead of a protobuf library (none is available
