@@ -48,7 +48,8 @@ fuzz: setup
 	VLLM_BRIDGE_FUZZ_FRAMES=$(FUZZ_FRAMES) $(PY) -m pytest -q tests/fuzz
 	VLLM_BRIDGE_FUZZ_FRAMES=$(FUZZ_FRAMES) MIX_ENV=test mix test --only fuzz
 
-# Regenerate the checked-in Elixir modules from the export table.
+# Regenerate the checked-in Elixir modules from the export table, and both codecs' field
+# tables and error categories from proto/.
 codegen: setup
 	$(PY) -m bridge_py.codegen
 

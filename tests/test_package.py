@@ -1,8 +1,9 @@
 """What the installed package promises: its dependencies, and what a wheel carries.
 
 A wheel is built from this checkout (setuptools, no network, no build isolation) and read
-as a zip: the wire schema and ``py.typed`` travel with the code, the worker has a console
-script, and protobuf is not a run-time requirement because nothing imports it.
+as a zip: the wire schema (``proto/``, shipped as ``bridge_py/proto/``) and ``py.typed``
+travel with the code, the worker has a console script, and protobuf is not a run-time
+requirement because nothing imports it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     # Built from a copy of what the wheel is made of: setuptools writes build/ next to
     # the sources, which must not land in the checkout.
     source = tmp_path_factory.mktemp("source")
-    for name in ["pyproject.toml", "README.md"]:
+    for name in ["pyproject.toml", "setup.py", "MANIFEST.in", "README.md"]:
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(
-        ROOT / "bridge_py", source / "bridge_py", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    for name in ["bridge_py", "proto"]:
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -72,11 +72,10 @@ def _dist_info(wheel: zipfile.ZipFile, name: str) -> str:
 
 def test_the_wheel_carries_the_wire_schema_and_the_type_marker(wheel: zipfile.ZipFile) -> None:
     names = set(wheel.namelist())
-    assert "bridge_py/proto/bridge.proto" in names
-    assert (
-        wheel.read("bridge_py/proto/bridge.proto")
-        == (ROOT / "bridge_py/proto/bridge.proto").read_bytes()
-    )
+    schema = sorted((ROOT / "proto").iterdir())
+    assert "bridge.proto" in [path.name for path in schema]
+    for path in schema:
+        assert wheel.read(f"bridge_py/proto/{path.name}") == path.read_bytes()
     assert "bridge_py/py.typed" in names
     assert "bridge_py/worker/__main__.py" in names
 

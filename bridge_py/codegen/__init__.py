@@ -1,7 +1,10 @@
-"""Writes the ``Vllm.*`` Elixir modules from the worker's export table.
+"""Writes the ``Vllm.*`` Elixir modules from the worker's export table, and both codecs'
+field tables and error categories from the wire schema in ``proto/`` (``schema``).
 
-``python -m bridge_py.codegen`` regenerates ``elixir/lib/vllm/**``; ``--check`` exits
-non-zero when the checked-in files differ from a fresh generation. Layers:
+``python -m bridge_py.codegen`` regenerates ``elixir/lib/vllm/**``,
+``bridge_py/worker/schema.py`` and ``elixir/lib/vllm_bridge/proto/schema.ex``;
+``--check`` exits non-zero when the checked-in files differ from a fresh generation.
+Layers of the ``Vllm.*`` modules:
 ``model`` (plain descriptions of Elixir modules and functions), ``typespecs``
 (annotations -> typespecs), ``docstrings`` (the Python docstrings' reST-ish dialect ->
 ExDoc Markdown), ``references`` (Python names in docstrings -> the Elixir modules and

@@ -158,6 +158,36 @@ def id_field_end(frame: bytes) -> int:
     return 0
 
 
+# The keys id_field_end and split_call test, written there as constants (cheaper than
+# names looked up on every call), checked against the schema's once, here.
+pb.check_keys(
+    "call_plans.split_call",
+    (
+        (0x08, "Request", "id"),
+        (0x12, "Request", "session"),
+        (0x18, "Request", "deadline_ms"),
+        (0x52, "Request", "create"),
+        (0x5A, "Request", "call"),
+        (0x62, "Request", "call_function"),
+        (0x6A, "Request", "get_attr"),
+        (0x8A, "Request", "ping"),  # two bytes: 8a 01
+        (0x0A, "CreateInstance", "class_name"),  # a constructor is split as a function call
+        (0x12, "CreateInstance", "args"),
+        (0x1A, "CreateInstance", "kwargs"),
+        (0x0A, "CallFunction", "function"),
+        (0x12, "CallFunction", "args"),
+        (0x1A, "CallFunction", "kwargs"),
+        (0x08, "CallMethod", "handle"),
+        (0x12, "CallMethod", "method"),
+        (0x1A, "CallMethod", "args"),
+        (0x22, "CallMethod", "kwargs"),
+        (0x08, "GetAttribute", "handle"),
+        (0x12, "GetAttribute", "name"),
+        (0x0A, "Ping", "payload"),
+    ),
+)
+
+
 Split = tuple[int, bytes, int, bytes, bytes]
 """What :func:`split_call` finds in a request: where its id field ends, the key of its
 call, its ``deadline_ms`` (0: none), and its argument bytes (args, kwargs; a ping's

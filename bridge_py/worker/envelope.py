@@ -1,23 +1,26 @@
 """The bridge.proto envelope: Request and Reply, encoded and decoded by hand.
 
-``bridge_py/proto/bridge.proto`` is the schema; this module is a small proto3 codec for just
-those messages, so the worker needs no generated code and no particular protobuf
-runtime. It follows the rules in ``docs/protocol.md`` (fields in number order,
-defaults left out, the set member of a oneof always written), which is what the
-official protobuf runtime writes too: ``tests/worker/test_envelope.py`` checks our
-bytes against it.
+``proto/bridge.proto`` is the schema; this module is a small proto3 codec for just
+those messages, so the worker needs no protobuf runtime. Their fields come from
+:mod:`bridge_py.worker.schema`, generated from the .proto (``make codegen``); the
+classes below name the same fields, which is checked when this module is imported. It
+follows the rules in ``docs/protocol.md`` (fields in number order, defaults left out,
+the set member of a oneof always written), which is what the official protobuf runtime
+writes too: ``tests/worker/test_envelope.py`` checks our bytes against it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, final
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, final, get_args
 
-# Field kinds of the schema.
-_UINT64 = "uint64"
-_STRING = "string"
-_BYTES = "bytes"
-_PACKED_UINT64 = "packed_uint64"
+from bridge_py.worker import schema
+
+# Field kinds of the schema (compared by identity: the generated tables hold these).
+_UINT64 = schema.UINT64
+_STRING = schema.STRING
+_BYTES = schema.BYTES
+_PACKED_UINT64 = schema.PACKED_UINT64
 
 _WIRE_VARINT = 0
 _WIRE_I64 = 1
@@ -42,7 +45,7 @@ class CreateInstance:
     class_name: str = ""
     args: bytes = b""
     kwargs: bytes = b""
-    FIELDS: ClassVar = ((1, "class_name", _STRING), (2, "args", _BYTES), (3, "kwargs", _BYTES))
+    FIELDS: ClassVar = schema.FIELDS["CreateInstance"]
 
 
 @dataclass(slots=True)
@@ -53,12 +56,7 @@ class CallMethod:
     method: str = ""
     args: bytes = b""
     kwargs: bytes = b""
-    FIELDS: ClassVar = (
-        (1, "handle", _UINT64),
-        (2, "method", _STRING),
-        (3, "args", _BYTES),
-        (4, "kwargs", _BYTES),
-    )
+    FIELDS: ClassVar = schema.FIELDS["CallMethod"]
 
 
 @dataclass(slots=True)
@@ -68,7 +66,7 @@ class CallFunction:
     function: str = ""
     args: bytes = b""
     kwargs: bytes = b""
-    FIELDS: ClassVar = ((1, "function", _STRING), (2, "args", _BYTES), (3, "kwargs", _BYTES))
+    FIELDS: ClassVar = schema.FIELDS["CallFunction"]
 
 
 @dataclass(slots=True)
@@ -77,7 +75,7 @@ class GetAttribute:
 
     handle: int = 0
     name: str = ""
-    FIELDS: ClassVar = ((1, "handle", _UINT64), (2, "name", _STRING))
+    FIELDS: ClassVar = schema.FIELDS["GetAttribute"]
 
 
 @dataclass(slots=True)
@@ -85,21 +83,21 @@ class ReleaseHandles:
     """Forget objects."""
 
     handles: list[int] = field(default_factory=list)
-    FIELDS: ClassVar = ((1, "handles", _PACKED_UINT64),)
+    FIELDS: ClassVar = schema.FIELDS["ReleaseHandles"]
 
 
 @dataclass(slots=True)
 class ReleaseSession:
     """Forget every object of the request's session."""
 
-    FIELDS: ClassVar = ()
+    FIELDS: ClassVar = schema.FIELDS["ReleaseSession"]
 
 
 @dataclass(slots=True)
 class Describe:
     """Ask for the export table."""
 
-    FIELDS: ClassVar = ()
+    FIELDS: ClassVar = schema.FIELDS["Describe"]
 
 
 @dataclass(slots=True)
@@ -107,7 +105,7 @@ class Ping:
     """Echo a payload."""
 
     payload: bytes = b""
-    FIELDS: ClassVar = ((1, "payload", _BYTES),)
+    FIELDS: ClassVar = schema.FIELDS["Ping"]
 
 
 Operation = (
@@ -121,18 +119,15 @@ Operation = (
     | Ping
 )
 
-# Request.op: field number <-> message type.
+_OPERATIONS: dict[str, type[Operation]] = {cls.__name__: cls for cls in get_args(Operation)}
+# Request.op: field number <-> message type, and the type's field name (the op's name).
 _OPS: dict[int, type[Operation]] = {
-    10: CreateInstance,
-    11: CallMethod,
-    12: CallFunction,
-    13: GetAttribute,
-    14: ReleaseHandles,
-    15: ReleaseSession,
-    16: Describe,
-    17: Ping,
+    number: _OPERATIONS[message] for number, _, message in schema.ONEOFS["Request"]["op"]
 }
 _OP_NUMBERS: dict[type[Operation], int] = {cls: number for number, cls in _OPS.items()}
+_OP_NAMES: dict[type[Operation], str] = {
+    _OPERATIONS[message]: name for _, name, message in schema.ONEOFS["Request"]["op"]
+}
 
 
 @final
@@ -157,13 +152,7 @@ class Error:
     python_type: str = ""
     traceback: str = ""
     details: bytes = b""
-    FIELDS: ClassVar = (
-        (1, "category", _STRING),
-        (2, "message", _STRING),
-        (3, "python_type", _STRING),
-        (4, "traceback", _STRING),
-        (5, "details", _BYTES),
-    )
+    FIELDS: ClassVar = schema.FIELDS["Error"]
 
 
 @dataclass(slots=True)
@@ -174,7 +163,7 @@ class Output:
 
     text: bytes = b""
     dropped: int = 0
-    FIELDS: ClassVar = ((1, "text", _BYTES), (2, "dropped", _UINT64))
+    FIELDS: ClassVar = schema.FIELDS["Output"]
 
 
 @final
@@ -240,7 +229,7 @@ def _encode_fields(msg: Any, fields: tuple[tuple[int, str, str], ...] | None = N
 
 
 # The non-oneof fields of Request (its op is written apart).
-_REQUEST_HEAD = ((1, "id", _UINT64), (2, "session", _STRING), (3, "deadline_ms", _UINT64))
+_REQUEST_HEAD = schema.FIELDS["Request"]
 
 
 def encode_request(req: Request) -> bytes:
@@ -441,25 +430,26 @@ def _skip(cls: type, key: int, buf: Buffer, pos: int, end: int) -> int:
 
 
 # Field number -> (attribute, kind) for every message; the oneof members of Request
-# and Reply are listed here too (Request's ops all land in ``op``).
+# and Reply are listed here too (Request's ops all land in ``op``; a nested message's
+# kind is its class).
+_MESSAGES: dict[str, type[Operation | Error | Output]] = {
+    **_OPERATIONS,
+    "Error": Error,
+    "Output": Output,
+}
 _SPECS: dict[type, dict[int, tuple[str, Any]]] = {
-    cls: {number: (name, kind) for number, name, kind in cls.FIELDS}
-    for cls in (*_OPS.values(), Error, Output)
+    cls: {number: (name, kind) for number, name, kind in cls.FIELDS} for cls in _MESSAGES.values()
 }
 _SPECS[Request] = {
-    1: ("id", _UINT64),
-    2: ("session", _STRING),
-    3: ("deadline_ms", _UINT64),
+    **{number: (name, kind) for number, name, kind in _REQUEST_HEAD},
     **{number: ("op", cls) for number, cls in _OPS.items()},
 }
 _SPECS[Reply] = {
-    1: ("id", _UINT64),
-    2: ("value", _BYTES),
-    3: ("error", Error),
-    4: ("output", Output),
+    number: (name, _MESSAGES.get(kind, kind))
+    for number, name, kind in (*schema.FIELDS["Reply"], *schema.ONEOFS["Reply"]["result"])
 }
-_REPLY_RESULT = ("value", "error", "output")  # Reply's oneof result
-# Members of a oneof kept in separate attributes: setting one clears the other.
+# Reply's oneof result: its members are separate attributes, setting one clears the others.
+_REPLY_RESULT = tuple(name for _, name, _ in schema.ONEOFS["Reply"]["result"])
 
 # Key (field number << 3 | wire type) -> (attribute, kind): what _decode_message reads.
 _PACKED_ONE = "packed_uint64_one"  # one element of a repeated uint64 written unpacked
@@ -502,23 +492,70 @@ def peek_request_id(data: bytes | bytearray | memoryview) -> int:
     buf = memoryview(data).cast("B")
     try:
         key, pos = read_varint(buf, 0, len(buf))
-        if key == (1 << 3) | _WIRE_VARINT:
+        if key == _REQUEST_ID_KEY:
             return read_varint(buf, pos, len(buf))[0]
     except EnvelopeError:
         pass
     return 0
 
 
-_OP_NAMES: dict[type[Operation], str] = {
-    CreateInstance: "create",
-    CallMethod: "call",
-    CallFunction: "call_function",
-    GetAttribute: "get_attr",
-    ReleaseHandles: "release",
-    ReleaseSession: "release_session",
-    Describe: "describe",
-    Ping: "ping",
-}
+def field_key(message: str, name: str) -> int:
+    """The key (field number << 3 | wire type) of field ``name`` of ``message`` (oneof
+    members included), as the schema numbers it."""
+    oneofs = schema.ONEOFS.get(message, {}).values()
+    for number, field_name, kind in (*schema.FIELDS[message], *(f for o in oneofs for f in o)):
+        if field_name == name:
+            return number << 3 | (_WIRE_VARINT if kind is _UINT64 else _WIRE_LEN)
+    raise KeyError(f"{message} has no field {name}")
+
+
+def check_keys(where: str, keys: tuple[tuple[int, str, str], ...]) -> None:
+    """Raise when a key that ``where`` reads or writes as a literal, ``(key, message,
+    field)``, is not the schema's.
+
+    The byte-level readers and writers on every call's path test keys written as
+    constants, which cost less than names looked up at each call; their modules call
+    this once, at import, so that a field renumbered in the schema fails loudly there.
+    """
+    wrong = [
+        f"{message}.{name} is {field_key(message, name):#04x}, not {key:#04x}"
+        for key, message, name in keys
+        if field_key(message, name) != key
+    ]
+    if wrong:
+        raise RuntimeError(f"{where} reads keys the schema no longer has: {'; '.join(wrong)}")
+
+
+def _check_classes() -> None:
+    """Raise when a message class's attributes are not its fields in the schema (a field
+    added to the .proto and generated needs an attribute here), or a field is of a kind
+    :func:`_encode_fields` does not write."""
+    wanted: dict[type, set[str]] = {cls: {f[1] for f in cls.FIELDS} for cls in _MESSAGES.values()}
+    wanted[Request] = {f[1] for f in _REQUEST_HEAD} | {"op"}
+    wanted[Reply] = {name for _, name, _ in schema.FIELDS["Reply"]} | set(_REPLY_RESULT)
+    for cls in _MESSAGES.values():
+        for _, name, kind in cls.FIELDS:
+            if kind not in (_UINT64, _STRING, _BYTES, _PACKED_UINT64):
+                raise RuntimeError(f"{cls.__name__}.{name}: the codec does not write {kind}")
+    for cls, names in wanted.items():
+        have = {f.name for f in fields(cls)}
+        if have != names:
+            raise RuntimeError(
+                f"envelope.{cls.__name__} has fields {sorted(have)}, the schema {sorted(names)}"
+            )
+
+
+_check_classes()
+_REQUEST_ID_KEY = field_key("Request", "id")
+check_keys(
+    "envelope",  # encode_reply_chunks (error: field 3, output: 4), value_reply_chunks
+    (
+        (0x08, "Reply", "id"),
+        (0x12, "Reply", "value"),
+        (0x1A, "Reply", "error"),
+        (0x22, "Reply", "output"),
+    ),
+)
 
 
 def op_name(op: Operation | type[Operation] | None) -> str:
@@ -544,11 +581,13 @@ __all__ = [
     "ReleaseSession",
     "Reply",
     "Request",
+    "check_keys",
     "decode_reply",
     "decode_request",
     "encode_reply",
     "encode_reply_chunks",
     "encode_request",
+    "field_key",
     "op_name",
     "peek_request_id",
     "read_varint",

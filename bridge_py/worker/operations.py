@@ -22,15 +22,17 @@ from bridge_py.worker.call_plans import Run
 from bridge_py.worker.codec import Codec, CodecError, RefValue
 from bridge_py.worker.exports import ExportTable, NotExported
 from bridge_py.worker.registry import HandleNotFound, HandleRegistry, SessionResolver
+from bridge_py.worker.schema import Category
 
 DEFAULT_SESSION = "default"
 _MAX_CACHED_CODECS = 1024
 
 
 class Failure(Exception):
-    """Carries an error reply's category and message up from wherever it was detected."""
+    """Carries an error reply's category (one of proto/error_categories.txt's, checked by
+    the type) and message up from wherever it was detected."""
 
-    def __init__(self, category: str, message: str, exc: BaseException | None = None) -> None:
+    def __init__(self, category: Category, message: str, exc: BaseException | None = None) -> None:
         super().__init__(message)
         self.category = category
         self.python_type = type(exc).__name__ if exc is not None else ""

@@ -15,7 +15,7 @@ defmodule VllmBridge do
     * `VllmBridge.Worker` - one process owning one port to one Python
       process; routes replies by id, so calls run concurrently.
     * `VllmBridge.Proto` and `VllmBridge.Msgpack` - the wire: protobuf
-      envelopes (`bridge_py/proto/bridge.proto`) carrying canonical msgpack values
+      envelopes (`proto/bridge.proto`) carrying canonical msgpack values
       (see `docs/protocol.md`).
     * `VllmBridge.Ref`, `VllmBridge.Tensor`, `VllmBridge.Error` - the data
       that crosses: live Python objects, dense tensors, and failures as data.

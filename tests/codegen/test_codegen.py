@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import typing
 from pathlib import Path
 from typing import Any
@@ -58,26 +57,25 @@ def test_check_passes_on_the_checked_in_files() -> None:
     assert main(["--check"]) == 0
 
 
-def test_check_fails_on_a_hand_edit_and_generation_repairs_it(tmp_path: Path) -> None:
-    out = tmp_path / "lib"
-    shutil.copytree(ROOT / "elixir" / "lib" / "vllm", out / "vllm")
-    assert main(["--check", "--out", str(out)]) == 0
-    edited = out / "vllm" / "distributed" / "stateless_process_group.ex"
+def test_check_fails_on_a_hand_edit_and_generation_repairs_it(checkout: Path) -> None:
+    root = ["--root", str(checkout)]
+    assert main(["--check", *root]) == 0
+    edited = checkout / "elixir" / "lib" / "vllm" / "distributed" / "stateless_process_group.ex"
     edited.write_text(edited.read_text().replace("def barrier(", "def barrier_renamed("))
-    assert main(["--check", "--out", str(out)]) == 1
-    assert main(["--out", str(out)]) == 0
-    assert main(["--check", "--out", str(out)]) == 0
+    assert main(["--check", *root]) == 1
+    assert main(root) == 0
+    assert main(["--check", *root]) == 0
 
 
-def test_check_fails_when_a_file_is_missing_or_orphaned(tmp_path: Path) -> None:
-    out = tmp_path / "lib"
-    shutil.copytree(ROOT / "elixir" / "lib" / "vllm", out / "vllm")
-    (out / "vllm" / "distributed.ex").unlink()
-    assert main(["--check", "--out", str(out)]) == 1
-    main(["--out", str(out)])
-    orphan = out / "vllm" / "old.ex"
-    orphan.write_text((out / "vllm" / "distributed.ex").read_text())
-    assert main(["--check", "--out", str(out)]) == 1
+def test_check_fails_when_a_file_is_missing_or_orphaned(checkout: Path) -> None:
+    root = ["--root", str(checkout)]
+    lib = checkout / "elixir" / "lib" / "vllm"
+    (lib / "distributed.ex").unlink()
+    assert main(["--check", *root]) == 1
+    main(root)
+    orphan = lib / "old.ex"
+    orphan.write_text((lib / "distributed.ex").read_text())
+    assert main(["--check", *root]) == 1
 
 
 @pytest.mark.parametrize("bad", ['"""', '  """  '])

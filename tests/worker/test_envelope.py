@@ -30,9 +30,9 @@ def official(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     status = protoc.main(
         [
             "protoc",
-            f"-I{ROOT / 'bridge_py/proto'}",
+            f"-I{ROOT / 'proto'}",
             f"--python_out={out}",
-            str(ROOT / "bridge_py/proto/bridge.proto"),
+            str(ROOT / "proto/bridge.proto"),
         ]
     )
     assert status == 0

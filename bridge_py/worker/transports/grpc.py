@@ -1,4 +1,4 @@
-"""The gRPC transport: ``BridgeService`` from bridge_py/proto/bridge.proto, over grpcio.
+"""The gRPC transport: ``BridgeService`` from proto/bridge.proto, over grpcio.
 
 The same dispatcher, registry and export table as the port transport serve every
 call, the same way: each RPC hands the request's bytes as they came to

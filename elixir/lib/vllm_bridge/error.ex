@@ -8,7 +8,9 @@ defmodule VllmBridge.Error do
 
   ## Categories
 
-  Seven categories come only from a Python worker (see `docs/protocol.md`):
+  The list is `proto/error_categories.txt`, beside the wire schema (generated
+  into `VllmBridge.Proto.Schema`). Seven categories come only from a Python
+  worker (see `docs/protocol.md`):
 
     * `:protocol` - a frame, envelope or value could not be decoded
     * `:not_found` - unknown handle, a released one, or one of another session
@@ -42,31 +44,11 @@ defmodule VllmBridge.Error do
   as `:term` or `:handle`.
   """
 
-  @categories [
-    :protocol,
-    :not_found,
-    :not_exported,
-    :bad_args,
-    :encode,
-    :python,
-    :busy,
-    :timeout,
-    :worker,
-    :stale_ref
-  ]
+  # The one list, proto/error_categories.txt, generated into VllmBridge.Proto.Schema.
+  @categories VllmBridge.Proto.Schema.categories()
 
   @typedoc "The failure class; see the module documentation."
-  @type category ::
-          :protocol
-          | :not_found
-          | :not_exported
-          | :bad_args
-          | :encode
-          | :python
-          | :busy
-          | :timeout
-          | :worker
-          | :stale_ref
+  @type category :: VllmBridge.Proto.Schema.category()
 
   @type t :: %__MODULE__{
           category: category(),

@@ -1,11 +1,12 @@
 defmodule VllmBridge.Proto do
   @moduledoc """
-  A hand-written proto3 codec for the envelopes of `bridge_py/proto/bridge.proto`.
+  A hand-written proto3 codec for the envelopes of `proto/bridge.proto`.
 
   The schema is small and fixed, so this module encodes and decodes it with
   binary pattern matching instead of a protobuf library (none is available
-  to the runtime, and none is needed). Messages are plain maps and tagged
-  tuples:
+  to the runtime, and none is needed). The fields of each message come from
+  `VllmBridge.Proto.Schema`, generated from the .proto. Messages are plain
+  maps and tagged tuples:
 
       # Request
       %{id: 1, session: "", op: {:ping, %{payload: <<0x91, 0x01>>}}}
@@ -55,6 +56,7 @@ defmodule VllmBridge.Proto do
   import Bitwise
 
   alias VllmBridge.Error
+  alias VllmBridge.Proto.Schema
 
   @typedoc "A decoded or to-be-encoded bridge.proto `Request`."
   @type request :: %{
@@ -109,7 +111,24 @@ defmodule VllmBridge.Proto do
   @len 2
   @i32 5
 
-  # field layouts: {field number, key, kind}
+  # Field layouts, {field number, key, kind}, from the generated schema: each
+  # operation's field number and layout, and those of a reply's error and output.
+  [op: ops] = Schema.oneofs(:request)
+  @op_fields for {number, op, message} <- ops, do: {op, {number, Schema.fields(message)}}
+  @op_numbers Enum.map(@op_fields, fn {_op, {number, _layout}} -> number end)
+  @error_fields Schema.fields(:error)
+  @output_fields Schema.fields(:output)
+  # The rest of Request and Reply is written out below, its keys as constants (the
+  # reply's id, 0x08, and value, 0x12, are read at byte level); the schema must still
+  # say what they say, or the build stops here.
+  [{1, :id, :uint64}, {2, :session, :string}, {3, :deadline_ms, :uint64}] =
+    Schema.fields(:request)
+
+  [{1, :id, :uint64}] = Schema.fields(:reply)
+
+  [result: [{2, :value, :bytes}, {3, :error, :error}, {4, :output, :output}]] =
+    Schema.oneofs(:reply)
+
   # The field writers, the varint writer and reader are small and on every
   # call's path: compiled into their callers, not called (each call is a
   # reduction of the caller's).
@@ -139,29 +158,6 @@ defmodule VllmBridge.Proto do
       end
     end
   end
-
-  @op_fields [
-    create: {10, [{1, :class_name, :string}, {2, :args, :bytes}, {3, :kwargs, :bytes}]},
-    call:
-      {11,
-       [{1, :handle, :uint64}, {2, :method, :string}, {3, :args, :bytes}, {4, :kwargs, :bytes}]},
-    call_function: {12, [{1, :function, :string}, {2, :args, :bytes}, {3, :kwargs, :bytes}]},
-    get_attr: {13, [{1, :handle, :uint64}, {2, :name, :string}]},
-    release: {14, [{1, :handles, :packed_uint64}]},
-    release_session: {15, []},
-    describe: {16, []},
-    ping: {17, [{1, :payload, :bytes}]}
-  ]
-
-  @error_fields [
-    {1, :category, :string},
-    {2, :message, :string},
-    {3, :python_type, :string},
-    {4, :traceback, :string},
-    {5, :details, :bytes}
-  ]
-
-  @output_fields [{1, :text, :bytes}, {2, :dropped, :uint64}]
 
   ## Requests -----------------------------------------------------------------
 
@@ -218,8 +214,8 @@ defmodule VllmBridge.Proto do
         2, @len, value, acc -> %{acc | session: value}
         3, @varint, 0, acc -> Map.delete(acc, :deadline_ms)
         3, @varint, value, acc -> Map.put(acc, :deadline_ms, value)
-        n, @len, value, acc when n in 10..17 -> %{acc | op: decode_op(n, value)}
-        n, type, _value, _acc when n in [1, 2, 3] or n in 10..17 -> wrong_type(n, type)
+        n, @len, value, acc when n in @op_numbers -> %{acc | op: decode_op(n, value)}
+        n, type, _value, _acc when n in [1, 2, 3] or n in @op_numbers -> wrong_type(n, type)
         _n, _type, _value, acc -> acc
       end)
 
@@ -452,7 +448,15 @@ defmodule VllmBridge.Proto do
 
   # Field tags are constants: one clause per (field number, wire type) in use,
   # written out at compile time instead of varint-encoded for every field.
-  for number <- 1..17, type <- [@varint, @len] do
+  max_number =
+    Enum.max(
+      for message <- Schema.messages(),
+          {number, _, _} <-
+            Schema.fields(message) ++ Enum.concat(Keyword.values(Schema.oneofs(message))),
+          do: number
+    )
+
+  for number <- 1..max_number, type <- [@varint, @len] do
     defp tag(unquote(number), unquote(type)), do: unquote(tag_bytes.(number, type))
   end
 

@@ -174,7 +174,7 @@ defmodule VllmBridge.ProtoTest do
     from google.protobuf import descriptor_pool
     from grpc_tools import protoc
     out = tempfile.mkdtemp()
-    assert protoc.main(["protoc", "-Ibridge_py/proto", "--python_out=" + out, "bridge_py/proto/bridge.proto"]) == 0
+    assert protoc.main(["protoc", "-Iproto", "--python_out=" + out, "proto/bridge.proto"]) == 0
     sys.path.insert(0, out)
     pb = importlib.import_module("bridge_pb2")
     for h in [#{hexes}]:

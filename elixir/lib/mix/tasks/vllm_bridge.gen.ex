@@ -2,15 +2,17 @@ defmodule Mix.Tasks.VllmBridge.Gen do
   # No @shortdoc: `mix help` in a project that depends on :vllm_bridge does not
   # offer to rewrite the dependency's files.
   @moduledoc """
-  Regenerates `elixir/lib/vllm/**` by running the Python code generator,
-  `python -m bridge_py.codegen`, with the Python the runtime would use
-  (see `VllmBridge.Worker.find_python/1`).
+  Regenerates `elixir/lib/vllm/**`, and the wire schema's tables
+  (`VllmBridge.Proto.Schema`, `bridge_py/worker/schema.py`) from `proto/`, by
+  running the Python code generator, `python -m bridge_py.codegen`, with the
+  Python the runtime would use (see `VllmBridge.Worker.find_python/1`).
 
       mix vllm_bridge.gen           # write the files
       mix vllm_bridge.gen --check   # exit non-zero if they are out of date
 
   The generated files are checked in and never edited by hand: change the
-  Python side (the export table, signatures, docstrings) and run this task.
+  Python side (the export table, signatures, docstrings) or the schema in
+  `proto/` and run this task.
   It is a tool for developing vllm_bridge itself: run from a project that
   merely depends on it, it refuses and changes nothing.
   """
