@@ -292,11 +292,14 @@ defmodule Vllm.Distributed.GroupCoordinatorTest do
         {hidden, logits} = {input(r, r + 1, 2), input(r, r + 1, 3)}
         {weights, ids} = {input(r, r + 1, 2), input(r, r + 1, 2, {:s, 64})}
         {:ok, {h, l}} = GroupCoordinator.dispatch(g, hidden, logits)
-        {:ok, {_, _, [x]}} = GroupCoordinator.dispatch(g, hidden, logits, [false, [ids]])
+
+        {:ok, {_, _, [x]}} =
+          GroupCoordinator.dispatch(g, hidden, logits, [false], extra_tensors: [ids])
+
         {:ok, {h6, w, i}} = GroupCoordinator.dispatch(g, hidden, weights, ids, [], [])
 
         {:ok, {_, _, _, [x6]}} =
-          GroupCoordinator.dispatch(g, hidden, weights, ids, [false, [logits]], [])
+          GroupCoordinator.dispatch(g, hidden, weights, ids, [false], extra_tensors: [logits])
 
         {:ok, {hd, ld}} = DeviceCommunicatorBase.dispatch(comm, hidden, logits)
         {:ok, {_, wd, id}} = DeviceCommunicatorBase.dispatch(comm, hidden, weights, ids, [], [])
