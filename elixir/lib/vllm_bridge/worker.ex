@@ -46,10 +46,10 @@ defmodule VllmBridge.Worker do
 
   ## Waiting for a reply
 
-  A caller, while its call is the only one in flight on this worker and the VM has more than one scheduler online, looks
-  for its reply for up to `:reply_spin_us` microseconds (default 50) before
-  it sleeps in `receive`, letting the other processes of its scheduler run
-  between looks. The look ends as soon as another call is entered on the
+  A caller, while its call is the only one in flight on this worker and the
+  VM has more than one scheduler online, looks for its reply for up to
+  `:reply_spin_us` microseconds (default 50) before it sleeps in `receive`,
+  letting the other processes of its scheduler run between looks. The look ends as soon as another call is entered on the
   worker. It keeps the caller's scheduler busy for at most `:reply_spin_us`
   per call, which is also the most a call's timeout can be overrun by, and
   each look is charged a full time slice of reductions (it shows in the
