@@ -279,8 +279,9 @@ defmodule VllmBridge.Pool do
 
   @doc """
   Where a call goes: `{:ok, index, pid, via, timeout}`, where `via` is the
-  worker's `t:VllmBridge.Worker.channel/0` once it has published one (else
-  its pid; `VllmBridge.Worker.request/4` takes either) and `timeout` the
+  worker's `t:VllmBridge.Worker.channel/0` (its pid in the moment between
+  its registration and the end of its start, before it has published its
+  channel; `VllmBridge.Worker.request/4` takes either) and `timeout` the
   pool's default per-call timeout. `to` is:
 
     * `:next` - the next worker in round-robin order; a worker that is

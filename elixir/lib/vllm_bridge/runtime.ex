@@ -347,8 +347,15 @@ defmodule VllmBridge.Runtime do
       ctx = %{ctx | session: session}
 
       workers
-      |> Enum.map(fn {_index, pid} ->
-        target = %{pool: ctx.pool, worker: pid, index: nil, session: nil, timeout: timeout}
+      |> Enum.map(fn {index, pid} ->
+        # (a worker gone since the lookup: its pid, which answers :worker)
+        via =
+          case Pool.route(ctx.pool, {index, pid}) do
+            {:ok, _index, _pid, via, _timeout} -> via
+            {:error, _} -> pid
+          end
+
+        target = worker_target(ctx.pool, nil, pid, via, timeout)
         {target, ctx, {:release_session, %{}}}
       end)
       |> run_many()
@@ -477,8 +484,8 @@ defmodule VllmBridge.Runtime do
          do: {:ok, worker_target(pool, index, pid, via, timeout)}
   end
 
-  # via: the worker's channel when it has one (see VllmBridge.Worker), else its
-  # pid; timeout: the pool's default.
+  # via: the worker's channel (see VllmBridge.Worker), or its pid in the moment
+  # before it has published one; timeout: the pool's default.
   defp worker_target(pool, index, pid, via, timeout),
     do: %{pool: pool, worker: pid, index: index, session: nil, via: via, timeout: timeout}
 
@@ -759,10 +766,10 @@ defmodule VllmBridge.Runtime do
     end
   end
 
-  # Requests to several workers, in flight together; sums integer results. A
-  # single request to a worker with a channel goes the way every call does
-  # (written by the caller, no hop through the Worker process).
-  defp run_many([{%{via: _} = target, ctx, op}]), do: sum(run(target, ctx, op), {:ok, 0})
+  # Requests to several workers, in flight together (each written by the
+  # caller, as every call is: Worker.send_request/3 is request/4 without the
+  # wait); sums integer results. A single request is a plain call.
+  defp run_many([{target, ctx, op}]), do: sum(run(target, ctx, op), {:ok, 0})
 
   defp run_many(jobs) do
     jobs
@@ -776,7 +783,7 @@ defmodule VllmBridge.Runtime do
 
         case prepare(target, ctx, op) do
           {:ok, session, owner, id, frame, timeout} ->
-            request = Worker.send_request(target.worker, id, frame)
+            request = Worker.send_request(target.via, id, frame)
             {target, {session, owner}, id, timeout, request, {span, start}}
 
           {:error, _} = error ->

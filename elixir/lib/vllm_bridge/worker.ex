@@ -8,19 +8,35 @@ defmodule VllmBridge.Worker do
   Most code reaches workers through `VllmBridge.Runtime` and
   `VllmBridge.Pool` instead of calling this module.
 
-  ## Two ways in
+  ## One way in
 
-  `request/4` takes either the worker (a pid or name) or its `t:channel/0`.
+  Every call goes through the worker's `t:channel/0`, which says what the
+  worker takes at this moment:
 
-    * Through the worker: the caller sends the frame to this process, which
-      writes it to the port.
-    * Through the channel: the caller writes the frame to the port itself;
-      the reply still comes through this process. The worker publishes its
-      channel as its value in the `Registry` named by `:registry` once its
-      port is open; `VllmBridge.Pool.route/3` hands it to
-      `VllmBridge.Runtime`.
+    * while its Python process starts or runs: its port and its table of
+      pending calls. The caller enters its reply address in the table under
+      the request id and writes the frame to the port itself; the reply comes
+      back through this process, which hands it to the caller. Requests
+      written while Python starts wait behind the start handshake and are
+      answered once it runs;
+    * while no Python process serves calls (a failed start backing off, see
+      "Start-up"; a worker being replaced, see "Lifecycle limits"): the error
+      every call gets then, which the caller returns at once, without a
+      message to this process.
 
-  Both give the same results, timeouts and errors.
+  The worker publishes its channel from its start on, and again at each of
+  those changes, as its value in the `Registry` named by `:registry`;
+  `VllmBridge.Pool.route/2` hands it to `VllmBridge.Runtime`. `request/4`
+  and `send_request/3` take the channel, or the worker (a pid or name), which
+  they ask for its channel first (`channel/2`); either way the call itself is
+  the same. A channel is only valid on the worker's node: a worker on another
+  node is reached through `VllmBridge.Runtime` ("Across nodes" there).
+
+  Whatever a caller does, this process sees every call: its entry in the
+  table (counted in `info/1`, swept when its caller dies, answered with an
+  error when Python exits), and its reply (proof of life for the health
+  checks, counted for `:max_calls`, its refs released when the caller has
+  gone).
 
   ## Concurrency and ordering
 
@@ -30,11 +46,10 @@ defmodule VllmBridge.Worker do
 
   ## Waiting for a reply
 
-  A caller that writes to the channel, while its call is the only one in
-  flight on this worker and the VM has more than one scheduler online, looks
-  for its reply for up to `:reply_spin_us` microseconds (default 50) before
-  it sleeps in `receive`, letting the other processes of its scheduler run
-  between looks. The look ends as soon as another call is entered on the
+  A caller, while its call is the only one in flight on this worker and the
+  VM has more than one scheduler online, looks for its reply for up to
+  `:reply_spin_us` microseconds (default 50) before it sleeps in `receive`,
+  letting the other processes of its scheduler run between looks. The look ends as soon as another call is entered on the
   worker. It keeps the caller's scheduler busy for at most `:reply_spin_us`
   per call, which is also the most a call's timeout can be overrun by, and
   each look is charged a full time slice of reductions (it shows in the
@@ -48,15 +63,19 @@ defmodule VllmBridge.Worker do
   ## Timeouts
 
   `request/4` returns `{:error, %VllmBridge.Error{category: :timeout}}` at the
-  caller's deadline. The reply that Python sends later is dropped: the call
-  went through a process alias that is deactivated at the deadline, and the
-  worker forgets the pending entry. The Python call itself is not cancelled.
+  caller's deadline (`await/2` at the deadline it was given, counted from
+  when it is called). The caller removes its entry from the worker's table
+  and the reply that Python sends later is dropped: the reply address is a
+  process alias that is deactivated at the deadline. The Python call itself
+  is not cancelled.
 
   ## Crashes
 
   When the Python process exits (or is killed for not answering, see "Health
   checks"), every pending caller at once gets
   `{:error, %VllmBridge.Error{category: :worker}}` and this process stops;
+  so does a caller whose write finds the port closed. A caller whose worker
+  stops while it waits gets a `:worker` error naming the exit reason;
   under a `VllmBridge.Pool` it is restarted with a fresh Python process. All
   objects that lived in the old one are gone, and refs to them are stale.
   When this process stops, it closes the port; the Python worker exits when
@@ -112,7 +131,7 @@ defmodule VllmBridge.Worker do
   the executable, the exit status and the missing module
   (`details.missing_module`, and the last lines Python printed under
   `details.stderr`). Callers that were waiting get that error, and so does
-  every call until a start succeeds.
+  every call until a start succeeds (the worker's channel carries it).
 
   A failed start is not a crash: the worker process stays up (its supervisor
   sees no restart) and starts Python again after a back-off, `:backoff_min` ms
@@ -165,11 +184,16 @@ defmodule VllmBridge.Worker do
   @type server :: GenServer.server()
 
   @typedoc """
-  A running worker's port and table of pending calls, for callers that write
-  requests to the port themselves (see "Two ways in"). Take it from
-  `VllmBridge.Pool.route/3`; do not build one.
+  The way into a worker (see "One way in"): while its Python process starts
+  or runs, its port and table of pending calls; while none serves calls, the
+  error a call gets. Take it from `VllmBridge.Pool.route/2` or `channel/2`;
+  do not build one.
   """
-  @opaque channel :: {:channel, pid(), port(), :ets.tid(), non_neg_integer()}
+  @opaque channel ::
+            {:channel, pid(), port() | Error.t(), :ets.tid(), non_neg_integer()}
+
+  @typedoc "A request in flight, from `send_request/3` to `await/2`."
+  @opaque request_handle :: Call.handle()
 
   @typedoc "Options for `start_link/1`."
   @type option ::
@@ -215,7 +239,8 @@ defmodule VllmBridge.Worker do
     * `:pool`, `:index` - where this worker sits, for log messages
     * `:registry` - `{registry, key}`, the `Registry` key this worker is
       registered under (through `:name`): the worker stores its
-      `t:channel/0` there as the key's value once its port is open
+      `t:channel/0` there as the key's value, from its start on (see "One
+      way in")
     * `:starts` - an `:atomics` array that counts the starts at each index
       of a pool (the pool sets it): a worker that is not the first at its
       `:index` emits the `[:vllm_bridge, :worker, :restarted]` event
@@ -232,9 +257,9 @@ defmodule VllmBridge.Worker do
       again after a failed start: `:backoff_min` (default `#{@defaults[:backoff_min]}`),
       doubled for each failure in a row, at most `:backoff_max` (default
       `#{@defaults[:backoff_max]}`); see "Start-up"
-    * `:reply_spin_us` - how long, in microseconds, a caller that writes to
-      the channel keeps looking for its reply before it sleeps, while its call
-      is the only one in flight here (default `#{@defaults[:reply_spin_us]}`,
+    * `:reply_spin_us` - how long, in microseconds, a caller keeps looking
+      for its reply before it sleeps, while its call is the only one in
+      flight here (default `#{@defaults[:reply_spin_us]}`,
       at most 1000; `0`: never; see "Waiting for a reply")
 
   The worker starts at once; its Python process starts in the background
@@ -335,69 +360,49 @@ defmodule VllmBridge.Worker do
   Sends one encoded `Request` frame whose id is `id` and waits up to
   `timeout` ms for the encoded `Reply` with that id.
 
-  `worker` is the worker or its `t:channel/0` (see "Two ways in").
+  `worker` is the worker's `t:channel/0`, or the worker (a pid or name),
+  which is asked for its channel first (within the same `timeout`); see "One
+  way in".
 
   Returns `{:ok, reply_binary}`, or an error of category `:timeout` (no reply
   by the deadline; a late reply is dropped), `:worker` (the worker is not
-  running, or its Python process died or was killed for not answering
+  running or is on another node, its Python process could not start, it is
+  being replaced, or its Python process died or was killed for not answering
   meanwhile; see "Health checks") or `:bad_args` (an id that is already in
   flight, or a frame that is not iodata).
   """
   @spec request(server() | channel(), pos_integer(), iodata(), timeout()) ::
           {:ok, binary()} | {:error, Error.t()}
-  def request({:channel, pid, port, table, spin_us}, id, frame, timeout) do
-    Call.through_channel(pid, port, table, spin_us, id, frame, timeout)
-  end
-
-  def request(worker, id, frame, timeout) do
-    with :ok <- Call.check_frame(frame) do
-      GenServer.call(worker, {:request, id, frame}, timeout)
-    end
-  catch
-    :exit, {:timeout, _} ->
-      GenServer.cast(worker, {:cancel, id})
-
-      {:error, Call.timed_out(worker, id, timeout)}
-
-    :exit, {reason, _} ->
-      {:error, Call.not_running(worker, reason)}
-  end
+  def request(worker, id, frame, timeout), do: Call.call(worker, id, frame, timeout)
 
   @doc """
-  Like `request/4`, but returns at once with a request handle for
+  Like `request/4`, but returns once the frame is written, with a handle for
   `await/2`, so one process can have requests in flight on several workers.
+  A worker given by pid or name is asked for its channel first (for up to
+  5 s). An error found before anything was written (a frame that is not
+  iodata, an id already in flight, a worker that takes no calls) comes back
+  from `await/2`.
   """
-  @spec send_request(server(), pos_integer(), iodata()) ::
-          {server(), pos_integer(), term() | {:error, Error.t()}}
-  def send_request(worker, id, frame) do
-    case Call.check_frame(frame) do
-      :ok -> {worker, id, :gen_server.send_request(worker, {:request, id, frame})}
-      {:error, _} = error -> {worker, id, error}
-    end
-  end
+  @spec send_request(server() | channel(), pos_integer(), iodata()) :: request_handle()
+  def send_request(worker, id, frame), do: Call.start(worker, id, frame)
 
   @doc """
-  Waits for the reply to a `send_request/3`, with the same results as
-  `request/4`.
+  Waits up to `timeout` ms for the reply to a `send_request/3`, in the same
+  way and with the same results as `request/4`. Call it from the process
+  that called `send_request/3`.
   """
-  @spec await({server(), pos_integer(), term()}, timeout()) ::
-          {:ok, binary()} | {:error, Error.t()}
-  def await({_worker, _id, {:error, _} = error}, _timeout), do: error
+  @spec await(request_handle(), timeout()) :: {:ok, binary()} | {:error, Error.t()}
+  def await(handle, timeout), do: Call.await(handle, timeout)
 
-  def await({worker, id, request_id}, timeout) do
-    case :gen_server.receive_response(request_id, timeout) do
-      {:reply, reply} ->
-        reply
-
-      :timeout ->
-        GenServer.cast(worker, {:cancel, id})
-
-        {:error, Call.timed_out(worker, id, timeout)}
-
-      {:error, {reason, _}} ->
-        {:error, Call.not_running(worker, reason)}
-    end
-  end
+  @doc """
+  The worker's `t:channel/0` as it is now, asked of the worker (a pid or
+  name) within `timeout` ms: for a worker outside a pool, or when the pool's
+  `Registry` is not at hand. A worker under a pool publishes it there as well
+  (see "One way in"). Errors: `:worker` when the worker is not running or is
+  on another node, `:timeout` when it does not answer in time.
+  """
+  @spec channel(server(), timeout()) :: {:ok, channel()} | {:error, Error.t()}
+  def channel(worker, timeout \\ 5_000), do: Call.channel(worker, nil, timeout)
 
   @doc """
   Records that `ids` (handles of `session`, one per ref, repeats included)

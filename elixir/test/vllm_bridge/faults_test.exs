@@ -138,7 +138,7 @@ defmodule VllmBridge.FaultsTest do
 
   @tag :capture_log
   @tag timeout: 60_000
-  test "a request that reaches the worker after its Python died is a :worker error" do
+  test "send_request/3 and await/2: a request written after Python died is a :worker error" do
     worker =
       start_supervised!(Supervisor.child_spec({Worker, args: sample_args()}, restart: :temporary))
 
@@ -146,20 +146,75 @@ defmodule VllmBridge.FaultsTest do
     # a failed start, retried by the same worker: see "Start-up" in Worker)
     :ok = Worker.await_started(worker)
     {:ok, os_pid} = Worker.os_pid(worker)
-    %{port: port} = :sys.get_state(worker)
+    # a worker outside a pool hands out its channel
+    assert {:ok, {:channel, ^worker, port, _, _} = channel} = Worker.channel(worker)
 
-    # the request is in the worker's mailbox before Python dies; the worker
-    # handles it only once the port has closed
+    # Python dies and its port closes while the worker cannot act on it; the
+    # request then finds a closed port, and hears from the worker once it can
     :sys.suspend(worker)
-    id = Worker.new_id()
-    request = Worker.send_request(worker, id, ping_frame!(id, :late))
     monitor = Process.monitor(worker)
     kill9(os_pid)
     eventually(fn -> Port.info(port) == nil end, 5_000)
+    id = Worker.new_id()
+    request = Worker.send_request(channel, id, ping_frame!(id, :late))
     :sys.resume(worker)
 
-    assert {:error, %Error{category: :worker}} = Worker.await(request, 5_000)
+    assert {:error, %Error{category: :worker, message: message}} = Worker.await(request, 5_000)
+    assert message =~ "exited with status"
     assert_receive {:DOWN, ^monitor, :process, ^worker, _}, 5_000
+
+    # by pid once the worker has gone: a :worker error naming why
+    assert {:error, %Error{category: :worker, details: %{reason: :noproc}}} =
+             worker |> Worker.send_request(Worker.new_id(), "") |> Worker.await(5_000)
+
+    assert {:messages, []} = Process.info(self(), :messages)
+  end
+
+  @tag :capture_log
+  @tag timeout: 60_000
+  test "a request written with the channel of a start that failed gets that start's error at once",
+       %{test: test, tmp_dir: dir} do
+    # A "Python" that exits before answering its start handshake: a failed start
+    python = Path.join(dir, "python_that_dies")
+    File.write!(python, "#!/bin/sh\nsleep 1\nexit 3\n")
+    File.chmod!(python, 0o755)
+
+    registry = :"#{test}.Registry"
+    start_supervised!({Registry, keys: :unique, name: registry})
+
+    spec =
+      {Worker,
+       python: python,
+       name: {:via, Registry, {registry, 0}},
+       registry: {registry, 0},
+       backoff_min: 60_000,
+       health_interval: 60_000}
+
+    worker = start_supervised!(spec)
+    # while it starts, the channel is its port
+    assert [{:channel, ^worker, port, _, _} = channel] = Registry.values(registry, 0, worker)
+    assert is_port(port)
+
+    assert {:error, %Error{category: :worker} = error} = Worker.await_started(worker, 20_000)
+    assert {:ok, %{phase: :backoff}} = Worker.info(worker)
+    # the worker handled the exit, and its channel is now the start's error
+    assert [{:channel, ^worker, ^error, _, _}] = Registry.values(registry, 0, worker)
+
+    # A caller that took the channel before the start failed writes to the
+    # closed port: the worker answers it at once (no health tick or new
+    # start for a minute), with the start's error
+    id = Worker.new_id()
+    started = now_ms()
+    assert {:error, ^error} = Worker.request(channel, id, ping_frame!(id, :late), 30_000)
+    assert now_ms() - started < 10_000
+    assert {:ok, %{pending: 0}} = Worker.info(worker)
+
+    # the channel of now: the error, without a message to the worker
+    :erlang.trace(worker, true, [:receive])
+    [now] = Registry.values(registry, 0, worker)
+    assert {:error, ^error} = Worker.request(now, Worker.new_id(), ping_frame!(1, :x), 5_000)
+    :erlang.trace(worker, false, [:receive])
+    assert traced(worker) -- [:health_tick] == []
   end
 
   @tag :capture_log
@@ -299,7 +354,7 @@ defmodule VllmBridge.FaultsTest do
     # the request that timed out: it did not pass through the worker process,
     # and the caller left the table of pending calls at its deadline
     assert_receive {:late_id, late_id}
-    refute_received {:trace, ^worker, :receive, {:"$gen_call", _, {:request, _, _}}}
+    refute_received {:trace, ^worker, :receive, {:"$gen_call", _, _}}
     assert :ets.tab2list(table) == []
 
     # the worker keeps serving while that call is still blocked in Python
@@ -833,6 +888,21 @@ defmodule VllmBridge.FaultsTest do
       5 ->
         <<head::binary-size(at), tail::binary>> = frame
         head <> <<Enum.random([0x00, 0x7F, 0x80, 0xFF])>> <> tail
+    end
+  end
+
+  # The messages `worker` received while traced (every one delivered by now).
+  defp traced(worker) do
+    ref = :erlang.trace_delivered(worker)
+    assert_receive {:trace_delivered, ^worker, ^ref}, 5_000
+    collect_traced(worker)
+  end
+
+  defp collect_traced(worker) do
+    receive do
+      {:trace, ^worker, :receive, message} -> [message | collect_traced(worker)]
+    after
+      0 -> []
     end
   end
 

@@ -111,11 +111,12 @@ defmodule VllmBridge.HealthTest do
     log =
       capture_log(fn ->
         waiting = [
-          # through the channel: a method call and a ping
+          # through the runtime: a method call and a ping
           Task.async(fn -> Runtime.call_method(counter, "incr", [], rt.(0)) end),
           Task.async(fn -> Runtime.ping(:anyone, rt.(0)) end),
-          # through the worker process, with frames large enough to fill the
-          # pipe of a Python that reads nothing: the worker must not block
+          # by the worker's pid, with frames large enough to fill the pipe of a
+          # Python that reads nothing: their caller waits on the port, the
+          # worker must not (it pings, and kills)
           Task.async(fn ->
             for _ <- 1..4 do
               id = Worker.new_id()
@@ -235,9 +236,9 @@ defmodule VllmBridge.HealthTest do
     {:ok, args} = Msgpack.encode([30.0])
 
     callers = [
-      # through the channel (the runtime's way in)
+      # through the runtime (the channel from the pool's registry)
       spawn(fn -> Runtime.call_function("sleep", [30.0], rt) end),
-      # through the worker process
+      # by the worker's pid (which hands out its channel)
       spawn(fn ->
         id = Worker.new_id()
         frame = frame!(id, {:call_function, %{function: "sleep", args: args, kwargs: ""}})

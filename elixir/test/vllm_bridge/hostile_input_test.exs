@@ -125,7 +125,7 @@ defmodule VllmBridge.HostileInputTest do
     assert byte_size(payload) < 1500
     {:ok, 0, ^worker, channel, _timeout} = Pool.route(pool, {0, worker})
 
-    # through the worker process and through its channel
+    # by the worker's pid (which hands out its channel) and by its channel
     for via <- [worker, channel] do
       id = Worker.new_id()
       frame = frame!(id, {:ping, %{payload: payload}})

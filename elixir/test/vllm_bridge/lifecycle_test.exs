@@ -121,7 +121,16 @@ defmodule VllmBridge.LifecycleTest do
       assert {:error, %Error{category: :worker, details: %{missing_module: "torch"}}} =
                Runtime.ping(:x, __runtime__: [pool: pool])
 
-      assert {:ok, %{phase: :backoff, failed_starts: n}} = Worker.info(new_worker)
+      # (the call took the last failure from the worker's channel: the worker
+      # may be trying again by now, and is back in :backoff after that try)
+      assert {:ok, %{phase: :backoff, failed_starts: n}} =
+               eventually(fn ->
+                 case Worker.info(new_worker) do
+                   {:ok, %{phase: :backoff}} = info -> info
+                   _ -> false
+                 end
+               end)
+
       assert n >= 4
 
       # torch is back: the next try starts, and the same worker serves again
@@ -146,7 +155,10 @@ defmodule VllmBridge.LifecycleTest do
       {:ok, os_pid} = Worker.os_pid(worker)
 
       {:ok, counter} = Runtime.call_class("Counter", [], rt)
-      slow = Task.async(fn -> Runtime.call_function("sleep", [1.0], rt) end)
+      # the way in as a caller that looked the worker up just before sees it
+      assert {:ok, 0, ^worker, channel, _} = Pool.route(pool, 0)
+      # (long enough for the checks below to run while it is in flight)
+      slow = Task.async(fn -> Runtime.call_function("sleep", [3.0], rt) end)
       eventually(fn -> pending(worker) == 1 end)
 
       # call 3 reaches the limit while the sleep is in flight: the worker
@@ -156,7 +168,21 @@ defmodule VllmBridge.LifecycleTest do
       assert {:error, %Error{category: :stale_ref}} = Runtime.call_method(counter, "incr", [])
       assert Process.alive?(worker)
 
-      assert Task.await(slow, 10_000) == {:ok, 1.0}
+      # by pid, its channel now says it is being replaced; a call written with
+      # the channel taken before is still answered (the worker drains it)
+      frame = fn id -> ping_frame!(id, :late) end
+      id = Worker.new_id()
+
+      assert {:error, %Error{category: :worker, message: message}} =
+               Worker.request(worker, id, frame.(id), 5_000)
+
+      assert message =~ "is being replaced"
+      assert {:ok, {:channel, ^worker, %Error{}, _, _}} = Worker.channel(worker)
+      id = Worker.new_id()
+      assert {:ok, reply} = Worker.request(channel, id, frame.(id), 5_000)
+      assert {:ok, %{id: ^id, result: {:value, _}}} = VllmBridge.Proto.decode_reply(reply)
+
+      assert Task.await(slow, 10_000) == {:ok, 3.0}
 
       assert_receive {:telemetry, [:vllm_bridge, :worker, :exited], _,
                       %{os_pid: ^os_pid, reason: :replaced, exit_status: nil}},

@@ -88,6 +88,26 @@ defmodule VllmBridge.MultiNodeTest do
              Runtime.ping(1, __runtime__: [pool: @pool, node: :"nobody@127.0.0.1"])
 
     assert message =~ "nobody@127.0.0.1" and message =~ "down or unreachable"
+
+    # the worker's own API is for this node's workers: a channel (its port and
+    # table) is only of use on its node, and the runtime above runs the call there
+    frame = fn id ->
+      {:ok, frame} =
+        VllmBridge.Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
+
+      frame
+    end
+
+    id = VllmBridge.Worker.new_id()
+
+    assert {:error, %Error{category: :worker, details: %{node: ^peer}}} =
+             VllmBridge.Worker.request(remote_w0, id, frame.(id), 5_000)
+
+    assert {:error, %Error{category: :worker, details: %{node: ^peer}}} =
+             VllmBridge.Worker.channel(remote_w0)
+
+    assert {:ok, {:channel, ^remote_w0, _, _, _}} =
+             :erpc.call(peer, VllmBridge.Worker, :channel, [remote_w0])
   end
 
   test "a 4-rank StatelessProcessGroup across both nodes", %{peer_node: peer} do

@@ -268,8 +268,8 @@ defmodule VllmBridge.PoolTest do
       :erlang.trace(worker, false, [:receive])
       # written by the caller: the Worker process saw only the reply (and the
       # question of how many holds the caller's ref had)
-      refute_received {:trace, ^worker, :receive, {:"$gen_call", _, {:request, _, _}}}
       assert_received {:trace, ^worker, :receive, {:"$gen_call", _, {:disown, "", _}}}
+      refute_received {:trace, ^worker, :receive, {:"$gen_call", _, _}}
       assert_received {:trace, ^worker, :receive, {_port, {:data, _reply}}}
       assert {:ok, 0} = Runtime.release(counter)
     end
@@ -294,9 +294,9 @@ defmodule VllmBridge.PoolTest do
       assert_received {:trace, ^worker, :receive, {_port, {:data, ^reply}}}
       :erlang.trace(worker, false, [:receive])
 
-      # an id in flight is refused on either way in, whichever way it took (the first
-      # call waits on a gate, so it stays in flight until the test opens it; a gate opens
-      # for good: one counter per round)
+      # an id in flight is refused whether the worker is given by channel or by pid
+      # (the first call waits on a gate, so it stays in flight until the test opens
+      # it; a gate opens for good: one counter per round)
       rt = [__runtime__: [pool: pool, worker: 0]]
       {:ok, args} = VllmBridge.Msgpack.encode([30.0])
 
@@ -349,10 +349,69 @@ defmodule VllmBridge.PoolTest do
       assert {:ok, %{phase: :backoff}} = Worker.info(worker)
     end
 
+    @tag :capture_log
+    test "while a start has failed, every call gets its error at once, by channel with no message",
+         %{test: test} do
+      registry = :"#{test}.Registry"
+      start_supervised!({Registry, keys: :unique, name: registry})
+
+      spec =
+        {Worker,
+         python: "/nonexistent/python",
+         backoff_min: 60_000,
+         name: {:via, Registry, {registry, 0}},
+         registry: {registry, 0}}
+
+      worker = start_supervised!(spec)
+      assert {:error, %Error{category: :worker} = error} = Worker.await_started(worker, 5_000)
+
+      # the channel published and the one handed out carry the start's error
+      assert [{:channel, ^worker, ^error, _, _} = channel] = Registry.values(registry, 0, worker)
+      assert {:ok, ^channel} = Worker.channel(worker)
+
+      id = Worker.new_id()
+      {:ok, frame} = Proto.encode_request(%{id: id, session: "", op: {:ping, %{payload: ""}}})
+      :erlang.trace(worker, true, [:receive])
+      assert {:error, ^error} = Worker.request(channel, id, frame, 5_000)
+      assert {:error, ^error} = channel |> Worker.send_request(id, frame) |> Worker.await(5_000)
+      # a frame that is not iodata is named first
+      assert {:error, %Error{category: :bad_args}} = Worker.request(channel, id, [:nope], 5_000)
+      assert traced(worker) -- [:health_tick] == []
+
+      # by pid: the worker hands out its channel, and that is all it sees
+      assert {:error, ^error} = Worker.request(worker, id, frame, 5_000)
+      assert {:error, ^error} = worker |> Worker.send_request(id, frame) |> Worker.await(5_000)
+      :erlang.trace(worker, false, [:receive])
+
+      assert [{:"$gen_call", _, :channel}, {:"$gen_call", _, :channel}] =
+               traced(worker) -- [:health_tick]
+
+      assert {:ok, %{pending: 0, phase: :backoff}} = Worker.info(worker)
+    end
+
     test "a worker that is not running is a :worker error" do
       assert {:error, %Error{category: :worker}} = Worker.request(:no_such_worker, 1, "", 1_000)
 
+      assert {:error, %Error{category: :worker}} =
+               :no_such_worker |> Worker.send_request(1, "") |> Worker.await(1_000)
+
+      assert {:error, %Error{category: :worker}} = Worker.channel(:no_such_worker)
       assert {:error, %Error{category: :worker}} = Worker.os_pid(:no_such_worker)
+    end
+  end
+
+  # The messages `worker` received while traced (every one delivered by now).
+  defp traced(worker) do
+    ref = :erlang.trace_delivered(worker)
+    assert_receive {:trace_delivered, ^worker, ^ref}, 5_000
+    collect_traced(worker)
+  end
+
+  defp collect_traced(worker) do
+    receive do
+      {:trace, ^worker, :receive, message} -> [message | collect_traced(worker)]
+    after
+      0 -> []
     end
   end
 end

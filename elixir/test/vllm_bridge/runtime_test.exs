@@ -186,7 +186,7 @@ defmodule VllmBridge.RuntimeTest do
     # at the deadline, not after the 2.5 s sleep (room for a loaded machine)
     assert {:error, %Error{category: :timeout}} = result
     assert us < 2_000_000
-    # the cancel cast came before this call, from the same process
+    # the caller took its entry out of the table at its deadline
     assert {:ok, %{pending: 0}} = Worker.info(pid)
 
     # the worker keeps serving, and after the late reply arrives a later caller

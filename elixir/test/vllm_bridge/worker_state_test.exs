@@ -158,34 +158,47 @@ defmodule VllmBridge.WorkerStateTest do
   end
 
   describe "Pending.answer_id/3" do
-    test "takes the entry and answers a caller's alias or from, once", %{table: table} do
+    test "takes the entry and answers a caller's alias, once", %{table: table} do
       # (a caller's alias: its monitor's, in a real call)
       tag = :erlang.alias()
       :ok = Pending.enter(table, 1, tag, self())
       assert Pending.answer_id(table, 1, {:ok, "r1"}) == :answered
       assert_received {^tag, {:ok, "r1"}}
 
-      from = {self(), make_ref()}
-      :ok = Pending.enter(table, 2, from, self())
-      assert Pending.answer_id(table, 2, {:ok, "r2"}) == :answered
-      {_pid, alias_tag} = from
-      assert_received {^alias_tag, {:ok, "r2"}}
-
       # gone once answered: a second reply with that id finds nothing
       assert Pending.answer_id(table, 1, {:ok, "late"}) == nil
-      assert Pending.answer_id(table, 2, {:ok, "late"}) == nil
       refute_received {_, {:ok, "late"}}
       assert :ets.info(table, :size) == 0
       :erlang.unalias(tag)
     end
 
-    test "the worker's own pings are taken, not answered", %{table: table} do
+    test "the worker's own requests are taken, not answered", %{table: table} do
       Pending.enter_own(table, 3, :health)
       Pending.enter_own(table, 4, :handshake)
+      Pending.enter_own(table, 5, :release)
       assert Pending.answer_id(table, 3, {:ok, "h"}) == :health
       assert Pending.answer_id(table, 4, {:ok, "s"}) == :handshake
+      assert Pending.answer_id(table, 5, {:ok, "r"}) == :release
       assert :ets.info(table, :size) == 0
       refute_received _
+    end
+  end
+
+  describe "Pending.fail/3" do
+    test "answers a caller's call in flight with the error, once", %{table: table} do
+      tag = :erlang.alias()
+      error = VllmBridge.Error.new(:worker, "gone")
+      :ok = Pending.enter(table, 1, tag, self())
+      assert Pending.fail(table, 1, error) == :ok
+      assert_received {^tag, {:error, ^error}}
+
+      # nothing left to answer: no entry, or the worker's own
+      assert Pending.fail(table, 1, error) == :ok
+      Pending.enter_own(table, 2, :health)
+      assert Pending.fail(table, 2, error) == :ok
+      assert :ets.lookup(table, 2) == [{2, :health, nil}]
+      refute_received _
+      :erlang.unalias(tag)
     end
   end
 end

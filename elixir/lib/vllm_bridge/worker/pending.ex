@@ -4,18 +4,15 @@ defmodule VllmBridge.Worker.Pending do
 
   The table is a public ETS set owned by the worker process
   (`VllmBridge.Worker.Server`) and outlives the Python processes of failed
-  starts. Callers that write to the
-  port themselves (through the worker's channel) enter their own calls here;
-  the worker enters the calls that come through it, and its own pings.
+  starts. Callers enter their own calls here before they write them to the
+  port (`VllmBridge.Worker.Call`); the worker enters its own requests.
 
   An entry is `{id, address, caller}`:
 
-    * a caller's alias (a reference) for a call through the channel, with
-      the caller's pid;
-    * a caller's `GenServer.from()` for a call through the worker process,
-      with the caller's pid;
-    * `:health` or `:handshake` for the worker's own health ping or start
-      handshake, with `nil`: nobody waits for their replies.
+    * a caller's alias (a reference), with the caller's pid;
+    * `:health`, `:handshake` or `:release` for the worker's own health
+      ping, start handshake or release of holds, with `nil`: nobody waits for
+      their replies.
 
   The caller's pid lets the worker find and forget the entries of callers
   that died (`sweep/1`).
@@ -26,8 +23,8 @@ defmodule VllmBridge.Worker.Pending do
   @typedoc "A table of pending calls."
   @type t :: :ets.tid()
 
-  @typedoc "Where a reply goes: a caller's alias or `from`, or the worker's own ping."
-  @type address :: reference() | GenServer.from() | :health | :handshake | :release
+  @typedoc "Where a reply goes: a caller's alias, or the worker's own request."
+  @type address :: reference() | :health | :handshake | :release
 
   @doc "A new, empty table, owned by the calling process."
   @spec new() :: t()
@@ -65,16 +62,26 @@ defmodule VllmBridge.Worker.Pending do
         send(tag, {tag, result})
         :answered
 
-      [{_id, own, _caller}] when own in [:health, :handshake, :release] ->
+      [{_id, own, _caller}] ->
         own
-
-      [{_id, from, _caller}] ->
-        GenServer.reply(from, result)
-        :answered
 
       [] ->
         nil
     end
+  end
+
+  @doc """
+  Answers the caller's call `id` with `{:error, error}` and forgets it, if
+  it is still in flight (the worker's own requests are left alone).
+  """
+  @spec fail(t(), pos_integer(), Error.t()) :: :ok
+  def fail(table, id, error) do
+    with [{^id, tag, _caller}] when is_reference(tag) <- :ets.lookup(table, id),
+         1 <- :ets.select_delete(table, [{{id, tag, :_}, [], [true]}]) do
+      send(tag, {tag, {:error, error}})
+    end
+
+    :ok
   end
 
   @doc "Forgets the entry for `id`, if any (also when the table is gone)."
@@ -92,7 +99,6 @@ defmodule VllmBridge.Worker.Pending do
   @spec answer(address(), term()) :: :ok | term()
   def answer(tag, result) when is_reference(tag), do: send(tag, {tag, result})
   def answer(own, _result) when own in [:health, :handshake, :release], do: :ok
-  def answer(from, result), do: GenServer.reply(from, result)
 
   @doc """
   Answers every entry with `{:error, error}` and empties the table. Entries

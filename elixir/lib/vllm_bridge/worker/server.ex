@@ -26,7 +26,11 @@ defmodule VllmBridge.Worker.Server do
 
   This module does what only the process can: it handles the messages
   (calls, the port's data and exit, its own timers), answers callers, logs,
-  publishes its channel in the pool's `Registry` and leaves it, and stops.
+  hands out its channel (the one way in, see "One way in" in
+  `VllmBridge.Worker`), publishes it in the pool's `Registry` whenever it
+  changes and leaves the registry, and stops. Callers enter their calls and
+  write their frames themselves (`VllmBridge.Worker.Call`); no call's
+  request passes through this process.
   """
 
   use GenServer
@@ -79,45 +83,35 @@ defmodule VllmBridge.Worker.Server do
       id = Worker.new_id()
       Pending.enter_own(state.table, id, :handshake)
       OSProcess.write(port, Health.ping_frame(id))
-      publish(state.registry, {:channel, self(), port, state.table, state.reply_spin_us})
-      Startup.spawned(state, port, os_pid, executable)
+      state |> Startup.spawned(port, os_pid, executable) |> publish()
     rescue
       error in [ErlangError, ArgumentError] ->
         start_failed(state, nil, "cannot run #{python}: #{Exception.message(error)}")
     end
   end
 
-  defp publish(nil, _channel), do: :ok
+  # The channel of a worker in `state` (see "One way in" in
+  # VllmBridge.Worker): while a Python process starts or runs, its port; else
+  # the error every call gets.
+  defp channel(%{phase: phase, port: port} = state)
+       when phase in [:starting, :ready] and is_port(port),
+       do: {:channel, self(), port, state.table, state.reply_spin_us}
 
-  defp publish({registry, key}, channel) do
+  defp channel(state),
+    do: {:channel, self(), unavailable(state), state.table, state.reply_spin_us}
+
+  # Stores the channel of `state` as this worker's value in the pool's
+  # Registry (at each change of what it says); returns `state`.
+  defp publish(%{registry: nil} = state), do: state
+
+  defp publish(%{registry: {registry, key}} = state) do
+    channel = channel(state)
     {_new, _old} = Registry.update_value(registry, key, fn _ -> channel end)
-    :ok
+    state
   end
 
   @impl true
-  def handle_call({:request, id, frame}, {caller, _} = from, %{phase: phase} = state)
-      when phase in [:starting, :ready] do
-    case Pending.enter(state.table, id, from, caller) do
-      :ok ->
-        try do
-          OSProcess.write(state.port, frame)
-          {:noreply, state}
-        rescue
-          ArgumentError ->
-            # Port.command also fails on a port that closed because Python exited
-            # (the exit message is still behind this request in the mailbox).
-            Pending.delete(state.table, id)
-            {:reply, {:error, command_error(state)}, state}
-        end
-
-      {:error, _} = error ->
-        {:reply, error, state}
-    end
-  end
-
-  def handle_call({:request, _id, _frame}, _from, state) do
-    {:reply, {:error, unavailable(state)}, state}
-  end
+  def handle_call(:channel, _from, state), do: {:reply, channel(state), state}
 
   def handle_call(:await_started, from, state) do
     case state do
@@ -138,13 +132,8 @@ defmodule VllmBridge.Worker.Server do
     {:reply, ids, %{state | owners: owners}}
   end
 
-  @impl true
-  def handle_cast({:cancel, id}, state) do
-    Pending.delete(state.table, id)
-    {:noreply, state}
-  end
-
   # A caller decoded refs that Python counted as handed to `owner`.
+  @impl true
   def handle_cast({:own, owner, session, ids}, state) do
     owners = Owners.add(state.owners, owner, session, ids, fn -> Process.monitor(owner) end)
     {:noreply, %{state | owners: owners}}
@@ -201,6 +190,19 @@ defmodule VllmBridge.Worker.Server do
     exited(state, :exit, nil)
     fail_pending(state, message, %{reason: reason})
     {:stop, {:shutdown, {:port_closed, reason}}, %{state | port: nil, phase: :gone}}
+  end
+
+  # A caller found `port` closed when it wrote its call `id`
+  # (VllmBridge.Worker.Call). While `port` is this worker's, its exit notice is
+  # still to come, and answers that call with the others.
+  def handle_info({:closed_port, port, _id}, %{port: port} = state), do: {:noreply, state}
+
+  # This worker handled that port's exit before the call was entered (a failed
+  # start: the caller had the channel from before it): nothing else would
+  # answer the call before the next tick or start.
+  def handle_info({:closed_port, _port, id}, state) do
+    Pending.fail(state.table, id, state.last_error || exited_before(state))
+    {:noreply, state}
   end
 
   # The back-off after a failed start is over: start Python again.
@@ -272,14 +274,13 @@ defmodule VllmBridge.Worker.Server do
 
     for from <- state.waiters, do: GenServer.reply(from, {:error, error})
     fail_all(state, error)
-    publish(state.registry, nil)
     Health.cancel(state)
     Process.send_after(self(), {:retry, delay}, delay)
 
-    Startup.failed(state, failure)
+    state |> Startup.failed(failure) |> publish()
   end
 
-  # What a call through this process gets while no Python process serves it.
+  # What a call gets while no Python process serves calls (in the channel).
   defp unavailable(%{phase: :retiring} = state) do
     Error.new(
       :worker,
@@ -289,7 +290,13 @@ defmodule VllmBridge.Worker.Server do
     )
   end
 
-  defp unavailable(state), do: state.last_error
+  defp unavailable(%{last_error: %Error{} = error}), do: error
+
+  defp unavailable(state) do
+    Error.new(:worker, "#{describe(state)} has no Python process to take calls",
+      details: %{pool: state.pool, index: state.index}
+    )
+  end
 
   ## Lifecycle limits ------------------------------------------------------------
 
@@ -414,14 +421,14 @@ defmodule VllmBridge.Worker.Server do
   # (taken one by one: terminate/2 sweeps again, and each caller hears once)
   defp fail_all(state, error), do: Pending.fail_all(state.table, error)
 
-  defp command_error(state) do
-    if Port.info(state.port) == nil do
-      Error.new(:worker, "the Python worker (os pid #{state.os_pid}) has exited",
-        details: %{pool: state.pool, index: state.index, os_pid: state.os_pid}
-      )
-    else
-      Error.new(:bad_args, "request frame is not iodata")
-    end
+  # What a call written to a Python process that had exited gets, when no
+  # failed start says why.
+  defp exited_before(state) do
+    Error.new(
+      :worker,
+      "#{describe(state)}: the Python process the call was written to had exited",
+      details: %{pool: state.pool, index: state.index}
+    )
   end
 
   defp describe(state), do: Output.describe(state)
