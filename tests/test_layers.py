@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bridge_py" / "distributed"
 
 # Lowest first. Each entry is a folder or a module of bridge_py/distributed.
 LAYERS: list[set[str]] = [
-    {"auth", "errors", "tensor_codec", "vllm_pickle"},
+    {"auth", "errors", "vllm_pickle"},
     {"shm", "store"},
     {"spg"},
     {"groups"},

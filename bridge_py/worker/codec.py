@@ -1,9 +1,10 @@
 """Values across the bridge: msgpack with four extension types.
 
-The layout of every type is in ``docs/protocol.md``; this module is its Python half.
-Decoding never unpickles anything: the only things that can come out of a payload are
-plain values, tensors, tuples, :class:`Atom` s and objects the worker already holds
-(refs, resolved through a :class:`RefResolver`).
+The layout of every type is in ``docs/protocol.md``; this module is its Python half. A
+tensor (extension 1) is the payload of the one tensor codec (``bridge_py.tensor_codec``),
+of the dtypes Elixir speaks (its ``BRIDGE``). Decoding never unpickles anything: the only
+things that can come out of a payload are plain values, tensors, tuples, :class:`Atom` s
+and objects the worker already holds (refs, resolved through a :class:`RefResolver`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import warnings
 from typing import Any, Protocol
 
 import msgpack
 import torch
 
+from bridge_py import tensor_codec
+from bridge_py.tensor_codec import BRIDGE, header_size, joined
 from bridge_py.worker.ext_scan import Edit, find_large_exts, first_large_ext_payload, splice
 
 EXT_TENSOR = 1
@@ -25,7 +27,6 @@ EXT_ATOM = 3
 EXT_TUPLE = 4
 
 _INT64_MIN = -(2**63)
-_MAX_TENSOR_EXTENT = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 
 
@@ -59,41 +60,22 @@ class RefResolver(Protocol):
         """Hold ``obj`` under a new handle; return the handle and its class name."""
 
 
-# (kind, bits) <-> torch dtype. ``kind`` is the ASCII byte on the wire.
-_DTYPES: dict[tuple[str, int], torch.dtype] = {
-    ("f", 16): torch.float16,
-    ("b", 16): torch.bfloat16,
-    ("f", 32): torch.float32,
-    ("f", 64): torch.float64,
-    ("c", 64): torch.complex64,
-    ("c", 128): torch.complex128,
-    ("s", 8): torch.int8,
-    ("s", 16): torch.int16,
-    ("s", 32): torch.int32,
-    ("s", 64): torch.int64,
-    ("u", 8): torch.uint8,
-    ("u", 16): torch.uint16,
-    ("u", 32): torch.uint32,
-    ("u", 64): torch.uint64,
-    ("p", 8): torch.bool,
-}
-_KINDS: dict[torch.dtype, tuple[str, int]] = {dtype: kb for kb, dtype in _DTYPES.items()}
-
-
 def dtype_to_wire(dtype: torch.dtype) -> tuple[str, int]:
     """The ``(kind, bits)`` pair of a torch dtype, e.g. ``torch.float32 -> ("f", 32)``."""
-    try:
-        return _KINDS[dtype]
-    except KeyError:
-        raise CodecError(f"tensors of dtype {dtype} cannot cross the bridge") from None
+    code = BRIDGE.codes.get(dtype)
+    if code is None:
+        raise CodecError(f"tensors of dtype {dtype} {BRIDGE.refusal}")
+    return chr(code[0]), code[1]
 
 
 def dtype_from_wire(kind: str, bits: int) -> torch.dtype:
     """The torch dtype of a ``(kind, bits)`` pair, e.g. ``("b", 16) -> torch.bfloat16``."""
-    try:
-        return _DTYPES[(kind, bits)]
-    except KeyError:
-        raise CodecError(f"unknown tensor type {kind!r}{bits}") from None
+    found = (
+        BRIDGE.by_code.get(ord(kind) << 8 | bits) if len(kind) == 1 and 0 <= bits < 256 else None
+    )
+    if found is None:
+        raise CodecError(f"unknown tensor type {kind!r}{bits}")
+    return found[0]
 
 
 # Nx's names of the wire kinds, for dtypes written as Elixir tuples like {:f, 32}.
@@ -130,107 +112,25 @@ def dtype_from_term(value: Any) -> torch.dtype:
 
 
 def tensor_pieces(tensor: torch.Tensor) -> tuple[bytes, memoryview | None]:
-    """The ext-1 payload of a tensor in two pieces, without copying its elements.
-
-    The header (type and shape), and a byte view of the elements, little-endian and
-    row-major (None when there are none). The view keeps the tensor alive; a tensor
-    not on the CPU or not contiguous is copied first.
-    """
-    kind, bits = dtype_to_wire(tensor.dtype)
-    # (each torch call here costs a few hundred ns: only those a tensor needs are made)
-    t = tensor.detach() if tensor.requires_grad else tensor
-    if not t.is_cpu:
-        t = t.cpu()
-    t = t.contiguous()
-    ndim = t.dim()
-    header = _tensor_header(ndim).pack(kind.encode(), bits, ndim, *t.shape)
-    if t.numel() == 0:
-        return header, None
-    # torch is little-endian on every platform it supports.
-    flat = t if ndim == 1 else t.reshape(-1)
-    elements: Any = flat.view(torch.uint8).numpy()  # numpy's stubs: no Buffer
-    return header, memoryview(elements).cast("B")
-
-
-# The header of a tensor payload, per number of dimensions (made once each).
-_TENSOR_HEADERS: dict[int, struct.Struct] = {}
-
-
-def _tensor_header(ndim: int) -> struct.Struct:
-    header = _TENSOR_HEADERS.get(ndim)
-    if header is None:
-        header = _TENSOR_HEADERS[ndim] = struct.Struct(f">cBB{ndim}Q")
-    return header
+    """The ext-1 payload of a tensor in two pieces, without copying its elements: the
+    header, and a byte view of the elements (None when there are none); see
+    ``bridge_py.tensor_codec.pieces``, whose refusals are CodecErrors here."""
+    try:
+        return tensor_codec.pieces(tensor, BRIDGE)
+    except TypeError as exc:
+        raise CodecError(str(exc)) from None
 
 
 def encode_tensor(tensor: torch.Tensor) -> bytes:
     """The ext-1 payload of a tensor: header, then its elements little-endian, row-major."""
-    return _joined(*tensor_pieces(tensor))
-
-
-def _joined(header: bytes, data: memoryview | None) -> bytes:
-    """The payload that :func:`tensor_pieces` gave in pieces, in one."""
-    return header if data is None else b"".join((header, data))
+    return joined(*tensor_pieces(tensor))
 
 
 def decode_tensor(payload: bytes | memoryview, *, share: bool = False) -> torch.Tensor:
-    """A CPU tensor from an ext-1 payload.
-
-    With ``share``, a view of ``payload``'s memory when that memory is writable and the
-    elements start on an address aligned for their type (a large argument decoded
-    straight from the frame it came in: the tensor keeps the frame's memory alive, and
-    nothing else writes it). Otherwise a copy in memory of its own, aligned and writable
-    (a misaligned complex128 view crashes, and ``bytes`` must not be written).
-    """
-    if len(payload) < 3:
-        raise CodecError("tensor payload shorter than its header")
-    kind, bits, ndim = chr(payload[0]), payload[1], payload[2]
-    dtype = dtype_from_wire(kind, bits)
-    end = _tensor_header_bytes(ndim)
-    if len(payload) < end:
-        raise CodecError("tensor payload shorter than its shape")
-    shape = struct.unpack_from(f">{ndim}Q", payload, 3)
-    numel = 1
-    extent = 1  # what torch's strides must hold: the product of the dims that are not 0
-    for d in shape:
-        numel *= d
-        extent *= d or 1
-    if extent > _MAX_TENSOR_EXTENT:
-        raise CodecError(
-            f"tensor shape {tuple(shape)} is too large: torch's sizes and strides are signed "
-            "64-bit (the product of the dimensions that are not 0 must be below 2^63)"
-        )
-    expected = numel * (bits // 8)
-    if len(payload) - end != expected:
-        raise CodecError(
-            f"tensor of shape {tuple(shape)} and type {kind}{bits} needs {expected} bytes "
-            f"of data, got {len(payload) - end}"
-        )
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    if expected < _COPY_IN_PARALLEL_FROM:
-        # A small tensor: a copy in a bytearray of its own (writable, so frombuffer does
-        # not warn; CPython aligns it for every dtype, which is checked all the same).
-        copy = torch.frombuffer(bytearray(memoryview(payload)[end : end + expected]), dtype=dtype)
-        if copy.data_ptr() % dtype.itemsize == 0:
-            return copy.view(shape)
-    if share and type(payload) is memoryview and not payload.readonly:
-        src = torch.frombuffer(payload, dtype=torch.uint8, offset=end, count=expected)
-        if src.data_ptr() % dtype.itemsize == 0:
-            return src.view(dtype).view(shape)
-    else:
-        with warnings.catch_warnings():
-            # frombuffer warns that bytes are read-only; we only read from it.
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(payload, dtype=torch.uint8, offset=end, count=expected)
-    out = torch.empty(shape, dtype=dtype)
-    out.reshape(-1).view(torch.uint8).copy_(src)  # torch copies in parallel
-    return out
-
-
-# From this many bytes of elements, a decoded tensor is copied by torch (in parallel: a
-# third faster at 1 MiB on two cores) or shared; below it, a bytearray copy costs less.
-_COPY_IN_PARALLEL_FROM = 1 << 18
+    """A CPU tensor from an ext-1 payload (``bridge_py.tensor_codec.decode``): with
+    ``share``, a view of ``payload``'s memory where it can be, else a copy of its own;
+    CodecError for a payload that does not add up."""
+    return tensor_codec.decode(payload, share=share, dtypes=BRIDGE, error=CodecError)
 
 
 def tensor_data_at(prefix: bytes | memoryview, size: int) -> int:
@@ -242,12 +142,7 @@ def tensor_data_at(prefix: bytes | memoryview, size: int) -> int:
     at = first_large_ext_payload(prefix, size, EXT_TENSOR, _CUT_FROM)
     if not at or at + 3 > len(prefix):
         return 0
-    return at + _tensor_header_bytes(prefix[at + 2])
-
-
-def _tensor_header_bytes(ndim: int) -> int:
-    """The bytes of an ext-1 payload before its elements: type, bits, ndim, the dims."""
-    return 3 + 8 * ndim
+    return at + header_size(prefix[at + 2])
 
 
 class Codec:
@@ -311,7 +206,7 @@ class Codec:
             return self.encode(value)  # (the type test first: isinstance on Tensor is slow)
         header, data = tensor_pieces(value)
         if data is None or len(header) + len(data) < _PIECES_FROM:  # small: in one piece
-            return self.encode(msgpack.ExtType(EXT_TENSOR, _joined(header, data)))
+            return self.encode(msgpack.ExtType(EXT_TENSOR, joined(header, data)))
         return [struct.pack(">BIb", 0xC9, len(header) + len(data), EXT_TENSOR) + header, data]
 
     def _packer(self) -> msgpack.Packer:

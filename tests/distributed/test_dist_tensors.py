@@ -26,7 +26,7 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 
 from bridge_py import deadline
-from bridge_py.distributed import StatelessProcessGroup, auth, tensor_codec
+from bridge_py.distributed import StatelessProcessGroup, auth
 from bridge_py.distributed.auth import AuthenticationError
 from bridge_py.distributed.errors import (
     CollectiveMismatchError,
@@ -34,7 +34,7 @@ from bridge_py.distributed.errors import (
     PeerGoneError,
     StateError,
 )
-from bridge_py.distributed.spg import keys, values
+from bridge_py.distributed.spg import keys, tensors, values
 from bridge_py.distributed.spg import p2p as spg_p2p
 from tests.distributed.harness import (
     TRANSPORTS,
@@ -314,8 +314,9 @@ def test_a_tensor_travels_as_dtype_shape_and_bytes_not_as_a_pickle(pair) -> None
     sent = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     rank1.send(sent, dst=0)
     stored = _take(rank0.store, 1, 0)
-    layout = b"\x08bfloat16\x02" + (2).to_bytes(8, "big") + (3).to_bytes(8, "big")
-    assert stored == tensor_codec.MAGIC + layout + sent.view(torch.int16).numpy().tobytes()
+    # the tag, then msgpack extension 1's payload: kind, bits, ndim, the dims, the elements
+    layout = b"b\x10\x02" + (2).to_bytes(8, "big") + (3).to_bytes(8, "big")
+    assert stored == b"\x00VBT2" + layout + sent.view(torch.int16).numpy().tobytes()
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads(stored)
     _put(rank0.store, 1, 0, 0, stored)
@@ -339,22 +340,28 @@ def test_payloads_round_trip_and_those_that_do_not_add_up_are_refused() -> None:
         torch.tensor([True, False]),
         torch.arange(12, dtype=torch.float16).reshape(3, 4)[:, ::2],  # a strided view
     ):
-        got = tensor_codec.decode(tensor_codec.encode(tensor), tensor, "v")
+        got = tensors.decode(tensors.encode(tensor), tensor, "v")
         assert got.dtype == tensor.dtype and torch.equal(got, tensor.resolve_conj())
-    good = tensor_codec.encode(torch.zeros(2, 3))
-    name_at = len(tensor_codec.MAGIC) + 1
-    absurd = tensor_codec.encode(torch.zeros(2)).replace(
+    fp8 = torch.arange(4.0).to(torch.float8_e4m3fn)  # a dtype that travels between ranks only
+    assert torch.equal(tensors.decode(tensors.encode(fp8), None, "v").float(), fp8.float())
+    good = tensors.encode(torch.zeros(2, 3))
+    kind_at = len(tensors.MAGIC)
+    absurd = tensors.encode(torch.zeros(2)).replace(
         (2).to_bytes(8, "big"), (1 << 63).to_bytes(8, "big")
     )
     for payload in (
         good[:-1],  # a byte short
         good + b"\x00",  # a byte long
-        good[: name_at + 3],  # the header cut
-        good[:name_at] + b"floatXX" + good[name_at + 7 :],  # an unknown dtype
+        good[: kind_at + 2],  # the header cut
+        good[: kind_at + 3 + 8],  # the shape cut
+        good[:kind_at] + b"z" + good[kind_at + 1 :],  # an unknown dtype
         absurd,  # a shape beyond torch's sizes
     ):
-        with pytest.raises(CollectiveMismatchError, match=r"^v is"):
-            tensor_codec.decode(payload, None, "v")
+        with pytest.raises(CollectiveMismatchError, match=r"^v is a malformed tensor: "):
+            tensors.decode(payload, None, "v")
+    for payload in (b"", b"\x00VBT1\x07float32\x00" + bytes(4)):  # empty; the old layout
+        with pytest.raises(CollectiveMismatchError, match=r"^refused v: a tensor was expected"):
+            tensors.decode(payload, None, "v")
 
 
 def test_a_pickle_where_a_tensor_is_expected_is_never_unpickled(pair, tmp_path: Path) -> None:
@@ -381,7 +388,7 @@ def test_tensors_forged_without_the_key_are_refused(pair) -> None:
     rank0.auth_key = rank1.auth_key = KEY
     rank1.send(torch.ones(2), dst=0)
     assert _take(rank0.store, 1, 0).startswith(auth.MAGIC)
-    forged = tensor_codec.encode(torch.full((2,), 7.0))
+    forged = tensors.encode(torch.full((2,), 7.0))
     attempts = {
         "no tag": forged,
         "wrong key": auth.sign(OTHER_KEY, "spg/" + keys.p2p_value(1, 0, 1), forged),

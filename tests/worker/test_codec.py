@@ -41,14 +41,16 @@ def test_non_contiguous_tensors_are_sent_contiguous() -> None:
         lambda: torch.arange(12.0).reshape(3, 4).t(),  # two, transposed
         lambda: torch.tensor(2.5),  # none
         lambda: torch.nn.Parameter(torch.ones(2, 2)),  # a subclass
+        lambda: torch.randn(3, dtype=torch.complex64).conj(),  # a conjugate bit
+        lambda: torch._neg_view(torch.arange(4.0)),  # a negative bit
     ],
-    ids=["leaf-grad", "graph", "strided", "transposed", "0-d", "parameter"],
+    ids=["leaf-grad", "graph", "strided", "transposed", "0-d", "parameter", "conj", "neg"],
 )
 def test_a_tensor_is_sent_as_its_plain_contiguous_copy_would_be(
     make: Callable[[], torch.Tensor],
 ) -> None:
     t = make()
-    plain = t.detach().clone().contiguous()
+    plain = t.detach().resolve_conj().resolve_neg().clone().contiguous()
     assert PLAIN.encode(t) == PLAIN.encode(plain)
     assert PLAIN.encode_pieces(t) == PLAIN.encode_pieces(plain) == PLAIN.encode(plain)
     assert torch.equal(PLAIN.decode(PLAIN.encode(t)), plain)

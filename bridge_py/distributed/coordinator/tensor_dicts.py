@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from bridge_py.distributed.device_communicators.wire_dtypes import for_transport
 from bridge_py.distributed.groups.work import PendingWork, finish, refuse_if_unusable
-from bridge_py.distributed.tensor_codec import non_dense
+from bridge_py.tensor_codec import non_dense
 
 __all__ = ["TensorMetadata", "TensorWire", "own_slice", "split_tensor_dict", "use_all_gather"]
 

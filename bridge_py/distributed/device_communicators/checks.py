@@ -29,7 +29,7 @@ from bridge_py.distributed.device_communicators.agreement import (
 )
 from bridge_py.distributed.device_communicators.wire_dtypes import reducible
 from bridge_py.distributed.groups.work import finish
-from bridge_py.distributed.tensor_codec import non_dense, overlapping
+from bridge_py.tensor_codec import non_dense, overlapping
 
 __all__ = ["CommunicatorChecks"]
 

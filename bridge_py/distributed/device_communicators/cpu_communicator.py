@@ -31,7 +31,7 @@ from bridge_py.distributed.device_communicators.base_device_communicator import 
 )
 from bridge_py.distributed.device_communicators.shm_collectives import ShmCollectives
 from bridge_py.distributed.device_communicators.wire_dtypes import for_reduction
-from bridge_py.distributed.tensor_codec import plain
+from bridge_py.tensor_codec import plain
 
 __all__ = ["CpuCommunicator"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from bridge_py.distributed.tensor_codec import plain
+from bridge_py.tensor_codec import plain
 
 __all__ = ["for_reduction", "for_transport", "reducible", "supported_reduction"]
 

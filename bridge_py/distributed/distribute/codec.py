@@ -8,8 +8,9 @@ shared-memory segment or a workspace file).
   ``torch.save`` writes for it, read back with ``torch.load(weights_only=True)``, which
   rebuilds exactly those types and executes no pickled code. It is checked before it is
   saved, so that the rank whose config is not plain data is the one that fails.
-* A tensor is the payload of the one tensor codec (``bridge_py.distributed.tensor_codec``, as
-  between the ranks of a StatelessProcessGroup): its dtype, shape and raw bytes.
+* A tensor is the tagged payload of the one tensor codec (``bridge_py.tensor_codec``, as
+  between the ranks of a StatelessProcessGroup: ``spg.tensors``): its dtype, shape and raw
+  bytes.
 
 Bytes that are not what they should be (say, a segment that another process wrote) are a
 :class:`~bridge_py.distributed.errors.CollectiveMismatchError` naming the value; nothing in
@@ -30,8 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bridge_py.distributed import tensor_codec
 from bridge_py.distributed.errors import CollectiveMismatchError
+from bridge_py.distributed.spg import tensors
 
 __all__ = ["CONFIGS", "TENSORS", "GatherCodec", "load_saved"]
 
@@ -150,4 +151,4 @@ def _config_from_bytes(view: memoryview, what: str) -> Any:
 #: A config (``None`` or plain data): its torch.save file.
 CONFIGS = GatherCodec(_config_to_bytes, _config_from_bytes)
 #: A tensor: the tensor codec's payload (read into a new CPU tensor).
-TENSORS = GatherCodec(tensor_codec.parts, lambda view, what: tensor_codec.decode(view, None, what))
+TENSORS = GatherCodec(tensors.parts, lambda view, what: tensors.decode(view, None, what))

@@ -52,8 +52,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp, Store
 
-from bridge_py import deadline
-from bridge_py.distributed import tensor_codec
+from bridge_py import deadline, tensor_codec
 from bridge_py.distributed.auth import AuthenticationError, AuthKey, resolve_key
 from bridge_py.distributed.errors import (
     BarrierFailure,

@@ -1,6 +1,6 @@
 """Large values of a StatelessProcessGroup through shared memory, when all ranks share a node.
 
-A value whose pickle (or a tensor's payload, see ``tensor_codec``: never pickled) exceeds
+A value whose pickle (or a tensor's payload, see ``tensors``: never pickled) exceeds
 :data:`THRESHOLD` bytes (256 KiB; ``$VLLM_BRIDGE_SPG_SHM_THRESHOLD`` overrides it) is written
 straight into a file under ``/dev/shm`` (a *segment*, see ``shm.segments``: reused once its
 readers are done), and only a small *descriptor* goes into the store::
@@ -52,8 +52,6 @@ from bridge_py.distributed.shm import segments
 from bridge_py.distributed.shm.segments import SHM_DIR, Segment, SegmentOwner
 from bridge_py.distributed.shm.wait import pid_namespace
 from bridge_py.distributed.spg import tensors
-from bridge_py.distributed.tensor_codec import MAGIC, is_tensor
-from bridge_py.distributed.tensor_codec import decode as decode_tensor
 
 __all__ = [
     "DESCRIPTOR_MAGIC",
@@ -252,7 +250,7 @@ class SharedValue:
     def load(self, like: torch.Tensor | None = None) -> Any:
         """The object in the segment (its digest checked first, when there is one); closes it.
 
-        ``like``: a tensor is expected, of its dtype and shape (see ``tensor_codec.decode``).
+        ``like``: a tensor is expected, of its dtype and shape (see ``tensors.decode``).
         A pooled segment is marked as read by this rank, even when loading fails (it is
         done with it either way).
         """
@@ -290,7 +288,7 @@ class SharedValue:
             return decode(data, like, self._what)
 
     def _holds_tensor(self) -> bool:
-        return is_tensor(os.pread(self._fd, len(MAGIC), self._offset))
+        return tensors.is_tensor(os.pread(self._fd, len(tensors.MAGIC), self._offset))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -440,9 +438,9 @@ class Values:
 def decode(payload: bytes | bytearray | memoryview, like: torch.Tensor | None, what: str) -> Any:
     """The object in a checked payload: a tensor (which must fit ``like``, if given), or,
     where no tensor is expected (``like`` None), a pickle."""
-    if like is None and not is_tensor(payload):
+    if like is None and not tensors.is_tensor(payload):
         return load_object(payload, what)
-    return decode_tensor(payload, like, what)
+    return tensors.decode(payload, like, what)
 
 
 def _context(name: str) -> str:
