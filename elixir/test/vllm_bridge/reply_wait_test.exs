@@ -6,7 +6,9 @@ defmodule VllmBridge.ReplyWaitTest do
   # in VllmBridge.Worker), seen from the outside: a spinning caller is
   # scheduled out once per look (it yields between looks), a sleeping one once
   # for the whole wait. Counted with the VM's `:running` trace, not timed.
-  use ExUnit.Case, async: true
+  # Not async: a look ends early while other tests hold the CPUs (the look
+  # gate), so on a loaded test VM even five tries could all end early.
+  use ExUnit.Case, async: false
 
   import VllmBridge.PoolHelpers
   import VllmBridge.FaultHelpers, only: [kill9: 1, pending: 1]
