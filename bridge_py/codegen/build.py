@@ -210,22 +210,8 @@ def _class_module(entry: ExportedClass, exported: dict[type, str]) -> Module:
                 origin=fn,
             )
         )
-    for name in entry.methods:
-        fn = getattr(cls, name)
-        params, hints = _params(fn, exported, drop_first=True)
-        module.functions.append(
-            Function(
-                name=name,
-                kind="method",
-                target=name,
-                params=params,
-                returns=_returns(hints, exported),
-                python_doc=python_doc(fn),
-                fallback=f"The method `{name}` of a `{entry.name}`.",
-                origin=fn,
-            )
-        )
-    for alias, name in entry.elixir_aliases:
+    # each method under its own name, then the Elixir names that call another method
+    for alias, name in [(m, m) for m in entry.methods] + list(entry.elixir_aliases):
         fn = getattr(cls, name)
         params, hints = _params(fn, exported, drop_first=True)
         module.functions.append(
